@@ -1,0 +1,362 @@
+"""One frozen job configuration, validated once.
+
+Every field carries a docstring (the string under it); the CLI turns those into `--help` text and
+docs/flags.md is generated from them, so the help, the docs and the code cannot drift apart.
+Field names map to flags one-to-one: `host_kv_cache_size` <-> `--host-kv-cache-size`.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import inspect
+from dataclasses import dataclass, field, fields
+
+KV_DTYPE_ALIASES = {
+    "auto": "auto",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float16": "float16", "fp16": "float16", "half": "float16",
+    "fp8_e4m3fn": "fp8_e4m3fn", "fp8": "fp8_e4m3fn", "float8_e4m3fn": "fp8_e4m3fn",
+    "fp8_e4m3": "fp8_e4m3fn",
+}
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+GPU_ARCH_CHOICES = ("auto", "hopper", "ampere", "cpu")
+REASONING_FIELD_CHOICES = ("reasoning_content", "reasoning", "both")
+
+
+class ConfigError(ValueError):
+    """A flag has a value we refuse; the message names the flag, the value and what is allowed."""
+
+    def __init__(self, name: str, value: object, allowed: str):
+        self.flag = "--" + name.replace("_", "-")
+        super().__init__(f"{self.flag}={value!r} is not allowed: {allowed}")
+
+
+def canonical_kv_dtype(value: str) -> str:
+    key = value.strip().lower()
+    if key not in KV_DTYPE_ALIASES:
+        raise ConfigError("kv_dtype", value, "choose one of " + ", ".join(KV_DTYPE_ALIASES))
+    return KV_DTYPE_ALIASES[key]
+
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """Attribute docstrings of a dataclass: the string literal right under each field."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, nxt in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)):
+            docs[node.target.id] = inspect.cleandoc(nxt.value.value)
+    return docs
+
+
+def _require(ok: bool, name: str, value: object, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(name, value, allowed)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str | None = None
+    """Model name (org/name, looked up under --cache-dir and the HF cache) or a local folder or
+    .gguf file. Default: the embedded SmolLM2-135M-Instruct."""
+    cache_dir: str | None = None
+    """Folder holding downloaded weights: a model folder itself, or an HF hub cache
+    (models--org--name/snapshots/REV/). Nothing is ever downloaded."""
+    converted_ckpt_dir: str | None = None
+    """Folder written by `batchgen convert` (or the embedded model's conversion cache); loading
+    from it skips conversion. Refused if converted for another world size or dtype."""
+    dtype: str = "auto"
+    """Weight and activation dtype: auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16,
+    float16."""
+    kv_dtype: str = "auto"
+    """KV cache dtype: auto (= model dtype), bfloat16|bf16, float16|fp16, fp8_e4m3fn|fp8
+    (8-bit KV with a scale per token and head: ~2x more KV, ~3% relative error per value)."""
+    pre_dequantize_weights: bool = False
+    """Dequantize MXFP4 routed experts to bf16 at load time (more memory, less compute)."""
+    enable_ep_with_offloading: bool = False
+    """Expert parallelism with a share of each rank's routed experts kept in host memory."""
+    ep_offloading_ratio: float = 0.0
+    """Share (0-1) of each rank's routed experts living in pinned host memory, streamed in per
+    layer. Needs --enable-ep-with-offloading when > 0."""
+
+    def validate(self) -> None:
+        _require(self.dtype in DTYPE_CHOICES, "dtype", self.dtype, "one of " + ", ".join(DTYPE_CHOICES))
+        _require(self.kv_dtype in set(KV_DTYPE_ALIASES.values()), "kv_dtype", self.kv_dtype,
+                 "one of " + ", ".join(KV_DTYPE_ALIASES))
+        _require(0.0 <= self.ep_offloading_ratio <= 1.0, "ep_offloading_ratio",
+                 self.ep_offloading_ratio, "a ratio in [0, 1]")
+        _require(self.ep_offloading_ratio == 0.0 or self.enable_ep_with_offloading,
+                 "ep_offloading_ratio", self.ep_offloading_ratio,
+                 "values > 0 need --enable-ep-with-offloading")
+
+
+@dataclass(frozen=True)
+class MemoryConfig:
+    host_kv_cache_size: float | None = None
+    """Host KV pool in GB. Default: min(host_mem*0.9 - model_size, /dev/shm free)."""
+    gpu_memory_frac: float = 0.9
+    """Fraction (0-1] of device memory for weights + KV; the KV pool gets
+    device_memory*frac - model_size."""
+    gpu_kv_cache_size: float | None = None
+    """Device KV pool in GB, overriding --gpu-memory-frac (on CPU it sizes the "device" pool)."""
+    gpu_arch: str = "auto"
+    """Device architecture hint: auto, hopper, ampere, cpu."""
+    enable_hugetlbfs: bool = False
+    """Back the host pool with hugetlbfs pages (needs root and reserved huge pages)."""
+    fast_init: bool = False
+    """Back the host pool with memfd_create + transparent huge pages (faster pinning)."""
+
+    def validate(self) -> None:
+        _require(self.host_kv_cache_size is None or self.host_kv_cache_size > 0,
+                 "host_kv_cache_size", self.host_kv_cache_size, "a size in GB > 0")
+        _require(0.0 < self.gpu_memory_frac <= 1.0, "gpu_memory_frac", self.gpu_memory_frac,
+                 "a fraction in (0, 1]")
+        _require(self.gpu_kv_cache_size is None or self.gpu_kv_cache_size > 0,
+                 "gpu_kv_cache_size", self.gpu_kv_cache_size, "a size in GB > 0")
+        _require(self.gpu_arch in GPU_ARCH_CHOICES, "gpu_arch", self.gpu_arch,
+                 "one of " + ", ".join(GPU_ARCH_CHOICES))
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    initial_gpu_page_buffer: int = 32
+    """Device pages (64 tokens each) reserved beyond the context when a sequence is loaded."""
+    extension_gpu_page_buffer: int = 4
+    """Device pages added when a decoding sequence reaches its last page."""
+    decision_frequency_pages: int = 2
+    """Re-decide (load, unload, admit, evict) every this many pages of decode; must be
+    <= --extension-gpu-page-buffer."""
+    host_kv_watermark: float = 70.0
+    """Below this host-pool usage (%), admitting new sequences wins over decode."""
+    enable_decode_preemption: bool = True
+    """Decode may be unloaded for prefill (always on; kept for compatibility)."""
+    host_kv_chunk_size: int = 8192
+    """Tokens of host pages a sequence reserves at prefill (at least its prompt); it grows by
+    chunks up to prompt + max_tokens."""
+    enable_host_kv_eviction: bool = False
+    """Deprecated and ignored: eviction is always on."""
+    host_kv_eviction_watermark: float = 10.0
+    """Evict (fewest decoded tokens first) when free host pages drop below this %."""
+    adaptive_chunk: bool = True
+    """Size the chunk from an EMA of finished decode lengths (--no-adaptive-chunk: static)."""
+    adaptive_chunk_min: int = 1024
+    """Lower clamp of the adaptive chunk, in tokens."""
+    adaptive_chunk_max: int = 65536
+    """Upper clamp of the adaptive chunk, in tokens."""
+    adaptive_chunk_ema_alpha: float = 0.1
+    """EMA smoothing factor in (0, 1]."""
+    adaptive_chunk_multiplier: float = 1.5
+    """Safety multiplier on the EMA estimate."""
+    enable_prepack: bool = True
+    """Pack many prompts into one varlen prefill batch (always on)."""
+    max_prefill_tokens: int = 8192
+    """Token budget of one packed prefill step; longer prompts are prefilled in chunks."""
+    max_decode_batch: int = 256
+    """Most sequences decoded together in one step."""
+    max_pool_size: int = 10240
+    """Most live (admitted, unfinished) sequences."""
+    max_intake_capacity: int = 1_000_000
+    """Most requests read ahead of the scheduler (bounds memory on huge inputs)."""
+
+    def validate(self) -> None:
+        positive = ("initial_gpu_page_buffer", "extension_gpu_page_buffer",
+                    "decision_frequency_pages", "host_kv_chunk_size", "adaptive_chunk_min",
+                    "adaptive_chunk_max", "max_prefill_tokens", "max_decode_batch",
+                    "max_pool_size", "max_intake_capacity")
+        for name in positive:
+            value = getattr(self, name)
+            _require(isinstance(value, int) and value >= 1, name, value, "an integer >= 1")
+        if self.decision_frequency_pages > self.extension_gpu_page_buffer:
+            raise ConfigError(
+                "decision_frequency_pages", self.decision_frequency_pages,
+                f"must be <= --extension-gpu-page-buffer ({self.extension_gpu_page_buffer}), "
+                "or a sequence could outgrow its device pages between two decisions")
+        for name in ("host_kv_watermark", "host_kv_eviction_watermark"):
+            value = getattr(self, name)
+            _require(0.0 <= value <= 100.0, name, value, "a percentage in [0, 100]")
+        _require(self.adaptive_chunk_min <= self.adaptive_chunk_max, "adaptive_chunk_min",
+                 self.adaptive_chunk_min, f"must be <= --adaptive-chunk-max ({self.adaptive_chunk_max})")
+        _require(0.0 < self.adaptive_chunk_ema_alpha <= 1.0, "adaptive_chunk_ema_alpha",
+                 self.adaptive_chunk_ema_alpha, "a factor in (0, 1]")
+        _require(self.adaptive_chunk_multiplier > 0, "adaptive_chunk_multiplier",
+                 self.adaptive_chunk_multiplier, "a multiplier > 0")
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    device: str = "auto"
+    """Where the model runs: auto (cuda if present), cuda, cuda:N, cpu."""
+    enable_cuda_graph: bool = False
+    """Capture decode in CUDA graphs (the default on CUDA; alias --enable-cuda-graphs)."""
+    disable_cuda_graphs: bool = False
+    """Run decode eagerly. Mutually exclusive with --enable-cuda-graph."""
+    cuda_graph_max_bucket_size: int = 128
+    """Largest decode batch captured in a graph; bigger batches run eagerly."""
+    cuda_graph_num_buckets: int = 16
+    """Number of captured batch sizes between 1 and the max bucket."""
+    seed: int = 0
+    """Job-level seed: requests without a seed get one derived from it and their custom_id."""
+
+    def validate(self) -> None:
+        if self.enable_cuda_graph and self.disable_cuda_graphs:
+            raise ConfigError("disable_cuda_graphs", True,
+                              "--enable-cuda-graph and --disable-cuda-graphs are mutually exclusive")
+        _require(self.cuda_graph_max_bucket_size >= 1, "cuda_graph_max_bucket_size",
+                 self.cuda_graph_max_bucket_size, "an integer >= 1")
+        _require(self.cuda_graph_num_buckets >= 1, "cuda_graph_num_buckets",
+                 self.cuda_graph_num_buckets, "an integer >= 1")
+        _require(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
+                 "device", self.device, "auto, cpu, cuda or cuda:N")
+
+    @property
+    def use_cuda_graphs(self) -> bool:
+        return not self.disable_cuda_graphs
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What the engine needs: model, memory, scheduler and runtime settings."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+
+    def validate(self) -> "EngineConfig":
+        for part in (self.model, self.memory, self.scheduler, self.runtime):
+            part.validate()
+        return self
+
+
+def sub_configs(cls: type) -> list[tuple[str, type]]:
+    """(attribute, dataclass) pairs of a composite config, in declaration order."""
+    return [(f.name, f.default_factory) for f in fields(cls)]  # type: ignore[misc]
+
+
+@dataclass(frozen=True)
+class StorageConfig:
+    input: str = ""
+    """Requests file: JSONL (OpenAI batch lines or plain lines) or Parquet."""
+    output: str | None = None
+    """Final results in input order (default {storage}/outputs/{batch_id}.jsonl); errors go to
+    <stem>.errors.jsonl beside it."""
+    storage_path: str = "batchgen/storage/"
+    """Job folder: uploads/, batches/, incremental/, outputs/."""
+    batch_id: str | None = None
+    """Job identity (default: derived from the input's sha256, so re-running resumes)."""
+    save_result: bool = False
+    """Also keep {storage}/outputs/{batch_id}.jsonl when --output points elsewhere."""
+    incremental_output_dir: str | None = None
+    """Folder of the incremental (fsynced, completion-order) results; default {storage}/incremental/."""
+    no_incremental_save: bool = False
+    """Do not write incremental results (a crash then loses all unfinished work)."""
+
+    def validate(self) -> None:
+        _require(bool(self.input), "input", self.input, "a path to a .jsonl or .parquet file")
+        if self.batch_id is not None:
+            ok = self.batch_id.replace("-", "").replace("_", "").isalnum() and len(self.batch_id) <= 128
+            _require(ok, "batch_id", self.batch_id, "letters, digits, '-' and '_' (at most 128)")
+
+
+@dataclass(frozen=True)
+class OutputConfig:
+    parse_thinking: bool = False
+    """Move reasoning (<think>...</think>, harmony analysis) into message.reasoning_content."""
+    parse_tool_call: bool = False
+    """Parse tool calls into message.tool_calls (finish_reason tool_calls)."""
+    tool_call_parser: str = "auto"
+    """Tool-call format: auto (from the model), hermes, deepseek_v3, llama3_json."""
+    reasoning_field: str = "reasoning_content"
+    """Where reasoning goes: reasoning_content, reasoning, or both."""
+    detokenization_include_special_tokens: bool = False
+    """Keep special tokens in the detokenized text."""
+
+    def validate(self) -> None:
+        _require(self.reasoning_field in REASONING_FIELD_CHOICES, "reasoning_field",
+                 self.reasoning_field, "one of " + ", ".join(REASONING_FIELD_CHOICES))
+        parsers = ("auto", "hermes", "deepseek_v3", "llama3_json")
+        _require(self.tool_call_parser in parsers, "tool_call_parser", self.tool_call_parser,
+                 "one of " + ", ".join(parsers))
+
+
+@dataclass(frozen=True)
+class DistConfig:
+    world_size: int = 1
+    """Total workers (GPUs) across all nodes."""
+    nnodes: int = 1
+    """Number of nodes."""
+    node_rank: int = 0
+    """This node's rank (0 is the master)."""
+    dist_init_addr: str = "localhost:12355"
+    """host:port of the rendezvous (the master node)."""
+    tensor_parallel_size: int | None = None
+    """Ranks per model replica (default: 1 for models that fit one device); DP = world / TP."""
+    max_restarts: int = 0
+    """Times the launcher restarts a failed worker group before giving up."""
+
+    def validate(self) -> None:
+        _require(self.world_size >= 1, "world_size", self.world_size, "an integer >= 1")
+        _require(self.nnodes >= 1, "nnodes", self.nnodes, "an integer >= 1")
+        _require(self.world_size % self.nnodes == 0, "world_size", self.world_size,
+                 f"must be divisible by --nnodes ({self.nnodes})")
+        _require(0 <= self.node_rank < self.nnodes, "node_rank", self.node_rank,
+                 f"an integer in [0, {self.nnodes})")
+        host, _, port = self.dist_init_addr.rpartition(":")
+        _require(bool(host) and port.isdigit() and 0 < int(port) < 65536, "dist_init_addr",
+                 self.dist_init_addr, "host:port, e.g. 10.0.0.1:12355")
+        tp = self.tensor_parallel_size
+        _require(tp is None or (tp >= 1 and self.world_size % tp == 0), "tensor_parallel_size",
+                 tp, f"a divisor of --world-size ({self.world_size})")
+        _require(self.max_restarts >= 0, "max_restarts", self.max_restarts, "an integer >= 0")
+
+
+@dataclass(frozen=True)
+class WatchdogConfig:
+    watchdog_timeout: float | None = None
+    """Seconds one scheduler step may take (disabled by default; 600 recommended)."""
+    decode_step_timeout: float | None = None
+    """Seconds one decode iteration may take (disabled by default; 300 recommended)."""
+    startup_timeout: float | None = None
+    """Seconds from launch to the first step (disabled by default; 1800 for large models)."""
+    no_watchdog: bool = False
+    """Disable every watchdog deadline."""
+    watchdog_heartbeat_interval: float | None = None
+    """Seconds between heartbeats written to the batch file's health section."""
+    watchdog_test_stuck_time: float = 0.0
+    """Testing only: sleep this long inside a decode step."""
+    preempt_grace: float = 20.0
+    """Seconds between SIGTERM/SIGUSR1 and exit (flush included); exit code 75 means requeue."""
+    quarantine_after: int = 3
+    """A request in flight during this many consecutive crashes becomes an error line."""
+
+    def validate(self) -> None:
+        for name in ("watchdog_timeout", "decode_step_timeout", "startup_timeout",
+                     "watchdog_heartbeat_interval"):
+            value = getattr(self, name)
+            _require(value is None or value > 0, name, value, "seconds > 0")
+        _require(self.watchdog_test_stuck_time >= 0, "watchdog_test_stuck_time",
+                 self.watchdog_test_stuck_time, "seconds >= 0")
+        _require(self.preempt_grace > 0, "preempt_grace", self.preempt_grace, "seconds > 0")
+        _require(self.quarantine_after >= 1, "quarantine_after", self.quarantine_after,
+                 "an integer >= 1")
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    """Everything `batchgen run` was told."""
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
+
+    def validate(self) -> "JobConfig":
+        self.engine.validate()
+        for part in (self.storage, self.output, self.dist, self.watchdog):
+            part.validate()
+        return self

@@ -1,0 +1,108 @@
+"""The dataclasses that cross module boundaries.
+
+Request -> (scheduler) -> ScheduleOutput -> (runner) -> StepOutput -> (engine) -> FinishedRequest.
+The scheduler sees only token and page counts; only the runner and models touch tensors.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+PAGE_SIZE = 64
+"""Tokens per KV page, on the device and in the host pool alike."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request is decoded. Validated by `validate()`, once, at intake."""
+
+    max_tokens: int = 256
+    """Upper bound on generated tokens (the stop reason is then "length")."""
+    min_tokens: int = 0
+    """EOS and stop tokens are suppressed until this many tokens were generated."""
+    temperature: float = 1.0
+    """0 means greedy."""
+    top_p: float = 1.0
+    top_k: int = 0
+    """0 disables top-k."""
+    min_p: float = 0.0
+    seed: int | None = None
+    """Same seed => same tokens, whatever else shares the batch."""
+    stop: tuple[str, ...] = ()
+    """Stop strings; the matched string is not part of the output."""
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    n: int = 1
+    """Independent choices per request."""
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    def validate(self) -> None:
+        checks = [
+            (self.max_tokens >= 1, "max_tokens must be >= 1"),
+            (self.min_tokens >= 0, "min_tokens must be >= 0"),
+            (self.min_tokens <= self.max_tokens, "min_tokens must be <= max_tokens"),
+            (0.0 <= self.temperature <= 100.0, "temperature must be in [0, 100]"),
+            (0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),
+            (self.top_k >= 0, "top_k must be >= 0 (0 disables it)"),
+            (0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]"),
+            (1 <= self.n <= 128, "n must be in [1, 128]"),
+            (0 <= self.top_logprobs <= 20, "top_logprobs must be in [0, 20]"),
+            (len(self.stop) <= 16, "at most 16 stop strings"),
+            (self.seed is None or 0 <= self.seed < 2**63, "seed must be in [0, 2^63)"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+
+@dataclass
+class Request:
+    """One unit of work as the engine sees it: tokens in, tokens out."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+    """(token_id, logprob) of the most likely tokens, best first."""
+
+
+@dataclass
+class Completion:
+    """One choice of a finished request."""
+
+    index: int
+    token_ids: list[int]
+    finish_reason: FinishReason
+    text: str | None = None
+    """Detokenized output, with a matched stop string cut off (engine with tokenizer only)."""
+    logprobs: list[TokenLogprob] | None = None
+    stop_reason: str | int | None = None
+    """The stop string or token that ended it, None for EOS or length."""
+
+
+@dataclass
+class FinishedRequest:
+    request_id: str
+    prompt_len: int
+    completions: list[Completion]
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.completions)

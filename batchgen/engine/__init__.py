@@ -1,0 +1,1 @@
+"""The engine: scheduler decisions -> tensors -> model -> sampled tokens."""

@@ -1,0 +1,170 @@
+"""Engine: add requests, `step()` until done. step() = schedule -> run -> postprocess."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import asdict
+from typing import Iterable
+
+import torch
+
+from batchgen.config import EngineConfig
+from batchgen.core import Completion, FinishedRequest, FinishReason, Request
+from batchgen.engine.kv_cache import KVLayout
+from batchgen.engine.memory import plan_pools
+from batchgen.engine.runner import ModelRunner
+from batchgen.engine.sampler import SamplingRows
+from batchgen.engine.stops import StopChecker
+from batchgen.sched.scheduler import Scheduler, ScheduleOutput
+from batchgen.sched.sequence import Sequence
+
+log = logging.getLogger("batchgen.engine")
+
+KV_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16,
+             "fp8_e4m3fn": torch.float8_e4m3fn}
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class Engine:
+    def __init__(self, model: torch.nn.Module, config: EngineConfig, tokenizer=None,
+                 eos_token_ids: Iterable[int] = ()):
+        self.config = config
+        self.model = model
+        self.tokenizer = tokenizer
+        self.device = next(model.parameters()).device
+        model_dtype = next(model.parameters()).dtype
+        kv = config.model.kv_dtype
+        self.layout = KVLayout(model.config.num_hidden_layers, tuple(model.kv_token_shape),
+                               model_dtype if kv == "auto" else KV_DTYPES[kv], model_dtype)
+        model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        sizes = plan_pools(config.memory, self.layout, model_bytes, self.device)
+        self.scheduler = Scheduler(config.scheduler, sizes.device_pages, sizes.host_pages)
+        self.runner = ModelRunner(model, self.layout, sizes.device_pages, sizes.host_pages,
+                                  self.device, config.memory.fast_init, config.memory.enable_hugetlbfs)
+        self.eos_ids = frozenset(eos_token_ids)
+        self.stops = StopChecker(tokenizer)
+        self._next_seq = 0
+        self._groups: dict[str, list[Sequence]] = {}
+        self._done: dict[str, list[Completion]] = {}
+        self.steps = 0
+        self.generated_tokens = 0
+
+    # -- public API ---------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        params = request.sampling
+        params.validate()
+        if request.request_id in self._groups:
+            raise ValueError(f"request id {request.request_id!r} is already in the engine")
+        base_seed = params.seed if params.seed is not None else self._derived_seed(request.request_id)
+        seqs = [Sequence(self._next_seq + i, request.request_id, i, list(request.prompt_token_ids),
+                         len(request.prompt_token_ids), params, (base_seed + i) % 2**63)
+                for i in range(params.n)]
+        for seq in seqs:
+            self.scheduler.add(seq)  # raises RequestTooLarge before anything is queued twice
+        self._next_seq += params.n
+        self._groups[request.request_id] = seqs
+        self._done[request.request_id] = []
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    def step(self) -> list[FinishedRequest]:
+        out = self.scheduler.schedule()
+        rows = self._sampling_rows(out)
+        result = self.runner.execute(out, rows)
+        self.steps += 1
+        return self._postprocess(out, result)
+
+    def generate(self, requests: Iterable[Request]) -> list[FinishedRequest]:
+        """Run requests to completion; results in the order given."""
+        order = []
+        for request in requests:
+            self.add_request(request)
+            order.append(request.request_id)
+        finished = {}
+        while self.has_unfinished():
+            for done in self.step():
+                finished[done.request_id] = done
+        return [finished[rid] for rid in order]
+
+    def stats(self) -> dict:
+        return {"steps": self.steps, "generated_tokens": self.generated_tokens,
+                "peak_device_pages": self.scheduler.device.peak_used,
+                "peak_host_pages": self.scheduler.host.peak_used,
+                "device_pages": self.scheduler.device.num_pages,
+                "host_pages": self.scheduler.host.num_pages,
+                "adaptive_chunk_history": list(self.scheduler.chunk.history),
+                **asdict(self.scheduler.counters)}
+
+    def close(self) -> None:
+        self.runner.close()
+
+    # -- internals ----------------------------------------------------------------------
+    def _derived_seed(self, request_id: str) -> int:
+        digest = hashlib.blake2b(f"{self.config.runtime.seed}:{request_id}".encode(), digest_size=8)
+        return int.from_bytes(digest.digest(), "little") % 2**63
+
+    def _sampling_rows(self, out: ScheduleOutput) -> SamplingRows:
+        seqs = [c.seq for c in out.chunks if c.sample]
+        banned = []
+        for seq in seqs:
+            params = seq.sampling
+            early = seq.num_decoded < params.min_tokens
+            ids = (() if params.ignore_eos else tuple(self.eos_ids)) + params.stop_token_ids
+            banned.append(ids if early else ())
+        return SamplingRows([s.sampling for s in seqs], [s.seed for s in seqs],
+                            [s.num_decoded for s in seqs], banned)
+
+    def _postprocess(self, out: ScheduleOutput, result) -> list[FinishedRequest]:
+        finished = []
+        sampled = iter(zip(result.token_ids, result.logprobs)) if result else iter(())
+        for chunk in out.chunks:
+            seq = chunk.seq
+            seq.num_computed = chunk.end
+            if not chunk.sample:
+                continue
+            token, logprob = next(sampled)
+            seq.token_ids.append(token)
+            self.generated_tokens += 1
+            if logprob is not None:
+                seq.logprobs = (seq.logprobs or []) + [logprob]
+            reason = self._finish_reason(seq, token)
+            if reason is not None:
+                done = self._complete(seq, *reason)
+                if done is not None:
+                    finished.append(done)
+        return finished
+
+    def _finish_reason(self, seq: Sequence, token: int):
+        params = seq.sampling
+        if seq.num_decoded >= params.min_tokens:
+            if token in params.stop_token_ids:
+                return FinishReason.STOP, token
+            if token in self.eos_ids and not params.ignore_eos:
+                return FinishReason.STOP, None
+            if params.stop:
+                matched = self.stops.match(seq)
+                if matched is not None:
+                    return FinishReason.STOP, matched
+        if seq.num_decoded >= params.max_tokens:
+            return FinishReason.LENGTH, None
+        return None
+
+    def _complete(self, seq: Sequence, reason: FinishReason, stop) -> FinishedRequest | None:
+        self.scheduler.finish(seq, natural=True)
+        tokens = seq.token_ids[seq.prompt_len:]
+        text = self.stops.final_text(seq, stop if isinstance(stop, str) else None)
+        self._done[seq.request_id].append(Completion(
+            seq.choice, tokens, reason, text, seq.logprobs, stop))
+        group = self._groups[seq.request_id]
+        if len(self._done[seq.request_id]) < len(group):
+            return None
+        del self._groups[seq.request_id]
+        completions = sorted(self._done.pop(seq.request_id), key=lambda c: c.index)
+        return FinishedRequest(seq.request_id, seq.prompt_len, completions)

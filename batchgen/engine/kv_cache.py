@@ -1,0 +1,112 @@
+"""KV storage: pools of 64-token pages, laid out page-major on the device and in the host tier.
+
+Layout of a pool: `data[num_pages, num_layers, PAGE_SIZE, *token_shape]`. One page holds every
+layer's KV for 64 tokens in one contiguous block, so moving a page between tiers is one large
+copy (DEVICE-NOTES: per-layer 32 KiB copies run ~25x slower than MiB-sized ones).
+`token_shape` comes from the model: (2, kv_heads, head_dim) for K and V of GQA attention,
+(1, latent + rope dims) for DeepSeek's MLA. fp8 pools keep one float32 scale per token and
+leading index (per token and head for GQA) in `scales`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from batchgen.core import PAGE_SIZE
+
+FP8_MAX = 448.0
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What one token's KV looks like in one layer, and how it is stored."""
+
+    num_layers: int
+    token_shape: tuple[int, ...]
+    dtype: torch.dtype
+    """Storage dtype (torch.float8_e4m3fn for fp8 pools)."""
+    compute_dtype: torch.dtype
+    """Dtype attention reads KV back as."""
+
+    @property
+    def quantized(self) -> bool:
+        return self.dtype == torch.float8_e4m3fn
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes of KV per token across all layers (scales included)."""
+        values = 1
+        for d in self.token_shape:
+            values *= d
+        per_layer = values * self.dtype.itemsize
+        if self.quantized:
+            per_layer += (values // self.token_shape[-1]) * 4
+        return per_layer * self.num_layers
+
+    @property
+    def bytes_per_page(self) -> int:
+        return self.bytes_per_token * PAGE_SIZE
+
+    def pages_for_bytes(self, num_bytes: float) -> int:
+        return int(num_bytes // self.bytes_per_page)
+
+
+class KVPool:
+    """A tier of KV pages (device or host). Owns tensors, knows nothing about sequences."""
+
+    def __init__(self, layout: KVLayout, num_pages: int, device: torch.device | str,
+                 data: torch.Tensor | None = None, scales: torch.Tensor | None = None):
+        self.layout = layout
+        self.num_pages = num_pages
+        shape = (num_pages, layout.num_layers, PAGE_SIZE, *layout.token_shape)
+        self.data = data if data is not None else torch.zeros(shape, dtype=layout.dtype, device=device)
+        assert tuple(self.data.shape) == shape, (tuple(self.data.shape), shape)
+        self.scales = scales
+        if layout.quantized and scales is None:
+            self.scales = torch.ones(shape[:-1], dtype=torch.float32, device=device)
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Views `[num_pages, PAGE_SIZE, *token_shape]` (and scales) of one layer."""
+        scales = self.scales[:, layer] if self.scales is not None else None
+        return self.data[:, layer], scales
+
+    def store(self, layer: int, slots: torch.Tensor, kv: torch.Tensor) -> None:
+        """Write `kv[T, *token_shape]` at flat slots (page * PAGE_SIZE + offset)."""
+        data, scales = self.layer(layer)
+        # The layer view is strided over pages, so index (page, offset) instead of a flat slot.
+        page, offset = slots // PAGE_SIZE, slots % PAGE_SIZE
+        if self.layout.quantized:
+            scale = kv.float().abs().amax(dim=-1).clamp_min(1e-8) / FP8_MAX
+            data[page, offset] = (kv.float() / scale.unsqueeze(-1)).to(self.layout.dtype)
+            scales[page, offset] = scale
+        else:
+            data[page, offset] = kv.to(self.layout.dtype)
+
+    def gather(self, layer: int, pages: torch.Tensor) -> torch.Tensor:
+        """KV of `pages[..., P]` as `[..., P * PAGE_SIZE, *token_shape]` in the compute dtype."""
+        data, scales = self.layer(layer)
+        picked = data[pages]
+        lead = picked.shape[:-len(self.layout.token_shape) - 2]
+        picked = picked.reshape(*lead, -1, *self.layout.token_shape)
+        if not self.layout.quantized:
+            return picked.to(self.layout.compute_dtype)
+        scale = scales[pages].reshape(*lead, -1, *self.layout.token_shape[:-1])
+        return (picked.float() * scale.unsqueeze(-1)).to(self.layout.compute_dtype)
+
+
+def copy_pages(src: KVPool, src_pages: list[int], dst: KVPool, dst_pages: list[int]) -> None:
+    """Copy whole pages between tiers (each page is one contiguous block of every layer)."""
+    assert len(src_pages) == len(dst_pages)
+    if not src_pages:
+        return
+    src_idx = torch.tensor(src_pages, dtype=torch.long, device=src.device)
+    dst_idx = torch.tensor(dst_pages, dtype=torch.long, device=dst.device)
+    dst.data.index_copy_(0, dst_idx, src.data.index_select(0, src_idx).to(dst.device, non_blocking=True))
+    if src.scales is not None:
+        dst.scales.index_copy_(0, dst_idx, src.scales.index_select(0, src_idx).to(dst.device))

@@ -1,0 +1,54 @@
+"""How many KV pages each tier gets."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from batchgen.config import MemoryConfig
+from batchgen.engine.kv_cache import KVLayout
+from batchgen.sched.host_pool import auto_host_pool_bytes
+
+log = logging.getLogger("batchgen.memory")
+CPU_DEVICE_POOL_BYTES = 2 * 2**30
+"""Default "device" pool when running on CPU (no --gpu-kv-cache-size)."""
+ACTIVATION_RESERVE = 0.05
+"""Share of device memory kept free for activations and graphs."""
+
+
+class PoolTooSmall(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class PoolSizes:
+    device_pages: int
+    host_pages: int
+
+
+def plan_pools(cfg: MemoryConfig, layout: KVLayout, model_bytes: int,
+               device: torch.device) -> PoolSizes:
+    if cfg.gpu_kv_cache_size is not None:
+        device_bytes = cfg.gpu_kv_cache_size * 1e9
+    elif device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        device_bytes = total * (cfg.gpu_memory_frac - ACTIVATION_RESERVE) - model_bytes
+    else:
+        device_bytes = CPU_DEVICE_POOL_BYTES
+    if cfg.host_kv_cache_size is not None:
+        host_bytes = cfg.host_kv_cache_size * 1e9
+    else:
+        host_bytes = auto_host_pool_bytes(model_bytes)
+    sizes = PoolSizes(layout.pages_for_bytes(device_bytes), layout.pages_for_bytes(host_bytes))
+    page_mb = layout.bytes_per_page / 1e6
+    for name, pages, flag in (("device", sizes.device_pages, "--gpu-kv-cache-size or --gpu-memory-frac"),
+                              ("host", sizes.host_pages, "--host-kv-cache-size")):
+        if pages < 1:
+            raise PoolTooSmall(f"the {name} KV pool holds no page: one 64-token page of this model "
+                               f"needs {page_mb:.2f} MB; raise {flag}")
+    log.info("KV pools: device %d pages (%.2f GB), host %d pages (%.2f GB), %.2f MB per page",
+             sizes.device_pages, sizes.device_pages * page_mb / 1e3, sizes.host_pages,
+             sizes.host_pages * page_mb / 1e3, page_mb)
+    return sizes

@@ -1,0 +1,79 @@
+"""ModelRunner: turns a ScheduleOutput into tensors, runs the model, samples.
+
+The only engine piece that touches tensors besides the models. Order inside a step:
+unloads (device -> host), loads (host -> device), forward over the packed batch, sampling.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from batchgen.engine.forward_batch import ForwardBatch
+from batchgen.engine.kv_cache import KVLayout, KVPool, copy_pages
+from batchgen.engine.sampler import SampleResult, SamplingRows, sample
+from batchgen.sched.host_pool import HostSegment
+from batchgen.sched.scheduler import ScheduleOutput
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, layout: KVLayout, device_pages: int,
+                 host_pages: int, device: torch.device, fast_init: bool = False,
+                 hugetlbfs: bool = False):
+        self.model = model
+        self.device = device
+        self.layout = layout
+        self.device_pool = KVPool(layout, device_pages, device)
+        self.host_segment = HostSegment(host_pages * layout.bytes_per_page, fast_init, hugetlbfs)
+        self.host_pool = self._host_pool(host_pages)
+        if device.type == "cuda":
+            self.host_segment.pin()
+
+    def _host_pool(self, host_pages: int) -> KVPool:
+        """Carve the host segment into the page data tensor (and fp8 scales after it)."""
+        layout = self.layout
+        raw = self.host_segment.tensor
+        data_bytes = host_pages * layout.bytes_per_page
+        scales = None
+        if layout.quantized:
+            values = 1
+            for d in layout.token_shape:
+                values *= d
+            data_bytes = host_pages * layout.num_layers * 64 * values
+            scale_shape = (host_pages, layout.num_layers, 64, *layout.token_shape[:-1])
+            scales = raw[data_bytes:].view(torch.float32)[: _numel(scale_shape)].view(scale_shape)
+        shape = (host_pages, layout.num_layers, 64, *layout.token_shape)
+        data = raw[:data_bytes].view(layout.dtype).view(shape)
+        return KVPool(layout, host_pages, "cpu", data=data, scales=scales)
+
+    @torch.inference_mode()
+    def execute(self, out: ScheduleOutput, rows: SamplingRows,
+                allowed: torch.Tensor | None = None) -> SampleResult | None:
+        for copy in out.swap_out:
+            copy_pages(self.device_pool, copy.src, self.host_pool, copy.dst)
+        for copy in out.swap_in:
+            copy_pages(self.host_pool, copy.src, self.device_pool, copy.dst)
+        if not out.chunks:
+            return None
+        batch = ForwardBatch.build(
+            token_ids=[c.seq.token_ids[c.start:c.end] for c in out.chunks],
+            starts=[c.start for c in out.chunks],
+            page_tables=[c.seq.device_pages for c in out.chunks],
+            sample_mask=[c.sample for c in out.chunks],
+            kv_pool=self.device_pool,
+            device=self.device,
+        )
+        logits = self.model(batch)
+        if not rows.params:
+            return SampleResult([], [])
+        return sample(logits, rows, allowed)
+
+    def close(self) -> None:
+        self.host_pool = None
+        self.host_segment.close()
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n

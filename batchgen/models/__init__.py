@@ -1,0 +1,1 @@
+"""Our own model implementations on the paged KV cache, and the weight loader."""

@@ -1,0 +1,87 @@
+"""load_model: from --model / --cache-dir / --converted-ckpt-dir to a ready model + tokenizer."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from batchgen.config import ModelConfig
+from batchgen.models.convert import (EMBEDDED_NAME, check_manifest, converted_for_gguf,
+                                     embedded_gguf, read_manifest)
+from batchgen.models.loader import (MANIFEST, build_model, load_hf_config, read_safetensors,
+                                    resolve_dtype, resolve_model)
+
+log = logging.getLogger("batchgen.models")
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    hf_config: object
+    tokenizer: object | None
+    eos_token_ids: tuple[int, ...]
+    folder: Path
+    name: str
+    dtype: torch.dtype
+    max_context: int
+
+
+def model_folder(cfg: ModelConfig, world_size: int = 1) -> tuple[Path, str]:
+    """The folder weights are read from (converting GGUF first) and the model's display name."""
+    converted = Path(cfg.converted_ckpt_dir).expanduser() if cfg.converted_ckpt_dir else None
+    if converted is not None and (converted / MANIFEST).is_file():
+        check_manifest(read_manifest(converted), converted, world_size, cfg.dtype)
+        log.info("loading converted checkpoint %s", converted)
+        return converted, cfg.model or EMBEDDED_NAME
+    if cfg.model is None:
+        return converted_for_gguf(embedded_gguf(), cfg.converted_ckpt_dir), EMBEDDED_NAME
+    source = resolve_model(cfg.model, cfg.cache_dir)
+    if source.kind == "gguf":
+        return converted_for_gguf(source.path, cfg.converted_ckpt_dir), cfg.model
+    if source.kind == "converted":
+        check_manifest(read_manifest(source.path), source.path, world_size, cfg.dtype)
+    log.info("loading %s from %s", cfg.model, source.path)
+    return source.path, cfg.model
+
+
+def eos_token_ids(folder: Path, hf_config, tokenizer) -> tuple[int, ...]:
+    ids: list[int] = []
+
+    def add(value):
+        if isinstance(value, int):
+            ids.append(value)
+        elif isinstance(value, (list, tuple)):
+            ids.extend(v for v in value if isinstance(v, int))
+
+    gen = folder / "generation_config.json"
+    if gen.is_file():
+        add(json.loads(gen.read_text()).get("eos_token_id"))
+    add(getattr(hf_config, "eos_token_id", None))
+    if tokenizer is not None:
+        add(tokenizer.eos_token_id)
+    return tuple(dict.fromkeys(ids))
+
+
+def load_tokenizer(folder: Path):
+    from transformers import AutoTokenizer
+
+    if not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
+
+
+def load_model(cfg: ModelConfig, device: torch.device, world_size: int = 1) -> LoadedModel:
+    start = time.perf_counter()
+    folder, name = model_folder(cfg, world_size)
+    hf_config = load_hf_config(folder)
+    dtype = resolve_dtype(cfg.dtype, device)
+    model = build_model(hf_config, read_safetensors(folder), dtype, device)
+    tokenizer = load_tokenizer(folder)
+    log.info("model %s ready on %s in %.1fs (%s)", name, device, time.perf_counter() - start, dtype)
+    return LoadedModel(model, hf_config, tokenizer, eos_token_ids(folder, hf_config, tokenizer),
+                       folder, name, dtype, model.max_context)

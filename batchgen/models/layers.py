@@ -1,0 +1,119 @@
+"""Building blocks shared by the model families (pure PyTorch; kernels replace them on GPU)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 and cast back before the weight, as HF Llama does: bitwise
+        # agreement with the reference matters more than a fused cast here.
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+
+def rope_parameters(hf_config) -> dict:
+    """Rope settings across transformers versions (`rope_parameters` in 5.x, else
+    `rope_theta` + `rope_scaling`)."""
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    if not params:
+        params = dict(getattr(hf_config, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    params.setdefault("rope_type", params.get("type", "default"))
+    return params
+
+
+def rope_inv_freq(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and attention scaling, llama3/linear/yarn scaling included.
+
+    Scaled variants come from transformers' own table so they match the reference exactly.
+    """
+    params = rope_parameters(hf_config)
+    kind = params["rope_type"]
+    if kind == "default":
+        base = params["rope_theta"]
+        rotary_dim = int(head_dim * getattr(hf_config, "partial_rotary_factor", 1.0))
+        inv = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64, device="cpu").float() / rotary_dim))
+        return inv, 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if kind not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(f"rope_type {kind!r} is not supported")
+    with torch.device("cpu"):  # models are built under the meta device; this table is real
+        inv, scaling = ROPE_INIT_FUNCTIONS[kind](hf_config, "cpu")
+    return inv.float(), float(scaling)
+
+
+class RotaryEmbedding(nn.Module):
+    """Non-interleaved (rotate-half) rotary embedding with a precomputed cos/sin table.
+
+    Models are built on the meta device; `reset_buffers()` fills the table once the module
+    has real storage (the loader calls it on every module that has one).
+    """
+
+    def __init__(self, inv_freq: torch.Tensor, max_positions: int, scaling: float = 1.0):
+        super().__init__()
+        self.inv_freq = inv_freq.float().cpu()
+        self.max_positions = max_positions
+        self.scaling = scaling
+        dim = 2 * inv_freq.numel()
+        self.register_buffer("cos", torch.empty(max_positions, dim), persistent=False)
+        self.register_buffer("sin", torch.empty(max_positions, dim), persistent=False)
+        if self.cos.device.type != "meta":
+            self.reset_buffers()
+
+    def reset_buffers(self) -> None:
+        device = self.cos.device
+        t = torch.arange(self.max_positions, dtype=torch.float32, device=device)
+        freqs = torch.outer(t, self.inv_freq.to(device))
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.cos = (emb.cos() * self.scaling).to(self.cos.dtype)
+        self.sin = (emb.sin() * self.scaling).to(self.sin.dtype)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """q [T, H, D], k [T, KVH, D]; rotates the first `rotary_dim` features."""
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    dim = cos.shape[-1]
+    rot, rest = x[..., :dim], x[..., dim:]
+    half = dim // 2
+    rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
+    # Multiply in the activation dtype, as the HF reference does (bitwise parity in bf16).
+    out = rot * cos + rotated * sin
+    return torch.cat([out, rest], dim=-1) if rest.numel() else out
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def default_max_positions(hf_config) -> int:
+    return int(getattr(hf_config, "max_position_embeddings", 0) or 32768)
+
+
+def softmax_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)

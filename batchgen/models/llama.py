@@ -1,0 +1,157 @@
+"""Llama family on the paged KV cache: Llama 2/3 (llama3 rope scaling), SmolLM2, Mistral,
+Qwen2/2.5 (qkv bias) and Qwen3 (q/k RMSNorm). Parameter names follow the HF checkpoints so
+weights load by name."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from batchgen.engine.forward_batch import ForwardBatch
+from batchgen.models.attention import paged_attention
+from batchgen.models.layers import (GatedMLP, RMSNorm, RotaryEmbedding, default_max_positions,
+                                    rope_inv_freq, softmax_scale)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg, layer: int, rope: RotaryEmbedding, qkv_bias: bool, qk_norm: bool):
+        super().__init__()
+        # Qwen2 biases q/k/v only; the others follow `attention_bias` for all four projections.
+        o_bias = bool(getattr(cfg, "attention_bias", False))
+        self.layer = layer
+        self.heads = cfg.num_attention_heads
+        self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
+        hidden = cfg.hidden_size
+        self.q_proj = nn.Linear(hidden, self.heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden, self.kv_heads * self.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden, self.kv_heads * self.head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, hidden, bias=o_bias)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
+        self.rope = rope
+        self.window = _sliding_window(cfg, layer)
+        self.scale = softmax_scale(self.head_dim)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        q = self.q_proj(x).view(-1, self.heads, self.head_dim)
+        k = self.k_proj(x).view(-1, self.kv_heads, self.head_dim)
+        v = self.v_proj(x).view(-1, self.kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rope(batch.positions, q, k)
+        out = paged_attention(q, k, v, self.layer, batch, self.scale, window=self.window)
+        return self.o_proj(out.reshape(-1, self.heads * self.head_dim))
+
+
+def _sliding_window(cfg, layer: int) -> int | None:
+    window = getattr(cfg, "sliding_window", None)
+    if not window:
+        return None
+    if getattr(cfg, "model_type", "") in ("qwen2", "qwen3"):
+        if not getattr(cfg, "use_sliding_window", False):
+            return None
+        if layer < getattr(cfg, "max_window_layers", 0):
+            return None
+    layer_types = getattr(cfg, "layer_types", None)
+    if layer_types and layer_types[layer] != "sliding_attention":
+        return None
+    return int(window)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg, layer: int, rope: RotaryEmbedding, qkv_bias: bool, qk_norm: bool):
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, layer, rope, qkv_bias, qk_norm)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size,
+                            bias=bool(getattr(cfg, "mlp_bias", False)))
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg, qkv_bias: bool, qk_norm: bool):
+        super().__init__()
+        heads = cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        inv_freq, scaling = rope_inv_freq(cfg, head_dim)
+        rope = RotaryEmbedding(inv_freq, default_max_positions(cfg), scaling)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rope, qkv_bias, qk_norm)
+                                    for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        x = self.embed_tokens(batch.input_ids)
+        for layer in self.layers:
+            x = layer(x, batch)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Also serves Mistral, Qwen2 and Qwen3 (the `qkv_bias` / `qk_norm` switches)."""
+
+    qkv_bias = False
+    qk_norm = False
+
+    def __init__(self, hf_config):
+        super().__init__()
+        self.config = hf_config
+        qkv_bias = self.qkv_bias or bool(getattr(hf_config, "attention_bias", False))
+        self.model = LlamaModel(hf_config, qkv_bias, self.qk_norm)
+        self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+        self.tie_weights()
+        attn = self.model.layers[0].self_attn
+        self.kv_token_shape = (2, attn.kv_heads, attn.head_dim)
+        self.max_context = default_max_positions(hf_config)
+
+    def tie_weights(self) -> None:
+        """Share lm_head with the embedding when the config says so (again after to_empty)."""
+        if getattr(self.config, "tie_word_embeddings", False):
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits `[S, vocab]` (float32) of the rows in `batch.logits_indices`."""
+        hidden = self.model(batch)
+        return self.lm_head(hidden[batch.logits_indices]).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters(remove_duplicate=False))
+        seen = set()
+        for name, tensor in weights:
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            if name not in params:
+                raise KeyError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+            param = params[name]
+            if tuple(param.shape) != tuple(tensor.shape):
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model "
+                                 f"shape {tuple(param.shape)}")
+            with torch.no_grad():
+                param.copy_(tensor)
+            seen.add(name)
+        missing = set(params) - seen
+        if getattr(self.config, "tie_word_embeddings", False):
+            missing.discard("lm_head.weight")
+            if "lm_head.weight" in seen:
+                missing.discard("model.embed_tokens.weight")
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    qkv_bias = True
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    qk_norm = True
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    pass

@@ -1,0 +1,145 @@
+"""Find a model on disk and load it into our own model classes. Never touches the network.
+
+Sources, in the order tried: a local folder or .gguf file; under --cache-dir (the folder itself,
+`models--org--name/snapshots/REV/`, `org/name`, `name`); the default HF hub cache. Weights are
+read with safetensors only (never pickle) and `trust_remote_code` is never set.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from batchgen.models.registry import model_class
+
+log = logging.getLogger("batchgen.loader")
+MANIFEST = "batchgen_manifest.json"
+
+
+class ModelNotFoundError(FileNotFoundError):
+    pass
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    path: Path
+    """Model folder (config.json + safetensors) or a .gguf file."""
+    kind: str
+    """'hf', 'gguf' or 'converted'."""
+    name: str
+
+
+def _hub_snapshots(root: Path, name: str) -> list[Path]:
+    repo = root / ("models--" + name.replace("/", "--")) / "snapshots"
+    if not repo.is_dir():
+        return []
+    refs = root / ("models--" + name.replace("/", "--")) / "refs" / "main"
+    if refs.is_file():
+        preferred = repo / refs.read_text().strip()
+        if preferred.is_dir():
+            return [preferred]
+    return sorted(p for p in repo.iterdir() if p.is_dir())
+
+
+def _classify(path: Path, name: str) -> ModelSource | None:
+    if path.is_file() and path.suffix == ".gguf":
+        return ModelSource(path, "gguf", name)
+    if path.is_dir():
+        if (path / MANIFEST).is_file():
+            return ModelSource(path, "converted", name)
+        if (path / "config.json").is_file():
+            return ModelSource(path, "hf", name)
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ModelSource(ggufs[0], "gguf", name)
+    return None
+
+
+def resolve_model(model: str, cache_dir: str | None = None) -> ModelSource:
+    """Locate `model` on disk; the error lists every place searched."""
+    candidates = [Path(model).expanduser()]
+    if cache_dir:
+        root = Path(cache_dir).expanduser()
+        candidates += [root, *_hub_snapshots(root, model), root / model, root / model.split("/")[-1]]
+    hub = Path(os.environ.get("HF_HUB_CACHE") or Path(os.environ.get("HF_HOME", "~/.cache/huggingface")).expanduser() / "hub")
+    candidates += _hub_snapshots(hub.expanduser(), model)
+    for path in candidates:
+        found = _classify(path, model)
+        if found is not None:
+            if path == Path(cache_dir or "/nonexistent").expanduser() and found.kind == "hf":
+                if not _config_matches(path, model):
+                    continue
+            return found
+    searched = "\n  ".join(str(p) for p in dict.fromkeys(candidates))
+    hub_name = "models--" + model.replace("/", "--")
+    raise ModelNotFoundError(
+        f"model {model!r} not found on disk (batchgen never downloads). Searched:\n  {searched}\n"
+        f"Point --model at a local folder or .gguf file, or --cache-dir at a folder holding "
+        f"{model.split('/')[-1]}/ or {hub_name}/snapshots/<rev>/.")
+
+
+def _config_matches(path: Path, model: str) -> bool:
+    """--cache-dir pointing straight at a model folder is accepted for any --model name."""
+    return True
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, dtype)
+
+
+def read_safetensors(folder: Path):
+    """Yield (name, tensor) from every safetensors shard of a folder, index-aware."""
+    from safetensors import safe_open
+
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in folder.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors in {folder} (batchgen loads safetensors only)")
+    for file in files:
+        try:
+            with safe_open(str(folder / file), framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        except CheckpointError:
+            raise
+        except Exception as err:  # safetensors raises its own error types and OSError
+            raise CheckpointError(f"cannot read {folder / file}: {err}. The file is corrupt or "
+                                  "truncated: re-download or re-convert it.") from err
+
+
+def load_hf_config(folder: Path):
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(folder), trust_remote_code=False, local_files_only=True)
+    except Exception as err:
+        raise CheckpointError(f"cannot read {folder / 'config.json'}: {err}") from err
+
+
+def build_model(hf_config, weights, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    cls = model_class(hf_config)
+    with torch.device("meta"):
+        model = cls(hf_config)
+    model = model.to_empty(device=device).requires_grad_(False)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()  # to_empty gives every parameter its own storage
+    for module in model.modules():  # buffers (rope tables) are computed, not loaded
+        if hasattr(module, "reset_buffers"):
+            module.reset_buffers()
+    model.to(dtype)
+    model.load_weights((n, t.to(device=device)) for n, t in weights)
+    return model.eval()

@@ -1,0 +1,29 @@
+"""Maps `config.architectures` to our model classes (imported lazily)."""
+
+from __future__ import annotations
+
+import importlib
+
+ARCHITECTURES = {
+    "LlamaForCausalLM": "batchgen.models.llama:LlamaForCausalLM",
+    "MistralForCausalLM": "batchgen.models.llama:MistralForCausalLM",
+    "Qwen2ForCausalLM": "batchgen.models.llama:Qwen2ForCausalLM",
+    "Qwen3ForCausalLM": "batchgen.models.llama:Qwen3ForCausalLM",
+    "DeepseekV3ForCausalLM": "batchgen.models.deepseek_v3:DeepseekV3ForCausalLM",
+    "GptOssForCausalLM": "batchgen.models.gpt_oss:GptOssForCausalLM",
+}
+
+
+class UnsupportedModelError(ValueError):
+    pass
+
+
+def model_class(hf_config):
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    for arch in archs:
+        if arch in ARCHITECTURES:
+            module, _, name = ARCHITECTURES[arch].partition(":")
+            return getattr(importlib.import_module(module), name)
+    raise UnsupportedModelError(
+        f"unsupported architecture {archs or '(none in config.json)'}; batchgen supports "
+        + ", ".join(sorted(ARCHITECTURES)))

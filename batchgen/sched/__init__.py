@@ -1,0 +1,1 @@
+"""The scheduler: decides with token and page counts only, never touches tensors."""

@@ -1,0 +1,330 @@
+"""The scheduler: which sequences run, where their KV pages live, and when that changes.
+
+Every admitted sequence reserves host pages (the backing store); the device holds the working
+set. Decisions (admit, load, unload, grow, evict) happen only at decision points: every
+`decision_frequency_pages` pages of decode, when the running set empties or halves, and on each
+step of an admission wave. Between them the running set is fixed and just decodes. All inputs are
+token and page counts, so every rank computes the same decisions without talking.
+
+Invariants after each decision, for every RUNNING sequence s (window = frequency * PAGE_SIZE):
+  device pages of s >= pages_for(s.tokens_after(window))   (no allocation between decisions)
+  host pages of s   >= pages_for(s.tokens_after(window))   (an unload always has room)
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from batchgen.config import SchedulerConfig
+from batchgen.core import PAGE_SIZE
+from batchgen.sched.chunking import ChunkSizer
+from batchgen.sched.eviction import victim_order
+from batchgen.sched.pages import PageAllocator
+from batchgen.sched.sequence import Sequence, SeqState, pages_for
+
+
+class RequestTooLarge(ValueError):
+    pass
+
+
+@dataclass
+class SeqChunk:
+    """Compute tokens [start, end) of `seq`; sample the next token when `sample`."""
+
+    seq: Sequence
+    start: int
+    end: int
+    sample: bool
+
+
+@dataclass
+class PageCopy:
+    seq_id: int
+    src: list[int]
+    dst: list[int]
+
+
+@dataclass
+class ScheduleOutput:
+    chunks: list[SeqChunk] = field(default_factory=list)
+    swap_out: list[PageCopy] = field(default_factory=list)
+    """Device -> host copies, done before `swap_in` (which may reuse the freed pages)."""
+    swap_in: list[PageCopy] = field(default_factory=list)
+    """Host -> device copies, done before the forward."""
+    decided: bool = False
+
+
+@dataclass
+class Counters:
+    decisions: int = 0
+    loads: int = 0
+    unloads: int = 0
+    evictions: int = 0
+    reprefill_tokens: int = 0
+    chunk_growths: int = 0
+    device_extensions: int = 0
+    admitted: int = 0
+    finished: int = 0
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, device_pages: int, host_pages: int):
+        self.cfg = cfg
+        self.device = PageAllocator(device_pages, "device")
+        self.host = PageAllocator(host_pages, "host")
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.swapped: list[Sequence] = []
+        self.chunk = ChunkSizer(cfg)
+        self.counters = Counters()
+        self.window = cfg.decision_frequency_pages * PAGE_SIZE
+        self._steps_left = 0
+        self._running_at_decision = 0
+        self._wave = False
+
+    # -- requests in and out ------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        need = pages_for(seq.budget_tokens)
+        for pool, flag in ((self.device, "--gpu-kv-cache-size/--gpu-memory-frac"),
+                           (self.host, "--host-kv-cache-size")):
+            if need > pool.num_pages:
+                raise RequestTooLarge(
+                    f"needs {need} KV pages (prompt {seq.prompt_len} + max_tokens "
+                    f"{seq.sampling.max_tokens} tokens) but the {pool.name} pool holds "
+                    f"{pool.num_pages}; raise {flag} or lower max_tokens")
+        self.waiting.append(seq)
+
+    def finish(self, seq: Sequence, natural: bool = True) -> None:
+        """Release a finished sequence's pages; `natural` endings feed the adaptive chunk."""
+        self._release(seq)
+        self.running.remove(seq)
+        seq.state = SeqState.FINISHED
+        self.counters.finished += 1
+        if natural:
+            self.chunk.observe(seq.num_decoded)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    # -- one step -------------------------------------------------------------------------
+    def schedule(self) -> ScheduleOutput:
+        out = ScheduleOutput()
+        if self._decision_due():
+            self._decide(out)
+        out.chunks = self._chunks()
+        if any(c.sample and c.end - c.start == 1 for c in out.chunks):
+            self._steps_left -= 1
+        return out
+
+    def _decision_due(self) -> bool:
+        if not self.running or self._steps_left <= 0:
+            return True
+        if self._wave and self.waiting:
+            return True
+        return len(self.running) * 2 < self._running_at_decision
+
+    def _decide(self, out: ScheduleOutput) -> None:
+        full = not self.running or self._steps_left <= 0 or not self._wave
+        self.counters.decisions += 1
+        out.decided = True
+        self._grow_host()
+        self._ensure_device_room(out)
+        admitted = 0
+        if self.waiting and self._host_usage() < self.cfg.host_kv_watermark:
+            admitted = self._admit(out, preempt=full)
+            self._load_swapped(out)
+        else:
+            self._load_swapped(out)
+            admitted = self._admit(out, preempt=False)
+        self._wave = admitted > 0
+        if full or not self._wave:
+            self._steps_left = self.window
+        self._running_at_decision = len(self.running)
+
+    def _chunks(self) -> list[SeqChunk]:
+        budget = self.cfg.max_prefill_tokens
+        chunks = []
+        for seq in self.running:
+            pending = seq.pending_tokens
+            if pending == 1:
+                chunks.append(SeqChunk(seq, seq.num_computed, seq.num_tokens, True))
+                continue
+            take = min(pending, budget)
+            if take <= 0:
+                continue
+            budget -= take
+            end = seq.num_computed + take
+            chunks.append(SeqChunk(seq, seq.num_computed, end, end == seq.num_tokens))
+        return chunks
+
+    # -- host tier ----------------------------------------------------------------------
+    def _host_usage(self) -> float:
+        return 100.0 * self.host.num_used / max(1, self.host.num_pages)
+
+    def _host_target(self, seq: Sequence) -> int:
+        return pages_for(seq.tokens_after(self.window))
+
+    def _grow_host(self) -> None:
+        """Give each running sequence host room for the next window, evicting if needed."""
+        for seq in list(self.running):
+            if seq.state is not SeqState.RUNNING:
+                continue  # evicted earlier in this loop
+            missing = self._host_target(seq) - len(seq.host_pages)
+            if missing <= 0:
+                continue
+            grow = min(max(missing, pages_for(self.chunk.chunk_tokens)),
+                       pages_for(seq.budget_tokens) - len(seq.host_pages))
+            if not self._free_host(grow, keep=seq):
+                continue  # `seq` itself was the victim
+            seq.host_pages += self.host.allocate(grow)
+            self.counters.chunk_growths += 1
+
+    def _free_host(self, pages: int, keep: Sequence) -> bool:
+        """Evict fewest-decoded sequences until `pages` host pages are free. False when `keep`
+        had to go itself."""
+        for victim in victim_order(self.running + self.swapped):
+            if self.host.num_free >= pages:
+                return True
+            self._evict(victim)
+            if victim is keep:
+                return False
+        return self.host.num_free >= pages
+
+    def _evict(self, seq: Sequence) -> None:
+        """Drop a sequence's KV everywhere; it keeps its tokens and is re-prefilled later."""
+        self._release(seq)
+        (self.running if seq.state is SeqState.RUNNING else self.swapped).remove(seq)
+        seq.state = SeqState.WAITING
+        seq.num_computed = seq.num_on_host = 0
+        seq.evictions += 1
+        self.counters.evictions += 1
+        self.counters.reprefill_tokens += seq.num_tokens
+        self.waiting.appendleft(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        self.device.free(seq.device_pages)
+        self.host.free(seq.host_pages)
+        seq.device_pages, seq.host_pages = [], []
+
+    # -- device tier ----------------------------------------------------------------------
+    def _ensure_device_room(self, out: ScheduleOutput) -> None:
+        """Extend running sequences' device pages for the next window, unloading if short."""
+        for seq in list(self.running):
+            if seq.state is not SeqState.RUNNING:
+                continue
+            missing = pages_for(seq.tokens_after(self.window)) - len(seq.device_pages)
+            if missing <= 0:
+                continue
+            grow = min(max(missing, self.cfg.extension_gpu_page_buffer),
+                       pages_for(seq.budget_tokens) - len(seq.device_pages))
+            if not self._free_device(grow, keep=seq, out=out):
+                continue
+            seq.device_pages += self.device.allocate(grow)
+            self.counters.device_extensions += 1
+
+    def _free_device(self, pages: int, keep: Sequence | None, out: ScheduleOutput,
+                     protect: tuple[Sequence, ...] = ()) -> bool:
+        candidates = [s for s in self.running if s not in protect]
+        for victim in victim_order(candidates):
+            if self.device.num_free >= pages:
+                return True
+            self._unload(victim, out)
+            if victim is keep:
+                return False
+        return self.device.num_free >= pages
+
+    def _unload(self, seq: Sequence, out: ScheduleOutput) -> None:
+        first = seq.num_on_host // PAGE_SIZE
+        last = pages_for(seq.num_computed)
+        out.swap_out.append(PageCopy(seq.seq_id, seq.device_pages[first:last], seq.host_pages[first:last]))
+        self.device.free(seq.device_pages)
+        seq.device_pages = []
+        seq.num_on_host = seq.num_computed
+        seq.state = SeqState.SWAPPED
+        self.running.remove(seq)
+        self.swapped.append(seq)
+        self.counters.unloads += 1
+
+    def _device_target(self, seq: Sequence) -> int:
+        tokens = max(seq.num_tokens + self.cfg.initial_gpu_page_buffer * PAGE_SIZE,
+                     seq.tokens_after(self.window))
+        return pages_for(min(tokens, seq.budget_tokens))
+
+    def _load_swapped(self, out: ScheduleOutput) -> None:
+        for seq in list(self.swapped):
+            if seq.state is not SeqState.SWAPPED:
+                continue  # evicted while making room for an earlier one
+            if len(self.running) >= self.cfg.max_decode_batch:
+                return
+            need_dev = self._device_target(seq)
+            need_host = max(0, self._host_target(seq) - len(seq.host_pages))
+            if need_host > self.host.num_free and not self.running:
+                # Nothing runs: make room even by eviction, or no one would ever progress.
+                if not self._free_host(need_host, keep=seq):
+                    continue
+            if need_dev > self.device.num_free or need_host > self.host.num_free:
+                continue
+            seq.host_pages += self.host.allocate(need_host)
+            seq.device_pages = self.device.allocate(need_dev)
+            count = pages_for(seq.num_computed)
+            out.swap_in.append(PageCopy(seq.seq_id, seq.host_pages[:count], seq.device_pages[:count]))
+            self.swapped.remove(seq)
+            self.running.append(seq)
+            seq.state = SeqState.RUNNING
+            self.counters.loads += 1
+
+    # -- admission ------------------------------------------------------------------------
+    def _admit(self, out: ScheduleOutput, preempt: bool) -> int:
+        """Admit waiting sequences up to the prefill token budget. With `preempt`, running
+        sequences are unloaded to make device room (prefill priority)."""
+        budget = self.cfg.max_prefill_tokens
+        admitted: list[Sequence] = []
+        while self.waiting and (budget > 0 or not admitted):
+            seq = self.waiting[0]
+            if len(self.running) >= self.cfg.max_decode_batch:
+                break
+            if len(self.running) + len(self.swapped) >= self.cfg.max_pool_size:
+                break
+            host_need = pages_for(min(seq.budget_tokens,
+                                      max(seq.tokens_after(self.window), self.chunk.chunk_tokens)))
+            if not self._host_admits(host_need):
+                break
+            dev_need = self._device_target(seq)
+            if dev_need > self.device.num_free:
+                if not preempt or not self._free_device(dev_need, None, out, tuple(admitted)):
+                    break
+            self.waiting.popleft()
+            seq.host_pages = self.host.allocate(host_need)
+            seq.device_pages = self.device.allocate(dev_need)
+            seq.state = SeqState.RUNNING
+            self.running.append(seq)
+            admitted.append(seq)
+            budget -= seq.pending_tokens
+            self.counters.admitted += 1
+        return len(admitted)
+
+    def _host_admits(self, pages: int) -> bool:
+        """New work keeps `host_kv_eviction_watermark` % of the host pool free for growth,
+        unless nothing else is admitted (then anything that fits may start)."""
+        if pages > self.host.num_free:
+            return False
+        if not self.running and not self.swapped:
+            return True
+        free_after = 100.0 * (self.host.num_free - pages) / max(1, self.host.num_pages)
+        return free_after >= self.cfg.host_kv_eviction_watermark
+
+    # -- checks ---------------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        self.device.check([s.device_pages for s in self.running])
+        self.host.check([s.host_pages for s in self.running + self.swapped])
+        for seq in self.running:
+            assert seq.state is SeqState.RUNNING
+            assert len(seq.device_pages) >= pages_for(seq.num_computed), seq
+            assert len(seq.host_pages) >= pages_for(seq.num_computed), seq
+        for seq in self.swapped:
+            assert seq.state is SeqState.SWAPPED and not seq.device_pages
+            assert seq.num_on_host == seq.num_computed
+        for seq in self.waiting:
+            assert seq.state is SeqState.WAITING and not seq.host_pages and not seq.device_pages

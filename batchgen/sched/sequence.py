@@ -1,0 +1,65 @@
+"""Sequence: one choice of one request, as the scheduler tracks it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from batchgen.core import PAGE_SIZE, SamplingParams
+
+
+class SeqState(enum.Enum):
+    WAITING = "waiting"
+    """No KV anywhere: never prefilled, or evicted (then re-prefilled with its tokens)."""
+    RUNNING = "running"
+    """On the device, being prefilled or decoded."""
+    SWAPPED = "swapped"
+    """KV only in the host pool; must be loaded before it runs again."""
+    FINISHED = "finished"
+
+
+def pages_for(tokens: int) -> int:
+    return -(-tokens // PAGE_SIZE)
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    request_id: str
+    choice: int
+    token_ids: list[int]
+    prompt_len: int
+    sampling: SamplingParams
+    seed: int
+    state: SeqState = SeqState.WAITING
+    num_computed: int = 0
+    """Tokens whose KV exists (on the device while RUNNING, on the host while SWAPPED)."""
+    num_on_host: int = 0
+    """Tokens whose KV has been copied to the host pages."""
+    host_pages: list[int] = field(default_factory=list)
+    device_pages: list[int] = field(default_factory=list)
+    evictions: int = 0
+    logprobs: list | None = None
+    """TokenLogprob per generated token, when the request asked for logprobs."""
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_decoded(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def budget_tokens(self) -> int:
+        """Most tokens this sequence can ever hold: prompt + max_tokens."""
+        return self.prompt_len + self.sampling.max_tokens
+
+    @property
+    def pending_tokens(self) -> int:
+        """Tokens to compute before the next sample (1 while decoding)."""
+        return self.num_tokens - self.num_computed
+
+    def tokens_after(self, decode_steps: int) -> int:
+        """KV tokens held after finishing any prefill and `decode_steps` more decode steps."""
+        return min(self.num_tokens + decode_steps, self.budget_tokens)

@@ -1,0 +1,36 @@
+"""Helpers shared by engine-level tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from batchgen.config import EngineConfig, MemoryConfig, SchedulerConfig
+from batchgen.core import Request, SamplingParams
+from batchgen.engine.engine import Engine
+from batchgen.models.loader import build_model, load_hf_config, read_safetensors
+
+
+def load_ours(folder: Path, dtype=torch.float32):
+    cfg = load_hf_config(folder)
+    return build_model(cfg, read_safetensors(folder), dtype, torch.device("cpu"))
+
+
+def make_engine(model, tokenizer=None, eos=(), device_gb=0.05, host_gb=0.1, **sched) -> Engine:
+    cfg = EngineConfig(memory=MemoryConfig(gpu_kv_cache_size=device_gb, host_kv_cache_size=host_gb),
+                       scheduler=SchedulerConfig(**sched)).validate()
+    return Engine(model, cfg, tokenizer, eos)
+
+
+def greedy_requests(prompts: list[list[int]], max_tokens: int, **kw) -> list[Request]:
+    return [Request(f"r{i}", p, SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw))
+            for i, p in enumerate(prompts)]
+
+
+def hf_greedy(hf_model, prompt: list[int], max_tokens: int) -> list[int]:
+    """HF greedy continuation with EOS ignored (as our ignore_eos=True)."""
+    hf_model.generation_config.eos_token_id = None
+    out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False,
+                            pad_token_id=0)
+    return out[0, len(prompt):].tolist()

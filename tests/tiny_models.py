@@ -1,0 +1,40 @@
+"""Tiny random-weight HF models of each family, saved as local folders (no downloads)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+VOCAB = 512
+
+
+def tiny_config(family: str):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                  rms_norm_eps=1e-6, initializer_range=0.2, bos_token_id=1, eos_token_id=2,
+                  pad_token_id=0)
+    if family == "llama":
+        return LlamaConfig(**common, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 128}, rope_theta=10000.0, tie_word_embeddings=False)
+    if family == "llama_tied":
+        return LlamaConfig(**common, tie_word_embeddings=True)
+    if family == "qwen2":
+        return Qwen2Config(**common, tie_word_embeddings=True)
+    if family == "qwen3":
+        return Qwen3Config(**common, head_dim=32, tie_word_embeddings=False)
+    if family == "mistral":
+        return MistralConfig(**common, sliding_window=None, tie_word_embeddings=False)
+    raise ValueError(family)
+
+
+def save_tiny_model(family: str, folder: Path, seed: int = 0) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(family), dtype=torch.float32)
+    model.save_pretrained(str(folder), safe_serialization=True)
+    return folder
