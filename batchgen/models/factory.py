@@ -80,7 +80,7 @@ def load_model(cfg: ModelConfig, device: torch.device, world_size: int = 1) -> L
     folder, name = model_folder(cfg, world_size)
     hf_config = load_hf_config(folder)
     dtype = resolve_dtype(cfg.dtype, device)
-    model = build_model(hf_config, read_safetensors(folder), dtype, device)
+    model = build_model(hf_config, read_safetensors(folder), dtype, device, cfg)
     tokenizer = load_tokenizer(folder)
     log.info("model %s ready on %s in %.1fs (%s)", name, device, time.perf_counter() - start, dtype)
     return LoadedModel(model, hf_config, tokenizer, eos_token_ids(folder, hf_config, tokenizer),

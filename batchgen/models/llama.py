@@ -100,7 +100,7 @@ class LlamaForCausalLM(nn.Module):
     qkv_bias = False
     qk_norm = False
 
-    def __init__(self, hf_config):
+    def __init__(self, hf_config, options=None):
         super().__init__()
         self.config = hf_config
         qkv_bias = self.qkv_bias or bool(getattr(hf_config, "attention_bias", False))

@@ -130,10 +130,14 @@ def load_hf_config(folder: Path):
         raise CheckpointError(f"cannot read {folder / 'config.json'}: {err}") from err
 
 
-def build_model(hf_config, weights, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+def build_model(hf_config, weights, dtype: torch.dtype, device: torch.device,
+                options=None) -> torch.nn.Module:
+    """Instantiate on the meta device, materialise on `device`, load `weights` by name.
+
+    `options` is the job's ModelConfig (expert offloading, pre-dequantization) or None."""
     cls = model_class(hf_config)
     with torch.device("meta"):
-        model = cls(hf_config)
+        model = cls(hf_config, options)
     model = model.to_empty(device=device).requires_grad_(False)
     if hasattr(model, "tie_weights"):
         model.tie_weights()  # to_empty gives every parameter its own storage
