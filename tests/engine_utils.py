@@ -34,3 +34,19 @@ def hf_greedy(hf_model, prompt: list[int], max_tokens: int) -> list[int]:
     out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False,
                             pad_token_id=0)
     return out[0, len(prompt):].tolist()
+
+
+def page_bytes(model) -> int:
+    values = 1
+    for d in model.kv_token_shape:
+        values *= d
+    dtype = next(model.parameters()).dtype
+    return model.config.num_hidden_layers * 64 * values * dtype.itemsize
+
+
+def make_engine_pages(model, device_pages: int, host_pages: int, tokenizer=None, eos=(),
+                      **sched) -> Engine:
+    """An engine whose pools hold exactly the given numbers of pages."""
+    size = page_bytes(model)
+    return make_engine(model, tokenizer, eos, device_gb=(device_pages + 0.5) * size / 1e9,
+                       host_gb=(host_pages + 0.5) * size / 1e9, **sched)
