@@ -4,7 +4,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh test
 set +e
-.venv/bin/python -m pytest -q "$@"
+# Not `python -m pytest`: that puts the repo root (and its kernels/ folder) on sys.path.
+.venv/bin/pytest -q "$@"
 rc=$?
 set -e
 # pytest's "no tests collected" (5) must never pass as green.

@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+# batchgen is installed (editable); the repo root must NOT be on sys.path: its kernels/ folder
+# would shadow PyPI's `kernels` package that transformers probes for.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
