@@ -1,0 +1,198 @@
+"""gpt-oss vs HF GptOssForCausalLM on a tiny random model whose experts went through our MXFP4
+quantizer: both sides use the same dequantized values, ours reading the packed checkpoint
+(on-the-fly dequant, or pre-dequantized at load) and HF the dense weights."""
+
+import json
+
+import pytest
+import torch
+from engine_utils import greedy_requests, hf_greedy, make_engine
+from safetensors.torch import save_file
+
+from batchgen.config import ModelConfig
+from batchgen.engine.forward_batch import ForwardBatch
+from batchgen.engine.kv_cache import KVLayout, KVPool
+from batchgen.models.gpt_oss import ExpertWeights, GptOssForCausalLM
+from batchgen.models.loader import build_model, load_hf_config, read_safetensors
+from batchgen.models.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+
+VOCAB = 512
+WINDOW = 16
+NEW_TOKENS = 40
+PROMPT_LENGTHS = [5, 20, 64, 70, 140]  # shorter than the window, one page, crossing pages
+EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
+
+
+def tiny_config():
+    from transformers import GptOssConfig
+
+    return GptOssConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=8,
+        num_experts_per_tok=2, sliding_window=WINDOW, max_position_embeddings=1024,
+        initializer_range=0.2, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
+        pad_token_id=0, architectures=["GptOssForCausalLM"],
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0,
+                         "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 128})
+
+
+def quantize_hf_experts(hf) -> dict[str, torch.Tensor]:
+    """Replace HF's dense expert weights by their MXFP4 round trip (in place); returns the
+    packed tensors under the real checkpoint names."""
+    packed = {}
+    for name, param in hf.named_parameters():
+        if not name.endswith(tuple("experts." + w for w in EXPERT_WEIGHTS)):
+            continue
+        blocks, scales = quantize_mxfp4(param.data.transpose(1, 2))  # HF [E, in, out]
+        with torch.no_grad():
+            param.copy_(dequantize_mxfp4(blocks, scales, torch.float32).transpose(1, 2))
+        packed[name + "_blocks"], packed[name + "_scales"] = blocks, scales
+    return packed
+
+
+def randomize_biases(hf, gen: torch.Generator) -> None:
+    """HF initialises most biases to zero; random ones make the parity test cover them. The
+    large gate_up biases push a few percent of the SwiGLU inputs past the +-7 clamp."""
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if name.endswith("bias"):
+                std = 4.0 if name.endswith("gate_up_proj_bias") else 0.2
+                param.copy_(torch.randn(param.shape, generator=gen) * std)
+
+
+def save_mxfp4_checkpoint(hf, packed: dict, folder):
+    """The layout of the real gpt-oss checkpoints: packed experts + quantization_config."""
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {n: t.contiguous() for n, t in hf.state_dict().items()
+               if not n.endswith(tuple("experts." + w for w in EXPERT_WEIGHTS))}
+    save_file({**tensors, **packed}, str(folder / "model.safetensors"))
+    config = hf.config.to_dict()
+    config["quantization_config"] = {"quant_method": "mxfp4",
+                                     "modules_to_not_convert": ["model.layers.*.self_attn",
+                                                                "model.layers.*.mlp.router",
+                                                                "model.embed_tokens", "lm_head"]}
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny ops (index_add_ on a few rows) are ~1000x slower when the intra-op pool spins on
+    a loaded CPU; one thread is also the fastest setting for a model this small."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(one_thread, tmp_path_factory):
+    """(HF model, MXFP4 folder, dense folder written by HF save_pretrained)."""
+    from transformers import GptOssForCausalLM as HFGptOss
+
+    torch.manual_seed(0)
+    hf = HFGptOss(tiny_config()).float().eval()
+    randomize_biases(hf, torch.Generator().manual_seed(1))
+    packed = quantize_hf_experts(hf)
+    root = tmp_path_factory.mktemp("gpt_oss")
+    mxfp4 = save_mxfp4_checkpoint(hf, packed, root / "mxfp4")
+    hf.save_pretrained(str(root / "dense"), safe_serialization=True)
+    return hf, mxfp4, root / "dense"
+
+
+def load_ours(folder, pre_dequantize=False, dtype=torch.float32):
+    options = ModelConfig(pre_dequantize_weights=pre_dequantize)
+    return build_model(load_hf_config(folder), read_safetensors(folder), dtype,
+                       torch.device("cpu"), options)
+
+
+def prompts(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def hf_continuations(checkpoints):
+    hf = checkpoints[0]
+    return [hf_greedy(hf, p, NEW_TOKENS) for p in prompts()]
+
+
+def last_token_logits(model, prompt):
+    pages = -(-len(prompt) // 64)
+    layout = KVLayout(model.config.num_hidden_layers, model.kv_token_shape, torch.float32,
+                      torch.float32)
+    pool = KVPool(layout, pages, "cpu")
+    batch = ForwardBatch.build([prompt], [0], [list(range(pages))], [True], pool,
+                               torch.device("cpu"))
+    with torch.inference_mode():
+        return model(batch)[0]
+
+
+@pytest.mark.parametrize("pre_dequantize", [False, True], ids=["on_the_fly", "pre_dequantized"])
+def test_greedy_tokens_match_hf_batched(checkpoints, hf_continuations, pre_dequantize):
+    ours = load_ours(checkpoints[1], pre_dequantize)
+    results = make_engine(ours).generate(greedy_requests(prompts(), NEW_TOKENS, ignore_eos=True))
+    assert [r.completions[0].token_ids for r in results] == hf_continuations
+
+
+@pytest.mark.parametrize("source", ["mxfp4", "mxfp4_pre_dequantized", "dense"])
+def test_logits_match_hf(checkpoints, source):
+    hf, mxfp4, dense = checkpoints
+    ours = load_ours(dense if source == "dense" else mxfp4, source == "mxfp4_pre_dequantized")
+    prompt = prompts(1)[-1]
+    with torch.inference_mode():
+        expected = hf(torch.tensor([prompt])).logits[0, -1]
+    torch.testing.assert_close(last_token_logits(ours, prompt), expected, rtol=1e-4, atol=1e-4)
+
+
+def expert_storage(model) -> list[ExpertWeights]:
+    return [m for m in model.modules() if isinstance(m, ExpertWeights)]
+
+
+def test_mxfp4_experts_stay_packed(checkpoints):
+    ours = load_ours(checkpoints[1])
+    storage = expert_storage(ours)
+    assert len(storage) == 2 * ours.config.num_hidden_layers
+    for weights in storage:
+        assert weights.packed and weights.blocks.dtype == torch.uint8
+        assert not hasattr(weights, "weight")
+    packed_bytes = sum(b.numel() for w in storage for b in (w.blocks, w.scales))
+    dense_values = sum(w.shape[0] * w.shape[1] * w.shape[2] for w in storage)
+    assert packed_bytes * 8 / dense_values == pytest.approx(4.25)  # bits per weight
+
+
+def test_pre_dequantize_gives_model_dtype_experts(checkpoints):
+    packed = load_ours(checkpoints[1], dtype=torch.bfloat16)
+    dense = load_ours(checkpoints[1], pre_dequantize=True, dtype=torch.bfloat16)
+    for p, d in zip(expert_storage(packed), expert_storage(dense)):
+        assert not d.packed and d.weight.dtype == torch.bfloat16
+        for e in range(p.shape[0]):
+            assert torch.equal(d.weight[e], p.expert(e, torch.bfloat16))
+
+
+def test_dense_checkpoint_loads_dense(checkpoints):
+    hf, _, dense = checkpoints
+    ours = load_ours(dense)
+    for name, weights in zip(("gate_up_proj", "down_proj"), expert_storage(ours)[:2]):
+        assert not weights.packed
+        hf_weight = getattr(hf.model.layers[0].mlp.experts, name)
+        assert torch.equal(weights.weight, hf_weight.transpose(1, 2))
+
+
+def test_layer_windows_alternate(checkpoints):
+    ours = load_ours(checkpoints[1])
+    windows = [layer.self_attn.window for layer in ours.model.layers]
+    assert windows == [WINDOW, None, WINDOW, None]  # HF's default layer_types
+    assert ours.kv_token_shape == (2, 2, 16)
+
+
+def test_missing_scales_is_an_error(checkpoints):
+    folder = checkpoints[1]
+    cfg = load_hf_config(folder)
+    weights = [(n, t) for n, t in read_safetensors(folder) if not n.endswith("down_proj_scales")]
+    with torch.device("meta"):
+        model = GptOssForCausalLM(cfg)
+    model = model.to_empty(device="cpu")
+    with pytest.raises(ValueError, match="down_proj"):
+        model.load_weights(weights)
