@@ -33,7 +33,7 @@ def pick_device(name: str) -> torch.device:
 
 class Engine:
     def __init__(self, model: torch.nn.Module, config: EngineConfig, tokenizer=None,
-                 eos_token_ids: Iterable[int] = ()):
+                 eos_token_ids: Iterable[int] = (), skip_special_tokens: bool = True):
         self.config = config
         self.model = model
         self.tokenizer = tokenizer
@@ -48,7 +48,7 @@ class Engine:
         self.runner = ModelRunner(model, self.layout, sizes.device_pages, sizes.host_pages,
                                   self.device, config.memory.fast_init, config.memory.enable_hugetlbfs)
         self.eos_ids = frozenset(eos_token_ids)
-        self.stops = StopChecker(tokenizer)
+        self.stops = StopChecker(tokenizer, skip_special_tokens)
         self._next_seq = 0
         self._groups: dict[str, list[Sequence]] = {}
         self._done: dict[str, list[Completion]] = {}
@@ -73,6 +73,11 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work
+
+    @property
+    def num_requests(self) -> int:
+        """Requests added and not yet returned by step()."""
+        return len(self._groups)
 
     def step(self) -> list[FinishedRequest]:
         out = self.scheduler.schedule()

@@ -1,0 +1,82 @@
+"""A prepared job: config + identity + paths, handed from the supervisor to the workers as JSON
+(never pickle)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import orjson
+
+from batchgen.config import JobConfig
+from batchgen.io.jobfiles import JobPaths, make_fingerprint
+
+EXIT_REQUEUE = 75
+"""Exit code meaning "preempted: requeue me" (EX_TEMPFAIL); Slurm jobs requeue on it."""
+EXIT_WATCHDOG = 70
+"""Exit code of a worker group ended by the watchdog (a restart resumes)."""
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    config: JobConfig
+    batch_id: str
+    input_sha256: str
+    total_records: int
+    created: int
+    """Unix time of the job's first start; result lines use it so a resume writes identical lines."""
+
+    @property
+    def paths(self) -> JobPaths:
+        s = self.config.storage
+        return JobPaths.for_job(s.storage_path, self.batch_id, s.incremental_output_dir, s.output)
+
+    def spec_file(self) -> Path:
+        return self.paths.batch_file.with_name(f"{self.batch_id}.spec.json")
+
+    def save(self) -> Path:
+        path = self.spec_file()
+        tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+        tmp.write_bytes(orjson.dumps(dataclasses.asdict(self)))
+        os.replace(tmp, path)
+        return path
+
+    @staticmethod
+    def load(path: str | Path) -> "JobSpec":
+        raw = orjson.loads(Path(path).read_bytes())
+        return JobSpec(config=_config_from_dict(JobConfig, raw.pop("config")), **raw)
+
+
+def _config_from_dict(cls, data: dict):
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        value = data[f.name]
+        sub = f.default_factory  # type: ignore[misc]
+        if sub is not dataclasses.MISSING and dataclasses.is_dataclass(sub):
+            value = _config_from_dict(sub, value)
+        kwargs[f.name] = value
+    return cls(**kwargs)
+
+
+def fingerprint(config: JobConfig, input_sha256: str, model_identity: str) -> dict:
+    """What decides the answers: a resume with any of it changed is refused."""
+    m = config.engine.model
+    out = config.output
+    return make_fingerprint({
+        "input_sha256": input_sha256,
+        "model": model_identity,
+        "dtype": m.dtype,
+        "kv_dtype": m.kv_dtype,
+        "seed": config.engine.runtime.seed,
+        "parse_thinking": out.parse_thinking,
+        "parse_tool_call": out.parse_tool_call,
+        "reasoning_field": out.reasoning_field,
+        "include_special_tokens": out.detokenization_include_special_tokens,
+    })
+
+
+def now() -> int:
+    return int(time.time())

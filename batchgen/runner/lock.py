@@ -1,0 +1,43 @@
+"""One live run per job: an exclusive flock on batches/{batch_id}.lock naming its holder."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import socket
+import time
+from pathlib import Path
+
+
+class JobLocked(RuntimeError):
+    pass
+
+
+class JobLock:
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self._fd: int | None = None
+
+    def acquire(self, wait: bool = False, timeout: float | None = None) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if not wait or (deadline is not None and time.monotonic() > deadline):
+                    holder = os.pread(fd, 256, 0).decode(errors="replace").strip() or "unknown"
+                    os.close(fd)
+                    raise JobLocked(f"job is already running ({holder}); wait for it to finish, "
+                                    "or stop it first (a dead holder releases the lock itself)")
+                time.sleep(1.0)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing drops the flock
+            self._fd = None

@@ -1,0 +1,51 @@
+"""Finished request -> OpenAI batch result line, with reasoning / tool-call parsing when asked."""
+
+from __future__ import annotations
+
+from batchgen.core import FinishedRequest
+from batchgen.io.intake import PendingRequest
+from batchgen.io.parsers import (count_reasoning_tokens, parse_output, reasoning_style_for,
+                                 tool_parser_for)
+from batchgen.io.results import ParsedChoice, success_line
+
+
+class OutputFormatter:
+    def __init__(self, spec, loaded):
+        self.spec = spec
+        self.tokenizer = loaded.tokenizer
+        self.model_name = loaded.name
+        out = spec.config.output
+        model_type = getattr(loaded.hf_config, "model_type", "") or ""
+        self.reasoning_style = reasoning_style_for(model_type) if out.parse_thinking else None
+        override = None if out.tool_call_parser == "auto" else out.tool_call_parser
+        self.tool_parser = tool_parser_for(model_type, override) if out.parse_tool_call else None
+        self.reasoning_field = out.reasoning_field
+        self._token_text: dict[int, str] = {}
+
+    def decode_token(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            self._token_text[token_id] = text
+        return text
+
+    def success(self, pending: PendingRequest, finished: FinishedRequest) -> dict:
+        parsed = None
+        if pending.kind == "chat" and (self.reasoning_style or self.tool_parser):
+            parsed = [self._parse(c) for c in finished.completions]
+        return success_line(pending, finished, batch_id=self.spec.batch_id, model=self.model_name,
+                            created=self.spec.created, decode_token=self.decode_token,
+                            parsed=parsed, reasoning_field=self.reasoning_field)
+
+    def _parse(self, completion) -> ParsedChoice:
+        text = completion.text or ""
+        if "harmony" in (self.reasoning_style, self.tool_parser):
+            # Harmony's channel markers are special tokens: parse the text that keeps them.
+            text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=False)
+        message = parse_output(text, reasoning_style=self.reasoning_style,
+                               tool_parser=self.tool_parser)
+        tokens = 0
+        if self.reasoning_style and message.reasoning:
+            tokens = count_reasoning_tokens(completion.token_ids, self.tokenizer,
+                                            self.reasoning_style)
+        return ParsedChoice(message.content, message.reasoning, message.tool_calls or None, tokens)

@@ -1,0 +1,70 @@
+"""Progress of a running job, read from the workers' per-rank stats files (rich bar on a TTY,
+plain periodic log lines otherwise, e.g. in Slurm logs)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+from pathlib import Path
+
+import orjson
+
+log = logging.getLogger("batchgen")
+PLAIN_INTERVAL_S = 30.0
+
+
+def read_worker_stats(batch_dir: Path, batch_id: str) -> list[dict]:
+    stats = []
+    for path in sorted(batch_dir.glob(f"{batch_id}.worker*.json")):
+        try:
+            stats.append(orjson.loads(path.read_bytes()))
+        except (OSError, orjson.JSONDecodeError):
+            continue  # being replaced right now; next poll reads it
+    return stats
+
+
+class ProgressReporter(threading.Thread):
+    def __init__(self, batch_dir: Path, batch_id: str, total: int, already_done: int):
+        super().__init__(daemon=True)
+        self.batch_dir, self.batch_id = batch_dir, batch_id
+        self.total, self.already_done = total, already_done
+        self._stop_event = threading.Event()
+        self._t0 = time.time()
+
+    def snapshot(self) -> tuple[int, int]:
+        stats = read_worker_stats(self.batch_dir, self.batch_id)
+        done = self.already_done + sum(s["completed"] + s["failed"] for s in stats
+                                       if s.get("heartbeat", 0) >= self._t0)
+        tokens = sum(s["completion_tokens"] for s in stats if s.get("heartbeat", 0) >= self._t0)
+        return min(done, self.total), tokens
+
+    def run(self) -> None:
+        if sys.stderr.isatty():
+            self._run_rich()
+        else:
+            self._run_plain()
+
+    def _run_rich(self) -> None:
+        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                                   TimeElapsedColumn, TimeRemainingColumn)
+
+        with Progress(TextColumn("[bold]batchgen"), BarColumn(), MofNCompleteColumn(),
+                      TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TimeRemainingColumn(),
+                      transient=False) as bar:
+            task = bar.add_task("requests", total=self.total, completed=self.already_done, rate="")
+            while not self._stop_event.wait(1.0):
+                done, tokens = self.snapshot()
+                rate = tokens / max(time.time() - self._t0, 1e-9)
+                bar.update(task, completed=done, rate=f"{rate:,.0f} out tok/s")
+
+    def _run_plain(self) -> None:
+        while not self._stop_event.wait(PLAIN_INTERVAL_S):
+            done, tokens = self.snapshot()
+            rate = tokens / max(time.time() - self._t0, 1e-9)
+            log.info("progress: %d/%d requests, %.0f output tok/s", done, self.total, rate)
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join(timeout=5)
