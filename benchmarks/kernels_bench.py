@@ -1,0 +1,186 @@
+"""Time each batchgen_kernels kernel against its PyTorch equivalent on a CUDA device.
+
+Usage: python benchmarks/kernels_bench.py [--only decode,prefill,...]
+Prints one row per case: median times (triton.testing.do_bench), the speed-up, and GB/s: the
+bytes each kernel must read plus write divided by its time (for decode: the HBM bandwidth
+reached; for page copies: bytes copied, i.e. the link bandwidth for host transfers).
+Shapes are Llama-3-8B-like: 32 query heads, 8 KV heads, head_dim 128, bfloat16.
+Not a test: it needs a GPU and minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import batchgen_kernels as K
+import torch
+import torch.nn.functional as F
+from batchgen_kernels import reference
+from triton.testing import do_bench
+
+PAGE = 64
+HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+BF16 = torch.bfloat16
+
+
+def paged_pool(batch: int, ctx: int, kv_dtype: torch.dtype, num_layers: int = 2):
+    """A pool whose layer-1 view holds `ctx` tokens for each of `batch` sequences."""
+    pages = -(-ctx // PAGE)
+    data = torch.randn(batch * pages, num_layers, PAGE, 2, KV_HEADS, HEAD_DIM, device="cuda")
+    data = data.to(kv_dtype)
+    scales = None
+    if kv_dtype == torch.float8_e4m3fn:
+        scales = torch.rand(data.shape[:-1], device="cuda")[:, 1] * 0.01
+    table = torch.randperm(batch * pages, device="cuda").view(batch, pages).to(torch.int32)
+    return data[:, 1], scales, table
+
+
+def torch_paged_attention(q, kv, scales, table, ctx_lens, q_len):
+    """Gather pages into a dense padded cache, then SDPA (what the engine does without kernels)."""
+    dense = kv[table.long()].flatten(1, 2)  # [B, P*64, 2, KVH, D]
+    if scales is not None:
+        dense = dense.to(BF16) * scales[table.long()].flatten(1, 2).unsqueeze(-1).to(BF16)
+    k, v = dense[:, :, 0].transpose(1, 2), dense[:, :, 1].transpose(1, 2)
+    qb = q.view(table.shape[0], q_len, HEADS, HEAD_DIM).transpose(1, 2)
+    keys = torch.arange(k.shape[2], device="cuda")
+    q_pos = ctx_lens[:, None] - q_len + torch.arange(q_len, device="cuda")[None]
+    mask = keys[None, None, :] <= q_pos[:, :, None]  # [B, q_len, K]
+    return F.scaled_dot_product_attention(qb, k, v, attn_mask=mask[:, None], enable_gqa=True)
+
+
+def bench_decode(batch: int, ctx: int, kv_dtype=BF16, num_splits=None):
+    kv, scales, table = paged_pool(batch, ctx, kv_dtype)
+    q = torch.randn(batch, HEADS, HEAD_DIM, device="cuda", dtype=BF16)
+    ctx_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    scale = HEAD_DIM ** -0.5
+    ours = do_bench(lambda: K.paged_decode_attention(q, kv, scales, table, ctx_lens, scale,
+                                                     num_splits=num_splits))
+    theirs = do_bench(lambda: torch_paged_attention(q, kv, scales, table, ctx_lens, 1))
+    moved = batch * ctx * 2 * KV_HEADS * HEAD_DIM * kv.element_size() + 2 * q.nbytes
+    if scales is not None:
+        moved += batch * ctx * 2 * KV_HEADS * 4
+    name = f"decode {kv_dtype}".replace("torch.", "") + f" splits={num_splits or 'auto'}"
+    return name, f"B={batch} ctx={ctx}", ours, theirs, moved
+
+
+def bench_prefill(batch: int, q_len: int):
+    kv, scales, table = paged_pool(batch, q_len, BF16)
+    q = torch.randn(batch * q_len, HEADS, HEAD_DIM, device="cuda", dtype=BF16)
+    cu = torch.arange(0, batch + 1, device="cuda", dtype=torch.int32) * q_len
+    ctx_lens = torch.full((batch,), q_len, dtype=torch.int32, device="cuda")
+    scale = HEAD_DIM ** -0.5
+    ours = do_bench(lambda: K.paged_prefill_attention(q, kv, scales, cu, ctx_lens, table, scale,
+                                                      q_len))
+    dense_k = torch.randn(batch, KV_HEADS, q_len, HEAD_DIM, device="cuda", dtype=BF16)
+    qb = q.view(batch, q_len, HEADS, HEAD_DIM).transpose(1, 2)
+    theirs = do_bench(lambda: F.scaled_dot_product_attention(qb, dense_k, dense_k,
+                                                             is_causal=True, enable_gqa=True))
+    flops = 2 * 2 * batch * HEADS * HEAD_DIM * q_len * q_len / 2
+    print(f"  prefill: {flops / ours / 1e9:.0f} TFLOP/s (torch SDPA flash on dense KV: "
+          f"{flops / theirs / 1e9:.0f})")
+    return "prefill (vs dense SDPA)", f"B={batch} q={q_len}", ours, theirs, None
+
+
+def bench_store(tokens: int, kv_dtype=BF16):
+    kv, scales, _ = paged_pool(tokens // PAGE, PAGE, kv_dtype)
+    k = torch.randn(tokens, KV_HEADS, HEAD_DIM, device="cuda", dtype=BF16)
+    v = torch.randn_like(k)
+    slots = torch.randperm(tokens, device="cuda")
+    ours = do_bench(lambda: K.store_kv(k, v, kv, scales, slots))
+    theirs = do_bench(lambda: torch_store(k, v, kv, scales, slots))
+    moved = 2 * k.nbytes + 2 * k.numel() * kv.element_size() + slots.nbytes
+    return f"store_kv {kv_dtype}".replace("torch.", ""), f"T={tokens}", ours, theirs, moved
+
+
+def torch_store(k, v, kv, scales, slots):
+    page, offset = slots // PAGE, slots % PAGE
+    if scales is None:
+        kv[page, offset] = torch.stack([k, v], dim=1)
+    else:
+        values, scale = reference.quantize_fp8(torch.stack([k, v], dim=1))
+        kv[page, offset] = values
+        scales[page, offset] = scale
+
+
+def bench_copy(pages: int, num_layers: int, host: str):
+    shape = (pages * 2, num_layers, PAGE, 2, KV_HEADS, HEAD_DIM)
+    device_pool = torch.randn(shape, device="cuda").to(BF16)
+    other = torch.empty(shape, dtype=BF16, device="cpu").pin_memory() if host else \
+        torch.empty_like(device_pool)
+    src, dst = (device_pool, other) if host != "h2d" else (other, device_pool)
+    src_ids = torch.randperm(pages * 2, device="cuda")[:pages]
+    dst_ids = torch.randperm(pages * 2, device="cuda")[:pages]
+    ours = do_bench(lambda: K.copy_pages(src, src_ids, dst, dst_ids))
+    src_list, dst_list = src_ids.tolist(), dst_ids.tolist()
+
+    def per_page():  # the alternative the kernel replaces: one copy per page
+        for s, d in zip(src_list, dst_list):
+            dst[d].copy_(src[s], non_blocking=True)
+    theirs = do_bench(per_page)
+    moved = pages * device_pool[0].nbytes  # bytes copied
+    return f"copy_pages {host or 'd2d'}", f"{pages} pages x {num_layers} layers", ours, theirs, \
+        moved
+
+
+def bench_rmsnorm(tokens: int, hidden: int):
+    x = torch.randn(tokens, hidden, device="cuda", dtype=BF16)
+    r = torch.randn_like(x)
+    w = torch.rand(hidden, device="cuda", dtype=BF16)
+
+    def unfused():
+        h = x + r
+        hf = h.float()
+        return w * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(BF16), h
+    ours = do_bench(lambda: K.fused_add_rmsnorm(x, r, w, 1e-6))
+    return "fused_add_rmsnorm", f"T={tokens} N={hidden}", ours, do_bench(unfused), 4 * x.nbytes
+
+
+def bench_rope(tokens: int):
+    qkv = torch.randn(tokens, HEADS + 2 * KV_HEADS, HEAD_DIM, device="cuda", dtype=BF16)
+    q, k = qkv[:, :HEADS], qkv[:, HEADS:HEADS + KV_HEADS]
+    pos = torch.randint(0, 4096, (tokens,), device="cuda")
+    cos, sin = torch.rand(4096, HEAD_DIM, device="cuda"), torch.rand(4096, HEAD_DIM, device="cuda")
+
+    def unfused():
+        return reference.rope(q, k, pos, cos, sin)
+    ours = do_bench(lambda: K.apply_rope(q, k, pos, cos, sin))
+    moved = 2 * (q.numel() + k.numel()) * 2
+    return "apply_rope (in place)", f"T={tokens}", ours, do_bench(unfused), moved
+
+
+def bench_silu(tokens: int, inter: int):
+    x = torch.randn(tokens, 2 * inter, device="cuda", dtype=BF16)
+    ours = do_bench(lambda: K.silu_and_mul(x))
+    theirs = do_bench(lambda: F.silu(x[:, :inter]) * x[:, inter:])
+    return "silu_and_mul", f"T={tokens} I={inter}", ours, theirs, x.nbytes * 3 // 2
+
+
+CASES = {
+    "decode": lambda: [bench_decode(256, 1024), bench_decode(256, 1024, torch.float8_e4m3fn),
+                       bench_decode(8, 16384, num_splits=1), bench_decode(8, 16384)],
+    "prefill": lambda: [bench_prefill(4, 2048)],
+    "store": lambda: [bench_store(16384), bench_store(16384, torch.float8_e4m3fn)],
+    "copy": lambda: [bench_copy(64, 32, ""), bench_copy(64, 32, "h2d"), bench_copy(64, 32, "d2h")],
+    "rmsnorm": lambda: [bench_rmsnorm(8192, 4096)],
+    "rope": lambda: [bench_rope(8192)],
+    "silu": lambda: [bench_silu(8192, 14336)],
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", default=",".join(CASES), help="comma-separated cases")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("kernels_bench needs a CUDA device")
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}")
+    print(f"{'kernel':34} {'shape':26} {'triton ms':>10} {'torch ms':>10} {'speedup':>8} "
+          f"{'GB/s':>7}")
+    for case in args.only.split(","):
+        for name, shape, ours, theirs, moved in CASES[case]():
+            rate = f"{moved / ours / 1e6:7.0f}" if moved else f"{'-':>7}"  # compute-bound
+            print(f"{name:34} {shape:26} {ours:10.4f} {theirs:10.4f} {theirs / ours:7.2f}x {rate}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,25 @@
+"""Triton kernels for batchgen, installed as `batchgen_kernels`.
+
+Each module holds one kernel, its typed launcher (shapes in the docstring, preconditions
+asserted) and notes on the algorithm; `reference` holds the pure-PyTorch definitions they are
+tested against. On a machine without a GPU they run under TRITON_INTERPRET=1.
+"""
+
+from .decode_attention import paged_decode_attention
+from .kv_store import store_kv
+from .page_copy import copy_pages
+from .prefill_attention import paged_prefill_attention
+from .rmsnorm import fused_add_rmsnorm, rmsnorm
+from .rope import apply_rope
+from .silu_mul import silu_and_mul
+
+__all__ = [
+    "apply_rope",
+    "copy_pages",
+    "fused_add_rmsnorm",
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "rmsnorm",
+    "silu_and_mul",
+    "store_kv",
+]

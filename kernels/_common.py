@@ -1,0 +1,135 @@
+"""Helpers shared by the kernels: launcher precondition checks and small @triton.jit pieces.
+
+Two Triton 3.9 interpreter defects shape the jit helpers (both found by the CPU tests):
+- `tl.dot` on bfloat16 operands multiplies their raw bit patterns, so `dot` upcasts to float32
+  when the launcher asks for it (always under the interpreter, and for float32 inputs on GPU
+  where it also selects IEEE instead of TF32 precision).
+- float32 -> float8 casts mis-round when the mantissa carries into the exponent, so
+  `round_to_e4m3` snaps values onto the e4m3 grid in float32 first; the cast is then exact on
+  every backend, and GPU and CPU runs agree bit for bit with torch's cast of the same values.
+The interpreter also truncates float32 -> bfloat16 instead of rounding; outputs stay within
+an ulp, which the tests' tolerances absorb. Compiled (GPU) kernels may read only constexpr
+globals, hence LOG2E and FP8_MAX_C.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+PAGE_SIZE = 64
+"""Tokens per KV page (batchgen.core.PAGE_SIZE; repeated so the kernels import standalone)."""
+FP8_MAX = 448.0
+"""Largest finite float8_e4m3fn value; fp8 pools store value / (amax / FP8_MAX)."""
+FP8_DTYPE = torch.float8_e4m3fn
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+LOG2E = tl.constexpr(1.4426950408889634)
+"""log2(e): the online softmaxes run in base 2 (exp2 is the hardware instruction)."""
+FP8_MAX_C = tl.constexpr(FP8_MAX)
+"""FP8_MAX as a constexpr: jit code may only read constexpr globals."""
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels through its CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def next_pow2(n: int) -> int:
+    return triton.next_power_of_2(max(1, int(n)))
+
+
+def check_device(*tensors: torch.Tensor | None) -> torch.device:
+    """All given tensors share one device, which a kernel can run on; returns it."""
+    present = [t for t in tensors if t is not None]
+    device = present[0].device
+    for t in present:
+        assert t.device == device, f"tensors on {t.device} and {device}"
+    assert device.type == "cuda" or interpreting(), (
+        f"{device} tensors need TRITON_INTERPRET=1 (the Triton CPU interpreter)")
+    return device
+
+
+def check_dtype(name: str, t: torch.Tensor, allowed: tuple[torch.dtype, ...]) -> None:
+    assert t.dtype in allowed, f"{name}: dtype {t.dtype} not in {allowed}"
+
+
+def check_shape(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
+    assert tuple(t.shape) == tuple(shape), f"{name}: shape {tuple(t.shape)}, expected {shape}"
+
+
+def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
+    assert t.shape[-1] <= 1 or t.stride(-1) == 1, f"{name}: last dim must have stride 1"
+
+
+def use_f32_dot(dtype: torch.dtype) -> bool:
+    """Whether attention dots must run on float32 operands (see the module docstring)."""
+    return dtype == torch.float32 or interpreting()
+
+
+@triton.jit
+def dot(a, b, F32: tl.constexpr):
+    """a @ b with float32 accumulation; F32 upcasts the operands and uses IEEE precision."""
+    if F32:
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        out = tl.dot(a, b)
+    return out
+
+
+@triton.jit
+def round_to_e4m3(y):
+    """Round float32 `y` (|y| <= 448) to the nearest-even float8_e4m3fn value, kept in float32."""
+    a = tl.abs(y)
+    exponent = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    # e4m3 has 3 mantissa bits and its smallest normal exponent is -6 (below: subnormal grid).
+    ulp_exp = tl.maximum(exponent, -6) - 3
+    ulp = ((ulp_exp + 127) << 23).to(tl.float32, bitcast=True)
+    inv_ulp = ((127 - ulp_exp) << 23).to(tl.float32, bitcast=True)
+    # Scaling by powers of two is exact; adding and removing 1.5 * 2^23 rounds a value below
+    # 2^22 to an integer, ties to even.
+    r = ((a * inv_ulp + 12582912.0) - 12582912.0) * ulp
+    r = tl.minimum(r, 448.0)
+    # Copy y's sign bit over (not `-r`: Triton lowers negation to 0 - r, which loses -0.0).
+    sign = (y.to(tl.int32, bitcast=True) >> 31) << 31
+    return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def load_page_kv(kv_ptr, scale_ptr, kv_off, scale_off, offs_n, offs_d, mask_n, mask_d,
+                 stride_slot, stride_kv, stride_scale_slot, stride_scale_kv,
+                 DTYPE: tl.constexpr, FP8: tl.constexpr):
+    """One page-block of one KV head: K^T [BLOCK_D, N] and V [N, BLOCK_D] cast to DTYPE, and
+    the per-key dequantisation scales k_scale/v_scale [N] (ones unless FP8).
+
+    `kv_off`/`scale_off` are the int64 element offsets of (page, slot 0, K, head); masked keys
+    load as zero so unwritten (possibly NaN) slots never reach the softmax or the PV product.
+    """
+    k_ptrs = kv_ptr + kv_off + offs_n[None, :] * stride_slot + offs_d[:, None]
+    mask_kt = mask_n[None, :] & mask_d[:, None]
+    k_t = tl.load(k_ptrs, mask=mask_kt, other=0.0).to(DTYPE)
+    v_ptrs = kv_ptr + kv_off + stride_kv + offs_n[:, None] * stride_slot + offs_d[None, :]
+    v = tl.load(v_ptrs, mask=mask_n[:, None] & mask_d[None, :], other=0.0).to(DTYPE)
+    if FP8:
+        s_ptrs = scale_ptr + scale_off + offs_n * stride_scale_slot
+        k_scale = tl.load(s_ptrs, mask=mask_n, other=0.0)
+        v_scale = tl.load(s_ptrs + stride_scale_kv, mask=mask_n, other=0.0)
+    else:
+        k_scale = tl.full(offs_n.shape, 1.0, tl.float32)
+        v_scale = k_scale
+    return k_t, v, k_scale, v_scale
+
+
+@triton.jit
+def finish_softmax(m, l, acc, sink, HAS_SINK: tl.constexpr):
+    """acc / l for an online softmax kept in base 2 (m row max, l row sum), where `sink`
+    (already times log2(e)) is an extra logit that takes probability mass but adds no value."""
+    if HAS_SINK:
+        m_all = tl.maximum(m, sink)
+        rescale = tl.exp2(m - m_all)
+        l = l * rescale + tl.exp2(sink - m_all)
+        acc = acc * rescale[:, None]
+    l = tl.where(l > 0.0, l, 1.0)
+    return acc / l[:, None]

@@ -1,0 +1,234 @@
+"""Paged decode attention: one query token per sequence against its paged KV.
+
+One program owns (sequence, KV head, split) and processes the whole GQA group of query heads
+that share the KV head, so each K/V page is read from memory once per group rather than once
+per query head; the group is padded to 16 rows because `tl.dot` needs M >= 16. Decode is
+bandwidth-bound, so the padding costs nothing that matters.
+
+The context is walked a page (64 keys) at a time with an online softmax in base 2. With few
+sequences there are too few programs to fill the GPU, so the visible pages are cut into
+`num_splits` ranges: each program writes a partial (log-sum-exp, normalised output) and
+`_reduce_kernel` merges them; with one split the first kernel finishes the softmax itself.
+A sliding window only changes which pages are walked; sinks enter at the final normalisation.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import (
+    FLOAT_DTYPES,
+    FP8_DTYPE,
+    LOG2E,
+    PAGE_SIZE,
+    check_device,
+    check_dtype,
+    check_last_dim_contiguous,
+    check_shape,
+    dot,
+    finish_softmax,
+    load_page_kv,
+    next_pow2,
+    use_f32_dot,
+)
+
+
+@triton.jit
+def _decode_kernel(
+        q_ptr, kv_ptr, scale_ptr, page_table_ptr, context_lens_ptr, sinks_ptr,
+        out_ptr, part_out_ptr, part_lse_ptr,
+        sm_scale, window, pages_per_split, num_splits,
+        stride_qt, stride_qh, stride_ot, stride_oh,
+        stride_page, stride_slot, stride_kv, stride_head,
+        stride_s_page, stride_s_slot, stride_s_kv, stride_s_head, stride_pt,
+        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
+        BLOCK_D: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr,
+        HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, FP8: tl.constexpr,
+        F32_DOT: tl.constexpr):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx = tl.load(context_lens_ptr + seq)
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(ctx - window, 0)  # the query sits at ctx - 1; keys j > ctx-1-window
+    first = lo // PAGE + split * pages_per_split
+    last = tl.minimum(first + pages_per_split, tl.cdiv(ctx, PAGE))
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, PAGE)
+    mask_g = offs_g < GROUP
+    mask_d = offs_d < HEAD_DIM
+    heads = kv_head * GROUP + offs_g
+    q_ptrs = q_ptr + seq * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=mask_g[:, None] & mask_d[None, :], other=0.0)
+    qk_scale = sm_scale * LOG2E
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for p in range(first, last):
+        page = tl.load(page_table_ptr + seq * stride_pt + p).to(tl.int64)
+        keys = p * PAGE + offs_n
+        valid = (keys >= lo) & (keys < ctx)
+        k_t, v, k_scale, v_scale = load_page_kv(
+            kv_ptr, scale_ptr, page * stride_page + kv_head * stride_head,
+            page * stride_s_page + kv_head * stride_s_head, offs_n, offs_d, valid, mask_d,
+            stride_slot, stride_kv, stride_s_slot, stride_s_kv, q_ptr.dtype.element_ty, FP8)
+        s = dot(q, k_t, F32_DOT) * (k_scale * qk_scale)[None, :]
+        s = tl.where(valid[None, :], s, float("-inf"))
+        # Every walked page holds a visible key, so m_new is finite.
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        prob = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(prob, axis=1)
+        prob = prob * v_scale[None, :]
+        acc = acc * alpha[:, None] + dot(prob.to(v.dtype), v, F32_DOT)
+        m_i = m_new
+
+    if SPLIT:
+        row = (seq * (GROUP * tl.num_programs(1)) + heads) * num_splits + split
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + row, lse, mask=mask_g)
+        o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o,
+                 mask=mask_g[:, None] & mask_d[None, :])
+    else:
+        sink = 0.0
+        if HAS_SINKS:
+            sink = tl.load(sinks_ptr + heads, mask=mask_g, other=0.0).to(tl.float32) * LOG2E
+        o = finish_softmax(m_i, l_i, acc, sink, HAS_SINKS)
+        o_ptrs = out_ptr + seq * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=mask_g[:, None] & mask_d[None, :])
+
+
+@triton.jit
+def _reduce_kernel(part_out_ptr, part_lse_ptr, sinks_ptr, out_ptr, num_splits,
+                   stride_ot, stride_oh, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+                   BLOCK_D: tl.constexpr, HAS_SINKS: tl.constexpr):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    row0 = (seq * tl.num_programs(1) + head) * num_splits
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_s = offs_s < num_splits
+    mask_d = offs_d < HEAD_DIM
+    lse = tl.load(part_lse_ptr + row0 + offs_s, mask=mask_s, other=float("-inf"))
+    o = tl.load(part_out_ptr + (row0 + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+                mask=mask_s[:, None] & mask_d[None, :], other=0.0)
+    # Re-weight each split's normalised output by its share of the total mass; empty splits
+    # carry lse = -inf and weigh nothing. At least one split is non-empty.
+    m = tl.max(lse, axis=0)
+    w = tl.exp2(lse - m)
+    l = tl.sum(w, axis=0)
+    acc = tl.sum(o * w[:, None], axis=0)
+    # finish_softmax works on row blocks; this program owns a single row.
+    sink = 0.0
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head + tl.zeros([1], tl.int32)).to(tl.float32) * LOG2E
+    out = finish_softmax(m + tl.zeros([1], tl.float32), l + tl.zeros([1], tl.float32),
+                         acc[None, :], sink, HAS_SINKS)
+    o_ptrs = out_ptr + seq * stride_ot + head * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask_d[None, :])
+
+
+def default_num_splits(batch: int, kv_heads: int, max_pages: int, device: torch.device) -> int:
+    """Enough splits to give every SM about two programs, keeping >= 2 pages per split."""
+    if device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    programs = batch * kv_heads
+    if programs >= 2 * sms:
+        return 1
+    return max(1, min(triton.cdiv(2 * sms, programs), max_pages // 2, 64))
+
+
+def paged_decode_attention(q: torch.Tensor, kv: torch.Tensor, kv_scales: torch.Tensor | None,
+                           page_table: torch.Tensor, context_lens: torch.Tensor, sm_scale: float,
+                           window: int | None = None, sinks: torch.Tensor | None = None,
+                           num_splits: int | None = None,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of one new token per sequence over its paged KV (stored before the call).
+
+    q            [B, H, D] float32/float16/bfloat16; row b is sequence b's token at position
+                 context_lens[b] - 1. Last dim contiguous.
+    kv           [num_pages, 64, 2, KVH, D]: one layer's view `pool.data[:, layer]` (index 0 of
+                 the third dim is K, 1 is V); float32/float16/bfloat16, or float8_e4m3fn.
+    kv_scales    [num_pages, 64, 2, KVH] float32 (`pool.scales[:, layer]`), fp8 pools only:
+                 value = fp8 * scale.
+    page_table   [B, max_pages] int32 page ids; entries past a sequence's pages are not read.
+    context_lens [B] int32 KV length including this token, >= 1.
+    sm_scale     softmax scale applied to q.k.
+    window       sliding window: key j is visible iff j > position - window (None: all keys).
+    sinks        [H] per-head sink logits (not scaled by sm_scale), or None.
+    num_splits   split-K ranges per sequence (None: chosen from the GPU's SM count).
+    out          optional [B, H, D] output buffer of q's dtype.
+    Returns out  [B, H, D] in q's dtype. Head h reads KV head h // (H // KVH).
+    """
+    batch, heads, head_dim = q.shape
+    num_pages, page, two, kv_heads, kv_dim = kv.shape
+    device = check_device(q, kv, kv_scales, page_table, context_lens, sinks, out)
+    check_dtype("q", q, FLOAT_DTYPES)
+    check_dtype("kv", kv, FLOAT_DTYPES + (FP8_DTYPE,))
+    assert (page, two, kv_dim) == (PAGE_SIZE, 2, head_dim), f"kv shape {tuple(kv.shape)}"
+    assert heads % kv_heads == 0, f"{heads} query heads over {kv_heads} KV heads"
+    for name, t in (("q", q), ("kv", kv)):
+        check_last_dim_contiguous(name, t)
+    fp8 = kv.dtype == FP8_DTYPE
+    assert fp8 == (kv_scales is not None), "kv_scales must be given exactly for fp8 KV"
+    if fp8:
+        check_shape("kv_scales", kv_scales, (num_pages, page, 2, kv_heads))
+        check_dtype("kv_scales", kv_scales, (torch.float32,))
+    check_shape("context_lens", context_lens, (batch,))
+    check_dtype("context_lens", context_lens, (torch.int32,))
+    assert page_table.dim() == 2 and page_table.shape[0] == batch, "page_table is [B, max_pages]"
+    check_dtype("page_table", page_table, (torch.int32,))
+    assert page_table.stride(1) == 1, "page_table rows must be contiguous"
+    if sinks is not None:
+        check_shape("sinks", sinks, (heads,))
+        check_dtype("sinks", sinks, FLOAT_DTYPES)
+    assert window is None or window >= 1, "window must be >= 1"
+    if out is None:
+        out = torch.empty_like(q)
+    check_shape("out", out, tuple(q.shape))
+    assert out.dtype == q.dtype and out.stride(-1) == 1, "out: q's dtype, last dim contiguous"
+    if batch == 0:
+        return out
+
+    max_pages = page_table.shape[1]
+    if window is not None:  # a window of w keys touches at most w // 64 + 2 pages
+        max_pages = min(max_pages, window // PAGE_SIZE + 2)
+    if num_splits is None:
+        num_splits = default_num_splits(batch, kv_heads, max_pages, device)
+    num_splits = max(1, min(num_splits, max_pages))
+    pages_per_split = triton.cdiv(max_pages, num_splits)
+    group = heads // kv_heads
+    split = num_splits > 1
+    part_out = part_lse = out
+    if split:
+        part_lse = torch.empty(batch, heads, num_splits, dtype=torch.float32, device=device)
+        part_out = torch.empty(batch, heads, num_splits, head_dim, dtype=torch.float32,
+                               device=device)
+    scales = kv_scales if fp8 else kv.new_empty(0, dtype=torch.float32)
+    s_strides = scales.stride() if fp8 else (0, 0, 0, 0)
+    block_d = max(16, next_pow2(head_dim))
+    _decode_kernel[(batch, kv_heads, num_splits)](
+        q, kv, scales, page_table, context_lens, sinks if sinks is not None else q,
+        out, part_out, part_lse,
+        sm_scale, window or 0, pages_per_split, num_splits,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), *s_strides,
+        page_table.stride(0),
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_G=max(16, next_pow2(group)), BLOCK_D=block_d,
+        PAGE=PAGE_SIZE, SPLIT=split, HAS_WINDOW=window is not None,
+        HAS_SINKS=sinks is not None, FP8=fp8, F32_DOT=use_f32_dot(q.dtype),
+        num_warps=2, num_stages=2)  # best of 2/4/8 warps x 1-4 stages on H200, bf16 and fp8
+    if split:
+        _reduce_kernel[(batch, heads)](
+            part_out, part_lse, sinks if sinks is not None else q, out, num_splits,
+            out.stride(0), out.stride(1), HEAD_DIM=head_dim, BLOCK_S=next_pow2(num_splits),
+            BLOCK_D=next_pow2(head_dim), HAS_SINKS=sinks is not None, num_warps=4)
+    return out

@@ -1,0 +1,116 @@
+"""KV page store: write this step's K and V rows into one layer of a paged pool.
+
+One program per token copies its [KVH, D] K and V tiles to the slot `slot_mapping[t]`
+(page * 64 + offset). For fp8 pools each (token, K/V, head) row gets its own scale,
+amax / 448 (amax clamped to 1e-8 so all-zero rows stay finite), and is stored as
+round-to-nearest-even(x / scale); the division is IEEE (`div_rn`) and the rounding explicit
+(`round_to_e4m3`), so the result is bit-identical to `(x.float() / scale).to(float8_e4m3fn)`,
+the engine's reference. Tokens whose slot is negative (padding) are skipped.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import (
+    FLOAT_DTYPES,
+    FP8_DTYPE,
+    FP8_MAX_C,
+    PAGE_SIZE,
+    check_device,
+    check_dtype,
+    check_last_dim_contiguous,
+    check_shape,
+    next_pow2,
+    round_to_e4m3,
+)
+
+
+@triton.jit
+def _store_rows(src_ptr, stride_t, stride_h, token, dst_ptr, dst_off, stride_head,
+                scale_ptr, scale_off, stride_s_head, offs_h, offs_d, mask_h, mask_d,
+                FP8: tl.constexpr):
+    """Write one token's [KVH, D] rows of K or V (and their fp8 scales)."""
+    mask = mask_h[:, None] & mask_d[None, :]
+    x = tl.load(src_ptr + token * stride_t + offs_h[:, None] * stride_h + offs_d[None, :],
+                mask=mask, other=0.0)
+    dst = dst_ptr + dst_off + offs_h[:, None] * stride_head + offs_d[None, :]
+    if FP8:
+        x = x.to(tl.float32)
+        amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-8)
+        scale = tl.math.div_rn(amax, FP8_MAX_C)
+        y = round_to_e4m3(tl.math.div_rn(x, scale[:, None]))
+        tl.store(dst, y.to(dst_ptr.dtype.element_ty), mask=mask)
+        tl.store(scale_ptr + scale_off + offs_h * stride_s_head, scale, mask=mask_h)
+    else:
+        tl.store(dst, x.to(dst_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _store_kernel(k_ptr, v_ptr, kv_ptr, scale_ptr, slot_ptr,
+                  stride_kt, stride_kh, stride_vt, stride_vh,
+                  stride_page, stride_slot, stride_kv, stride_head,
+                  stride_s_page, stride_s_slot, stride_s_kv, stride_s_head,
+                  KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+                  BLOCK_D: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr):
+    token = tl.program_id(0)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    if slot < 0:
+        return
+    page = slot // PAGE
+    offset = slot % PAGE
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_h = offs_h < KV_HEADS
+    mask_d = offs_d < HEAD_DIM
+    dst_off = page * stride_page + offset * stride_slot
+    scale_off = page * stride_s_page + offset * stride_s_slot
+    _store_rows(k_ptr, stride_kt, stride_kh, token, kv_ptr, dst_off, stride_head,
+                scale_ptr, scale_off, stride_s_head, offs_h, offs_d, mask_h, mask_d, FP8)
+    _store_rows(v_ptr, stride_vt, stride_vh, token, kv_ptr, dst_off + stride_kv, stride_head,
+                scale_ptr, scale_off + stride_s_kv, stride_s_head, offs_h, offs_d, mask_h, mask_d,
+                FP8)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, kv_scales: torch.Tensor | None,
+             slot_mapping: torch.Tensor) -> None:
+    """Write k and v into one layer of a paged KV pool, in place.
+
+    k, v         [T, KVH, D] float32/float16/bfloat16 (any strides with the last dim
+                 contiguous, e.g. views of a fused QKV projection).
+    kv           [num_pages, 64, 2, KVH, D]: the layer view `pool.data[:, layer]` (index 0 of
+                 the third dim is K, 1 is V); any float dtype, or float8_e4m3fn.
+    kv_scales    [num_pages, 64, 2, KVH] float32 (`pool.scales[:, layer]`) for fp8 pools,
+                 which receive per-(token, K/V, head) scales amax / 448; None otherwise.
+    slot_mapping [T] int64 (or int32) page * 64 + offset; negative entries are skipped.
+    Non-fp8 pools receive k/v cast to the pool dtype.
+    """
+    tokens, kv_heads, head_dim = k.shape
+    num_pages = kv.shape[0]
+    check_device(k, v, kv, kv_scales, slot_mapping)
+    check_shape("v", v, tuple(k.shape))
+    check_shape("kv", kv, (num_pages, PAGE_SIZE, 2, kv_heads, head_dim))
+    check_dtype("k", k, FLOAT_DTYPES)
+    check_dtype("v", v, FLOAT_DTYPES)
+    check_dtype("kv", kv, FLOAT_DTYPES + (FP8_DTYPE,))
+    check_shape("slot_mapping", slot_mapping, (tokens,))
+    check_dtype("slot_mapping", slot_mapping, (torch.int64, torch.int32))
+    for name, t in (("k", k), ("v", v), ("kv", kv)):
+        check_last_dim_contiguous(name, t)
+    fp8 = kv.dtype == FP8_DTYPE
+    assert fp8 == (kv_scales is not None), "kv_scales must be given exactly for fp8 KV"
+    if fp8:
+        check_shape("kv_scales", kv_scales, (num_pages, PAGE_SIZE, 2, kv_heads))
+        check_dtype("kv_scales", kv_scales, (torch.float32,))
+    if tokens == 0:
+        return
+    scales = kv_scales if fp8 else kv.new_empty(0, dtype=torch.float32)
+    s_strides = scales.stride() if fp8 else (0, 0, 0, 0)
+    _store_kernel[(tokens,)](
+        k, v, kv, scales, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), *s_strides,
+        KV_HEADS=kv_heads, HEAD_DIM=head_dim, BLOCK_H=next_pow2(kv_heads),
+        BLOCK_D=next_pow2(head_dim), PAGE=PAGE_SIZE, FP8=fp8, num_warps=4)

@@ -1,0 +1,176 @@
+"""Paged prefill attention over packed variable-length sequences (flash-attention style).
+
+One program owns (BLOCK_M query rows of one sequence, one query head). Its rows sit at the end
+of the sequence's context (the prefix, cached earlier, comes first), so row i of a sequence
+with q_len rows and ctx keys is at position ctx - q_len + i and sees keys 0..position (and
+only the last `window` of them with a sliding window). The program walks only the pages
+that block could see, a page (64 keys) at a time, with an online softmax in base 2; the
+causal and window masks matter only on the pages that straddle a boundary. K/V come from the
+pages, so this step's tokens must be stored first (kv_store).
+
+The grid is sized by the longest query; programs past their sequence's end return at once.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import (
+    FLOAT_DTYPES,
+    FP8_DTYPE,
+    LOG2E,
+    PAGE_SIZE,
+    check_device,
+    check_dtype,
+    check_last_dim_contiguous,
+    check_shape,
+    dot,
+    finish_softmax,
+    load_page_kv,
+    next_pow2,
+    use_f32_dot,
+)
+
+
+@triton.jit
+def _prefill_kernel(
+        q_ptr, kv_ptr, scale_ptr, cu_seqlens_ptr, context_lens_ptr, page_table_ptr, sinks_ptr,
+        out_ptr, sm_scale, window,
+        stride_qt, stride_qh, stride_ot, stride_oh,
+        stride_page, stride_slot, stride_kv, stride_head,
+        stride_s_page, stride_s_slot, stride_s_kv, stride_s_head, stride_pt,
+        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_D: tl.constexpr, PAGE: tl.constexpr, HAS_WINDOW: tl.constexpr,
+        HAS_SINKS: tl.constexpr, FP8: tl.constexpr, F32_DOT: tl.constexpr):
+    block = tl.program_id(0)
+    seq = tl.program_id(1)
+    head = tl.program_id(2)
+    q_start = tl.load(cu_seqlens_ptr + seq)
+    q_len = tl.load(cu_seqlens_ptr + seq + 1) - q_start
+    if block * BLOCK_M >= q_len:
+        return
+    ctx = tl.load(context_lens_ptr + seq)
+    kv_head = head // GROUP
+
+    offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, PAGE)
+    mask_m = offs_m < q_len
+    mask_d = offs_d < HEAD_DIM
+    q_pos = ctx - q_len + offs_m
+    q_ptrs = q_ptr + (q_start + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+    qk_scale = sm_scale * LOG2E
+
+    first_pos = ctx - q_len + block * BLOCK_M
+    hi = tl.minimum(first_pos + BLOCK_M, ctx)  # one past the block's last visible key
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(first_pos - window + 1, 0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for p in range(lo // PAGE, tl.cdiv(hi, PAGE)):
+        page = tl.load(page_table_ptr + seq * stride_pt + p).to(tl.int64)
+        keys = p * PAGE + offs_n
+        k_t, v, k_scale, v_scale = load_page_kv(
+            kv_ptr, scale_ptr, page * stride_page + kv_head * stride_head,
+            page * stride_s_page + kv_head * stride_s_head, offs_n, offs_d, keys < hi, mask_d,
+            stride_slot, stride_kv, stride_s_slot, stride_s_kv, q_ptr.dtype.element_ty, FP8)
+        s = dot(q, k_t, F32_DOT) * (k_scale * qk_scale)[None, :]
+        visible = keys[None, :] <= q_pos[:, None]
+        if HAS_WINDOW:
+            visible &= keys[None, :] > q_pos[:, None] - window
+        s = tl.where(visible, s, float("-inf"))
+        # A row may see nothing on this page yet (window); keep its running max at 0 then,
+        # so exp2(-inf - m) stays 0 instead of NaN.
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        prob = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(prob, axis=1)
+        prob = prob * v_scale[None, :]
+        acc = acc * alpha[:, None] + dot(prob.to(v.dtype), v, F32_DOT)
+        m_i = m_new
+
+    sink = 0.0
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * LOG2E
+    o = finish_softmax(m_i, l_i, acc, sink, HAS_SINKS)
+    o_ptrs = out_ptr + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+
+
+def paged_prefill_attention(q: torch.Tensor, kv: torch.Tensor, kv_scales: torch.Tensor | None,
+                            cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
+                            page_table: torch.Tensor, sm_scale: float, max_q_len: int,
+                            window: int | None = None, sinks: torch.Tensor | None = None,
+                            block_m: int = 64, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of packed query rows over their sequences' paged KV.
+
+    q            [T, H, D] float32/float16/bfloat16, sequences packed back to back; last dim
+                 contiguous.
+    kv           [num_pages, 64, 2, KVH, D]: one layer's view `pool.data[:, layer]` (index 0 of
+                 the third dim is K, 1 is V), holding every key up to context_lens (this
+                 step's too); float32/float16/bfloat16 or float8_e4m3fn.
+    kv_scales    [num_pages, 64, 2, KVH] float32 for fp8 pools (value = fp8 * scale), else None.
+    cu_seqlens_q [B+1] int32 prefix sums of query lengths (q_len >= 1 each).
+    context_lens [B] int32 KV length of each sequence including its query rows.
+    page_table   [B, max_pages] int32 page ids.
+    sm_scale     softmax scale applied to q.k.
+    max_q_len    the largest q_len in the batch (host int: sizes the grid without a sync).
+    window       sliding window: key j is visible from position i iff i - window < j <= i.
+    sinks        [H] per-head sink logits (not scaled by sm_scale), or None.
+    block_m      query rows per program (a power of two >= 16).
+    out          optional [T, H, D] output buffer of q's dtype.
+    Returns out  [T, H, D] in q's dtype. Head h reads KV head h // (H // KVH).
+    """
+    tokens, heads, head_dim = q.shape
+    num_pages, page, two, kv_heads, kv_dim = kv.shape
+    batch = context_lens.shape[0]
+    check_device(q, kv, kv_scales, cu_seqlens_q, context_lens, page_table, sinks, out)
+    check_dtype("q", q, FLOAT_DTYPES)
+    check_dtype("kv", kv, FLOAT_DTYPES + (FP8_DTYPE,))
+    assert (page, two, kv_dim) == (PAGE_SIZE, 2, head_dim), f"kv shape {tuple(kv.shape)}"
+    assert heads % kv_heads == 0, f"{heads} query heads over {kv_heads} KV heads"
+    check_last_dim_contiguous("q", q)
+    check_last_dim_contiguous("kv", kv)
+    fp8 = kv.dtype == FP8_DTYPE
+    assert fp8 == (kv_scales is not None), "kv_scales must be given exactly for fp8 KV"
+    if fp8:
+        check_shape("kv_scales", kv_scales, (num_pages, page, 2, kv_heads))
+        check_dtype("kv_scales", kv_scales, (torch.float32,))
+    check_shape("cu_seqlens_q", cu_seqlens_q, (batch + 1,))
+    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("context_lens", context_lens),
+                    ("page_table", page_table)):
+        check_dtype(name, t, (torch.int32,))
+        assert t.stride(-1) == 1, f"{name}: last dim must be contiguous"
+    assert page_table.dim() == 2 and page_table.shape[0] == batch, "page_table is [B, max_pages]"
+    if sinks is not None:
+        check_shape("sinks", sinks, (heads,))
+        check_dtype("sinks", sinks, FLOAT_DTYPES)
+    assert window is None or window >= 1, "window must be >= 1"
+    assert block_m >= 16 and block_m == next_pow2(block_m), "block_m: a power of two >= 16"
+    if out is None:
+        out = torch.empty_like(q)
+    check_shape("out", out, tuple(q.shape))
+    assert out.dtype == q.dtype and out.stride(-1) == 1, "out: q's dtype, last dim contiguous"
+    if tokens == 0 or batch == 0:
+        return out
+
+    scales = kv_scales if fp8 else kv.new_empty(0, dtype=torch.float32)
+    s_strides = scales.stride() if fp8 else (0, 0, 0, 0)
+    grid = (triton.cdiv(max_q_len, block_m), batch, heads)
+    _prefill_kernel[grid](
+        q, kv, scales, cu_seqlens_q, context_lens, page_table,
+        sinks if sinks is not None else q, out, sm_scale, window or 0,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), *s_strides,
+        page_table.stride(0),
+        GROUP=heads // kv_heads, HEAD_DIM=head_dim, BLOCK_M=block_m,
+        BLOCK_D=max(16, next_pow2(head_dim)), PAGE=PAGE_SIZE, HAS_WINDOW=window is not None,
+        HAS_SINKS=sinks is not None, FP8=fp8, F32_DOT=use_f32_dot(q.dtype),
+        num_warps=4, num_stages=2)  # best of 4/8 warps x 2-4 stages x block_m 64/128 on H200
+    return out

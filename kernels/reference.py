@@ -1,0 +1,133 @@
+"""Pure-PyTorch references for every kernel: the definition each kernel is tested against.
+
+They favour plainness over speed (loops over sequences, float math in `math_dtype`, float32
+unless a test asks for float64) and return results in `math_dtype` without a final rounding,
+except where the rounding is part of the contract (stored KV, the updated residual).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._common import FP8_DTYPE, FP8_MAX, PAGE_SIZE
+
+
+def dequantize_pages(kv: torch.Tensor, kv_scales: torch.Tensor | None, pages: torch.Tensor,
+                     math_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """kv [num_pages, 64, 2, KVH, D] (+ scales) -> [len(pages) * 64, 2, KVH, D] in math_dtype."""
+    picked = kv[pages.long()].to(math_dtype)  # [P, 64, 2, KVH, D]
+    if kv_scales is not None:
+        picked = picked * kv_scales[pages.long()].to(math_dtype).unsqueeze(-1)
+    return picked.reshape(-1, *picked.shape[2:])
+
+
+def paged_attention(q: torch.Tensor, kv: torch.Tensor, kv_scales: torch.Tensor | None,
+                    cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
+                    page_table: torch.Tensor, sm_scale: float, window: int | None = None,
+                    sinks: torch.Tensor | None = None,
+                    math_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Causal paged attention over packed sequences; decode is the case q_len = 1.
+
+    q [T, H, D]; kv [num_pages, 64, 2, KVH, D]; kv_scales [num_pages, 64, 2, KVH] or None;
+    cu_seqlens_q [B+1]; context_lens [B]; page_table [B, max_pages]; sinks [H] or None.
+    Returns [T, H, D] in math_dtype.
+    """
+    heads, kv_heads = q.shape[1], kv.shape[3]
+    out = torch.empty(q.shape, dtype=math_dtype, device=q.device)
+    cu, ctx_lens = cu_seqlens_q.tolist(), context_lens.tolist()
+    for b, ctx in enumerate(ctx_lens):
+        rows = slice(cu[b], cu[b + 1])
+        q_len = cu[b + 1] - cu[b]
+        pages = page_table[b, : -(-ctx // PAGE_SIZE)]
+        keys = dequantize_pages(kv, kv_scales, pages, math_dtype)[:ctx]  # [ctx, 2, KVH, D]
+        k = keys[:, 0].repeat_interleave(heads // kv_heads, dim=1)  # [ctx, H, D]
+        v = keys[:, 1].repeat_interleave(heads // kv_heads, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[rows].to(math_dtype), k) * sm_scale
+        q_pos = torch.arange(ctx - q_len, ctx, device=q.device)[:, None]
+        k_pos = torch.arange(ctx, device=q.device)[None, :]
+        allowed = k_pos <= q_pos
+        if window is not None:
+            allowed &= k_pos > q_pos - window
+        scores = scores.masked_fill(~allowed, float("-inf"))  # [H, q_len, ctx]
+        if sinks is not None:
+            sink = sinks.to(math_dtype).view(-1, 1, 1).expand(-1, q_len, 1)
+            probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)
+        out[rows] = torch.einsum("hqk,khd->qhd", probs, v)
+    return out
+
+
+def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> (float8_e4m3fn values, float32 scales [...]) with scale = amax / 448.
+
+    Both divisions are tensor / tensor, IEEE-rounded on every device: CUDA torch turns a
+    division by a Python scalar into a multiplication by its reciprocal (1 ulp off at times).
+    """
+    amax = x.float().abs().amax(dim=-1).clamp_min(1e-8)
+    scale = amax / torch.full_like(amax, FP8_MAX)
+    return (x.float() / scale.unsqueeze(-1)).to(FP8_DTYPE), scale
+
+
+def store_kv(kv: torch.Tensor, kv_scales: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Copies of kv [num_pages, 64, 2, KVH, D] (and scales) with k/v [T, KVH, D] written at
+    slot_mapping [T] (page * 64 + offset; negative slots are skipped)."""
+    kv, kv_scales = kv.clone(), None if kv_scales is None else kv_scales.clone()
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    new = torch.stack([k[keep], v[keep]], dim=1)  # [T', 2, KVH, D]
+    flat = kv.view(-1, *kv.shape[2:])
+    if kv_scales is None:
+        flat[slots] = new.to(kv.dtype)
+    else:
+        values, scales = quantize_fp8(new)
+        flat[slots] = values
+        kv_scales.view(-1, *kv_scales.shape[2:])[slots] = scales
+    return kv, kv_scales
+
+
+def copy_pages(src: torch.Tensor, src_pages: torch.Tensor, dst: torch.Tensor,
+               dst_pages: torch.Tensor) -> torch.Tensor:
+    """A copy of dst [num_pages, ...] with dst[dst_pages[i]] = src[src_pages[i]]."""
+    dst = dst.clone()
+    dst[dst_pages.long().to(dst.device)] = src[src_pages.long().to(src.device)].to(dst.device)
+    return dst
+
+
+def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                eps: float, math_dtype: torch.dtype = torch.float32
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight * norm(h), h) with h = x + residual rounded to x's dtype (h = x without one).
+
+    x, residual [T, N]; weight [N]. The output is in math_dtype; h in x's dtype.
+    """
+    h = x if residual is None else (x.to(math_dtype) + residual.to(math_dtype)).to(x.dtype)
+    hf = h.to(math_dtype)
+    normed = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight.to(math_dtype) * normed, (None if residual is None else h)
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+         sin: torch.Tensor, math_dtype: torch.dtype = torch.float32
+         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half RoPE on the first rot_dim features of q [T, H, D] and k [T, KVH, D].
+
+    cos/sin [max_pos, rot_dim] (each half repeated, as batchgen's RotaryEmbedding builds
+    them); positions [T]. Returns rotated copies in math_dtype.
+    """
+    def rotate(x):
+        rot_dim = cos.shape[-1]
+        x = x.to(math_dtype)
+        c = cos[positions.long()].to(math_dtype).unsqueeze(1)
+        s = sin[positions.long()].to(math_dtype).unsqueeze(1)
+        rot, rest = x[..., :rot_dim], x[..., rot_dim:]
+        x1, x2 = rot.chunk(2, dim=-1)
+        return torch.cat([rot * c + torch.cat([-x2, x1], dim=-1) * s, rest], dim=-1)
+    return rotate(q), rotate(k)
+
+
+def silu_and_mul(x: torch.Tensor, math_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """x [T, 2I] -> silu(x[:, :I]) * x[:, I:] in math_dtype."""
+    gate, up = x.to(math_dtype).chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up

@@ -1,0 +1,64 @@
+"""Helpers for the kernel tests: devices, tolerances, poisoned buffers, random paged KV."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from batchgen_kernels._common import PAGE_SIZE, interpreting
+
+DEVICES = [
+    pytest.param("cpu", marks=pytest.mark.skipif(
+        not interpreting(), reason="CPU tensors need the Triton interpreter")),
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs CUDA")]),
+]
+"""Parametrise a test's `device` over these: CPU (interpreter) by default, CUDA when present."""
+
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+"""Bound on max|out - ref| / max|ref| against a float64 reference, per output dtype."""
+
+
+def assert_rel_close(out: torch.Tensor, ref: torch.Tensor, tol: float, what: str = "") -> None:
+    """Every element finite (outputs start poisoned with NaN) and within tol of ref's scale."""
+    assert torch.isfinite(out).all(), f"{what}: non-finite (unwritten?) elements in output"
+    diff = (out.double() - ref.double().to(out.device)).abs().max().item()
+    scale = max(ref.double().abs().max().item(), 1e-12)
+    assert diff <= tol * scale, f"{what}: max error {diff:.3g} > {tol:g} x {scale:.3g}"
+
+
+def poisoned(shape, dtype, device) -> torch.Tensor:
+    """A tensor full of NaN, so any element a kernel forgets to write fails the test."""
+    return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
+def make_paged_kv(ctx_lens: list[int], kv_heads: int, head_dim: int, kv_dtype: torch.dtype,
+                  device: str, num_layers: int = 2, layer: int = 1, spare_pages: int = 3):
+    """A NaN-poisoned pool with random KV for each sequence's first ctx tokens.
+
+    Returns (kv, kv_scales, page_table): the layer view `data[:, layer]`
+    [num_pages, 64, 2, KVH, D] (strided over pages, like the engine's), its scales view for
+    fp8 (else None), and an int32 page table of shuffled page ids.
+    """
+    pages_per_seq = [-(-c // PAGE_SIZE) for c in ctx_lens]
+    num_pages = sum(pages_per_seq) + spare_pages
+    fp8 = kv_dtype == torch.float8_e4m3fn
+    shape = (num_pages, num_layers, PAGE_SIZE, 2, kv_heads, head_dim)
+    data = poisoned(shape, torch.float32, device).to(kv_dtype)
+    scales = poisoned(shape[:-1], torch.float32, device) if fp8 else None
+    order = torch.randperm(num_pages)
+    table = torch.zeros(len(ctx_lens), max(pages_per_seq), dtype=torch.int32)
+    start = 0
+    for b, (ctx, n) in enumerate(zip(ctx_lens, pages_per_seq)):
+        table[b, :n] = order[start:start + n]
+        start += n
+        slots = torch.arange(ctx)
+        page, offset = table[b, slots // PAGE_SIZE].long(), slots % PAGE_SIZE
+        values = torch.randn(ctx, 2, kv_heads, head_dim, device=device)
+        if fp8:
+            fp8_values = (values * 100).clamp(-448, 448).to(kv_dtype)
+            data[page, layer, offset] = fp8_values
+            scales[page, layer, offset] = torch.rand(ctx, 2, kv_heads, device=device) * 0.02
+        else:
+            data[page, layer, offset] = values.to(kv_dtype)
+    kv_scales = scales[:, layer] if fp8 else None
+    return data[:, layer], kv_scales, table.to(device)
