@@ -20,3 +20,10 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model(tmp_path_factory):
+    from tiny_models import save_tiny_chat_model
+
+    return save_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"))

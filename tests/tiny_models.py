@@ -38,3 +38,28 @@ def save_tiny_model(family: str, folder: Path, seed: int = 0) -> Path:
     model = AutoModelForCausalLM.from_config(tiny_config(family), dtype=torch.float32)
     model.save_pretrained(str(folder), safe_serialization=True)
     return folder
+
+
+def embedded_tokenizer():
+    """SmolLM2's real tokenizer and chat template, from the embedded model's converted folder."""
+    from batchgen.config import ModelConfig
+    from batchgen.models.factory import load_tokenizer, model_folder
+
+    folder, _ = model_folder(ModelConfig())
+    return load_tokenizer(folder)
+
+
+def save_tiny_chat_model(folder: Path, seed: int = 0) -> Path:
+    """A 3-layer random Llama with SmolLM2's tokenizer: real chat templates, fast on CPU."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    tokenizer = embedded_tokenizer()
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=2048, initializer_range=0.2,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         tie_word_embeddings=True)
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(config).save_pretrained(str(folder), safe_serialization=True)
+    tokenizer.save_pretrained(str(folder))
+    return folder

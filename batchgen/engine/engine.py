@@ -42,7 +42,8 @@ class Engine:
         kv = config.model.kv_dtype
         self.layout = KVLayout(model.config.num_hidden_layers, tuple(model.kv_token_shape),
                                model_dtype if kv == "auto" else KV_DTYPES[kv], model_dtype)
-        model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        model_bytes = sum(t.numel() * t.element_size()
+                          for t in (*model.parameters(), *model.buffers()))
         sizes = plan_pools(config.memory, self.layout, model_bytes, self.device)
         self.scheduler = Scheduler(config.scheduler, sizes.device_pages, sizes.host_pages)
         self.runner = ModelRunner(model, self.layout, sizes.device_pages, sizes.host_pages,

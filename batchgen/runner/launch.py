@@ -31,6 +31,7 @@ def launch_workers(dist: DistConfig, spec_file: Path, log_dir: Path) -> None:
 
     for key, value in NCCL_SAFE_ENV.items():
         os.environ.setdefault(key, value)
+    os.environ["BATCHGEN_SUPERVISOR_PID"] = str(os.getpid())
     per_node = dist.world_size // dist.nnodes
     log_dir.mkdir(parents=True, exist_ok=True)
     if dist.nnodes == 1:

@@ -165,8 +165,23 @@ class Worker:
         self.engine.close()
 
 
+def die_with_supervisor() -> None:
+    """SIGKILL this worker when the supervisor dies (even by SIGKILL): an orphaned worker would
+    keep computing and holding the job's files. Linux only; elsewhere a no-op."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    supervisor = os.environ.get("BATCHGEN_SUPERVISOR_PID")
+    if supervisor and os.getppid() != int(supervisor):
+        os._exit(EXIT_REQUEUE)  # it died before prctl took effect
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    die_with_supervisor()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s rank%(rank)s %(name)s: %(message)s"
                         .replace("%(rank)s", os.environ.get("RANK", "0")))
     spec = JobSpec.load(argv[0])

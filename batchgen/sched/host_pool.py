@@ -95,6 +95,7 @@ class HostSegment:
         """cudaHostRegister the mapping (CUDA only)."""
         if not torch.cuda.is_available() or self.pinned:
             return
+        torch.cuda.init()  # cudart calls below need a live context
         err = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), self.num_bytes, 0)
         if int(err) != 0:
             raise RuntimeError(f"cudaHostRegister of {self.num_bytes / 1e9:.1f} GB failed ({err}); "
