@@ -68,6 +68,36 @@ def status(batch_id: Optional[str] = typer.Argument(None, help="Job id (default:
     raise typer.Exit(show_status(Path(storage_path), batch_id))
 
 
+@app.command()
+def bench(shape: str = typer.Option("smollm2-135m", help="Model shape: smollm2-135m, llama3-8b, qwen3-8b."),
+          requests: int = typer.Option(64, help="Number of requests."),
+          input_len: int = typer.Option(128, help="Prompt tokens per request."),
+          output_len: int = typer.Option(64, help="Output tokens per request (mean if lognormal)."),
+          output_dist: str = typer.Option("fixed", help="fixed or lognormal."),
+          max_output_len: int = typer.Option(16384, help="Cap of lognormal outputs."),
+          peer: str = typer.Option("none", help="none, or hf: HF generate on static batches."),
+          peer_batch: int = typer.Option(256, help="Static batch size of the HF peer."),
+          dtype: str = typer.Option("auto", help="auto, float32, bfloat16, float16."),
+          kv_dtype: str = typer.Option("auto", help="auto, bfloat16, float16, fp8_e4m3fn."),
+          max_decode_batch: int = typer.Option(256, help="Most sequences decoded together."),
+          gpu_kv_cache_size: Optional[float] = typer.Option(None, help="Device KV pool in GB."),
+          host_kv_cache_size: Optional[float] = typer.Option(None, help="Host KV pool in GB."),
+          json_out: Optional[Path] = typer.Option(None, "--json", help="Write the report here.")):
+    """Synthetic throughput benchmark on a random-init model of a real shape (EOS ignored)."""
+    import json
+
+    from batchgen.bench import BenchConfig, Workload, bench as run_bench, format_table
+    from batchgen.config import canonical_kv_dtype
+
+    _setup_logging()
+    cfg = BenchConfig(shape, dtype, canonical_kv_dtype(kv_dtype), peer, peer_batch,
+                      max_decode_batch, gpu_kv_cache_size, host_kv_cache_size)
+    report = run_bench(cfg, Workload(requests, input_len, output_len, output_dist, max_output_len))
+    typer.echo(format_table(report))
+    if json_out:
+        json_out.write_text(json.dumps(report, indent=2, default=str))
+
+
 def _user_errors():
     from batchgen.runner.errors import user_errors
 

@@ -10,7 +10,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# One intra-op thread: tiny test matmuls gain nothing from two, and OpenMP spin-waits make them
+# ~20x slower whenever the other core is busy (a subprocess under test, the CI runner).
+torch.set_num_threads(1)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def pytest_collection_modifyitems(config, items):

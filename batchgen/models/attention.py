@@ -43,7 +43,11 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tens
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
                     batch: ForwardBatch, scale: float, window: int | None = None,
                     sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """q [T, H, D], k/v [T, KVH, D] -> [T, H, D]. Stores k/v in the pool first."""
+    """q [T, H, D], k/v [T, KVH, D] -> [T, H, D]. Stores k/v in the pool first.
+
+    On CUDA the Triton kernels run (batchgen_kernels); elsewhere the reference below."""
+    if q.is_cuda:
+        return _triton_attention(q, k, v, layer, batch, scale, window, sinks)
     pool = batch.kv_pool
     pool.store(layer, batch.slot_mapping, torch.stack([k, v], dim=1))
     if batch.decode_only:
@@ -68,3 +72,16 @@ def _decode(q, layer, batch, scale, window, sinks):
     out = _attend(q[:, None], kv[:, :, 0], kv[:, :, 1], (ctx - 1)[:, None], ctx, scale,
                   window, sinks)
     return out[:, 0]
+
+
+def _triton_attention(q, k, v, layer, batch, scale, window, sinks):
+    import batchgen_kernels as K
+
+    kv, scales = batch.kv_pool.layer(layer)
+    K.store_kv(k, v, kv, scales, batch.slot_mapping)
+    if batch.decode_only:
+        return K.paged_decode_attention(q, kv, scales, batch.page_table, batch.context_lens,
+                                        scale, window=window, sinks=sinks)
+    return K.paged_prefill_attention(q, kv, scales, batch.cu_seqlens_q, batch.context_lens,
+                                     batch.page_table, scale, max(batch.q_lens), window=window,
+                                     sinks=sinks)
