@@ -1,0 +1,155 @@
+"""`batchgen simulate`: the real Scheduler under a cost model (no model, no GPU)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from batchgen.config import SchedulerConfig
+from batchgen.sched.cost_model import PRESETS, CostModel, Hardware
+from batchgen.sched.scheduler import RequestTooLarge
+from batchgen.sched.simulate import (
+    LengthDist,
+    SimulationConfig,
+    SimulationResult,
+    load_workload,
+    plot_timeline,
+    run_simulation,
+)
+
+SMALL = SimulationConfig(model="smollm2-135m", num_requests=60, prompt_len="uniform:min=10,max=300",
+                         output_len="lognormal:mean=200,sigma=1.0,max=1500", device_kv_gb=0.05,
+                         host_kv_gb=0.3, seed=3)
+TIGHT = SchedulerConfig(initial_gpu_page_buffer=2, extension_gpu_page_buffer=2,
+                        decision_frequency_pages=1, host_kv_chunk_size=256, adaptive_chunk_min=128)
+
+
+def comparable(result: SimulationResult) -> dict:
+    fields = dataclasses.asdict(result)
+    del fields["wall_s"]
+    return fields
+
+
+def test_small_simulation_reports_every_field():
+    result = run_simulation(SMALL, SchedulerConfig())
+    _, outputs, _ = load_workload(SMALL)
+    assert result.requests == 60 and result.output_tokens == int(outputs.sum())
+    assert result.total_time_s > 0 and result.output_tok_s > 0
+    assert result.output_tok_s == pytest.approx(result.output_tokens / result.total_time_s)
+    assert 0 < result.device_util <= 1 and 0 < result.host_util <= 1
+    assert 0 < result.peak_device_pages <= result.device_pages
+    assert 0 < result.mean_decode_batch <= SchedulerConfig().max_decode_batch
+    assert len(result.timeline.time_s) == SMALL.timeline_points
+    assert max(result.timeline.decode_batch) >= 1 and max(result.timeline.output_tok_s) > 0
+    assert "output tok/s" in result.summary()
+
+
+def test_same_config_same_result():
+    assert comparable(run_simulation(SMALL, TIGHT)) == comparable(run_simulation(SMALL, TIGHT))
+
+
+@pytest.mark.parametrize("sched", [SchedulerConfig(), TIGHT,
+                                   dataclasses.replace(TIGHT, adaptive_chunk=False, max_decode_batch=7)])
+def test_fast_forward_matches_step_by_step(sched):
+    fast = run_simulation(SMALL, sched)
+    slow = run_simulation(dataclasses.replace(SMALL, fast_forward=False), sched)
+    for name in ("output_tokens", "evictions", "recomputed_tokens", "loads", "unloads",
+                 "chunk_growths", "steps", "decisions", "peak_device_pages", "peak_host_pages",
+                 "peak_admitted", "final_chunk_tokens"):
+        assert getattr(fast, name) == getattr(slow, name), name
+    assert fast.total_time_s == pytest.approx(slow.total_time_s, rel=1e-3)
+
+
+def test_tight_pools_exercise_unloads_and_evictions():
+    result = run_simulation(dataclasses.replace(SMALL, host_kv_gb=0.06), TIGHT)
+    assert result.unloads > 0 and result.loads > 0
+    assert result.evictions > 0 and result.recomputed_tokens > 0 and result.chunk_growths > 0
+    assert result.transfer_gb > 0 and result.transfer_s > 0
+
+
+def test_more_host_kv_admits_no_fewer_sequences():
+    peaks = [run_simulation(dataclasses.replace(SMALL, host_kv_gb=gb), TIGHT).peak_admitted
+             for gb in (0.045, 0.08, 0.16, 0.5)]
+    assert peaks == sorted(peaks) and peaks[-1] > peaks[0]
+
+
+def test_data_parallel_replicas_split_the_requests():
+    one = run_simulation(SMALL, SchedulerConfig())
+    two = run_simulation(dataclasses.replace(SMALL, world_size=2), SchedulerConfig())
+    assert two.replicas == 2 and two.output_tokens == one.output_tokens
+    assert two.total_time_s < one.total_time_s
+
+
+def test_plot_writes_a_png(tmp_path):
+    path = tmp_path / "timeline.png"
+    plot_timeline(run_simulation(SMALL, TIGHT), str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+
+
+def test_requests_file_lengths(tmp_path):
+    path = tmp_path / "requests.jsonl"
+    rows = [{"prompt_tokens": 10 + i, "output_tokens": 5 + i} for i in range(20)]
+    rows[3]["max_tokens"] = 6  # output is cut at max_tokens
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    sim = dataclasses.replace(SMALL, requests_file=str(path))
+    prompts, outputs, budgets = load_workload(sim)
+    assert prompts.tolist() == [10 + i for i in range(20)]
+    assert outputs[3] == 6 and budgets[3] == 6 and budgets[0] == 24
+    assert run_simulation(sim, SchedulerConfig()).output_tokens == int(outputs.sum())
+
+
+def test_length_distributions():
+    rng = np.random.default_rng(0)
+    assert LengthDist.parse("fixed:512").sample(3, rng).tolist() == [512] * 3
+    uniform = LengthDist.parse("uniform:min=5,max=9").sample(1000, rng)
+    assert uniform.min() == 5 and uniform.max() == 9
+    lognormal = LengthDist.parse("lognormal:mean=2048,sigma=1.0,max=16384").sample(200_000, rng)
+    assert lognormal.max() == 16384 and lognormal.min() >= 1
+    assert 1800 < lognormal.mean() < 2048  # the clip at max takes a little off the mean
+    for bad in ("fixed:0", "normal:mean=3", "uniform:min=9,max=5", "lognormal:mean=5"):
+        with pytest.raises(ValueError, match="length distribution"):
+            LengthDist.parse(bad)
+
+
+def test_bad_configs_are_refused():
+    for change in ({"model": "gpt-5"}, {"world_size": 6, "tensor_parallel": 4},
+                   {"transfer_overlap": 1.5}, {"kv_dtype": "fp9"}):
+        with pytest.raises(ValueError):
+            run_simulation(dataclasses.replace(SMALL, **change), SchedulerConfig())
+    with pytest.raises(ValueError, match="no device KV"):  # 671 GB of weights on one GPU
+        run_simulation(dataclasses.replace(SMALL, model="deepseek-r1", device_kv_gb=None),
+                       SchedulerConfig())
+    with pytest.raises(RequestTooLarge):
+        run_simulation(dataclasses.replace(SMALL, device_kv_gb=0.01, max_tokens=4000),
+                       SchedulerConfig())
+
+
+def test_decode_cost_matches_the_llama_roofline():
+    """DEVICE-NOTES: Llama-3-8B bf16 at 4.3 TB/s, batch 256 at 1k context -> ~21.8k tok/s."""
+    hw = Hardware(1, 790e12, 4.3e12, 55e9, 300e9, 0.0, 0.5, 0.0)
+    shape = PRESETS["llama3-8b"]
+    cost = CostModel(shape, hw, shape.kv_values_per_token_layer * shape.num_layers * 2)
+    step = cost.step(256, 256 * 1024, 256 * 1024)
+    assert 256 / step.total == pytest.approx(21.8e3, rel=0.03) and not step.compute_bound
+    prefill = cost.step(8192, 8192 * 4096 / 2, 8192)  # 8 prompts of 1k: compute bound
+    assert prefill.compute_bound and 8192 / prefill.total == pytest.approx(48e3, rel=0.1)
+
+
+def test_moe_weights_touched_grow_with_batch():
+    ds = PRESETS["deepseek-r1"]
+    one, many = ds.weight_bytes_touched(1), ds.weight_bytes_touched(4096)
+    assert one == pytest.approx(37e9, rel=0.02)  # fp8: one byte per active parameter
+    assert many == pytest.approx(ds.weight_bytes, rel=0.01)
+
+
+def test_transfers_hide_partly_under_the_forward():
+    shape = PRESETS["llama3-8b"]
+    kv = shape.kv_values_per_token_layer * shape.num_layers * 2
+    serial = CostModel(shape, Hardware(1, 790e12, 4.3e12, 55e9, 300e9, 0.0, 0.0, 0.0), kv)
+    hidden = CostModel(shape, Hardware(1, 790e12, 4.3e12, 55e9, 300e9, 0.0, 1.0, 0.0), kv)
+    a, b = serial.step(64, 64 * 500, 64 * 500, 10, 10), hidden.step(64, 64 * 500, 64 * 500, 10, 10)
+    assert a.transfer == b.transfer > 0 and a.exposed_transfer == a.transfer
+    assert b.exposed_transfer == max(0.0, b.transfer - b.forward)
