@@ -14,7 +14,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from batchgen.config import EngineConfig, MemoryConfig, ModelConfig, SchedulerConfig
+from batchgen.config import (EngineConfig, MemoryConfig, ModelConfig, RuntimeConfig,
+                             SchedulerConfig)
 from batchgen.core import Request, SamplingParams
 
 SHAPES = {
@@ -177,6 +178,7 @@ class BenchConfig:
     gpu_kv_cache_size: float | None = None
     host_kv_cache_size: float | None = None
     device: str = "auto"
+    disable_cuda_graphs: bool = False
 
 
 def bench(cfg: BenchConfig, work: Workload) -> dict:
@@ -191,7 +193,9 @@ def bench(cfg: BenchConfig, work: Workload) -> dict:
         model=ModelConfig(kv_dtype=cfg.kv_dtype),
         memory=MemoryConfig(gpu_kv_cache_size=cfg.gpu_kv_cache_size,
                             host_kv_cache_size=cfg.host_kv_cache_size or 8.0),
-        scheduler=SchedulerConfig(max_decode_batch=cfg.max_decode_batch)).validate()
+        scheduler=SchedulerConfig(max_decode_batch=cfg.max_decode_batch),
+        runtime=RuntimeConfig(cuda_graph_max_bucket_size=cfg.max_decode_batch,
+                              disable_cuda_graphs=cfg.disable_cuda_graphs)).validate()
     ours = run_ours(model, None, engine_cfg, work)
     bandwidth = measure_hbm_bandwidth(device)
     bound = roofline_seconds(model, ours["layout"], work, ours["outputs"], cfg.max_decode_batch,

@@ -47,7 +47,8 @@ class Engine:
         sizes = plan_pools(config.memory, self.layout, model_bytes, self.device)
         self.scheduler = Scheduler(config.scheduler, sizes.device_pages, sizes.host_pages)
         self.runner = ModelRunner(model, self.layout, sizes.device_pages, sizes.host_pages,
-                                  self.device, config.memory.fast_init, config.memory.enable_hugetlbfs)
+                                  self.device, config.memory.fast_init,
+                                  config.memory.enable_hugetlbfs, config.runtime)
         self.eos_ids = frozenset(eos_token_ids)
         self.stops = StopChecker(tokenizer, skip_special_tokens)
         self._next_seq = 0

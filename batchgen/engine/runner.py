@@ -6,6 +6,8 @@ unloads (device -> host), loads (host -> device), forward over the packed batch,
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from batchgen.engine.forward_batch import ForwardBatch
@@ -14,19 +16,36 @@ from batchgen.engine.sampler import SampleResult, SamplingRows, sample
 from batchgen.sched.host_pool import HostSegment
 from batchgen.sched.scheduler import ScheduleOutput
 
+log = logging.getLogger("batchgen.runner")
+
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, layout: KVLayout, device_pages: int,
                  host_pages: int, device: torch.device, fast_init: bool = False,
-                 hugetlbfs: bool = False):
+                 hugetlbfs: bool = False, runtime=None):
         self.model = model
         self.device = device
         self.layout = layout
         self.device_pool = KVPool(layout, device_pages, device)
         self.host_segment = HostSegment(host_pages * layout.bytes_per_page, fast_init, hugetlbfs)
         self.host_pool = self._host_pool(host_pages)
+        self.graphs = None
         if device.type == "cuda":
             self.host_segment.pin()
+            if runtime is not None and runtime.use_cuda_graphs:
+                self.graphs = self._capture(runtime)
+
+    def _capture(self, runtime):
+        from batchgen.engine.graphs import DecodeGraphs
+
+        graphs = DecodeGraphs(self.model, self.device_pool, runtime.cuda_graph_max_bucket_size,
+                              runtime.cuda_graph_num_buckets, self.model.max_context)
+        try:
+            graphs.capture()
+        except Exception as err:  # a model or kernel that cannot be captured still runs
+            log.warning("CUDA graph capture failed (%s); decoding eagerly", err)
+            return None
+        return graphs
 
     def _host_pool(self, host_pages: int) -> KVPool:
         """Carve the host segment into the page data tensor (and fp8 scales after it)."""
@@ -62,7 +81,10 @@ class ModelRunner:
             kv_pool=self.device_pool,
             device=self.device,
         )
-        logits = self.model(batch)
+        if self.graphs is not None and self.graphs.can_run(batch):
+            logits = self.graphs.run(batch)
+        else:
+            logits = self.model(batch)
         if not rows.params:
             return SampleResult([], [])
         return sample(logits, rows, allowed)

@@ -15,6 +15,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and x.dim() == 2:
+            from batchgen_kernels import rmsnorm
+
+            return rmsnorm(x, self.weight, self.eps)
         # Normalise in float32 and cast back before the weight, as HF Llama does: bitwise
         # agreement with the reference matters more than a fused cast here.
         dtype = x.dtype
@@ -83,6 +87,11 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q [T, H, D], k [T, KVH, D]; rotates the first `rotary_dim` features."""
+        if q.is_cuda:
+            from batchgen_kernels import apply_rope
+
+            return apply_rope(q, k, positions, self.cos, self.sin, torch.empty_like(q),
+                              torch.empty_like(k))
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
@@ -109,6 +118,24 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class FusedGatedMLP(nn.Module):
+    """SwiGLU with gate and up in one matmul: down(silu(gate) * up), x @ [gate | up]."""
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        if gate_up.is_cuda:
+            from batchgen_kernels import silu_and_mul
+
+            return self.down_proj(silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
 
 
 def default_max_positions(hf_config) -> int:

@@ -11,8 +11,12 @@ from torch import nn
 
 from batchgen.engine.forward_batch import ForwardBatch
 from batchgen.models.attention import paged_attention
-from batchgen.models.layers import (GatedMLP, RMSNorm, RotaryEmbedding, default_max_positions,
-                                    rope_inv_freq, softmax_scale)
+from batchgen.models.layers import (FusedGatedMLP, RMSNorm, RotaryEmbedding,
+                                    default_max_positions, rope_inv_freq, softmax_scale)
+
+FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+"""Checkpoint projection -> (our fused parameter, its slot among the fused pieces)."""
 
 
 class LlamaAttention(nn.Module):
@@ -25,9 +29,9 @@ class LlamaAttention(nn.Module):
         self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
         hidden = cfg.hidden_size
-        self.q_proj = nn.Linear(hidden, self.heads * self.head_dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(hidden, self.kv_heads * self.head_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(hidden, self.kv_heads * self.head_dim, bias=qkv_bias)
+        # q, k and v in one matmul (one launch, better shapes); checkpoints load into its rows.
+        self.q_size, self.kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=qkv_bias)
         self.o_proj = nn.Linear(self.heads * self.head_dim, hidden, bias=o_bias)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
@@ -36,9 +40,10 @@ class LlamaAttention(nn.Module):
         self.scale = softmax_scale(self.head_dim)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        q = self.q_proj(x).view(-1, self.heads, self.head_dim)
-        k = self.k_proj(x).view(-1, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).view(-1, self.kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(-1, self.heads, self.head_dim)
+        k = k.reshape(-1, self.kv_heads, self.head_dim)
+        v = v.reshape(-1, self.kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rope(batch.positions, q, k)
@@ -65,8 +70,8 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg, layer: int, rope: RotaryEmbedding, qkv_bias: bool, qk_norm: bool):
         super().__init__()
         self.self_attn = LlamaAttention(cfg, layer, rope, qkv_bias, qk_norm)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size,
-                            bias=bool(getattr(cfg, "mlp_bias", False)))
+        self.mlp = FusedGatedMLP(cfg.hidden_size, cfg.intermediate_size,
+                                 bias=bool(getattr(cfg, "mlp_bias", False)))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -123,26 +128,56 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters(remove_duplicate=False))
-        seen = set()
+        seen: set[tuple[str, int]] = set()
         for name, tensor in weights:
             if name.endswith("rotary_emb.inv_freq"):
                 continue
-            if name not in params:
+            target, slot = _fused_target(name)
+            if target not in params:
                 raise KeyError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
-            param = params[name]
+            rows = self._rows(target, slot)
+            param = params[target][rows] if rows is not None else params[target]
             if tuple(param.shape) != tuple(tensor.shape):
                 raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model "
                                  f"shape {tuple(param.shape)}")
             with torch.no_grad():
                 param.copy_(tensor)
-            seen.add(name)
-        missing = set(params) - seen
+            seen.add((target, slot))
+        self._check_complete(params, seen)
+
+    def _rows(self, target: str, slot: int) -> slice | None:
+        """Rows of a fused parameter that checkpoint piece `slot` fills (None: all of it)."""
+        if slot < 0:
+            return None
+        if ".qkv_proj." in target:
+            attn = self.model.layers[0].self_attn
+            sizes = [attn.q_size, attn.kv_size, attn.kv_size]
+        else:
+            sizes = [self.config.intermediate_size] * 2
+        start = sum(sizes[:slot])
+        return slice(start, start + sizes[slot])
+
+    def _check_complete(self, params: dict, seen: set[tuple[str, int]]) -> None:
+        expected = set()
+        for name in params:
+            pieces = 3 if ".qkv_proj." in name else 2 if ".gate_up_proj." in name else 0
+            expected |= {(name, i) for i in range(pieces)} if pieces else {(name, -1)}
+        missing = {name for name, _ in expected - seen}
         if getattr(self.config, "tie_word_embeddings", False):
             missing.discard("lm_head.weight")
-            if "lm_head.weight" in seen:
+            if ("lm_head.weight", -1) in seen:
                 missing.discard("model.embed_tokens.weight")
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+
+
+def _fused_target(name: str) -> tuple[str, int]:
+    """'...self_attn.k_proj.weight' -> ('...self_attn.qkv_proj.weight', 1); others unchanged."""
+    parts = name.split(".")
+    if len(parts) >= 2 and parts[-2] in FUSED:
+        fused, slot = FUSED[parts[-2]]
+        return ".".join(parts[:-2] + [fused, parts[-1]]), slot
+    return name, -1
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
