@@ -1,0 +1,202 @@
+"""DeepSeek-V3 / R1 (`DeepseekV3ForCausalLM`) on the paged KV cache.
+
+Layers: MLA attention (batchgen/models/mla.py) everywhere; a dense SwiGLU MLP on the first
+`first_k_dense_replace` layers and the MoE (batchgen/models/moe.py) after. The KV cache holds
+one (1, kv_lora_rank + qk_rope_head_dim) vector per token and layer: `kv_token_shape`, from
+which the engine sizes pages (576 values for R1, not heads x dim x 2).
+
+Weights load by their checkpoint names: per-expert `mlp.experts.N.{gate,up,down}_proj.weight`
+(real checkpoints and HF `save_pretrained`) or HF's in-memory grouped
+`mlp.experts.gate_up_proj` [E, 2I, H] / `down_proj` [E, H, I]. FP8 checkpoints (e4m3 `weight`
++ `weight_scale_inv` per block) are dequantized on CPU (and with --pre-dequantize-weights);
+on CUDA they stay FP8 and run block-scaled GEMMs (batchgen/models/fp8.py). The multi-token
+prediction layer R1 ships as `model.layers.{num_hidden_layers}` is skipped.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from batchgen.engine.forward_batch import ForwardBatch
+from batchgen.models.fp8 import (
+    Fp8Linear,
+    QuantizedWeight,
+    dequantize_blocks,
+    pair_scales,
+    weight_block_size,
+)
+from batchgen.models.layers import GatedMLP, RMSNorm, default_max_positions
+from batchgen.models.mla import MlaRope, MLAttention
+from batchgen.models.moe import DeepseekMoE, ExpertStager, RoutedExperts
+
+EXPERT_NAME = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+GROUPED_EXPERT_NAME = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
+FLOAT32_PARAMS = (".mlp.gate.weight", ".mlp.gate.e_score_correction_bias")
+"""Router tensors stay float32 whatever the model dtype, as in HF and DeepSeek's reference."""
+KEEP_DENSE = (".kv_b_proj.weight",)
+"""Dequantized even on CUDA: the absorbed MLA path uses kv_b_proj as a matrix, not a GEMM."""
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg, layer: int, rope: MlaRope, num_offloaded: int,
+                 stager: ExpertStager | None):
+        super().__init__()
+        self.self_attn = MLAttention(cfg, layer, rope)
+        if layer >= (cfg.first_k_dense_replace or 0) and cfg.n_routed_experts:
+            self.mlp = DeepseekMoE(cfg, num_offloaded, stager)
+        else:
+            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DeepseekV3Model(nn.Module):
+    def __init__(self, cfg, num_offloaded: int, stager: ExpertStager | None):
+        super().__init__()
+        rope = MlaRope(cfg)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rope, num_offloaded, stager)
+                                    for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        x = self.embed_tokens(batch.input_ids)
+        for layer in self.layers:
+            x = layer(x, batch)
+        return self.norm(x)
+
+
+def offloaded_experts(hf_config, options) -> int:
+    """Routed experts per layer kept in host memory under --ep-offloading-ratio."""
+    if options is None or not getattr(options, "enable_ep_with_offloading", False):
+        return 0
+    ratio = float(getattr(options, "ep_offloading_ratio", 0.0))
+    if not 0.0 <= ratio <= 1.0:
+        raise ValueError(f"ep_offloading_ratio={ratio} is not in [0, 1]")
+    return round(ratio * (hf_config.n_routed_experts or 0))
+
+
+class DeepseekV3ForCausalLM(nn.Module):
+    def __init__(self, hf_config, options=None):
+        super().__init__()
+        self.config = hf_config
+        self.options = options
+        num_offloaded = offloaded_experts(hf_config, options)
+        self.expert_stager = ExpertStager(num_offloaded) if num_offloaded else None
+        self.model = DeepseekV3Model(hf_config, num_offloaded, self.expert_stager)
+        self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+        self.tie_weights()
+        self.kv_token_shape = (1, hf_config.kv_lora_rank + hf_config.qk_rope_head_dim)
+        self.max_context = default_max_positions(hf_config)
+
+    def tie_weights(self) -> None:
+        if getattr(self.config, "tie_word_embeddings", False):
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def set_mla_impl(self, prefill: str | None = None, decode: str | None = None) -> None:
+        """Choose the MLA path ("naive" or "absorb") for prefill rows and for decode rows."""
+        for layer in self.model.layers:
+            attn = layer.self_attn
+            attn.prefill_impl = prefill or attn.prefill_impl
+            attn.decode_impl = decode or attn.decode_impl
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits `[S, vocab]` (float32) of the rows in `batch.logits_indices`."""
+        hidden = self.model(batch)
+        return self.lm_head(hidden[batch.logits_indices]).float()
+
+    # -- weights ------------------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        dtype = self.model.embed_tokens.weight.dtype
+        device = self.model.embed_tokens.weight.device
+        pre_dequantize = bool(getattr(self.options, "pre_dequantize_weights", False))
+        keep_fp8 = device.type == "cuda" and not pre_dequantize
+        experts = {n: m for n, m in self.named_modules() if isinstance(m, RoutedExperts)}
+        params = dict(self.named_parameters(remove_duplicate=False))
+        seen: set[str] = set()
+        for name, value in pair_scales(weights, weight_block_size(self.config), keep_fp8, dtype):
+            if self._skipped(name):
+                continue
+            if isinstance(value, QuantizedWeight) and name.endswith(KEEP_DENSE):
+                value = dequantize_blocks(value.weight, value.scale_inv, value.block, dtype)
+            if self._load_expert(experts, name, value):
+                continue
+            if isinstance(value, QuantizedWeight):
+                self._install_fp8_linear(name, value)
+                seen.update({name, name + "_scale_inv"})
+            else:
+                _copy_param(params, name, value)
+                seen.add(name)
+        self._check_complete(seen, experts)
+
+    def _skipped(self, name: str) -> bool:
+        if name.endswith("rotary_emb.inv_freq"):
+            return True
+        match = LAYER_INDEX.match(name)  # the MTP layer(s) after the last decoder layer
+        return match is not None and int(match.group(1)) >= self.config.num_hidden_layers
+
+    def _load_expert(self, experts: dict, name: str, value) -> bool:
+        match = EXPERT_NAME.match(name)
+        if match:
+            experts[match.group(1)].load(int(match.group(2)), match.group(3), value)
+            return True
+        match = GROUPED_EXPERT_NAME.match(name)
+        if not match or match.group(1) not in experts:
+            return False
+        module = experts[match.group(1)]
+        assert not isinstance(value, QuantizedWeight), "grouped experts come dense"
+        for e in range(value.shape[0]):
+            if match.group(2) == "down_proj":
+                module.load(e, "down_proj", value[e])
+            else:
+                gate, up = value[e].chunk(2, dim=0)
+                module.load(e, "gate_proj", gate)
+                module.load(e, "up_proj", up)
+        return True
+
+    def _install_fp8_linear(self, name: str, value: QuantizedWeight) -> None:
+        path = name[: -len(".weight")]
+        old = self.get_submodule(path)
+        if not isinstance(old, nn.Linear) or old.bias is not None:
+            raise KeyError(f"FP8 tensor {name!r} is not the weight of a bias-free linear layer")
+        if tuple(old.weight.shape) != tuple(value.weight.shape):
+            raise ValueError(f"{name}: checkpoint shape {tuple(value.weight.shape)} != model "
+                             f"shape {tuple(old.weight.shape)}")
+        device = old.weight.device
+        self.set_submodule(path, Fp8Linear(value.weight.to(device), value.scale_inv.to(device),
+                                           value.block))
+
+    def _check_complete(self, seen: set[str], experts: dict) -> None:
+        params = {n for n, _ in self.named_parameters(remove_duplicate=False)}
+        missing = {n for n in params - seen if not n.startswith(tuple(experts))}
+        if getattr(self.config, "tie_word_embeddings", False):
+            missing.discard("lm_head.weight")
+            if "lm_head.weight" in seen:
+                missing.discard("model.embed_tokens.weight")
+        for name, module in experts.items():
+            missing.update(f"{name}.{e}.{proj}.weight" for e, proj in module.missing())
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+
+
+def _copy_param(params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor) -> None:
+    if name not in params:
+        raise KeyError(f"checkpoint tensor {name!r} has no place in DeepseekV3ForCausalLM")
+    param = params[name]
+    if tuple(param.shape) != tuple(tensor.shape):
+        raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model "
+                         f"shape {tuple(param.shape)}")
+    if name.endswith(FLOAT32_PARAMS):
+        param.data = tensor.to(device=param.device, dtype=torch.float32)
+        return
+    with torch.no_grad():
+        param.copy_(tensor)

@@ -1,0 +1,346 @@
+"""DeepSeek-V3 mixture of experts: grouped sigmoid routing, shared experts, expert offloading.
+
+Shapes: T tokens, H hidden, E routed experts, k experts per token, I moe_intermediate_size.
+Routed expert weights are stacked like HF's grouped layout: gate_up [E, 2I, H] (gate rows
+first), down [E, H, I].
+
+Execution: the T*k (token, expert) assignments are sorted by expert (stable), so each
+expert's tokens are one contiguous run; each run goes through its expert's SwiGLU, via
+torch._grouped_mm on CUDA (bf16/fp16) or a loop over the touched experts otherwise. Outputs are
+summed over k in top-k order, so the result does not depend on where an expert lives.
+
+Offloading (--enable-ep-with-offloading, --ep-offloading-ratio r): the last round(r * E)
+experts of every layer live in host memory (pinned on CUDA). After routing, the touched ones
+are copied into a device staging slot shared by all layers, on a side stream; the shared
+experts and the resident experts compute meanwhile. Two slots alternate between layers, so a
+layer's copy only waits for the layer before last to finish with its slot. On CPU the same
+code runs with plain copies. Routing must be known before a copy can start, so the copy hides
+behind this layer's shared + resident compute, not the previous layer's. Measured once on an
+H200 (4 layers, 64 experts of 2048x1024, 256 tokens, 19 offloaded, all touched): 21.2 ms/step
+vs 17.8 ms for the copies alone at 54 GB/s and 6.0 ms with no offloading.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from batchgen.models.fp8 import QuantizedWeight, fp8_linear
+from batchgen.models.layers import GatedMLP
+
+PROJ_ROWS = ("gate_proj", "up_proj", "down_proj")
+
+
+class TopkRouter(nn.Module):
+    """HF DeepseekV3TopkRouter, float32 throughout (the checkpoint keeps it in float32)."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.num_experts = cfg.n_routed_experts
+        self.top_k = cfg.num_experts_per_tok
+        self.n_group = cfg.n_group or 1
+        self.topk_group = cfg.topk_group or self.n_group
+        self.norm_topk_prob = bool(cfg.norm_topk_prob)
+        self.routed_scaling_factor = float(cfg.routed_scaling_factor)
+        self.weight = nn.Parameter(torch.empty(self.num_experts, cfg.hidden_size))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(self.num_experts))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (weights [T, k] float32, expert ids [T, k] int64)."""
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        # The bias only steers which experts are chosen; the weights come from the raw scores.
+        choice = scores + self.e_score_correction_bias.float()
+        per_group = choice.view(-1, self.n_group, self.num_experts // self.n_group)
+        group_scores = per_group.topk(min(2, per_group.shape[-1]), dim=-1).values.sum(-1)
+        groups = group_scores.topk(self.topk_group, dim=-1, sorted=False).indices
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, groups, True)
+        keep = keep[:, :, None].expand_as(per_group).reshape(-1, self.num_experts)
+        choice = choice.masked_fill(~keep, float("-inf"))
+        ids = choice.topk(self.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, ids)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.routed_scaling_factor, ids
+
+
+class ExpertBank:
+    """Stacked weights of some experts: gate_up [n, 2I, H], down [n, H, I], plus e4m3 block
+    scales when kept in FP8. Row i of the bank serves the i-th expert it was built for."""
+
+    def __init__(self, gate_up, down, gate_up_scale=None, down_scale=None, block=None):
+        self.gate_up, self.down = gate_up, down
+        self.gate_up_scale, self.down_scale, self.block = gate_up_scale, down_scale, block
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.gate_up, self.down, self.gate_up_scale, self.down_scale)
+                if t is not None]
+
+    def run(self, h: torch.Tensor, sizes: list[int], offs: torch.Tensor | None = None):
+        """h [M, H], rows grouped by bank row (sizes[i] rows for row i) -> [M, H]. `offs`:
+        the same sizes as a device int32 prefix sum, for the grouped GEMM."""
+        if h.shape[0] == 0:
+            return torch.empty_like(h)
+        if offs is not None and self._grouped_ok(h):
+            return self._run_grouped(h, offs)
+        out = torch.empty_like(h)
+        start = 0
+        for row, n in enumerate(sizes):
+            if n:
+                out[start:start + n] = self._mlp(h[start:start + n], row)
+            start += n
+        return out
+
+    def _mlp(self, h: torch.Tensor, row: int) -> torch.Tensor:
+        if self.block is None:
+            gate, up = F.linear(h, self.gate_up[row]).chunk(2, dim=-1)
+            return F.linear(F.silu(gate) * up, self.down[row])
+        gate_up = fp8_linear(h, self.gate_up[row], self.gate_up_scale[row], self.block)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return fp8_linear(F.silu(gate) * up, self.down[row], self.down_scale[row], self.block)
+
+    def _grouped_ok(self, h: torch.Tensor) -> bool:
+        return (h.is_cuda and self.block is None and hasattr(torch, "_grouped_mm")
+                and h.dtype in (torch.bfloat16, torch.float16))
+
+    def _run_grouped(self, h: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        groups = offs.shape[0]
+        gate_up = torch._grouped_mm(h, self.gate_up[:groups].transpose(1, 2), offs=offs)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return torch._grouped_mm(F.silu(gate) * up, self.down[:groups].transpose(1, 2), offs=offs)
+
+
+class RoutedExperts(nn.Module):
+    """One layer's routed experts: experts [0, E - n_off) resident on the device as parameters,
+    the rest in host memory, staged in through `stager` when tokens route to them."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int, num_offloaded: int,
+                 stager: ExpertStager | None):
+        super().__init__()
+        assert 0 <= num_offloaded <= num_experts
+        assert num_offloaded == 0 or stager is not None, "offloaded experts need a stager"
+        self.num_experts, self.hidden, self.inter = num_experts, hidden, inter
+        self.num_resident = num_experts - num_offloaded
+        self.gate_up_proj = nn.Parameter(torch.empty(self.num_resident, 2 * inter, hidden))
+        self.down_proj = nn.Parameter(torch.empty(self.num_resident, hidden, inter))
+        self.register_parameter("gate_up_scale", None)
+        self.register_parameter("down_scale", None)
+        self.block: tuple[int, int] | None = None
+        self.host: ExpertBank | None = None
+        self.stager = stager
+        self.loaded: set[tuple[int, str]] = set()
+
+    @property
+    def num_offloaded(self) -> int:
+        return self.num_experts - self.num_resident
+
+    def resident_bank(self) -> ExpertBank:
+        return ExpertBank(self.gate_up_proj, self.down_proj, self.gate_up_scale, self.down_scale,
+                          self.block)
+
+    # -- loading ----------------------------------------------------------------------
+    def load(self, expert: int, proj: str, value: torch.Tensor | QuantizedWeight) -> None:
+        """Place one checkpoint matrix: proj is gate_proj / up_proj [I, H] or down_proj [H, I]."""
+        assert 0 <= expert < self.num_experts and proj in PROJ_ROWS, (expert, proj)
+        quantized = isinstance(value, QuantizedWeight)
+        if quantized and self.block is None:
+            self._switch_to_fp8(value.block)
+        bank, row = self._bank_of(expert)
+        weight, scale = (value.weight, value.scale_inv) if quantized else (value, None)
+        rows = {"gate_proj": slice(0, self.inter), "up_proj": slice(self.inter, 2 * self.inter),
+                "down_proj": slice(None)}[proj]
+        target = bank.down if proj == "down_proj" else bank.gate_up
+        with torch.no_grad():
+            target[row, rows].copy_(weight)
+            if quantized:
+                scale_target = bank.down_scale if proj == "down_proj" else bank.gate_up_scale
+                bn = self.block[0]
+                scale_rows = slice(rows.start // bn, rows.stop // bn) if rows.stop else slice(None)
+                scale_target[row, scale_rows].copy_(scale)
+        self.loaded.add((expert, proj))
+
+    def missing(self) -> list[tuple[int, str]]:
+        return [(e, p) for e in range(self.num_experts) for p in PROJ_ROWS
+                if (e, p) not in self.loaded]
+
+    def _bank_of(self, expert: int) -> tuple[ExpertBank, int]:
+        if expert < self.num_resident:
+            return self.resident_bank(), expert
+        if self.host is None:
+            self.host = self._allocate_host()
+        return self.host, expert - self.num_resident
+
+    def _allocate_host(self) -> ExpertBank:
+        """Host bank, created at load time so it has the model's final dtype."""
+        pin = self.gate_up_proj.is_cuda
+        n = self.num_offloaded
+
+        def empty(like: torch.Tensor | None):
+            if like is None:
+                return None
+            return torch.empty((n, *like.shape[1:]), dtype=like.dtype, pin_memory=pin)
+        return ExpertBank(empty(self.gate_up_proj), empty(self.down_proj),
+                          empty(self.gate_up_scale), empty(self.down_scale), self.block)
+
+    def _switch_to_fp8(self, block: tuple[int, int]) -> None:
+        """Re-allocate the stacks as e4m3 + block scales (CUDA keeps FP8 checkpoints as is)."""
+        assert not self.loaded, "an FP8 checkpoint mixes quantized and dense experts"
+        assert self.inter % block[0] == 0, "gate/up blocks must not straddle the gate|up seam"
+        bn, bk = block
+        device = self.gate_up_proj.device
+
+        def param(shape, dtype):
+            return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+        n, i, h = self.num_resident, self.inter, self.hidden
+        self.block = tuple(block)
+        self.gate_up_proj = param((n, 2 * i, h), torch.float8_e4m3fn)
+        self.down_proj = param((n, h, i), torch.float8_e4m3fn)
+        self.gate_up_scale = param((n, -(-2 * i // bn), -(-h // bk)), torch.float32)
+        self.down_scale = param((n, -(-h // bn), -(-i // bk)), torch.float32)
+
+    # -- compute ----------------------------------------------------------------------
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [T, H], ids/weights [T, k] -> sum_j weights[:, j] * expert_{ids[:, j]}(x) [T, H]."""
+        return self.finish(self.dispatch(x, ids), weights)
+
+    def dispatch(self, x: torch.Tensor, ids: torch.Tensor) -> _Dispatch:
+        """Sort assignments by expert and start copying the touched offloaded experts in; the
+        caller may compute something else (the shared experts) before `finish`."""
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts_dev = torch.bincount(flat, minlength=self.num_experts)
+        counts = counts_dev.tolist()  # the host sync that copying on demand needs anyway
+        offloaded = [e for e in range(self.num_resident, self.num_experts) if counts[e]]
+        offs = _group_offsets(counts_dev, self.num_resident) if x.is_cuda else (None, None)
+        staged = None
+        if offloaded:
+            rows = [e - self.num_resident for e in offloaded]
+            staged = self.stager.fetch(self.host, rows, x.device)
+        return _Dispatch(x[order // ids.shape[1]], order, counts, offloaded, staged, offs)
+
+    def finish(self, d: _Dispatch, weights: torch.Tensor) -> torch.Tensor:
+        n_res = sum(d.counts[: self.num_resident])
+        out_sorted = torch.empty_like(d.h)
+        resident_sizes = d.counts[: self.num_resident]
+        out_sorted[:n_res] = self.resident_bank().run(d.h[:n_res], resident_sizes, d.offs[0])
+        if d.staged is not None:
+            self.stager.wait(d.staged)
+            sizes = [d.counts[e] for e in d.offloaded]
+            out_sorted[n_res:] = d.staged.bank.run(d.h[n_res:], sizes, d.offs[1])
+            self.stager.release(d.staged)
+        out = torch.empty_like(out_sorted)
+        out[d.order] = out_sorted
+        # Summing over k in top-k order keeps the result independent of where experts live.
+        k = weights.shape[1]
+        combined = (out.view(-1, k, self.hidden).float() * weights[..., None]).sum(dim=1)
+        return combined.to(d.h.dtype)
+
+
+class _Dispatch:
+    """Assignments sorted by expert: h [T*k, H] inputs, `order` the sorting permutation,
+    `offs` the grouped-GEMM offsets of the resident and the staged bank (CUDA only)."""
+
+    def __init__(self, h, order, counts, offloaded, staged, offs):
+        self.h, self.order, self.counts = h, order, counts
+        self.offloaded, self.staged, self.offs = offloaded, staged, offs
+
+
+def _group_offsets(counts: torch.Tensor, num_resident: int):
+    """Device int32 prefix sums of the resident experts' and the touched offloaded experts'
+    row counts. Built on the device before any expert copy is queued: a small host-to-device
+    copy issued later would wait in the copy engine behind the experts, stalling compute."""
+    resident = counts[:num_resident].cumsum(0).to(torch.int32)
+    offloaded = counts[num_resident:]
+    return resident, offloaded[offloaded > 0].cumsum(0).to(torch.int32)
+
+
+class _Slot:
+    def __init__(self, bank: ExpertBank, stream):
+        self.bank = bank
+        self.ready = torch.cuda.Event() if stream is not None else None
+        self.free = torch.cuda.Event() if stream is not None else None
+
+
+class ExpertStager:
+    """Device staging slots for offloaded experts, shared by every MoE layer of a model.
+
+    `fetch` copies the given host-bank rows into the next slot (side stream on CUDA),
+    `wait` makes the compute stream wait for them, `release` marks the slot reusable once the
+    compute stream has used it. Counters tell tests and benchmarks what moved."""
+
+    NUM_SLOTS = 2
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.slots: list[_Slot] = []
+        self.next = 0
+        self.stream = None
+        self.copied_experts = 0
+        self.copied_bytes = 0
+        self.fetches = 0
+
+    def fetch(self, host: ExpertBank, rows: list[int], device: torch.device) -> _Slot:
+        assert len(rows) <= self.capacity, (len(rows), self.capacity)
+        if not self.slots:
+            self._allocate(host, device)
+        slot = self.slots[self.next]
+        self.next = (self.next + 1) % len(self.slots)
+        if self.stream is None:
+            self._copy(host, rows, slot)
+        else:
+            with torch.cuda.stream(self.stream):
+                self.stream.wait_event(slot.free)
+                self._copy(host, rows, slot)
+                slot.ready.record(self.stream)
+        self.fetches += 1
+        self.copied_experts += len(rows)
+        return slot
+
+    def wait(self, slot: _Slot) -> None:
+        if slot.ready is not None:
+            torch.cuda.current_stream().wait_event(slot.ready)
+
+    def release(self, slot: _Slot) -> None:
+        if slot.free is not None:
+            slot.free.record(torch.cuda.current_stream())
+
+    def _allocate(self, host: ExpertBank, device: torch.device) -> None:
+        if device.type == "cuda":
+            self.stream = torch.cuda.Stream(device=device)
+        for _ in range(self.NUM_SLOTS):
+            tensors = [None if t is None else
+                       torch.empty((self.capacity, *t.shape[1:]), dtype=t.dtype, device=device)
+                       for t in (host.gate_up, host.down, host.gate_up_scale, host.down_scale)]
+            slot = _Slot(ExpertBank(*tensors, block=host.block), self.stream)
+            if slot.free is not None:
+                slot.free.record(torch.cuda.current_stream(device))
+            self.slots.append(slot)
+
+    def _copy(self, host: ExpertBank, rows: list[int], slot: _Slot) -> None:
+        blocking = self.stream is None
+        for i, row in enumerate(rows):
+            for src, dst in zip(host.tensors(), slot.bank.tensors()):
+                dst[i].copy_(src[row], non_blocking=not blocking)
+                self.copied_bytes += src[row].numel() * src.element_size()
+
+
+class DeepseekMoE(nn.Module):
+    """Routed experts + shared experts: out = routed(x) + shared(x), as HF sums them."""
+
+    def __init__(self, cfg, num_offloaded: int = 0, stager: ExpertStager | None = None):
+        super().__init__()
+        assert getattr(cfg, "hidden_act", "silu") == "silu", cfg.hidden_act
+        self.gate = TopkRouter(cfg)
+        self.experts = RoutedExperts(cfg.n_routed_experts, cfg.hidden_size,
+                                     cfg.moe_intermediate_size, num_offloaded, stager)
+        self.shared_experts = None
+        if cfg.n_shared_experts:
+            self.shared_experts = GatedMLP(cfg.hidden_size,
+                                           cfg.moe_intermediate_size * cfg.n_shared_experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        dispatch = self.experts.dispatch(x, ids)  # offloaded experts start copying in
+        shared = self.shared_experts(x) if self.shared_experts is not None else None
+        routed = self.experts.finish(dispatch, weights)
+        return routed + shared if shared is not None else routed
