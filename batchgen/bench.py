@@ -178,7 +178,7 @@ class BenchConfig:
     gpu_kv_cache_size: float | None = None
     host_kv_cache_size: float | None = None
     device: str = "auto"
-    disable_cuda_graphs: bool = False
+    enable_cuda_graph: bool = False
 
 
 def bench(cfg: BenchConfig, work: Workload) -> dict:
@@ -195,7 +195,7 @@ def bench(cfg: BenchConfig, work: Workload) -> dict:
                             host_kv_cache_size=cfg.host_kv_cache_size or 8.0),
         scheduler=SchedulerConfig(max_decode_batch=cfg.max_decode_batch),
         runtime=RuntimeConfig(cuda_graph_max_bucket_size=cfg.max_decode_batch,
-                              disable_cuda_graphs=cfg.disable_cuda_graphs)).validate()
+                              enable_cuda_graph=cfg.enable_cuda_graph)).validate()
     ours = run_ours(model, None, engine_cfg, work)
     bandwidth = measure_hbm_bandwidth(device)
     bound = roofline_seconds(model, ours["layout"], work, ours["outputs"], cfg.max_decode_batch,

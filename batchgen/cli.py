@@ -82,7 +82,7 @@ def bench(shape: str = typer.Option("smollm2-135m", help="Model shape: smollm2-1
           max_decode_batch: int = typer.Option(256, help="Most sequences decoded together."),
           gpu_kv_cache_size: Optional[float] = typer.Option(None, help="Device KV pool in GB."),
           host_kv_cache_size: Optional[float] = typer.Option(None, help="Host KV pool in GB."),
-          disable_cuda_graphs: bool = typer.Option(False, help="Decode eagerly."),
+          enable_cuda_graph: bool = typer.Option(False, help="Decode with CUDA graphs."),
           json_out: Optional[Path] = typer.Option(None, "--json", help="Write the report here.")):
     """Synthetic throughput benchmark on a random-init model of a real shape (EOS ignored)."""
     import json
@@ -93,7 +93,7 @@ def bench(shape: str = typer.Option("smollm2-135m", help="Model shape: smollm2-1
     _setup_logging()
     cfg = BenchConfig(shape, dtype, canonical_kv_dtype(kv_dtype), peer, peer_batch,
                       max_decode_batch, gpu_kv_cache_size, host_kv_cache_size,
-                      disable_cuda_graphs=disable_cuda_graphs)
+                      enable_cuda_graph=enable_cuda_graph)
     report = run_bench(cfg, Workload(requests, input_len, output_len, output_dist, max_output_len))
     typer.echo(format_table(report))
     if json_out:
