@@ -100,6 +100,62 @@ def bench(shape: str = typer.Option("smollm2-135m", help="Model shape: smollm2-1
         json_out.write_text(json.dumps(report, indent=2, default=str))
 
 
+def simulate(png: Optional[Path] = typer.Option(None, help="Write the timeline plot here."),
+             **flags) -> None:
+    """The real scheduler driven by a cost model: size flags for machines we cannot run here."""
+    from batchgen.cli_options import build_dataclass
+    from batchgen.config import SchedulerConfig
+    from batchgen.sched.simulate import SimulationConfig, plot_timeline, run_simulation
+
+    sim = build_dataclass(SimulationConfig, flags)
+    sched = build_dataclass(SchedulerConfig, flags)
+    try:
+        sim.validate()
+        sched.validate()
+    except (ConfigError, ValueError) as err:
+        _fail(str(err))
+    result = run_simulation(sim, sched)
+    typer.echo(result.summary())
+    if png:
+        plot_timeline(result, str(png))
+        typer.echo(f"timeline: {png}")
+
+
+def convert(output: Path = typer.Option(..., "--output", help="Folder to write (must not exist)."),
+            world_size: int = typer.Option(1, help="World size the folder is for."),
+            **flags) -> None:
+    """Write a model in batchgen's own layout (fused projections, chosen dtype) + a manifest;
+    `batchgen run --converted-ckpt-dir` then loads it without conversion."""
+    from batchgen.cli_options import build_dataclass
+    from batchgen.config import ModelConfig
+    from batchgen.models.convert import convert_model
+
+    _setup_logging()
+    cfg = build_dataclass(ModelConfig, flags)
+    try:
+        cfg.validate()
+    except ConfigError as err:
+        _fail(str(err))
+    with _user_errors():
+        convert_model(cfg, output, world_size)
+    typer.echo(f"converted -> {output}")
+
+
+def _register_generated_commands() -> None:
+    from batchgen.config import ModelConfig, SchedulerConfig
+    from batchgen.sched.simulate import SimulationConfig
+
+    app.command("simulate")(with_config_options(
+        simulate, [("simulate", SimulationConfig), ("scheduler", SchedulerConfig)],
+))
+    app.command("convert")(with_config_options(
+        convert, [("model", ModelConfig)], skip=("converted_ckpt_dir", "enable_ep_with_offloading",
+                                                 "ep_offloading_ratio")))
+
+
+_register_generated_commands()
+
+
 def _user_errors():
     from batchgen.runner.errors import user_errors
 

@@ -58,21 +58,29 @@ def _parameter(section: str, cls: type, f: dataclasses.Field) -> inspect.Paramet
                              annotation=hint)
 
 
-def config_parameters(skip: tuple[str, ...] = ()) -> list[inspect.Parameter]:
+def config_parameters(sections: list[tuple[str, type]] | None = None,
+                      skip: tuple[str, ...] = ()) -> list[inspect.Parameter]:
     params = []
-    for section, cls in leaf_sections():
+    for section, cls in sections if sections is not None else leaf_sections():
         for f in dataclasses.fields(cls):
             if f.name not in skip:
                 params.append(_parameter(section, cls, f))
     return params
 
 
-def with_config_options(func: Callable, skip: tuple[str, ...] = ()) -> Callable:
-    """Give `func(**kwargs)` a signature Typer reads: its own parameters + every config flag."""
+def with_config_options(func: Callable, sections: list[tuple[str, type]] | None = None,
+                        skip: tuple[str, ...] = ()) -> Callable:
+    """Give `func(**kwargs)` a signature Typer reads: its own parameters + every flag of the
+    given config dataclasses (default: all of JobConfig)."""
     own = [p for p in inspect.signature(func).parameters.values()
            if p.kind is not inspect.Parameter.VAR_KEYWORD]
-    func.__signature__ = inspect.Signature(own + config_parameters(skip))  # type: ignore[attr-defined]
+    func.__signature__ = inspect.Signature(own + config_parameters(sections, skip))  # type: ignore[attr-defined]
     return func
+
+
+def build_dataclass(cls: type, values: dict[str, Any]):
+    """One flat dataclass from the flag values that name its fields."""
+    return cls(**{f.name: values[f.name] for f in dataclasses.fields(cls) if f.name in values})
 
 
 def build_config(values: dict[str, Any]) -> JobConfig:

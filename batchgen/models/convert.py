@@ -125,3 +125,28 @@ def converted_for_gguf(gguf: Path, converted_dir: str | None) -> Path:
         log.info("using converted checkpoint %s (no GGUF dequantization)", folder)
         return folder
     return convert_gguf(gguf, folder)
+
+
+def convert_model(cfg, output: Path, world_size: int = 1) -> Path:
+    """`batchgen convert`: load any supported model and write it in our layout.
+
+    Every rank of a data-parallel job reads the same full weights; the manifest records the
+    world size so a folder made for another layout is refused at load time."""
+    from batchgen.models.factory import load_model
+
+    output = Path(output)
+    if output.exists() and any(output.iterdir()):
+        raise CheckpointError(f"{output} exists and is not empty: choose a new folder")
+    loaded = load_model(cfg, torch.device("cpu"))
+    dtype = str(loaded.dtype).removeprefix("torch.")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=output.parent))
+    try:
+        write_converted(tmp, loaded.hf_config, loaded.tokenizer, loaded.model.state_dict(),
+                        source=str(loaded.folder), dtype=dtype, world_size=world_size)
+        if output.exists():
+            output.rmdir()
+        os.replace(tmp, output)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return output

@@ -158,11 +158,12 @@ class LlamaForCausalLM(nn.Module):
         return slice(start, start + sizes[slot])
 
     def _check_complete(self, params: dict, seen: set[tuple[str, int]]) -> None:
-        expected = set()
+        whole = {name for name, slot in seen if slot < 0}  # our own (converted) layout
+        missing = set()
         for name in params:
             pieces = 3 if ".qkv_proj." in name else 2 if ".gate_up_proj." in name else 0
-            expected |= {(name, i) for i in range(pieces)} if pieces else {(name, -1)}
-        missing = {name for name, _ in expected - seen}
+            if name not in whole and any((name, i) not in seen for i in range(max(pieces, 1))):
+                missing.add(name)
         if getattr(self.config, "tie_word_embeddings", False):
             missing.discard("lm_head.weight")
             if ("lm_head.weight", -1) in seen:

@@ -258,6 +258,8 @@ class Scheduler:
                 continue  # evicted while making room for an earlier one
             if len(self.running) >= self.cfg.max_decode_batch:
                 return
+            if self.device.num_free == 0 and self.running:
+                return  # nothing can load; skip the per-sequence arithmetic
             need_dev = self._device_target(seq)
             need_host = max(0, self._host_target(seq) - len(seq.host_pages))
             if need_host > self.host.num_free and not self.running:

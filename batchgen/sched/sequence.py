@@ -22,7 +22,7 @@ def pages_for(tokens: int) -> int:
     return -(-tokens // PAGE_SIZE)
 
 
-@dataclass
+@dataclass(eq=False)  # identity semantics: list.remove / `in` must not compare fields
 class Sequence:
     seq_id: int
     request_id: str
