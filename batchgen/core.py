@@ -68,6 +68,9 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    grammar: object | None = None
+    """A compiled structured-output grammar (io.structured.CompiledGrammar) or None; each
+    choice gets its own matcher and may only emit tokens the grammar allows."""
 
 
 class FinishReason(str, enum.Enum):

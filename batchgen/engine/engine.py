@@ -65,7 +65,8 @@ class Engine:
             raise ValueError(f"request id {request.request_id!r} is already in the engine")
         base_seed = params.seed if params.seed is not None else self._derived_seed(request.request_id)
         seqs = [Sequence(self._next_seq + i, request.request_id, i, list(request.prompt_token_ids),
-                         len(request.prompt_token_ids), params, (base_seed + i) % 2**63)
+                         len(request.prompt_token_ids), params, (base_seed + i) % 2**63,
+                         matcher=request.grammar.matcher() if request.grammar else None)
                 for i in range(params.n)]
         for seq in seqs:
             self.scheduler.add(seq)  # raises RequestTooLarge before anything is queued twice
@@ -84,7 +85,7 @@ class Engine:
     def step(self) -> list[FinishedRequest]:
         out = self.scheduler.schedule()
         rows = self._sampling_rows(out)
-        result = self.runner.execute(out, rows)
+        result = self.runner.execute(out, rows, self._grammar_masks(out))
         self.steps += 1
         return self._postprocess(out, result)
 
@@ -117,12 +118,22 @@ class Engine:
         digest = hashlib.blake2b(f"{self.config.runtime.seed}:{request_id}".encode(), digest_size=8)
         return int.from_bytes(digest.digest(), "little") % 2**63
 
+    def _grammar_masks(self, out: ScheduleOutput):
+        """A logits processor masking grammar-forbidden tokens, or None when no row has one."""
+        matchers = [c.seq.matcher for c in out.chunks if c.sample]
+        if not any(m is not None for m in matchers):
+            return None
+        from batchgen.io.structured import apply_masks
+
+        return lambda logits: apply_masks(logits, matchers)
+
     def _sampling_rows(self, out: ScheduleOutput) -> SamplingRows:
         seqs = [c.seq for c in out.chunks if c.sample]
         banned = []
         for seq in seqs:
             params = seq.sampling
-            early = seq.num_decoded < params.min_tokens
+            # A grammar decides when EOS is allowed; banning it too could leave no token at all.
+            early = seq.num_decoded < params.min_tokens and seq.matcher is None
             ids = (() if params.ignore_eos else tuple(self.eos_ids)) + params.stop_token_ids
             banned.append(ids if early else ())
         return SamplingRows([s.sampling for s in seqs], [s.seed for s in seqs],
@@ -141,6 +152,8 @@ class Engine:
             self.generated_tokens += 1
             if logprob is not None:
                 seq.logprobs = (seq.logprobs or []) + [logprob]
+            if seq.matcher is not None:
+                seq.matcher.accept(token)
             reason = self._finish_reason(seq, token)
             if reason is not None:
                 done = self._complete(seq, *reason)
@@ -150,6 +163,8 @@ class Engine:
 
     def _finish_reason(self, seq: Sequence, token: int):
         params = seq.sampling
+        if seq.matcher is not None and seq.matcher.is_terminated():
+            return FinishReason.STOP, None
         if seq.num_decoded >= params.min_tokens:
             if token in params.stop_token_ids:
                 return FinishReason.STOP, token

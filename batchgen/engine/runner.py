@@ -66,7 +66,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: ScheduleOutput, rows: SamplingRows,
-                allowed: torch.Tensor | None = None) -> SampleResult | None:
+                logits_processor=None) -> SampleResult | None:
+        """Copies, forward and sampling of one step; `logits_processor(logits)` may mask the
+        sampled rows' logits in place first (structured outputs)."""
         for copy in out.swap_out:
             copy_pages(self.device_pool, copy.src, self.host_pool, copy.dst)
         for copy in out.swap_in:
@@ -87,7 +89,9 @@ class ModelRunner:
             logits = self.model(batch)
         if not rows.params:
             return SampleResult([], [])
-        return sample(logits, rows, allowed)
+        if logits_processor is not None:
+            logits_processor(logits)
+        return sample(logits, rows)
 
     def close(self) -> None:
         self.host_pool = None

@@ -31,7 +31,9 @@ def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch
     key = _hash32(_hash32(lo ^ _hash32(hi)) ^ ((steps * 0x9E3779B1) & _MASK32))
     token = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
     bits = _hash32(key[:, None] ^ _hash32(token[None, :] + 0x632BE5AB))
-    return ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))
+    # 23 bits: (k + 0.5) / 2^23 is exact in float32 and strictly inside (0, 1). With 24 bits the
+    # top value rounds to 1.0, whose Gumbel noise is +inf (and -inf + inf = NaN wins argmax).
+    return ((bits >> 9).float() + 0.5) * (1.0 / (1 << 23))
 
 
 @dataclass

@@ -41,6 +41,8 @@ class Sequence:
     evictions: int = 0
     logprobs: list | None = None
     """TokenLogprob per generated token, when the request asked for logprobs."""
+    matcher: object | None = None
+    """Structured-output grammar state (io.structured.GrammarMatcher), or None."""
 
     @property
     def num_tokens(self) -> int:

@@ -1,0 +1,60 @@
+"""Engine-level sampling: n choices with a seed reproduce whatever shares the batch; greedy
+logprobs equal the log-softmax of HF's logits; stop strings and min_tokens."""
+
+import pytest
+import torch
+
+from batchgen.core import Request, SamplingParams
+from engine_utils import load_ours, make_engine
+from tiny_models import VOCAB, save_tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    folder = save_tiny_model("qwen2", tmp_path_factory.mktemp("qwen2"))
+    return load_ours(folder), AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+
+
+def choices(engine, requests, rid):
+    return [c.token_ids for c in {r.request_id: r for r in engine.generate(requests)}[rid].completions]
+
+
+def test_n_choices_with_seed_are_reproducible_across_batches(tiny):
+    model, _ = tiny
+    params = SamplingParams(max_tokens=24, temperature=0.9, top_k=50, seed=1234, n=3)
+    target = Request("t", list(range(5, 40)), params)
+    alone = choices(make_engine(model), [target], "t")
+    others = [Request(f"o{i}", list(range(7, 7 + 13 * i)), SamplingParams(max_tokens=30, temperature=1.0))
+              for i in range(1, 6)]
+    crowded = choices(make_engine(model), others[:2] + [Request("t", target.prompt_token_ids, params)]
+                      + others[2:], "t")
+    assert alone == crowded
+    assert len({tuple(c) for c in alone}) > 1  # the three choices differ from each other
+
+
+def test_greedy_logprobs_match_hf_log_softmax(tiny):
+    model, hf = tiny
+    prompt = torch.randint(3, VOCAB, (30,), generator=torch.Generator().manual_seed(5)).tolist()
+    result = make_engine(model).generate([Request("g", prompt, SamplingParams(
+        max_tokens=8, temperature=0.0, logprobs=True, top_logprobs=2, ignore_eos=True))])[0]
+    completion = result.completions[0]
+    ids = torch.tensor([prompt + completion.token_ids])
+    with torch.inference_mode():
+        ref = torch.log_softmax(hf(ids).logits[0, len(prompt) - 1:-1].float(), dim=-1)
+    for step, lp in enumerate(completion.logprobs):
+        assert lp.token_id == completion.token_ids[step]
+        assert abs(lp.logprob - ref[step, lp.token_id].item()) < 1e-4
+        assert lp.top[0][0] == lp.token_id  # greedy picks the most likely token
+
+
+def test_min_tokens_suppresses_eos(tiny):
+    model, _ = tiny
+    eos = 2
+    prompt = list(range(3, 20))
+    engine = make_engine(model, eos=(eos,))
+    result = engine.generate([Request("m", prompt, SamplingParams(
+        max_tokens=12, min_tokens=12, temperature=1.0, seed=3))])[0]
+    assert len(result.completions[0].token_ids) == 12
+    assert eos not in result.completions[0].token_ids

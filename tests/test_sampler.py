@@ -1,0 +1,63 @@
+"""Sampling: seeded reproducibility across batch compositions, top_k=1 == greedy, truncation."""
+
+import torch
+
+from batchgen.core import SamplingParams
+from batchgen.engine.sampler import SamplingRows, sample, uniform_noise
+
+
+def rows(params, seeds, steps=None):
+    return SamplingRows(params, seeds, steps or [0] * len(params), [()] * len(params))
+
+
+def test_noise_is_strictly_inside_unit_interval_and_batch_independent():
+    seeds = torch.tensor([0, 1, 2**40 + 7], dtype=torch.int64)
+    noise = uniform_noise(seeds, torch.tensor([0, 5, 9]), 50000)
+    assert bool((noise > 0).all()) and bool((noise < 1).all())
+    alone = uniform_noise(seeds[1:2], torch.tensor([5]), 50000)
+    assert torch.equal(noise[1], alone[0])
+
+
+def test_seeded_sampling_ignores_the_rest_of_the_batch():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 1000)
+    p = SamplingParams(temperature=0.9, top_p=0.95, seed=11)
+    together = sample(logits, rows([p] * 4, [11, 12, 13, 14])).token_ids
+    alone = [sample(logits[i:i + 1], rows([p], [11 + i])).token_ids[0] for i in range(4)]
+    assert together == alone
+
+
+def test_top_k_one_is_greedy():
+    logits = torch.randn(8, 300)
+    out = sample(logits, rows([SamplingParams(temperature=1.3, top_k=1)] * 8, list(range(8))))
+    assert out.token_ids == logits.argmax(-1).tolist()
+
+
+def test_masked_tokens_are_never_sampled():
+    logits = torch.randn(64, 5000)
+    allowed = torch.zeros_like(logits, dtype=torch.bool)
+    allowed[:, :3] = True
+    logits = logits.masked_fill(~allowed, float("-inf"))
+    params = [SamplingParams(temperature=0.7, seed=i) for i in range(64)]
+    for step in range(20):
+        out = sample(logits, rows(params, list(range(64)), [step] * 64))
+        assert all(t < 3 for t in out.token_ids)
+
+
+def test_top_p_and_min_p_truncate():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    for seed in range(50):
+        t = sample(logits, rows([SamplingParams(top_p=0.7, seed=seed)], [seed])).token_ids[0]
+        assert t in (0, 1)
+        t = sample(logits, rows([SamplingParams(min_p=0.5, seed=seed)], [seed])).token_ids[0]
+        assert t in (0, 1)
+
+
+def test_logprobs_are_log_softmax_of_raw_logits():
+    logits = torch.randn(2, 50)
+    p = SamplingParams(temperature=0.0, logprobs=True, top_logprobs=3)
+    out = sample(logits, rows([p, p], [0, 0]))
+    ref = torch.log_softmax(logits, -1)
+    for row, lp in enumerate(out.logprobs):
+        assert abs(lp.logprob - ref[row, lp.token_id].item()) < 1e-6
+        assert [t for t, _ in lp.top] == ref[row].topk(3).indices.tolist()
