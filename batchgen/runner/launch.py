@@ -1,17 +1,43 @@
-"""Starting workers through torch.distributed's elastic launcher (torchrun's API)."""
+"""How workers start and stop: torch.distributed's elastic launcher (torchrun's API), the stop
+signals (Slurm preemption, spot notices) and dying with the supervisor.
+
+Signals, end to end. The launcher's agent handles SIGTERM, SIGINT, SIGHUP, SIGQUIT and (we add
+it) SIGUSR1 in the supervisor: it forwards the same signal to every worker, waits
+`shutdown_timeout` seconds, SIGKILLs what is left and raises SignalException, which the
+supervisor turns into exit code 75 ("requeue me"). A worker that gets a stop signal stops
+admitting, flushes what is finished and exits 75; it leaves by itself after WORKER_GRACE_SHARE of
+--preempt-grace whatever it is doing (finished lines are already durable), and the agent's
+SIGKILL comes at AGENT_GRACE_SHARE, so the supervisor is out within the grace period.
+"""
 
 from __future__ import annotations
 
+import math
 import os
+import signal
 import sys
+import threading
+import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from batchgen.config import DistConfig
+from batchgen.runner.job import EXIT_REQUEUE
 
 NCCL_SAFE_ENV = {"NCCL_NVLS_ENABLE": "0"}
 """NVLink multicast stays off on every GPU machine we launch on (it hangs lent machines)."""
+STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1")
+"""Signals the launcher's agent forwards to the workers (SIGUSR1: Slurm --signal, spot notices)."""
+WORKER_STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
+WORKER_GRACE_SHARE = 0.75
+AGENT_GRACE_SHARE = 0.9
+SAME_NOTICE_S = 2.0
+"""Signals this close together are one notice: Slurm signals every process of the step and the
+agent forwards its own copy, so a worker may see the same preemption twice within milliseconds."""
+LAUNCHED_AT_ENV = "BATCHGEN_LAUNCHED_AT"
+"""Unix time the supervisor launched the workers: --startup-timeout counts from it."""
+SUPERVISOR_PID_ENV = "BATCHGEN_SUPERVISOR_PID"
 
 
 @dataclass
@@ -24,14 +50,16 @@ class WorkerFailure(Exception):
         return f"worker rank {self.rank} exited with code {self.exitcode}\n{self.log_tail}"
 
 
-def launch_workers(dist: DistConfig, spec_file: Path, log_dir: Path) -> None:
-    """Run `python -m batchgen.runner.worker SPEC` on this node's ranks; raise WorkerFailure."""
+def launch_workers(dist: DistConfig, spec_file: Path, log_dir: Path, grace: float) -> None:
+    """Run `python -m batchgen.runner.worker SPEC` on this node's ranks; raise WorkerFailure, or
+    the launcher's SignalException when the supervisor got a stop signal."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     for key, value in NCCL_SAFE_ENV.items():
         os.environ.setdefault(key, value)
-    os.environ["BATCHGEN_SUPERVISOR_PID"] = str(os.getpid())
+    os.environ[SUPERVISOR_PID_ENV] = str(os.getpid())
+    os.environ[LAUNCHED_AT_ENV] = repr(time.time())
     per_node = dist.world_size // dist.nnodes
     log_dir.mkdir(parents=True, exist_ok=True)
     if dist.nnodes == 1:
@@ -41,12 +69,25 @@ def launch_workers(dist: DistConfig, spec_file: Path, log_dir: Path) -> None:
                     rdzv_configs={"rank": dist.node_rank})
     config = LaunchConfig(min_nodes=dist.nnodes, max_nodes=dist.nnodes, nproc_per_node=per_node,
                           max_restarts=dist.max_restarts, monitor_interval=0.5,
-                          logs_specs=_logs_specs(log_dir), **rdzv)
+                          logs_specs=_logs_specs(log_dir), signals_to_handle=",".join(STOP_SIGNALS),
+                          shutdown_timeout=agent_shutdown_timeout(grace), **rdzv)
     try:
         elastic_launch(config, sys.executable)("-u", "-m", "batchgen.runner.worker", str(spec_file))
     except ChildFailedError as err:
         rank, failure = min(err.failures.items())
         raise WorkerFailure(rank, failure.exitcode, _tail(log_dir, rank)) from None
+
+
+def agent_shutdown_timeout(grace: float) -> int:
+    """Whole seconds the agent waits for workers after forwarding a stop signal (it takes ints)."""
+    return max(1, math.floor(grace * AGENT_GRACE_SHARE))
+
+
+def is_stop_signal(err: BaseException) -> bool:
+    """The launcher's agent raises SignalException after it shut the workers down on a signal."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    return isinstance(err, SignalException)
 
 
 def _logs_specs(log_dir: Path):
@@ -61,3 +102,57 @@ def _tail(log_dir: Path, rank: int, lines: int = 20) -> str:
         return "(no worker log found)"
     text = logs[-1].read_text(errors="replace").splitlines()[-lines:]
     return f"last lines of {logs[-1]}:\n" + "\n".join("  " + line for line in text)
+
+
+@dataclass
+class StopFlag:
+    """A worker's stop signals: the first stops admission (the loop flushes and exits 75); the
+    worker leaves by itself once its share of the grace period is spent; a second notice (more
+    than SAME_NOTICE_S later) exits at once. Finished lines are durable at every instant, so
+    leaving early only costs recomputing what was in flight."""
+
+    grace: float
+    requested: bool = False
+    serving: bool = False
+    """Set once the worker loop runs; before that (loading) there is nothing to flush."""
+    _first_at: float | None = field(default=None, repr=False)
+
+    def install(self) -> None:
+        for sig in WORKER_STOP_SIGNALS:
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        now = time.monotonic()
+        if self._first_at is not None:
+            if now - self._first_at >= SAME_NOTICE_S:
+                os._exit(EXIT_REQUEUE)
+            return
+        self._first_at = now
+        if not self.serving:
+            os._exit(EXIT_REQUEUE)
+        self.requested = True
+        leave = threading.Timer(self.grace * WORKER_GRACE_SHARE, os._exit, (EXIT_REQUEUE,))
+        leave.daemon = True
+        leave.start()
+
+
+def die_with_supervisor() -> None:
+    """SIGKILL this worker when the supervisor dies (even by SIGKILL): an orphaned worker would
+    keep computing and holding the job's files. Linux only; elsewhere a no-op."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    supervisor = os.environ.get(SUPERVISOR_PID_ENV)
+    if supervisor and os.getppid() != int(supervisor):
+        os._exit(EXIT_REQUEUE)  # it died before prctl took effect
+
+
+def launched_at() -> float:
+    """When the supervisor launched this worker (now, when run by hand)."""
+    try:
+        return float(os.environ[LAUNCHED_AT_ENV])
+    except (KeyError, ValueError):
+        return time.time()

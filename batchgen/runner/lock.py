@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import socket
@@ -28,10 +29,11 @@ class JobLock:
                 break
             except BlockingIOError:
                 if not wait or (deadline is not None and time.monotonic() > deadline):
-                    holder = os.pread(fd, 256, 0).decode(errors="replace").strip() or "unknown"
+                    holder = _holder(fd)
                     os.close(fd)
-                    raise JobLocked(f"job is already running ({holder}); wait for it to finish, "
-                                    "or stop it first (a dead holder releases the lock itself)")
+                    raise JobLocked(f"job is already running ({holder}, lock {self.path}); wait "
+                                    "for it to finish, or stop it first (a dead holder releases "
+                                    "the lock itself)")
                 time.sleep(1.0)
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
@@ -39,5 +41,17 @@ class JobLock:
 
     def release(self) -> None:
         if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, 0)  # no stale holder name for the next run to report
             os.close(self._fd)  # closing drops the flock
             self._fd = None
+
+
+def _holder(fd: int) -> str:
+    """Who holds the lock; it writes its name right after taking the lock, so wait a moment."""
+    for _ in range(20):
+        holder = os.pread(fd, 256, 0).decode(errors="replace").strip()
+        if holder:
+            return holder
+        time.sleep(0.025)
+    return "holder unknown"
