@@ -2,13 +2,15 @@
 
 Run by the supervisor through torch.distributed's launcher (`python -m batchgen.runner.worker
 SPEC.json`); rank and world size come from the launcher's environment, never from globals.
+Exit codes: 0 shard done, 75 stopped by a signal, 4 results file locked, 6 disk, 70 watchdog,
+71 device out of memory; anything else is a crash.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
-import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -18,16 +20,22 @@ import torch
 from batchgen.engine.engine import Engine, pick_device
 from batchgen.io.intake import IntakeError, PendingRequest, intake
 from batchgen.io.reader import read_records, record_key, shard
-from batchgen.io.results import dumps, error_line, success_line
-from batchgen.io.writer import IncrementalWriter, read_done_ids
-from batchgen.io.jobfiles import write_json_atomic
+from batchgen.io.results import dumps, error_line
+from batchgen.io.writer import IncrementalWriter, WriteFailed, WriterLocked, read_done_ids
 from batchgen.models.factory import load_model
+from batchgen.runner.errors import (EXIT_DEVICE_OOM, EXIT_DISK, EXIT_LOCKED, DiskError,
+                                    disk_errors)
 from batchgen.runner.job import EXIT_REQUEUE, JobSpec
+from batchgen.runner.launch import StopFlag, die_with_supervisor, launched_at
 from batchgen.runner.outputs import OutputFormatter
+from batchgen.runner.quarantine import Quarantine
+from batchgen.runner.watchdog import StatsFile, Watchdog, guard_decode_steps
 from batchgen.sched.scheduler import RequestTooLarge
 
 log = logging.getLogger("batchgen.worker")
 DEFAULT_MAX_TOKENS = 256
+STATS_EVERY_S = 2.0
+ORPHAN_WAIT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -35,30 +43,15 @@ class RankInfo:
     rank: int = 0
     world: int = 1
     local_rank: int = 0
+    restarted: bool = False
+    """torchrun restarted this worker group after a failure."""
 
     @staticmethod
     def from_env() -> "RankInfo":
         env = os.environ
         return RankInfo(int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)),
-                        int(env.get("LOCAL_RANK", 0)))
-
-
-@dataclass
-class StopFlag:
-    """Set by SIGTERM/SIGUSR1: stop admitting, flush what is finished, exit with the requeue code."""
-
-    requested: bool = False
-    signals: int = 0
-
-    def install(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame) -> None:
-        self.signals += 1
-        if self.signals > 1:
-            os._exit(EXIT_REQUEUE)  # a second signal: leave now, finished lines are already safe
-        self.requested = True
+                        int(env.get("LOCAL_RANK", 0)),
+                        int(env.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0)
 
 
 @dataclass
@@ -71,11 +64,17 @@ class WorkerStats:
 
 
 class Worker:
-    def __init__(self, spec: JobSpec, rank: RankInfo, stop: StopFlag):
-        self.spec = spec
-        self.rank = rank
-        self.stop = stop
+    def __init__(self, spec: JobSpec, rank: RankInfo, stop: StopFlag, watchdog: Watchdog):
+        self.spec, self.rank, self.stop, self.watchdog = spec, rank, stop, watchdog
         cfg = spec.config
+        paths = spec.paths
+        self.stats = WorkerStats()
+        self.done = read_done_ids(paths.incremental_files())
+        self.quarantine = Quarantine(paths.batch_file.parent, spec.batch_id, rank.rank,
+                                     cfg.watchdog.quarantine_after)
+        with disk_errors("open the results file and the crash journal"):
+            self.writer = open_writer(paths.incremental(rank.rank, rank.world))
+            self.quarantine.recover(self.done, rank.restarted)
         device = pick_device(cfg.engine.runtime.device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", rank.local_rank)
@@ -83,59 +82,101 @@ class Worker:
         self.engine = Engine(self.loaded.model, cfg.engine, self.loaded.tokenizer,
                              self.loaded.eos_token_ids,
                              skip_special_tokens=not cfg.output.detokenization_include_special_tokens)
-        paths = spec.paths
-        self.done = read_done_ids(paths.incremental_files())
-        self.writer = IncrementalWriter(paths.incremental(rank.rank, rank.world))
+        guard_decode_steps(self.engine, watchdog, cfg.watchdog.watchdog_test_stuck_time)
         self.formatter = OutputFormatter(spec, self.loaded)
         self.pending: dict[str, PendingRequest] = {}
-        self.stats = WorkerStats()
-        self.stats_file = paths.batch_file.with_name(f"{spec.batch_id}.worker{rank.rank}.json")
+        self.handled: set[str] = set()
+        """Suspects served (or quarantined) before the main pass, which must skip them."""
         self._last_stats = 0.0
 
+    def _records(self):
+        return shard(read_records(self.spec.config.storage.input), self.rank.rank, self.rank.world)
+
     def run(self) -> int:
-        records = shard(read_records(self.spec.config.storage.input), self.rank.rank, self.rank.world)
-        limit = min(self.spec.config.engine.scheduler.max_intake_capacity,
-                    self.spec.config.engine.scheduler.max_pool_size)
+        self.stop.serving = True
+        for group in self._isolate_suspects():
+            self.handled.update(record_key(r) for r in group)
+            if self._serve(iter(group), limit=len(group)):
+                return EXIT_REQUEUE
+        sched = self.spec.config.engine.scheduler
+        rest = (r for r in self._records() if record_key(r) not in self.handled)
+        if self._serve(rest, min(sched.max_intake_capacity, sched.max_pool_size)):
+            return EXIT_REQUEUE
+        return 0
+
+    def _isolate_suspects(self) -> list[list]:
+        """Quarantine the convicted suspects; the others are served first, in small groups."""
+        q = self.quarantine
+        if not q.book.strikes:
+            return []
+        records = [r for r in self._records() if q.is_suspect(record_key(r))]
+        convicted = [r for r in records if q.convicted(record_key(r))]
+        others = [r for r in records if not q.convicted(record_key(r))]
+        if convicted:
+            self.writer.write_batch([q.error_line(r) for r in convicted])
+            keys = [record_key(r) for r in convicted]
+            q.mark_quarantined(keys)
+            self.handled.update(keys)
+            self.stats.failed += len(keys)
+            log.error("rank %d: quarantined %s after repeated crashes", self.rank.rank, keys)
+        groups = q.isolation_groups(others)
+        if groups:
+            log.warning("rank %d: %d requests were in flight at the last crash; serving them "
+                        "first in %d isolated groups", self.rank.rank,
+                        sum(map(len, groups)), len(groups))
+        return groups
+
+    def _serve(self, records, limit: int) -> bool:
+        """Admit from `records` (at most `limit` in the engine) until they are all finished;
+        True when a stop signal ended it early."""
         exhausted = False
         while True:
-            lines: list[bytes] = []
-            if not self.stop.requested and not exhausted:
-                exhausted = self._intake(records, limit, lines)
-            if self.engine.has_unfinished():
-                for finished in self.engine.step():
-                    lines.append(self._result(finished))
-            if lines:
-                self.writer.write_batch(lines)
+            with self.watchdog.deadline("step"):
+                lines: list[bytes] = []
+                if not self.stop.requested and not exhausted:
+                    exhausted = self._intake(records, limit, lines)
+                if self.engine.has_unfinished():
+                    lines.extend(self._result(f) for f in self.engine.step())
+                if lines:
+                    self.writer.write_batch(lines)
+            self.watchdog.started()
             self._report()
             if self.stop.requested:
                 log.warning("rank %d: stop requested; finished results are on disk, %d in flight "
                             "will be recomputed on resume", self.rank.rank, self.engine.num_requests)
                 self._report(force=True)
-                return EXIT_REQUEUE
+                return True
             if exhausted and not self.engine.has_unfinished():
                 self._report(force=True)
-                return 0
+                return False
 
     def _intake(self, records, limit: int, lines: list[bytes]) -> bool:
-        """Feed requests until the engine holds `limit`; True when the shard is exhausted."""
+        """Feed requests until the engine holds `limit`; True when `records` is exhausted."""
+        admitted: list[str] = []
+        exhausted = False
         while self.engine.num_requests < limit:
             record = next(records, None)
             if record is None:
-                return True
-            if record_key(record) in self.done:
+                exhausted = True
+                break
+            key = record_key(record)
+            if key in self.done:
                 continue
             item = intake(record, self.loaded.tokenizer, self.loaded.max_context, DEFAULT_MAX_TOKENS)
             if isinstance(item, PendingRequest):
                 try:
                     self.engine.add_request(item.to_request())
                     self.pending[item.custom_id] = item
+                    admitted.append(item.custom_id)
                     continue
                 except RequestTooLarge as err:
                     item = IntakeError(item.custom_id, item.line, "kv_pool_too_small",
                                        f"line {item.line}: {err}")
             lines.append(dumps(error_line(self.spec.batch_id, item)))
             self.stats.failed += 1
-        return False
+        with disk_errors("journal the admitted requests"):
+            self.quarantine.admitted(admitted)
+        return exhausted
 
     def _result(self, finished) -> bytes:
         pending = self.pending.pop(finished.request_id)
@@ -148,51 +189,88 @@ class Worker:
     def _report(self, force: bool = False) -> None:
         """Per-rank stats + heartbeat for `batchgen status` and the supervisor (every few s)."""
         now = time.time()
-        if not force and now - self._last_stats < 2.0:
+        if not force and now - self._last_stats < STATS_EVERY_S:
             return
         self._last_stats = now
         elapsed = max(now - self.stats.started, 1e-9)
-        write_json_atomic(self.stats_file, {
-            "rank": self.rank.rank, "heartbeat": now, "pid": os.getpid(),
+        q = self.quarantine.book
+        self.watchdog.stats.update({
+            "rank": self.rank.rank, "pid": os.getpid(),
             "completed": self.stats.completed, "failed": self.stats.failed,
             "prompt_tokens": self.stats.prompt_tokens,
             "completion_tokens": self.stats.completion_tokens,
             "output_tokens_per_s": self.engine.generated_tokens / elapsed,
-            "engine": self.engine.stats()})
+            "engine": self.engine.stats(), "suspects": len(q.strikes),
+            "quarantined": list(q.quarantined), **self.watchdog.health()})
 
     def close(self) -> None:
         self.writer.close()
         self.engine.close()
 
 
-def die_with_supervisor() -> None:
-    """SIGKILL this worker when the supervisor dies (even by SIGKILL): an orphaned worker would
-    keep computing and holding the job's files. Linux only; elsewhere a no-op."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
+def cpu_threads() -> int:
+    """An explicit OMP_NUM_THREADS wins (its first level): OpenMP threads spin-wait, so more
+    threads than idle cores makes CPU decoding many times slower."""
+    first = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    return int(first) if first.isdigit() and int(first) > 0 else max(1, os.cpu_count() or 1)
 
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
-    supervisor = os.environ.get("BATCHGEN_SUPERVISOR_PID")
-    if supervisor and os.getppid() != int(supervisor):
-        os._exit(EXIT_REQUEUE)  # it died before prctl took effect
+
+def open_writer(path, wait_s: float = ORPHAN_WAIT_S) -> IncrementalWriter:
+    """Open this rank's results file. The worker of a killed run dies of PDEATHSIG
+    asynchronously and holds the file's lock until it is gone: give it a moment."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return IncrementalWriter(path)
+        except WriterLocked:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     die_with_supervisor()
+    faulthandler.enable(all_threads=True)  # a segfault or abort dumps every thread's stack
     logging.basicConfig(level=logging.INFO, format="%(asctime)s rank%(rank)s %(name)s: %(message)s"
                         .replace("%(rank)s", os.environ.get("RANK", "0")))
     spec = JobSpec.load(argv[0])
-    stop = StopFlag()
+    rank = RankInfo.from_env()
+    stop = StopFlag(spec.config.watchdog.preempt_grace)
     stop.install()
-    torch.set_num_threads(max(1, (os.cpu_count() or 1)))
-    worker = Worker(spec, RankInfo.from_env(), stop)
+    stats = StatsFile(spec.paths.batch_file.with_name(f"{spec.batch_id}.worker{rank.rank}.json"),
+                      initial={"rank": rank.rank, "pid": os.getpid(), "completed": 0, "failed": 0,
+                               "prompt_tokens": 0, "completion_tokens": 0})
+    watchdog = Watchdog(spec.config.watchdog, stats, launched_at())
+    watchdog.start()
+    torch.set_num_threads(cpu_threads())
+    return serve(spec, rank, stop, watchdog)
+
+
+def serve(spec: JobSpec, rank: RankInfo, stop: StopFlag, watchdog: Watchdog) -> int:
+    """Run the worker to its exit code. Failures that are not the requests' fault (disk, lock)
+    leave no crash evidence; the others keep the in-flight journal for the quarantine."""
+    worker = None
     try:
-        return worker.run()
+        worker = Worker(spec, rank, stop, watchdog)
+        code = worker.run()
+    except (WriteFailed, DiskError) as err:
+        log.error("rank %d: %s", rank.rank, err)  # one clear line, no traceback
+        watchdog.stats.update({"failure": str(err)})
+        code = EXIT_DISK
+    except WriterLocked as err:
+        log.error("rank %d: %s", rank.rank, err)
+        return EXIT_LOCKED
+    except torch.cuda.OutOfMemoryError as err:
+        log.error("rank %d: device out of memory (%s); the requests in flight will be retried "
+                  "in smaller groups on restart", rank.rank, str(err).splitlines()[0])
+        return EXIT_DEVICE_OOM
     finally:
-        worker.close()
+        if worker is not None:
+            worker.close()
+    if worker is not None:
+        worker.quarantine.clean_exit()
+    return code
 
 
 if __name__ == "__main__":

@@ -1,0 +1,160 @@
+"""Preflight: what the machine must offer before weights load (minutes) only to fail later.
+
+Checks /dev/shm against the host KV pool, the memlock limit when the pool is pinned on CUDA,
+and free disk for the results. Each finding names its fix. Errors stop the job (exit 8, or 6
+for disk); warnings are logged and the job goes on (estimates, limits that may not apply).
+"""
+
+from __future__ import annotations
+
+import logging
+import resource
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from batchgen.config import JobConfig
+from batchgen.io.jobfiles import JobPaths
+from batchgen.runner.errors import EXIT_DISK, EXIT_PREFLIGHT, PreflightFailed
+from batchgen.sched.host_pool import host_memory_bytes, shm_free_bytes
+
+log = logging.getLogger("batchgen.preflight")
+MIN_LINE_BYTES = 300
+"""No result line is shorter (ids, status, usage): a hard lower bound on what results need."""
+LINE_OVERHEAD_BYTES = 600
+"""Envelope of a typical success line, on top of its text."""
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Finding:
+    error: bool
+    what: str
+    fix: str
+    code: int = EXIT_PREFLIGHT
+
+    def __str__(self) -> str:
+        return f"{self.what}. Fix: {self.fix}"
+
+
+def memlock_limit() -> int:
+    """RLIMIT_MEMLOCK soft limit in bytes (resource.RLIM_INFINITY when unlimited)."""
+    return resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
+
+
+def disk_free(path: Path) -> int:
+    return shutil.disk_usage(_existing(path)).free
+
+
+def uses_cuda(device: str) -> bool:
+    if device == "auto":
+        import torch
+
+        return torch.cuda.is_available()
+    return device.startswith("cuda")
+
+
+def check_host_pool(config: JobConfig) -> list[Finding]:
+    """/dev/shm and host memory against an explicit --host-kv-cache-size (the auto size already
+    fits /dev/shm, with a warning from the pool itself)."""
+    mem = config.engine.memory
+    if mem.host_kv_cache_size is None:
+        return []
+    ranks = config.dist.world_size // config.dist.nnodes
+    need = mem.host_kv_cache_size * GB * ranks
+    findings = []
+    total = host_memory_bytes()
+    if need > total * 0.95:
+        findings.append(Finding(True, f"--host-kv-cache-size {mem.host_kv_cache_size:g} GB x "
+                                f"{ranks} rank(s) needs {need / GB:.1f} GB, this host has "
+                                f"{total / GB:.1f} GB", "lower --host-kv-cache-size"))
+    if not (mem.fast_init or mem.enable_hugetlbfs):  # memfd and hugetlbfs bypass /dev/shm
+        free = shm_free_bytes()
+        if need > free:
+            findings.append(Finding(
+                True, f"the host KV pool needs {need / GB:.1f} GB of /dev/shm, {free / GB:.1f} GB "
+                "is free", f"enlarge it (sudo mount -o remount,size={int(need // 2**30) + 1}G "
+                "/dev/shm), lower --host-kv-cache-size, or pass --fast-init (memfd, not limited "
+                "by /dev/shm)"))
+    return findings
+
+
+def check_memlock(config: JobConfig) -> list[Finding]:
+    """Pinning the host pool (cudaHostRegister) and NCCL/InfiniBand registration can be refused
+    under a small memlock limit; whether it applies depends on the driver, so only warn."""
+    if not uses_cuda(config.engine.runtime.device):
+        return []
+    limit = memlock_limit()
+    if limit == resource.RLIM_INFINITY:
+        return []
+    size = config.engine.memory.host_kv_cache_size
+    if size is not None and size * GB <= limit:
+        return []
+    pool = f"{size:g} GB" if size is not None else "an auto-sized"
+    return [Finding(False, f"the memlock limit is {limit / 2**20:.0f} MiB and {pool} host KV pool "
+                    "is pinned on CUDA", "ulimit -l unlimited (Slurm: --propagate=MEMLOCK; "
+                    "docker: --ulimit memlock=-1; /etc/security/limits.conf: * - memlock "
+                    "unlimited)")]
+
+
+def results_estimate(input_bytes: int, records: int, left: int) -> tuple[int, int]:
+    """(bytes the remaining incremental lines need, bytes the final outputs need), from the
+    input's size: a result line is about its prompt's size plus an envelope."""
+    per_line = input_bytes / max(records, 1) + LINE_OVERHEAD_BYTES
+    return int(per_line * left), int(per_line * records)
+
+
+def check_disk(paths: JobPaths, input_bytes: int, records: int, left: int) -> list[Finding]:
+    incremental, final = results_estimate(input_bytes, records, left)
+    need: dict[int, list] = {}  # filesystem -> [estimate, floor, folders]
+    for folder, size, floor in ((paths.incremental_dir, incremental, left * MIN_LINE_BYTES),
+                                (paths.output.parent, final, records * MIN_LINE_BYTES)):
+        dev = _existing(folder).stat().st_dev
+        entry = need.setdefault(dev, [0, 0, []])
+        entry[0] += size
+        entry[1] += floor
+        entry[2].append(str(folder))
+    findings = []
+    for estimate, floor, folders in need.values():
+        free = disk_free(Path(folders[0]))
+        where = " and ".join(folders)
+        fix = ("free space there, or put results on a bigger disk (--storage-path, --output, "
+               "--incremental-output-dir)")
+        if free < floor:
+            findings.append(Finding(True, f"{where}: {_human(free)} free, results need at least "
+                                    f"{_human(floor)}", fix, EXIT_DISK))
+        elif free < estimate:
+            findings.append(Finding(False, f"{where}: {_human(free)} free, results may need about "
+                                    f"{_human(estimate)} (estimated from the input)", fix))
+    return findings
+
+
+def preflight(config: JobConfig, paths: JobPaths, input_bytes: int, records: int,
+              left: int) -> list[Finding]:
+    """Log warnings; raise PreflightFailed naming every error and its fix. Returns findings."""
+    findings = [*check_host_pool(config), *check_memlock(config),
+                *check_disk(paths, input_bytes, records, left)]
+    for finding in findings:
+        if not finding.error:
+            log.warning("preflight: %s", finding)
+    errors = [f for f in findings if f.error]
+    if errors:
+        code = EXIT_DISK if all(f.code == EXIT_DISK for f in errors) else EXIT_PREFLIGHT
+        raise PreflightFailed("preflight failed (nothing was loaded or written):\n"
+                              + "\n".join(f"  - {f}" for f in errors), code)
+    return findings
+
+
+def _existing(path: Path) -> Path:
+    """The nearest existing folder at or above `path` (outputs may not exist yet)."""
+    path = Path(path).resolve()
+    while not path.exists():
+        path = path.parent
+    return path
+
+
+def _human(num_bytes: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if num_bytes >= size:
+            return f"{num_bytes / size:.1f} {unit}"
+    return f"{int(num_bytes)} B"

@@ -1,0 +1,190 @@
+"""Poison requests: a request in flight during K (--quarantine-after) consecutive crashes of the
+job becomes an error line, so one bad request cannot crash-loop a job.
+
+Files, per rank, beside the batch file:
+  {batch_id}.inflight.rank{R}       journal: custom_ids this run admitted (one JSON string per
+                                    line, one write per admission wave), plus a {"crash": code}
+                                    line the supervisor appends when it saw the worker crash
+  {batch_id}.suspects.rank{R}.json  strikes: custom_id -> consecutive crashes it was in flight at
+
+The journal is written without fsync: it must survive the death of the process (the page cache
+keeps it), not of the machine; a machine crash only loses a strike. A clean exit (done,
+preempted, disk full) deletes it. At the next start the worker counts the last run as a crash
+only when it is confirmed (the supervisor saw the worker fail, or torchrun restarted it): a
+kill -9 of the whole job is no evidence against the requests in flight.
+
+Counting: each confirmed crash adds a strike to every request in flight and clears the others
+(consecutive). The next run first serves the suspects in isolation, in at most ISOLATION_GROUPS
+groups run one after the other, so each crash narrows the set in flight. A request is
+quarantined once it has K strikes AND was alone in flight at the last crash: an innocent request
+never pays for a neighbour.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import orjson
+
+from batchgen.io.jobfiles import write_json_atomic
+from batchgen.io.reader import RawRecord, record_key
+from batchgen.io.results import dumps, failure_line
+
+ISOLATION_GROUPS = 16
+CRASH_ENV = "BATCHGEN_TEST_CRASH_ON_ADMIT"
+"""Testing only: SIGKILL the worker right after it admits (and journals) this custom_id."""
+
+
+def journal_paths(batch_dir: Path, batch_id: str) -> list[Path]:
+    return sorted(Path(batch_dir).glob(f"{batch_id}.inflight.rank*"))
+
+
+def mark_crashed(batch_dir: Path, batch_id: str, exitcode: int) -> int:
+    """Supervisor side: confirm that the workers whose journals remain crashed (exit code
+    `exitcode`). Returns how many journals were marked."""
+    marker = orjson.dumps({"crash": exitcode}) + b"\n"
+    for path in journal_paths(batch_dir, batch_id):
+        with open(path, "ab") as f:
+            f.write(marker)
+    return len(journal_paths(batch_dir, batch_id))
+
+
+@dataclass
+class LastRun:
+    admitted: list[str]
+    crashed: bool
+
+
+class CrashJournal:
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self._fd = -1
+
+    def read(self) -> LastRun | None:
+        """What the previous run left; None after a clean exit."""
+        try:
+            raw = self.path.read_bytes()
+        except FileNotFoundError:
+            return None
+        admitted, seen, crashed = [], set(), False
+        for line in raw.splitlines():
+            try:
+                item = orjson.loads(line)
+            except orjson.JSONDecodeError:
+                continue  # a torn last line: the process died inside the write
+            if isinstance(item, str) and item not in seen:
+                seen.add(item)
+                admitted.append(item)
+            elif isinstance(item, dict) and "crash" in item:
+                crashed = True
+        return LastRun(admitted, crashed)
+
+    def start(self) -> None:
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
+
+    def append(self, custom_ids: list[str]) -> None:
+        data = memoryview(b"".join(orjson.dumps(c) + b"\n" for c in custom_ids))
+        while data:
+            data = data[os.write(self._fd, data):]
+
+    def clear(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        self.path.unlink(missing_ok=True)
+
+
+@dataclass
+class SuspectBook:
+    strikes: dict[str, int] = field(default_factory=dict)
+    last_crash_in_flight: int = 0
+    quarantined: list[str] = field(default_factory=list)
+
+    @staticmethod
+    def load(path: Path) -> "SuspectBook":
+        try:
+            return SuspectBook(**orjson.loads(Path(path).read_bytes()))
+        except FileNotFoundError:
+            return SuspectBook()
+
+    def record_crash(self, in_flight: list[str]) -> None:
+        self.strikes = {cid: self.strikes.get(cid, 0) + 1 for cid in in_flight}
+        self.last_crash_in_flight = len(in_flight)
+
+
+class Quarantine:
+    """One rank's journal and strikes."""
+
+    def __init__(self, batch_dir: Path, batch_id: str, rank: int, after: int):
+        self.batch_id = batch_id
+        self.after = after
+        self.journal = CrashJournal(Path(batch_dir) / f"{batch_id}.inflight.rank{rank}")
+        self.book_path = Path(batch_dir) / f"{batch_id}.suspects.rank{rank}.json"
+        self.book = SuspectBook()
+        self._crash_on = os.environ.get(CRASH_ENV)
+
+    def recover(self, done, restarted: bool) -> None:
+        """Count the previous run if it was a confirmed crash, then start a fresh journal.
+        done: custom_ids with a result (container); restarted: torchrun restarted this worker."""
+        self.book = SuspectBook.load(self.book_path)
+        last = self.journal.read()
+        if last is not None and (last.crashed or restarted):
+            in_flight = [cid for cid in last.admitted if cid not in done]
+            if in_flight:  # a crash before any admission says nothing about requests
+                self.book.record_crash(in_flight)
+        self.book.strikes = {c: n for c, n in self.book.strikes.items() if c not in done}
+        if self.book.strikes or self.book_path.exists():
+            self._save()
+        self.journal.start()
+
+    def is_suspect(self, custom_id: str) -> bool:
+        return custom_id in self.book.strikes
+
+    def convicted(self, custom_id: str) -> bool:
+        return (self.book.strikes.get(custom_id, 0) >= self.after
+                and self.book.last_crash_in_flight == 1)
+
+    def error_line(self, record: RawRecord) -> bytes:
+        cid = record_key(record)
+        n = self.book.strikes[cid]
+        return dumps(failure_line(
+            self.batch_id, cid, record.line, "quarantined",
+            f"line {record.line}: this request was in flight during {n} consecutive worker "
+            f"crashes, the last time alone (--quarantine-after {self.after}), so it was set "
+            "aside to let the job finish; the worker logs show the crashes"))
+
+    def mark_quarantined(self, custom_ids: list[str]) -> None:
+        """After their error lines are durable: they leave the suspects."""
+        for cid in custom_ids:
+            self.book.strikes.pop(cid, None)
+            self.book.quarantined.append(cid)
+        self._save()
+
+    def isolation_groups(self, records: Iterable[RawRecord]) -> list[list[RawRecord]]:
+        """The suspects' records in at most ISOLATION_GROUPS groups, most strikes first."""
+        suspects = sorted(records, key=lambda r: -self.book.strikes[record_key(r)])
+        if not suspects:
+            return []
+        size = math.ceil(len(suspects) / ISOLATION_GROUPS)
+        return [suspects[i:i + size] for i in range(0, len(suspects), size)]
+
+    def admitted(self, custom_ids: list[str]) -> None:
+        """Journal an admission wave (before its first step can crash)."""
+        if not custom_ids:
+            return
+        self.journal.append(custom_ids)
+        if self._crash_on is not None and self._crash_on in custom_ids:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def clean_exit(self) -> None:
+        self.journal.clear()
+
+    def _save(self) -> None:
+        write_json_atomic(self.book_path, {"strikes": self.book.strikes,
+                                           "last_crash_in_flight": self.book.last_crash_in_flight,
+                                           "quarantined": self.book.quarantined})

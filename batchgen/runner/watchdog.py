@@ -1,0 +1,218 @@
+"""Worker health: a deadline on every wait (startup, scheduler step, decode step), heartbeats in
+the rank's stats file, and what a missed deadline does.
+
+A daemon thread checks the armed deadlines every TICK_S. A miss dumps every thread's stack
+(faulthandler) to the worker log, writes the cause into the rank's stats file (the supervisor,
+sole writer of the batch file, copies it into `health`) and ends the process with
+EXIT_WATCHDOG, so the job is restarted and resumes; finished lines are already durable.
+The watchdog is off unless a timeout is given (the reference's default) and --no-watchdog
+turns every deadline off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import logging
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+from batchgen.config import WatchdogConfig
+from batchgen.io.jobfiles import write_json_atomic
+from batchgen.runner.job import EXIT_WATCHDOG
+
+log = logging.getLogger("batchgen.watchdog")
+TICK_S = 0.1
+CAUSE_WRITE_LIMIT_S = 10.0
+"""A miss must end the process even when the disk holding the stats file hangs: faulthandler's
+C timer kills us this long after the miss if recording the cause does not return."""
+DEADLINES = {
+    "startup": ("startup_timeout", "--startup-timeout"),
+    "step": ("watchdog_timeout", "--watchdog-timeout"),
+    "decode_step": ("decode_step_timeout", "--decode-step-timeout"),
+}
+"""Deadline name -> (WatchdogConfig field, flag)."""
+
+
+class StatsFile:
+    """The rank's stats file (batches/{batch_id}.worker{R}.json): progress from the worker loop,
+    heartbeats and a failure cause from the watchdog thread. One lock keeps the two threads from
+    racing on the same temp file. The file is advisory: a failed write is logged once, never
+    fatal (a full disk is reported by the result writer, which is what matters)."""
+
+    def __init__(self, path: Path, initial: dict | None = None):
+        self.path = Path(path)
+        self._data: dict = dict(initial or {})
+        self._lock = threading.Lock()
+        self._warned = False
+
+    def update(self, fields: dict, lock_timeout: float = -1) -> bool:
+        if not self._lock.acquire(timeout=lock_timeout):
+            return False
+        try:
+            self._data.update(fields)
+            self._data["heartbeat"] = time.time()
+            write_json_atomic(self.path, self._data)
+            return True
+        except OSError as err:
+            if not self._warned:
+                log.warning("cannot write %s (%s); progress and health go unreported", self.path, err)
+                self._warned = True
+            return False
+        finally:
+            self._lock.release()
+
+
+@dataclass
+class Deadline:
+    name: str
+    seconds: float
+    due: float
+    """time.monotonic() value after which the deadline is missed."""
+    armed_at: float
+    """Unix time the wait began (startup: the launch)."""
+
+
+class Watchdog:
+    def __init__(self, cfg: WatchdogConfig, stats: StatsFile, launched_at: float,
+                 exit: Callable[[int], None] = os._exit):
+        self.cfg = cfg
+        self.stats = stats
+        self._exit = exit  # tests replace it to observe a trip without dying
+        self._armed: dict[str, Deadline] = {}
+        self._lock = threading.Lock()
+        self._last_beat = 0.0
+        self.last_step_s = self.max_step_s = 0.0
+        self.steps = 0
+        self._arm_startup(launched_at)
+
+    def timeout(self, name: str) -> float | None:
+        """The configured seconds of a deadline; None when off."""
+        if self.cfg.no_watchdog:
+            return None
+        return getattr(self.cfg, DEADLINES[name][0])
+
+    @property
+    def heartbeat_interval(self) -> float | None:
+        return None if self.cfg.no_watchdog else self.cfg.watchdog_heartbeat_interval
+
+    def start(self) -> None:
+        wanted = any(self.timeout(n) for n in DEADLINES) or self.heartbeat_interval
+        if wanted:
+            threading.Thread(target=self._run, name="batchgen-watchdog", daemon=True).start()
+
+    def _arm_startup(self, launched_at: float) -> None:
+        seconds = self.timeout("startup")
+        if seconds:
+            left = seconds - (time.time() - launched_at)
+            self._armed["startup"] = Deadline("startup", seconds, time.monotonic() + left,
+                                              launched_at)
+
+    def started(self) -> None:
+        """The first step is done: startup is over."""
+        with self._lock:
+            self._armed.pop("startup", None)
+
+    @contextlib.contextmanager
+    def deadline(self, name: str) -> Iterator[None]:
+        """Arm `name`'s deadline around a wait (a no-op when it is off); steps are timed for
+        health either way."""
+        seconds = self.timeout(name)
+        t0 = time.monotonic()
+        if seconds:
+            with self._lock:
+                self._armed[name] = Deadline(name, seconds, t0 + seconds, time.time())
+        try:
+            yield
+        finally:
+            if seconds:
+                with self._lock:
+                    self._armed.pop(name, None)
+            if name == "step":
+                self._timed(time.monotonic() - t0)
+
+    def _timed(self, seconds: float) -> None:
+        self.steps += 1
+        self.last_step_s = seconds
+        self.max_step_s = max(self.max_step_s, seconds)
+
+    def health(self) -> dict:
+        """Step times for the stats file (the supervisor copies them into health)."""
+        return {"last_step_seconds": round(self.last_step_s, 4),
+                "max_step_seconds": round(self.max_step_s, 4), "loop_steps": self.steps}
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(TICK_S)
+            now = time.monotonic()
+            with self._lock:
+                missed = [d for d in self._armed.values() if now > d.due]
+            if missed:
+                self._trip(min(missed, key=lambda d: d.due))
+                return
+            interval = self.heartbeat_interval
+            if interval and now - self._last_beat >= interval:
+                self._last_beat = now
+                # Idle heartbeat: shows the process alive even while one step runs long.
+                self.stats.update({"heartbeat_kind": "watchdog", **self.health()}, lock_timeout=1.0)
+
+    def _trip(self, missed: Deadline) -> None:
+        faulthandler.dump_traceback_later(CAUSE_WRITE_LIMIT_S, exit=True)
+        _, flag = DEADLINES[missed.name]
+        cause = (f"watchdog: {missed.name} exceeded {missed.seconds:g} s ({flag}) on pid "
+                 f"{os.getpid()}; all threads' stacks are in this worker's log")
+        log.error("%s", cause)
+        sys.stderr.flush()
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        sys.stderr.flush()
+        self.stats.update({"watchdog": {"cause": cause, "deadline": missed.name,
+                                        "seconds": missed.seconds, "armed_at": missed.armed_at,
+                                        "at": time.time()}}, lock_timeout=2.0)
+        self._exit(EXIT_WATCHDOG)
+        faulthandler.cancel_dump_traceback_later()  # only reached when a test replaced exit
+
+
+def is_decode(out) -> bool:
+    """A decode iteration: every chunk computes one token and samples the next."""
+    return bool(out.chunks) and all(c.sample and c.end - c.start == 1 for c in out.chunks)
+
+
+def guard_decode_steps(engine, watchdog: Watchdog, stuck_time: float = 0.0) -> None:
+    """Put --decode-step-timeout around each decode iteration of the engine's model runner.
+
+    The engine has no step hook, so the runner's bound `execute` is wrapped in place;
+    --watchdog-test-stuck-time (testing only) sleeps inside the guarded iteration."""
+    execute = engine.runner.execute
+
+    def guarded(out, rows, allowed=None):
+        if not is_decode(out):
+            return execute(out, rows, allowed)
+        with watchdog.deadline("decode_step"):
+            if stuck_time:
+                time.sleep(stuck_time)
+            return execute(out, rows, allowed)
+
+    engine.runner.execute = guarded
+
+
+def health_from_stats(stats: list[dict]) -> dict:
+    """What the batch file's health section shows about the workers of the last run."""
+    if not stats:
+        return {}
+    health: dict = {"last_heartbeat": max(s.get("heartbeat", 0) for s in stats),
+                    "max_step_seconds": max(s.get("max_step_seconds", 0) for s in stats),
+                    "last_step_seconds": max(s.get("last_step_seconds", 0) for s in stats)}
+    quarantined = [cid for s in stats for cid in s.get("quarantined", [])]
+    health["quarantined"] = len(quarantined)
+    if quarantined:
+        health["quarantined_ids"] = quarantined[:20]
+    health["crash_suspects"] = sum(s.get("suspects", 0) for s in stats)
+    tripped = [s["watchdog"] for s in stats if "watchdog" in s]
+    if tripped:
+        health["watchdog"] = tripped[0]
+    return health
