@@ -1,0 +1,91 @@
+"""Preemption: SIGTERM / SIGUSR1 stop the job within --preempt-grace with exit code 75
+("requeue me"); the same command then resumes to a result identical to a clean run."""
+
+import os
+import signal
+import time
+
+import pytest
+
+from test_reliability_support import (batch_state, check_against_clean, count_lines, job_input,
+                                      kill_group, launch, record_figures, run, wait_for,
+                                      worker_pids)
+
+GRACE = 6.0
+MARGIN = 3.0
+"""Interpreter teardown of the workers and the supervisor after the grace period."""
+
+
+def _results_flow(storage) -> bool:
+    return count_lines(storage) >= 1 and bool(worker_pids(storage))
+
+
+def _in_stuck_step(storage) -> bool:
+    """The worker wrote its first stats (after the prefill step): the next step is a decode
+    step, which --watchdog-test-stuck-time makes sleep."""
+    if not worker_pids(storage):
+        return False
+    time.sleep(0.5)
+    return True
+
+
+def _signal_mid_run(inp, storage, model, sig, everyone: bool, *extra,
+                    ready=_results_flow) -> tuple[int, float, str]:
+    """Start the job, wait until `ready`, send `sig`; (exit code, seconds to exit, stderr).
+    everyone: like Slurm, signal the workers too, not only the supervisor's process group."""
+    proc = launch(inp, storage, model, "--preempt-grace", GRACE, *extra)
+    assert wait_for(lambda: ready(storage), 120), proc.communicate()[1][-3000:]
+    t0 = time.monotonic()
+    kill_group(proc, sig)
+    if everyone:
+        for pid in worker_pids(storage):
+            os.kill(pid, sig)
+    _, err = proc.communicate(timeout=120)
+    return proc.returncode, time.monotonic() - t0, err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig,everyone", [(signal.SIGTERM, False), (signal.SIGUSR1, True)],
+                         ids=["sigterm-supervisor", "sigusr1-every-process"])
+def test_stop_signal_requeues_then_resume_completes(tmp_path, tiny_chat_model, sig, everyone):
+    inp = job_input(tmp_path)
+    storage = tmp_path / "s"
+    code, seconds, err = _signal_mid_run(inp, storage, tiny_chat_model, sig, everyone)
+    assert code == 75, err[-3000:]
+    assert seconds < GRACE + MARGIN
+    assert "Traceback" not in err and "re-run the same command to resume" in err
+    assert batch_state(storage)["status"] == "in_progress"
+    done_at_stop = count_lines(storage)
+    assert 0 < done_at_stop < 32
+    run(inp, storage, tiny_chat_model, check=True)
+    figures = check_against_clean(storage, tiny_chat_model)
+    record_figures(f"signal_{signal.Signals(sig).name}", exit_code=code, seconds=round(seconds, 2),
+                   grace=GRACE, done_at_stop=done_at_stop, **figures)
+
+
+@pytest.mark.slow
+def test_grace_period_bounds_a_step_that_does_not_end(tmp_path, tiny_chat_model):
+    # Each decode step sleeps 60 s: the worker cannot reach its next flush, so it must leave
+    # by itself inside the grace period (finished lines are durable at every instant).
+    code, seconds, err = _signal_mid_run(job_input(tmp_path), tmp_path / "s", tiny_chat_model,
+                                         signal.SIGTERM, False, "--watchdog-test-stuck-time", "60",
+                                         ready=_in_stuck_step)
+    assert code == 75, err[-3000:]
+    assert seconds < GRACE + MARGIN
+    record_figures("grace_with_stuck_step", exit_code=code, seconds=round(seconds, 2), grace=GRACE)
+
+
+@pytest.mark.slow
+def test_second_signal_exits_at_once(tmp_path, tiny_chat_model):
+    storage = tmp_path / "s"
+    proc = launch(job_input(tmp_path), storage, tiny_chat_model, "--preempt-grace", "60",
+                  "--watchdog-test-stuck-time", "60")
+    assert wait_for(lambda: _in_stuck_step(storage), 120)
+    kill_group(proc, signal.SIGTERM)
+    time.sleep(2.5)  # more than SAME_NOTICE_S: a second notice, not Slurm's duplicate
+    assert proc.poll() is None, "the first signal must wait for the step (grace 60 s)"
+    t0 = time.monotonic()
+    kill_group(proc, signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 75, err[-3000:]
+    assert time.monotonic() - t0 < MARGIN

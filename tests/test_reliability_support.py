@@ -1,0 +1,170 @@
+"""Shared helpers of the tests/test_reliability_*.py fault-injection suite (no tests here).
+
+Every fault test runs the same small greedy job, compares its final output with one clean run
+(computed once per session and cached), and counts records lost and duplicated.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+from job_utils import batchgen, chat_rows, read_jsonl, start, write_jsonl
+
+ROWS = chat_rows(32, max_tokens=40, temperature=0.0)
+"""Greedy: resumed answers must equal the clean run token for token."""
+_CLEAN: dict[str, Path] = {}
+FIGURES_ENV = "BATCHGEN_RELIABILITY_FIGURES"
+"""When set, tests append their measured figures (one JSON object per line) to this file."""
+
+
+def seeded_rng(test: str) -> random.Random:
+    """A seeded RNG; the seed is printed so a failure can be replayed (BATCHGEN_TEST_SEED)."""
+    seed = int(os.environ.get("BATCHGEN_TEST_SEED") or random.SystemRandom().randrange(2**31))
+    print(f"{test}: BATCHGEN_TEST_SEED={seed}")
+    return random.Random(seed)
+
+
+def job_input(folder: Path, rows: list[dict] = ROWS) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    return write_jsonl(folder / "in.jsonl", rows)
+
+
+def run_args(inp: Path, storage: Path, model: Path, *extra) -> list:
+    return ["run", "--input", inp, "--storage-path", storage, "--model", model, "--seed", "3",
+            *extra]
+
+
+def run(inp, storage, model, *extra, env=None, timeout=300, **kw):
+    return batchgen(*run_args(inp, storage, model, *extra), env=env, timeout=timeout, **kw)
+
+
+def launch(inp, storage, model, *extra, env=None):
+    return start(*run_args(inp, storage, model, *extra), env=env)
+
+
+def clean_storage(model: Path) -> Path:
+    """Storage of one uninterrupted run of ROWS (session cache: the suite pays for it once)."""
+    key = str(model)
+    if key not in _CLEAN:
+        root = Path(tempfile.mkdtemp(prefix="batchgen-clean-"))
+        run(job_input(root), root / "s", model, check=True)
+        _CLEAN[key] = root / "s"
+    return _CLEAN[key]
+
+
+def clean_input(model: Path) -> Path:
+    """The input the clean job read: a copy of its storage resumes with it."""
+    return clean_storage(model).parent / "in.jsonl"
+
+
+def copy_clean(model: Path, dest: Path) -> Path:
+    """A copy of the clean job's storage: resuming it is the same job (same `created`)."""
+    shutil.copytree(clean_storage(model), dest)
+    return dest
+
+
+def outputs(storage: Path) -> tuple[list[dict], list[dict]]:
+    out = sorted((Path(storage) / "outputs").glob("*.jsonl"))
+    results = [p for p in out if not p.name.endswith(".errors.jsonl")]
+    errors = [p for p in out if p.name.endswith(".errors.jsonl")]
+    return read_jsonl(results[0]), read_jsonl(errors[0]) if errors else []
+
+
+def incremental_file(storage: Path) -> Path:
+    return next((Path(storage) / "incremental").glob("*.jsonl"))
+
+
+def incremental_ids(storage: Path) -> list[str]:
+    ids = []
+    for path in (Path(storage) / "incremental").glob("*.jsonl"):
+        for raw in path.read_bytes().splitlines():
+            ids.append(json.loads(raw)["custom_id"])
+    return ids
+
+
+def count_lines(storage: Path) -> int:
+    try:
+        return incremental_file(storage).read_bytes().count(b"\n")
+    except (StopIteration, FileNotFoundError):
+        return 0
+
+
+def batch_state(storage: Path) -> dict:
+    for path in (Path(storage) / "batches").glob("batch_*.json"):
+        if path.name.count(".") == 1:
+            try:
+                return json.loads(path.read_text())
+            except (OSError, ValueError):
+                return {}  # replaced right now
+    return {}
+
+
+def worker_pids(storage: Path) -> list[int]:
+    pids = []
+    for path in (Path(storage) / "batches").glob("*.worker*.json"):
+        try:
+            pids.append(json.loads(path.read_text())["pid"])
+        except (OSError, ValueError, KeyError):
+            pass
+    return pids
+
+
+def without_created(lines: list[dict]) -> list[dict]:
+    """Two separate jobs differ only in their start time ("created")."""
+    lines = json.loads(json.dumps(lines))
+    for line in lines:
+        if line.get("response"):
+            line["response"]["body"].pop("created", None)
+    return lines
+
+
+def check_against_clean(storage: Path, model: Path, same_job: bool = False,
+                        allowed_errors: tuple[str, ...] = ()) -> dict:
+    """Exactly one record per custom_id, identical to the clean run; returns the figures."""
+    clean, _ = outputs(clean_storage(model))
+    results, errors = outputs(storage)
+    inc = Counter(incremental_ids(storage))
+    final = Counter(r["custom_id"] for r in results + errors)
+    expected = [r["custom_id"] for r in clean]
+    lost = [cid for cid in expected if cid not in final]
+    duplicated = sorted({c for c, n in inc.items() if n > 1} | {c for c, n in final.items() if n > 1})
+    assert not lost and not duplicated, f"lost {lost}, duplicated {duplicated}"
+    assert sorted(e["custom_id"] for e in errors) == sorted(allowed_errors)
+    wanted = [r for r in clean if r["custom_id"] not in allowed_errors]
+    if same_job:
+        assert results == wanted
+    else:
+        assert without_created(results) == without_created(wanted)
+    return {"records": len(expected), "lost": len(lost), "duplicated": len(duplicated)}
+
+
+def wait_for(predicate, timeout: float, poll: float = 0.01) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(poll)
+    return False
+
+
+def kill_group(proc, sig=signal.SIGKILL) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def record_figures(name: str, **figures) -> None:
+    path = os.environ.get(FIGURES_ENV)
+    print(f"{name}: {figures}")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"test": name, **figures}) + "\n")

@@ -1,0 +1,114 @@
+"""Watchdog: a missed deadline (startup, step, decode step) dumps stacks, records the cause in
+the batch file's health and ends the worker with exit code 70; re-running resumes."""
+
+import json
+import threading
+import time
+
+import pytest
+
+from batchgen.config import WatchdogConfig
+from batchgen.runner.watchdog import TICK_S, StatsFile, Watchdog, health_from_stats
+from test_reliability_support import (batch_state, check_against_clean, job_input,
+                                      record_figures, run)
+
+MARGIN_S = 1.0
+
+
+def _watchdog(tmp_path, **cfg) -> tuple[Watchdog, threading.Event, list]:
+    tripped, codes = threading.Event(), []
+
+    def fake_exit(code):
+        codes.append(code)
+        tripped.set()
+
+    stats = StatsFile(tmp_path / "w.worker0.json", initial={"rank": 0})
+    return Watchdog(WatchdogConfig(**cfg), stats, time.time(), exit=fake_exit), tripped, codes
+
+
+def test_missed_step_deadline_trips_within_timeout(tmp_path, capfd):
+    wd, tripped, codes = _watchdog(tmp_path, watchdog_timeout=0.3)
+    wd.start()
+    t0 = time.monotonic()
+    with wd.deadline("step"):
+        assert tripped.wait(5)
+    late = time.monotonic() - t0
+    assert codes == [70] and 0.3 <= late <= 0.3 + TICK_S + MARGIN_S
+    cause = json.loads((tmp_path / "w.worker0.json").read_text())["watchdog"]
+    assert cause["deadline"] == "step" and "--watchdog-timeout" in cause["cause"]
+    assert "most recent call first" in capfd.readouterr().err  # faulthandler's stack dump
+
+
+def test_deadline_met_never_trips_and_times_steps(tmp_path):
+    wd, tripped, _ = _watchdog(tmp_path, watchdog_timeout=0.5, decode_step_timeout=0.5)
+    wd.start()
+    for _ in range(5):
+        with wd.deadline("step"), wd.deadline("decode_step"):
+            time.sleep(0.05)
+    assert not tripped.wait(0.8)
+    assert wd.health()["loop_steps"] == 5 and wd.health()["max_step_seconds"] >= 0.05
+
+
+def test_startup_deadline_counts_from_launch(tmp_path):
+    stats = StatsFile(tmp_path / "w.worker0.json")
+    codes = []
+    wd = Watchdog(WatchdogConfig(startup_timeout=1.0), stats, time.time() - 0.9, exit=codes.append)
+    wd.start()
+    time.sleep(0.5)
+    assert codes == [70]
+
+
+def test_no_watchdog_turns_every_deadline_off(tmp_path):
+    wd, tripped, _ = _watchdog(tmp_path, watchdog_timeout=0.1, startup_timeout=0.1,
+                               no_watchdog=True)
+    wd.start()
+    with wd.deadline("step"):
+        assert not tripped.wait(0.5)
+
+
+def test_heartbeats_are_written_while_a_step_runs_long(tmp_path):
+    wd, _, _ = _watchdog(tmp_path, watchdog_heartbeat_interval=0.2)
+    wd.start()
+    path = tmp_path / "w.worker0.json"
+    time.sleep(0.5)
+    first = json.loads(path.read_text())["heartbeat"]
+    time.sleep(0.5)
+    assert json.loads(path.read_text())["heartbeat"] > first
+
+
+def test_health_from_stats_reports_the_cause():
+    stats = [{"rank": 0, "heartbeat": 5.0, "max_step_seconds": 2.0, "quarantined": ["a"],
+              "watchdog": {"cause": "watchdog: step exceeded 1 s"}}, {"rank": 1, "heartbeat": 7.0}]
+    health = health_from_stats(stats)
+    assert health["last_heartbeat"] == 7.0 and health["quarantined"] == 1
+    assert health["watchdog"]["cause"].startswith("watchdog: step")
+
+
+@pytest.mark.slow
+def test_stuck_decode_step_trips_then_rerun_completes(tmp_path, tiny_chat_model):
+    inp = job_input(tmp_path)
+    storage = tmp_path / "s"
+    t0 = time.monotonic()
+    proc = run(inp, storage, tiny_chat_model, "--decode-step-timeout", "1",
+               "--watchdog-test-stuck-time", "30")
+    took = time.monotonic() - t0
+    assert proc.returncode == 70, proc.stderr[-3000:]
+    assert took < 30, "the run waited for the stuck step instead of tripping"
+    assert "decode_step exceeded 1 s (--decode-step-timeout)" in proc.stderr
+    assert "most recent call first" in proc.stderr  # stacks, teed from the worker log
+    health = batch_state(storage)["health"]
+    watchdog = health["watchdog"]
+    latency = watchdog["at"] - watchdog["armed_at"]
+    assert 1.0 <= latency <= 1.0 + MARGIN_S
+    assert health["last_exit_code"] == 70 and "decode_step" in health["last_failure"]
+    run(inp, storage, tiny_chat_model, check=True)
+    figures = check_against_clean(storage, tiny_chat_model)
+    record_figures("watchdog_stuck_decode", exit_code=70, trip_latency_s=round(latency, 2),
+                   timeout_s=1.0, **figures)
+
+
+@pytest.mark.slow
+def test_startup_timeout_trips_before_the_first_step(tmp_path, tiny_chat_model):
+    proc = run(job_input(tmp_path), tmp_path / "s", tiny_chat_model, "--startup-timeout", "0.5")
+    assert proc.returncode == 70, proc.stderr[-3000:]
+    assert "startup exceeded 0.5 s (--startup-timeout)" in proc.stderr
