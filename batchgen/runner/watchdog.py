@@ -189,13 +189,13 @@ def guard_decode_steps(engine, watchdog: Watchdog, stuck_time: float = 0.0) -> N
     --watchdog-test-stuck-time (testing only) sleeps inside the guarded iteration."""
     execute = engine.runner.execute
 
-    def guarded(out, rows, allowed=None):
+    def guarded(out, *args, **kwargs):
         if not is_decode(out):
-            return execute(out, rows, allowed)
+            return execute(out, *args, **kwargs)
         with watchdog.deadline("decode_step"):
             if stuck_time:
                 time.sleep(stuck_time)
-            return execute(out, rows, allowed)
+            return execute(out, *args, **kwargs)
 
     engine.runner.execute = guarded
 
