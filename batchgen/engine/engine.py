@@ -12,7 +12,7 @@ import torch
 from batchgen.config import EngineConfig
 from batchgen.core import Completion, FinishedRequest, FinishReason, Request
 from batchgen.engine.kv_cache import KVLayout
-from batchgen.engine.memory import plan_pools
+from batchgen.engine.memory import detect_gpu_arch, plan_pools
 from batchgen.engine.runner import ModelRunner
 from batchgen.engine.sampler import SamplingRows
 from batchgen.engine.stops import StopChecker
@@ -35,9 +35,12 @@ class Engine:
     def __init__(self, model: torch.nn.Module, config: EngineConfig, tokenizer=None,
                  eos_token_ids: Iterable[int] = (), skip_special_tokens: bool = True):
         self.config = config
+        if config.scheduler.enable_host_kv_eviction:
+            log.warning("--enable-host-kv-eviction is deprecated and ignored: eviction is always on")
         self.model = model
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
+        self.gpu_arch = detect_gpu_arch(config.memory.gpu_arch, self.device)
         model_dtype = next(model.parameters()).dtype
         kv = config.model.kv_dtype
         self.layout = KVLayout(model.config.num_hidden_layers, tuple(model.kv_token_shape),

@@ -18,6 +18,16 @@ ACTIVATION_RESERVE = 0.05
 """Share of device memory kept free for activations and graphs."""
 
 
+def detect_gpu_arch(hint: str, device: torch.device) -> str:
+    """--gpu-arch: the hint if given, else from the device's compute capability."""
+    if hint != "auto":
+        return hint
+    if device.type != "cuda":
+        return "cpu"
+    major, _ = torch.cuda.get_device_capability(device)
+    return {9: "hopper", 8: "ampere"}.get(major, f"sm{major}x")
+
+
 class PoolTooSmall(ValueError):
     pass
 

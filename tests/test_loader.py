@@ -1,0 +1,79 @@
+"""Finding and loading models: clear errors, hub cache layout, and the embedded SmolLM2 against
+HF transformers (greedy tokens and logits)."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from batchgen.config import ModelConfig
+from batchgen.core import Request, SamplingParams
+from batchgen.models.factory import load_model
+from batchgen.models.loader import CheckpointError, ModelNotFoundError, resolve_model
+from batchgen.models.registry import UnsupportedModelError
+from engine_utils import hf_greedy, make_engine
+from tiny_models import save_tiny_model
+
+
+def test_missing_model_lists_every_place_searched(tmp_path):
+    with pytest.raises(ModelNotFoundError) as err:
+        resolve_model("org/absent", cache_dir=str(tmp_path))
+    assert str(tmp_path) in str(err.value) and "models--org--absent" in str(err.value)
+
+
+def test_hub_cache_layout_is_found(tmp_path):
+    snapshot = tmp_path / "models--org--tiny" / "snapshots" / "abc123"
+    save_tiny_model("llama", snapshot)
+    (tmp_path / "models--org--tiny" / "refs").mkdir()
+    (tmp_path / "models--org--tiny" / "refs" / "main").write_text("abc123")
+    assert resolve_model("org/tiny", cache_dir=str(tmp_path)).path == snapshot
+
+
+def test_unsupported_architecture_names_the_supported_ones(tmp_path):
+    folder = save_tiny_model("llama", tmp_path / "m")
+    config = json.loads((folder / "config.json").read_text())
+    config["architectures"] = ["MambaForCausalLM"]
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match="LlamaForCausalLM"):
+        load_model(ModelConfig(model=str(folder)), torch.device("cpu"))
+
+
+def test_corrupt_safetensors_is_a_clear_error(tmp_path):
+    folder = save_tiny_model("llama", tmp_path / "m")
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match="corrupt or truncated"):
+        load_model(ModelConfig(model=str(folder)), torch.device("cpu"))
+
+
+def test_pickle_checkpoints_are_not_loaded(tmp_path):
+    folder = save_tiny_model("llama", tmp_path / "m")
+    for f in folder.glob("*.safetensors"):
+        f.unlink()
+    torch.save({"x": torch.zeros(1)}, folder / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match="safetensors only"):
+        load_model(ModelConfig(model=str(folder)), torch.device("cpu"))
+
+
+def test_embedded_smollm2_matches_hf_on_chat_prompts():
+    from transformers import AutoModelForCausalLM
+
+    loaded = load_model(ModelConfig(dtype="float32"), torch.device("cpu"))
+    tok = loaded.tokenizer
+    questions = ["What is the capital of France?", "Write a haiku about autumn.",
+                 "Explain photosynthesis briefly.", "List three prime numbers.",
+                 "What is 12 times 7?", "Translate 'good morning' to Spanish.",
+                 "Give me a tip for learning to code.", "Why is the sky blue?"]
+    prompts = []
+    for q in questions:
+        text = tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                       add_generation_prompt=True)
+        prompts.append(tok(text, add_special_tokens=False)["input_ids"])
+    engine = make_engine(loaded.model, tok, loaded.eos_token_ids, device_gb=0.3, host_gb=0.3)
+    results = engine.generate([Request(f"q{i}", p, SamplingParams(max_tokens=32, temperature=0.0,
+                                                                   ignore_eos=True))
+                               for i, p in enumerate(prompts)])
+    hf = AutoModelForCausalLM.from_pretrained(str(loaded.folder), dtype=torch.float32).eval()
+    for prompt, result in zip(prompts, results):
+        assert result.completions[0].token_ids == hf_greedy(hf, prompt, 32)
