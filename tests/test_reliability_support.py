@@ -71,8 +71,9 @@ def copy_clean(model: Path, dest: Path) -> Path:
     return dest
 
 
-def outputs(storage: Path) -> tuple[list[dict], list[dict]]:
-    out = sorted((Path(storage) / "outputs").glob("*.jsonl"))
+def outputs(storage: Path, folder: Path | None = None) -> tuple[list[dict], list[dict]]:
+    """(results, error lines) of a finished job; folder: where --output put them."""
+    out = sorted(Path(folder or Path(storage) / "outputs").glob("*.jsonl"))
     results = [p for p in out if not p.name.endswith(".errors.jsonl")]
     errors = [p for p in out if p.name.endswith(".errors.jsonl")]
     return read_jsonl(results[0]), read_jsonl(errors[0]) if errors else []
@@ -82,9 +83,9 @@ def incremental_file(storage: Path) -> Path:
     return next((Path(storage) / "incremental").glob("*.jsonl"))
 
 
-def incremental_ids(storage: Path) -> list[str]:
+def incremental_ids(storage: Path, folder: Path | None = None) -> list[str]:
     ids = []
-    for path in (Path(storage) / "incremental").glob("*.jsonl"):
+    for path in Path(folder or Path(storage) / "incremental").glob("*.jsonl"):
         for raw in path.read_bytes().splitlines():
             ids.append(json.loads(raw)["custom_id"])
     return ids
@@ -127,11 +128,13 @@ def without_created(lines: list[dict]) -> list[dict]:
 
 
 def check_against_clean(storage: Path, model: Path, same_job: bool = False,
-                        allowed_errors: tuple[str, ...] = ()) -> dict:
-    """Exactly one record per custom_id, identical to the clean run; returns the figures."""
+                        allowed_errors: tuple[str, ...] = (), incremental_dir: Path | None = None,
+                        output_dir: Path | None = None) -> dict:
+    """Exactly one record per custom_id, identical to the clean run; returns the figures.
+    incremental_dir / output_dir: where --incremental-output-dir / --output put the files."""
     clean, _ = outputs(clean_storage(model))
-    results, errors = outputs(storage)
-    inc = Counter(incremental_ids(storage))
+    results, errors = outputs(storage, output_dir)
+    inc = Counter(incremental_ids(storage, incremental_dir))
     final = Counter(r["custom_id"] for r in results + errors)
     expected = [r["custom_id"] for r in clean]
     lost = [cid for cid in expected if cid not in final]

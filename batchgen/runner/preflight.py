@@ -91,7 +91,7 @@ def check_memlock(config: JobConfig) -> list[Finding]:
     if size is not None and size * GB <= limit:
         return []
     pool = f"{size:g} GB" if size is not None else "an auto-sized"
-    return [Finding(False, f"the memlock limit is {limit / 2**20:.0f} MiB and {pool} host KV pool "
+    return [Finding(False, f"the memlock limit is {_human(limit)} and {pool} host KV pool "
                     "is pinned on CUDA", "ulimit -l unlimited (Slurm: --propagate=MEMLOCK; "
                     "docker: --ulimit memlock=-1; /etc/security/limits.conf: * - memlock "
                     "unlimited)")]

@@ -47,7 +47,8 @@ def journal_paths(batch_dir: Path, batch_id: str) -> list[Path]:
 def mark_crashed(batch_dir: Path, batch_id: str, exitcode: int) -> int:
     """Supervisor side: confirm that the workers whose journals remain crashed (exit code
     `exitcode`). Returns how many journals were marked."""
-    marker = orjson.dumps({"crash": exitcode}) + b"\n"
+    # On a line of its own even after a torn last line (the worker died inside a write).
+    marker = b"\n" + orjson.dumps({"crash": exitcode}) + b"\n"
     for path in journal_paths(batch_dir, batch_id):
         with open(path, "ab") as f:
             f.write(marker)

@@ -8,6 +8,7 @@ Exit codes: 0 shard done, 75 stopped by a signal, 4 results file locked, 6 disk,
 
 from __future__ import annotations
 
+import errno
 import faulthandler
 import logging
 import os
@@ -36,6 +37,8 @@ log = logging.getLogger("batchgen.worker")
 DEFAULT_MAX_TOKENS = 256
 STATS_EVERY_S = 2.0
 ORPHAN_WAIT_S = 10.0
+DISK_FULL_ENV = "BATCHGEN_TEST_DISK_FULL_AT"
+"""Testing only: the results file behaves as if its disk filled up at this many bytes."""
 
 
 @dataclass(frozen=True)
@@ -215,13 +218,30 @@ def cpu_threads() -> int:
     return int(first) if first.isdigit() and int(first) > 0 else max(1, os.cpu_count() or 1)
 
 
+class DiskFullAt(IncrementalWriter):
+    """Testing only (DISK_FULL_ENV): a results file whose disk fills up at `limit` bytes. It
+    writes what fits, then fails with ENOSPC, so the real writer's rollback runs."""
+
+    def __init__(self, path, limit: int):
+        super().__init__(path)
+        self.limit = limit
+
+    def _write_all(self, data: memoryview) -> None:
+        room = self.limit - os.fstat(self._fd).st_size
+        if len(data) > room:
+            super()._write_all(data[:max(room, 0)])
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.path))
+        super()._write_all(data)
+
+
 def open_writer(path, wait_s: float = ORPHAN_WAIT_S) -> IncrementalWriter:
     """Open this rank's results file. The worker of a killed run dies of PDEATHSIG
     asynchronously and holds the file's lock until it is gone: give it a moment."""
     deadline = time.monotonic() + wait_s
+    full_at = os.environ.get(DISK_FULL_ENV)
     while True:
         try:
-            return IncrementalWriter(path)
+            return DiskFullAt(path, int(full_at)) if full_at else IncrementalWriter(path)
         except WriterLocked:
             if time.monotonic() > deadline:
                 raise

@@ -1,0 +1,95 @@
+"""A full or failing disk: exit 6 with a clear message (no traceback), nothing acknowledged lost,
+and the same command resumes once there is space. Tiny tmpfs mounts when we may mount (root);
+otherwise the worker's test hook makes the results file's disk "fill up" (ENOSPC injected)."""
+
+import math
+import subprocess
+
+import pytest
+
+from batchgen.io.writer import IncrementalScan
+from batchgen.runner.worker import DISK_FULL_ENV
+from test_reliability_support import (check_against_clean, clean_storage, incremental_file,
+                                      job_input, record_figures, run)
+
+
+@pytest.fixture
+def tmpfs():
+    mounted = []
+
+    def mount(folder, size_bytes: int) -> bool:
+        folder.mkdir(parents=True, exist_ok=True)
+        size = f"size={max(4096, math.ceil(size_bytes / 4096) * 4096)}"
+        ok = subprocess.run(["mount", "-t", "tmpfs", "-o", size, "tmpfs", str(folder)],
+                            capture_output=True).returncode == 0
+        if ok:
+            mounted.append(folder)
+        return ok
+
+    yield mount
+    for folder in mounted:
+        subprocess.run(["umount", str(folder)], capture_output=True)
+
+
+def _grow(folder) -> None:
+    subprocess.run(["mount", "-o", "remount,size=16m", str(folder)], check=True)
+
+
+@pytest.mark.slow
+def test_results_disk_full_then_resume_with_space(tmp_path, tiny_chat_model, tmpfs):
+    inp = job_input(tmp_path)
+    storage, inc_dir = tmp_path / "s", tmp_path / "inc"
+    half = incremental_file(clean_storage(tiny_chat_model)).stat().st_size // 2
+    extra = ("--incremental-output-dir", inc_dir)
+    if tmpfs(inc_dir, half):
+        how, proc = "tmpfs ENOSPC", run(inp, storage, tiny_chat_model, *extra)
+    else:
+        how = "injected ENOSPC"
+        proc = run(inp, storage, tiny_chat_model, *extra, env={DISK_FULL_ENV: str(half)})
+    assert proc.returncode == 6, proc.stderr[-3000:]
+    assert "No space left on device" in proc.stderr
+    assert "run the same command again" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    acknowledged = IncrementalScan(next(inc_dir.glob("*.jsonl")))
+    kept = [cid for _, _, cid in acknowledged]
+    assert 0 < len(kept) < 32 and acknowledged.size == acknowledged.good_end  # rolled back
+    if how.startswith("tmpfs"):
+        _grow(inc_dir)
+    run(inp, storage, tiny_chat_model, *extra, check=True)
+    figures = check_against_clean(storage, tiny_chat_model, incremental_dir=inc_dir)
+    after = [cid for _, _, cid in IncrementalScan(next(inc_dir.glob("*.jsonl")))]
+    assert after[:len(kept)] == kept, "an acknowledged result was lost or rewritten"
+    record_figures("disk_full_results", how=how, acknowledged_before=len(kept), **figures)
+
+
+@pytest.mark.slow
+def test_output_disk_full_at_finalize_then_resume(tmp_path, tiny_chat_model, tmpfs):
+    out_dir = tmp_path / "out"
+    clean_outputs = (clean_storage(tiny_chat_model) / "outputs").glob("*.jsonl")
+    half = max(p.stat().st_size for p in clean_outputs) // 2
+    if not tmpfs(out_dir, half):
+        pytest.skip("cannot mount a tmpfs here (needs root); the results variant covers EFBIG")
+    inp = job_input(tmp_path)
+    storage = tmp_path / "s"
+    extra = ("--output", out_dir / "results.jsonl")
+    proc = run(inp, storage, tiny_chat_model, *extra)
+    assert proc.returncode == 6, proc.stderr[-3000:]
+    assert "could not write the final outputs" in proc.stderr and "Traceback" not in proc.stderr
+    assert not list(out_dir.iterdir()), "a failed finalize must leave no partial or temp file"
+    _grow(out_dir)
+    proc = run(inp, storage, tiny_chat_model, *extra, check=True)
+    assert "32 already done" in proc.stderr  # nothing recomputed: only the merge was redone
+    figures = check_against_clean(storage, tiny_chat_model, output_dir=out_dir)
+    record_figures("disk_full_finalize", how="tmpfs ENOSPC", **figures)
+
+
+def test_injected_full_disk_rolls_back_like_a_real_one(tmp_path):
+    from batchgen.io.writer import WriteFailed
+    from batchgen.runner.worker import DiskFullAt
+
+    line = b'{"custom_id": "%d", "response": null}\n'
+    with DiskFullAt(tmp_path / "r.jsonl", limit=100) as writer:
+        writer.write_batch([line % 1, line % 2])
+        with pytest.raises(WriteFailed, match="No space left on device"):
+            writer.write_batch([line % 3, line % 4])
+    assert (tmp_path / "r.jsonl").read_bytes() == line % 1 + line % 2

@@ -1,0 +1,103 @@
+"""Preflight before weights load: /dev/shm vs the host pool, memlock when pinning on CUDA, free
+disk for results; each finding names its fix; errors stop the job, warnings do not."""
+
+import logging
+import resource
+
+import pytest
+
+from batchgen.config import (DistConfig, EngineConfig, JobConfig, MemoryConfig, RuntimeConfig,
+                             StorageConfig)
+from batchgen.io.jobfiles import JobPaths
+from batchgen.runner import preflight as pf
+from batchgen.runner.errors import EXIT_DISK, EXIT_PREFLIGHT, PreflightFailed
+from test_reliability_support import job_input, run
+
+GB = 10**9
+
+
+def _config(tmp_path, host_gb=None, fast_init=False, device="cpu", world=1) -> JobConfig:
+    memory = MemoryConfig(host_kv_cache_size=host_gb, fast_init=fast_init)
+    return JobConfig(engine=EngineConfig(memory=memory, runtime=RuntimeConfig(device=device)),
+                     storage=StorageConfig(input=str(tmp_path / "in.jsonl"),
+                                           storage_path=str(tmp_path / "s")),
+                     dist=DistConfig(world_size=world))
+
+
+@pytest.fixture
+def machine(monkeypatch):
+    """A roomy machine; tests shrink one resource at a time."""
+    state = {"shm": 100 * GB, "mem": 200 * GB, "memlock": resource.RLIM_INFINITY,
+             "disk": 10**12, "cuda": False}
+    monkeypatch.setattr(pf, "shm_free_bytes", lambda: state["shm"])
+    monkeypatch.setattr(pf, "host_memory_bytes", lambda: state["mem"])
+    monkeypatch.setattr(pf, "memlock_limit", lambda: state["memlock"])
+    monkeypatch.setattr(pf, "disk_free", lambda path: state["disk"])
+    monkeypatch.setattr(pf, "uses_cuda", lambda device: state["cuda"] or device.startswith("cuda"))
+    return state
+
+
+def _paths(tmp_path) -> JobPaths:
+    return JobPaths.for_job(tmp_path / "s", "batch_x")
+
+
+def test_roomy_machine_has_no_findings(tmp_path, machine):
+    cfg = _config(tmp_path, host_gb=8, device="cuda")
+    assert pf.preflight(cfg, _paths(tmp_path), 10**6, 1000, 1000) == []
+
+
+def test_small_dev_shm_is_an_error_naming_the_fixes(tmp_path, machine):
+    machine["shm"] = 2 * GB
+    with pytest.raises(PreflightFailed) as err:
+        pf.preflight(_config(tmp_path, host_gb=4, world=2), _paths(tmp_path), 10, 1, 1)
+    message = str(err.value)
+    assert err.value.code == EXIT_PREFLIGHT and "8.0 GB of /dev/shm, 2.0 GB" in message
+    assert "mount -o remount,size=8G /dev/shm" in message and "--fast-init" in message
+
+
+def test_fast_init_does_not_need_dev_shm(tmp_path, machine):
+    machine["shm"] = 0
+    assert pf.check_host_pool(_config(tmp_path, host_gb=4, fast_init=True)) == []
+
+
+def test_pool_larger_than_host_memory(tmp_path, machine):
+    machine["mem"] = 4 * GB
+    findings = pf.check_host_pool(_config(tmp_path, host_gb=8))
+    assert findings[0].error and "lower --host-kv-cache-size" in str(findings[0])
+
+
+def test_small_memlock_warns_when_pinning_on_cuda(tmp_path, machine, caplog):
+    machine["memlock"] = 64 * 2**10
+    with caplog.at_level(logging.WARNING, "batchgen.preflight"):
+        findings = pf.preflight(_config(tmp_path, host_gb=4, device="cuda"), _paths(tmp_path),
+                                10, 1, 1)
+    assert [f.error for f in findings] == [False]
+    assert "ulimit -l unlimited" in caplog.text and "0 MiB" not in caplog.text
+    assert pf.check_memlock(_config(tmp_path, host_gb=4, device="cpu")) == []
+
+
+def test_disk_below_the_floor_is_a_disk_error(tmp_path, machine):
+    machine["disk"] = 1000
+    with pytest.raises(PreflightFailed) as err:
+        pf.preflight(_config(tmp_path), _paths(tmp_path), 10**6, 1000, 1000)
+    assert err.value.code == EXIT_DISK and "--storage-path" in str(err.value)
+
+
+def test_disk_below_the_estimate_only_warns(tmp_path, machine):
+    machine["disk"] = 2 * 10**6  # floor 2 * 1000 * 300 B = 0.6 MB < 2 MB < estimate ~3.2 MB
+    findings = pf.preflight(_config(tmp_path), _paths(tmp_path), 10**6, 1000, 1000)
+    assert [f.error for f in findings] == [False]
+    assert "estimated from the input" in str(findings[0])
+
+
+def test_resume_needs_room_only_for_what_is_left(machine):
+    left_inc, final = pf.results_estimate(10**6, 1000, 10)
+    assert left_inc * 100 == final
+
+
+def test_preflight_fails_before_weights_load(tmp_path, tiny_chat_model):
+    proc = run(job_input(tmp_path), tmp_path / "s", tiny_chat_model,
+               "--host-kv-cache-size", "100000000")
+    assert proc.returncode == 8, proc.stderr[-2000:]
+    assert "preflight failed" in proc.stderr and "Fix:" in proc.stderr
+    assert "Traceback" not in proc.stderr and "loading" not in proc.stderr

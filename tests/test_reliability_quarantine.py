@@ -1,0 +1,99 @@
+"""Poison requests: one in flight at K consecutive confirmed crashes (alone at the last) is
+quarantined as an error line and the job completes; kills of the whole job count for nothing."""
+
+import orjson
+import pytest
+
+from batchgen.io.reader import RawRecord
+from batchgen.runner.quarantine import (CRASH_ENV, ISOLATION_GROUPS, Quarantine, journal_paths,
+                                        mark_crashed)
+from test_reliability_support import (batch_state, check_against_clean, job_input, outputs,
+                                      record_figures, run)
+
+
+def _crashed_run(tmp_path, admitted: list[str], confirm: bool = True, done=(), restarted=False,
+                 after: int = 3) -> Quarantine:
+    """Simulate one run that admitted `admitted` and died, then the next start's recovery."""
+    q = Quarantine(tmp_path, "b", 0, after)
+    q.recover(set(done), restarted=False)
+    q.admitted(admitted)
+    if confirm:
+        mark_crashed(tmp_path, "b", -9)
+    nxt = Quarantine(tmp_path, "b", 0, after)
+    nxt.recover(set(done), restarted=restarted)
+    return nxt
+
+
+def test_unconfirmed_interruption_is_no_evidence(tmp_path):
+    q = _crashed_run(tmp_path, ["a", "b"], confirm=False)
+    assert not q.book.strikes  # a kill -9 of the whole job: nobody saw a worker crash
+
+
+def test_torchrun_restart_confirms_the_crash(tmp_path):
+    q = _crashed_run(tmp_path, ["a"], confirm=False, restarted=True)
+    assert q.book.strikes == {"a": 1} and q.convicted("a") is False
+
+
+def test_strikes_are_consecutive_and_conviction_needs_isolation(tmp_path):
+    for _ in range(3):
+        q = _crashed_run(tmp_path, ["a", "b"])
+    assert q.book.strikes == {"a": 3, "b": 3}
+    assert not q.convicted("a")  # never alone: an innocent neighbour must not pay
+    q = _crashed_run(tmp_path, ["b"])
+    assert q.book.strikes == {"b": 4} and q.convicted("b")  # "a" left the streak
+
+
+def test_finished_requests_and_crash_before_admission_change_nothing(tmp_path):
+    _crashed_run(tmp_path, ["a", "b"])
+    q = _crashed_run(tmp_path, [], done=["a"])
+    assert q.book.strikes == {"b": 1}
+
+
+def test_torn_journal_line_is_ignored(tmp_path):
+    q = Quarantine(tmp_path, "b", 0, 3)
+    q.recover(set(), restarted=False)
+    q.admitted(["a"])
+    with open(journal_paths(tmp_path, "b")[0], "ab") as f:
+        f.write(b'"tor')
+    mark_crashed(tmp_path, "b", 70)
+    nxt = Quarantine(tmp_path, "b", 0, 3)
+    nxt.recover(set(), restarted=False)
+    assert nxt.book.strikes == {"a": 1}
+
+
+def test_isolation_groups_shrink_the_set_in_flight(tmp_path):
+    ids = [f"r{i}" for i in range(40)]
+    q = _crashed_run(tmp_path, ids)
+    q.book.strikes["r7"] = 2
+    records = [RawRecord(i + 1, {"custom_id": cid}) for i, cid in enumerate(ids)]
+    groups = q.isolation_groups(records)
+    assert len(groups) <= ISOLATION_GROUPS and sum(map(len, groups)) == 40
+    assert groups[0][0].data["custom_id"] == "r7"  # most strikes first
+    assert max(map(len, groups)) == 3
+
+
+def test_quarantine_line_is_a_failure_line(tmp_path):
+    q = Quarantine(tmp_path, "b", 0, 1)
+    q.book.strikes, q.book.last_crash_in_flight = {"x": 1}, 1
+    line = orjson.loads(q.error_line(RawRecord(6, {"custom_id": "x"})))
+    assert line["response"] is None and line["error"]["code"] == "quarantined"
+    assert line["error"]["line"] == 6 and "--quarantine-after 1" in line["error"]["message"]
+
+
+@pytest.mark.slow
+def test_poison_request_is_quarantined_and_the_job_completes(tmp_path, tiny_chat_model):
+    inp = job_input(tmp_path)
+    storage = tmp_path / "s"
+    codes = []
+    for _ in range(6):
+        proc = run(inp, storage, tiny_chat_model, env={CRASH_ENV: "req-5"})
+        codes.append(proc.returncode)
+        if proc.returncode == 0:
+            break
+        assert "crashed (killed by signal 9)" in proc.stderr, proc.stderr[-3000:]
+    assert codes == [1, 1, 1, 0]  # K = 3 (the default): three crashes, then it completes
+    figures = check_against_clean(storage, tiny_chat_model, allowed_errors=("req-5",))
+    _, errors = outputs(storage)
+    assert errors[0]["error"]["code"] == "quarantined" and errors[0]["error"]["line"] == 6
+    assert batch_state(storage)["health"]["quarantined"] == 1
+    record_figures("quarantine", crashes=3, runs=len(codes), quarantined=1, **figures)
