@@ -184,6 +184,8 @@ class Scheduler:
     def _free_host(self, pages: int, keep: Sequence) -> bool:
         """Evict fewest-decoded sequences until `pages` host pages are free. False when `keep`
         had to go itself."""
+        if self.host.num_free >= pages:
+            return True  # the common case: no need to rank anyone
         for victim in victim_order(self.running + self.swapped):
             if self.host.num_free >= pages:
                 return True
@@ -226,6 +228,8 @@ class Scheduler:
 
     def _free_device(self, pages: int, keep: Sequence | None, out: ScheduleOutput,
                      protect: tuple[Sequence, ...] = ()) -> bool:
+        if self.device.num_free >= pages:
+            return True
         candidates = [s for s in self.running if s not in protect]
         for victim in victim_order(candidates):
             if self.device.num_free >= pages:
@@ -266,7 +270,9 @@ class Scheduler:
                 # Nothing runs: make room even by eviction, or no one would ever progress.
                 if not self._free_host(need_host, keep=seq):
                     continue
-            if need_dev > self.device.num_free or need_host > self.host.num_free:
+            if need_dev > self.device.num_free:
+                return  # first come, first loaded: later ones wait behind it
+            if need_host > self.host.num_free:
                 continue
             seq.host_pages += self.host.allocate(need_host)
             seq.device_pages = self.device.allocate(need_dev)
