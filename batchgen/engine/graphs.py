@@ -3,16 +3,14 @@ bucket size and replayed with the batch padded up to the nearest bucket.
 
 Static buffers hold the inputs; a replay copies the step's values into them. Padding rows write
 to slot -1 (the KV store skips negative slots) and attend to one key of page 0, so they cost a
-little compute and touch no real sequence. Batches above the largest bucket run eagerly.
-`BATCHGEN_SEGMENTED_GRAPH=1` captures each decoder layer as its own graph instead of the whole
-model (less memory for captures, a few more launches per step).
+little compute and touch no real sequence. Batches above the largest bucket run eagerly. (The reference's per-segment mode,
+BATCHGEN_SEGMENTED_GRAPH=1, is not implemented: the whole model is one graph per bucket.)
 """
 
 from __future__ import annotations
 
 import bisect
 import logging
-import os
 
 import torch
 
@@ -54,7 +52,6 @@ class DecodeGraphs:
         self.page_table = torch.zeros(largest, self.max_pages, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
-        self.segmented = os.environ.get("BATCHGEN_SEGMENTED_GRAPH") == "1"
         self._pool_handle = None
 
     def _batch(self, size: int) -> ForwardBatch:
