@@ -134,3 +134,21 @@ def test_validate_command(tmp_path):
     proc = batchgen("validate", "--input", write_jsonl(tmp_path / "in.jsonl", rows))
     assert proc.returncode == 1
     assert "3 valid, 1 invalid" in proc.stdout and "line 4" in proc.stdout
+
+
+def test_response_format_is_enforced_and_bad_schemas_are_error_lines(tmp_path, tiny_chat_model):
+    schema = {"type": "object", "additionalProperties": False, "required": ["ok"],
+              "properties": {"ok": {"type": "boolean"}}}
+    rows = [{"custom_id": "json", "messages": [{"role": "user", "content": "Reply."}],
+             "max_tokens": 40, "temperature": 0.8, "seed": 2,
+             "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}},
+            {"custom_id": "bad", "messages": [{"role": "user", "content": "Reply."}],
+             "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {
+                 "type": "object", "properties": {"a": {"not": {"type": "string"}}}}}}}]
+    inp = write_jsonl(tmp_path / "in.jsonl", rows)
+    batchgen(*run_args(inp, tmp_path / "s", tiny_chat_model), check=True)
+    results, errors = outputs(tmp_path / "s")
+    message = results[0]["response"]["body"]["choices"][0]["message"]["content"]
+    assert json.loads(message) in ({"ok": True}, {"ok": False})
+    assert errors[0]["custom_id"] == "bad"
+    assert errors[0]["response"]["body"]["error"]["code"] == "unsupported_response_format"

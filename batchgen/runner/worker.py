@@ -28,6 +28,7 @@ from batchgen.runner.errors import (EXIT_DEVICE_OOM, EXIT_DISK, EXIT_LOCKED, Dis
                                     disk_errors)
 from batchgen.runner.job import EXIT_REQUEUE, JobSpec
 from batchgen.runner.launch import StopFlag, die_with_supervisor, launched_at
+from batchgen.runner.grammars import Grammars
 from batchgen.runner.outputs import OutputFormatter
 from batchgen.runner.quarantine import Quarantine
 from batchgen.runner.watchdog import StatsFile, Watchdog, guard_decode_steps
@@ -87,6 +88,8 @@ class Worker:
                              skip_special_tokens=not cfg.output.detokenization_include_special_tokens)
         guard_decode_steps(self.engine, watchdog, cfg.watchdog.watchdog_test_stuck_time)
         self.formatter = OutputFormatter(spec, self.loaded)
+        self.grammars = Grammars(self.loaded.tokenizer, self.loaded.hf_config.vocab_size,
+                                 self.loaded.eos_token_ids)
         self.pending: dict[str, PendingRequest] = {}
         self.handled: set[str] = set()
         """Suspects served (or quarantined) before the main pass, which must skip them."""
@@ -167,8 +170,12 @@ class Worker:
                 continue
             item = intake(record, self.loaded.tokenizer, self.loaded.max_context, DEFAULT_MAX_TOKENS)
             if isinstance(item, PendingRequest):
+                request = self.grammars.request(item)
+                if isinstance(request, IntakeError):
+                    item = request
+            if isinstance(item, PendingRequest):
                 try:
-                    self.engine.add_request(item.to_request())
+                    self.engine.add_request(request)
                     self.pending[item.custom_id] = item
                     admitted.append(item.custom_id)
                     continue
