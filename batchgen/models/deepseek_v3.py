@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from batchgen.engine.forward_batch import ForwardBatch
+from batchgen.models.base import PagedCausalLM
 from batchgen.models.fp8 import (
     Fp8Linear,
     QuantizedWeight,
@@ -85,7 +86,7 @@ def offloaded_experts(hf_config, options) -> int:
     return round(ratio * (hf_config.n_routed_experts or 0))
 
 
-class DeepseekV3ForCausalLM(nn.Module):
+class DeepseekV3ForCausalLM(PagedCausalLM):
     def __init__(self, hf_config, options=None):
         super().__init__()
         self.config = hf_config
@@ -98,21 +99,12 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.kv_token_shape = (1, hf_config.kv_lora_rank + hf_config.qk_rope_head_dim)
         self.max_context = default_max_positions(hf_config)
 
-    def tie_weights(self) -> None:
-        if getattr(self.config, "tie_word_embeddings", False):
-            self.lm_head.weight = self.model.embed_tokens.weight
-
     def set_mla_impl(self, prefill: str | None = None, decode: str | None = None) -> None:
         """Choose the MLA path ("naive" or "absorb") for prefill rows and for decode rows."""
         for layer in self.model.layers:
             attn = layer.self_attn
             attn.prefill_impl = prefill or attn.prefill_impl
             attn.decode_impl = decode or attn.decode_impl
-
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits `[S, vocab]` (float32) of the rows in `batch.logits_indices`."""
-        hidden = self.model(batch)
-        return self.lm_head(hidden[batch.logits_indices]).float()
 
     # -- weights ------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

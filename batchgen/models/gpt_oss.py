@@ -22,6 +22,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from batchgen.engine.forward_batch import ForwardBatch
+from batchgen.models.base import PagedCausalLM
 from batchgen.models.attention import paged_attention
 from batchgen.models.layers import (
     RotaryEmbedding,
@@ -249,7 +250,7 @@ def checkpoint_is_mxfp4(hf_config) -> bool:
     return str(getattr(method, "value", method) or "").lower() == "mxfp4"
 
 
-class GptOssForCausalLM(nn.Module):
+class GptOssForCausalLM(PagedCausalLM):
     def __init__(self, hf_config, options=None):
         super().__init__()
         self.config = hf_config
@@ -262,14 +263,6 @@ class GptOssForCausalLM(nn.Module):
         self.kv_token_shape = (2, attn.kv_heads, attn.head_dim)
         self.max_context = default_max_positions(hf_config)
 
-    def tie_weights(self) -> None:
-        if getattr(self.config, "tie_word_embeddings", False):
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits `[S, vocab]` (float32) of the rows in `batch.logits_indices`."""
-        hidden = self.model(batch)
-        return self.lm_head(hidden[batch.logits_indices]).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters(remove_duplicate=False))

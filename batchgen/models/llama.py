@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from batchgen.engine.forward_batch import ForwardBatch
+from batchgen.models.base import PagedCausalLM
 from batchgen.models.attention import paged_attention
 from batchgen.models.layers import (FusedGatedMLP, RMSNorm, RotaryEmbedding,
                                     default_max_positions, rope_inv_freq, softmax_scale)
@@ -99,7 +100,7 @@ class LlamaModel(nn.Module):
         return self.norm(x)
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(PagedCausalLM):
     """Also serves Mistral, Qwen2 and Qwen3 (the `qkv_bias` / `qk_norm` switches)."""
 
     qkv_bias = False
@@ -116,15 +117,6 @@ class LlamaForCausalLM(nn.Module):
         self.kv_token_shape = (2, attn.kv_heads, attn.head_dim)
         self.max_context = default_max_positions(hf_config)
 
-    def tie_weights(self) -> None:
-        """Share lm_head with the embedding when the config says so (again after to_empty)."""
-        if getattr(self.config, "tie_word_embeddings", False):
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits `[S, vocab]` (float32) of the rows in `batch.logits_indices`."""
-        hidden = self.model(batch)
-        return self.lm_head(hidden[batch.logits_indices]).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters(remove_duplicate=False))
