@@ -33,12 +33,13 @@ class ProgressReporter(threading.Thread):
         self._stop_event = threading.Event()
         self._t0 = time.time()
 
-    def snapshot(self) -> tuple[int, int]:
-        stats = read_worker_stats(self.batch_dir, self.batch_id)
-        done = self.already_done + sum(s["completed"] + s["failed"] for s in stats
-                                       if s.get("heartbeat", 0) >= self._t0)
-        tokens = sum(s["completion_tokens"] for s in stats if s.get("heartbeat", 0) >= self._t0)
-        return min(done, self.total), tokens
+    def snapshot(self) -> tuple[int, float]:
+        """(requests done, output tokens/s summed over the ranks' own measurements)."""
+        stats = [s for s in read_worker_stats(self.batch_dir, self.batch_id)
+                 if s.get("heartbeat", 0) >= self._t0]
+        done = self.already_done + sum(s["completed"] + s["failed"] for s in stats)
+        rate = sum(s.get("output_tokens_per_s", 0.0) for s in stats)
+        return min(done, self.total), rate
 
     def run(self) -> None:
         if sys.stderr.isatty():
@@ -55,14 +56,12 @@ class ProgressReporter(threading.Thread):
                       transient=False) as bar:
             task = bar.add_task("requests", total=self.total, completed=self.already_done, rate="")
             while not self._stop_event.wait(1.0):
-                done, tokens = self.snapshot()
-                rate = tokens / max(time.time() - self._t0, 1e-9)
+                done, rate = self.snapshot()
                 bar.update(task, completed=done, rate=f"{rate:,.0f} out tok/s")
 
     def _run_plain(self) -> None:
         while not self._stop_event.wait(PLAIN_INTERVAL_S):
-            done, tokens = self.snapshot()
-            rate = tokens / max(time.time() - self._t0, 1e-9)
+            done, rate = self.snapshot()
             log.info("progress: %d/%d requests, %.0f output tok/s", done, self.total, rate)
 
     def stop(self) -> None:
