@@ -10,7 +10,7 @@ from collections import Counter
 
 import pytest
 
-from batchgen.io.writer import FAULT_ENV, PHASES, IncrementalScan
+from batchgen.io.writer import FAULT_ENV, PHASES, IncrementalScan, IncrementalWriter
 from test_reliability_support import (batch_state, check_against_clean, clean_input, copy_clean,
                                       count_lines,
                                       incremental_file, job_input, kill_group, launch,
@@ -105,23 +105,39 @@ def test_crash_at_each_writer_phase(tmp_path, tiny_chat_model):
     record_figures("writer_phases", faults=len(PHASES), phases=list(PHASES), **figures)
 
 
+REPAIR_OFFSETS = 300
+RESUME_OFFSETS = 3
+
+
+def _repair_sweep(blob: bytes, offsets: list[int], folder) -> None:
+    """Open the real job's results file torn at each offset: only whole lines stay."""
+    path = folder / "torn.jsonl"
+    for offset in offsets:
+        path.write_bytes(blob[:offset])
+        whole = blob[:blob.rfind(b"\n", 0, offset) + 1]
+        with IncrementalWriter(path) as writer:
+            assert writer.lines == whole.count(b"\n") and len(writer.done_ids()) == writer.lines
+        assert path.read_bytes() == whole, f"offset {offset}"
+
+
 @pytest.mark.slow
 def test_torn_tail_at_random_offsets_is_recomputed(tmp_path, tiny_chat_model):
     rng = seeded_rng("test_torn_tail_at_random_offsets_is_recomputed")
-    size = incremental_file(copy_clean(tiny_chat_model, tmp_path / "probe")).stat().st_size
-    offsets = sorted(rng.sample(range(1, size), 3))
+    blob = incremental_file(copy_clean(tiny_chat_model, tmp_path / "probe")).read_bytes()
+    _repair_sweep(blob, rng.sample(range(len(blob) + 1), REPAIR_OFFSETS), tmp_path)
+    offsets = sorted(rng.sample(range(1, len(blob)), RESUME_OFFSETS))
     recomputed = 0
     for offset in offsets:
         storage = copy_clean(tiny_chat_model, tmp_path / f"cut{offset}")
         shutil.rmtree(storage / "outputs")  # as if killed before finalisation
         with open(incremental_file(storage), "r+b") as f:
             f.truncate(offset)
-        kept = IncrementalScan(incremental_file(storage))
-        recomputed += 32 - sum(1 for _ in kept)
+        recomputed += 32 - sum(1 for _ in IncrementalScan(incremental_file(storage)))
         run(clean_input(tiny_chat_model), storage, tiny_chat_model, check=True)
         # Resuming the same job keeps `created`: the lines must be byte-for-byte the clean ones.
         check_against_clean(storage, tiny_chat_model, same_job=True)
-    record_figures("torn_tail", offsets=offsets, recomputed=recomputed, lost=0, duplicated=0)
+    record_figures("torn_tail", offsets_repaired=REPAIR_OFFSETS, offsets_resumed=offsets,
+                   recomputed=recomputed, lost=0, duplicated=0)
 
 
 @pytest.mark.slow
