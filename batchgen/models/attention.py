@@ -54,7 +54,17 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
         return _decode(q, layer, batch, scale, window, sinks)
     out = torch.empty_like(q)
     start = 0
+    # A whole prompt (no cached prefix) attends only to its own fresh K/V: causal SDPA on them
+    # directly skips the page gather and the materialised mask.
+    plain = window is None and sinks is None and not pool.layout.quantized
     for b, (q_len, ctx) in enumerate(zip(batch.q_lens, batch.ctx_lens)):
+        if plain and q_len == ctx and q_len > 1:
+            rows = slice(start, start + q_len)
+            out[rows] = F.scaled_dot_product_attention(
+                q[rows].transpose(0, 1), k[rows].transpose(0, 1), v[rows].transpose(0, 1),
+                is_causal=True, scale=scale, enable_gqa=True).transpose(0, 1)
+            start += q_len
+            continue
         pages = batch.page_table[b, : -(-ctx // PAGE_SIZE)].long()
         kv = pool.gather(layer, pages)[:ctx]
         q_pos = torch.arange(ctx - q_len, ctx, device=q.device)[None]
