@@ -106,8 +106,19 @@ class HostSegment:
         if self.pinned:
             torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
             self.pinned = False
-        del self.tensor
+        if hasattr(self, "tensor"):
+            del self.tensor
         try:
             self._map.close()
         except BufferError:
             pass  # a view is still alive; the OS reclaims the memory at exit
+
+    def __del__(self) -> None:
+        # An engine dropped without close() must not leave its range registered with CUDA:
+        # the next registration of the same addresses would fail ("already mapped").
+        try:
+            if getattr(self, "pinned", False):
+                torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+                self.pinned = False
+        except Exception:
+            pass
