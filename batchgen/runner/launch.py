@@ -45,6 +45,8 @@ class WorkerFailure(Exception):
     rank: int
     exitcode: int
     log_tail: str
+    log_path: str = ""
+    """The failed worker's stderr log (stack dumps of the watchdog and faulthandler land there)."""
 
     def __str__(self) -> str:
         return f"worker rank {self.rank} exited with code {self.exitcode}\n{self.log_tail}"
@@ -75,7 +77,8 @@ def launch_workers(dist: DistConfig, spec_file: Path, log_dir: Path, grace: floa
         elastic_launch(config, sys.executable)("-u", "-m", "batchgen.runner.worker", str(spec_file))
     except ChildFailedError as err:
         rank, failure = min(err.failures.items())
-        raise WorkerFailure(rank, failure.exitcode, _tail(log_dir, rank)) from None
+        log = _log_of(log_dir, rank)
+        raise WorkerFailure(rank, failure.exitcode, _tail(log), str(log or "")) from None
 
 
 def agent_shutdown_timeout(grace: float) -> int:
@@ -96,12 +99,16 @@ def _logs_specs(log_dir: Path):
     return DefaultLogsSpecs(log_dir=str(log_dir), redirects=Std.ALL, tee=Std.ALL)
 
 
-def _tail(log_dir: Path, rank: int, lines: int = 20) -> str:
+def _log_of(log_dir: Path, rank: int) -> Path | None:
     logs = sorted(log_dir.glob(f"*/attempt_*/{rank}/stderr.log"), key=lambda p: p.stat().st_mtime)
-    if not logs:
+    return logs[-1] if logs else None
+
+
+def _tail(log: Path | None, lines: int = 20) -> str:
+    if log is None:
         return "(no worker log found)"
-    text = logs[-1].read_text(errors="replace").splitlines()[-lines:]
-    return f"last lines of {logs[-1]}:\n" + "\n".join("  " + line for line in text)
+    text = log.read_text(errors="replace").splitlines()[-lines:]
+    return f"last lines of {log}:\n" + "\n".join("  " + line for line in text)
 
 
 @dataclass

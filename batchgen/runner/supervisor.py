@@ -170,7 +170,7 @@ def _worker_failed(spec: JobSpec, batch_file: BatchFile, started: float,
     cause = _failure_cause(spec, failure)
     _try_record_end(spec, batch_file, started, "failed",
                     {"last_failure": cause, "last_failure_at": int(time.time()),
-                     "last_exit_code": code})
+                     "last_exit_code": code, "worker_log": failure.log_path})
     log.error("%s\n%s", cause, failure.log_tail)
     if code in (EXIT_WATCHDOG, EXIT_DISK, EXIT_DEVICE_OOM, EXIT_LOCKED):
         return code

@@ -165,7 +165,7 @@ class Watchdog:
         faulthandler.dump_traceback_later(CAUSE_WRITE_LIMIT_S, exit=True)
         _, flag = DEADLINES[missed.name]
         cause = (f"watchdog: {missed.name} exceeded {missed.seconds:g} s ({flag}) on pid "
-                 f"{os.getpid()}; all threads' stacks are in this worker's log")
+                 f"{os.getpid()}; all threads' stacks are in this worker's log (health.worker_log)")
         log.error("%s", cause)
         sys.stderr.flush()
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
