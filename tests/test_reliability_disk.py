@@ -6,11 +6,17 @@ import math
 import subprocess
 
 import pytest
+from test_reliability_support import (
+    check_against_clean,
+    clean_storage,
+    incremental_file,
+    job_input,
+    record_figures,
+    run,
+)
 
 from batchgen.io.writer import IncrementalScan
 from batchgen.runner.worker import DISK_FULL_ENV
-from test_reliability_support import (check_against_clean, clean_storage, incremental_file,
-                                      job_input, record_figures, run)
 
 
 @pytest.fixture
@@ -21,14 +27,14 @@ def tmpfs():
         folder.mkdir(parents=True, exist_ok=True)
         size = f"size={max(4096, math.ceil(size_bytes / 4096) * 4096)}"
         ok = subprocess.run(["mount", "-t", "tmpfs", "-o", size, "tmpfs", str(folder)],
-                            capture_output=True).returncode == 0
+                            capture_output=True, check=False).returncode == 0
         if ok:
             mounted.append(folder)
         return ok
 
     yield mount
     for folder in mounted:
-        subprocess.run(["umount", str(folder)], capture_output=True)
+        subprocess.run(["umount", str(folder)], capture_output=True, check=False)
 
 
 def _grow(folder) -> None:

@@ -9,12 +9,24 @@ import time
 from collections import Counter
 
 import pytest
+from test_reliability_support import (
+    batch_state,
+    check_against_clean,
+    clean_input,
+    copy_clean,
+    count_lines,
+    incremental_file,
+    job_input,
+    kill_group,
+    launch,
+    record_figures,
+    run,
+    seeded_rng,
+    wait_for,
+    worker_pids,
+)
 
 from batchgen.io.writer import FAULT_ENV, PHASES, IncrementalScan, IncrementalWriter
-from test_reliability_support import (batch_state, check_against_clean, clean_input, copy_clean,
-                                      count_lines,
-                                      incremental_file, job_input, kill_group, launch,
-                                      record_figures, run, seeded_rng, wait_for, worker_pids)
 
 MIN_KILLS = 20
 KILLS_PER_JOB = 5
@@ -37,7 +49,7 @@ def _kill_at_random_instant(proc, storage, rng, mode: str) -> str | None:
     """SIGKILL the process group at an instant chosen by `mode`; the phase it hit, or None when
     the job finished first."""
     started = time.time()
-    exited = lambda: proc.poll() is not None  # noqa: E731
+    exited = lambda: proc.poll() is not None
     if mode == "time":
         wait_for(exited, rng.uniform(0.3, 8.0))
     elif mode == "lines":

@@ -4,9 +4,14 @@ import socket
 import time
 
 import pytest
-
-from test_reliability_support import (check_against_clean, job_input, launch, record_figures,
-                                      run, wait_for)
+from test_reliability_support import (
+    check_against_clean,
+    job_input,
+    launch,
+    record_figures,
+    run,
+    wait_for,
+)
 
 
 @pytest.mark.slow

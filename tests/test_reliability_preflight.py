@@ -5,13 +5,19 @@ import logging
 import resource
 
 import pytest
+from test_reliability_support import job_input, run
 
-from batchgen.config import (DistConfig, EngineConfig, JobConfig, MemoryConfig, RuntimeConfig,
-                             StorageConfig)
+from batchgen.config import (
+    DistConfig,
+    EngineConfig,
+    JobConfig,
+    MemoryConfig,
+    RuntimeConfig,
+    StorageConfig,
+)
 from batchgen.io.jobfiles import JobPaths
 from batchgen.runner import preflight as pf
 from batchgen.runner.errors import EXIT_DISK, EXIT_PREFLIGHT, PreflightFailed
-from test_reliability_support import job_input, run
 
 GB = 10**9
 

@@ -3,12 +3,23 @@ quarantined as an error line and the job completes; kills of the whole job count
 
 import orjson
 import pytest
+from test_reliability_support import (
+    batch_state,
+    check_against_clean,
+    job_input,
+    outputs,
+    record_figures,
+    run,
+)
 
 from batchgen.io.reader import RawRecord
-from batchgen.runner.quarantine import (CRASH_ENV, ISOLATION_GROUPS, Quarantine, journal_paths,
-                                        mark_crashed)
-from test_reliability_support import (batch_state, check_against_clean, job_input, outputs,
-                                      record_figures, run)
+from batchgen.runner.quarantine import (
+    CRASH_ENV,
+    ISOLATION_GROUPS,
+    Quarantine,
+    journal_paths,
+    mark_crashed,
+)
 
 
 def _crashed_run(tmp_path, admitted: list[str], confirm: bool = True, done=(), restarted=False,

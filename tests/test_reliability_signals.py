@@ -6,10 +6,18 @@ import signal
 import time
 
 import pytest
-
-from test_reliability_support import (batch_state, check_against_clean, count_lines, job_input,
-                                      kill_group, launch, record_figures, run, wait_for,
-                                      worker_pids)
+from test_reliability_support import (
+    batch_state,
+    check_against_clean,
+    count_lines,
+    job_input,
+    kill_group,
+    launch,
+    record_figures,
+    run,
+    wait_for,
+    worker_pids,
+)
 
 GRACE = 6.0
 MARGIN = 3.0

@@ -6,11 +6,16 @@ import threading
 import time
 
 import pytest
+from test_reliability_support import (
+    batch_state,
+    check_against_clean,
+    job_input,
+    record_figures,
+    run,
+)
 
 from batchgen.config import WatchdogConfig
 from batchgen.runner.watchdog import TICK_S, StatsFile, Watchdog, health_from_stats
-from test_reliability_support import (batch_state, check_against_clean, job_input,
-                                      record_figures, run)
 
 MARGIN_S = 1.0
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
-from typing import Callable
+from collections.abc import Callable
 
 from batchgen.io.jobfiles import FingerprintMismatch
 from batchgen.io.reader import InputFileError

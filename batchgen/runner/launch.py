@@ -65,10 +65,11 @@ def launch_workers(dist: DistConfig, spec_file: Path, log_dir: Path, grace: floa
     per_node = dist.world_size // dist.nnodes
     log_dir.mkdir(parents=True, exist_ok=True)
     if dist.nnodes == 1:
-        rdzv = dict(rdzv_backend="c10d", rdzv_endpoint="localhost:0", run_id=uuid.uuid4().hex[:8])
+        rdzv = {"rdzv_backend": "c10d", "rdzv_endpoint": "localhost:0",
+                "run_id": uuid.uuid4().hex[:8]}
     else:
-        rdzv = dict(rdzv_backend="static", rdzv_endpoint=dist.dist_init_addr, run_id="batchgen",
-                    rdzv_configs={"rank": dist.node_rank})
+        rdzv = {"rdzv_backend": "static", "rdzv_endpoint": dist.dist_init_addr,
+                "run_id": "batchgen", "rdzv_configs": {"rank": dist.node_rank}}
     config = LaunchConfig(min_nodes=dist.nnodes, max_nodes=dist.nnodes, nproc_per_node=per_node,
                           max_restarts=dist.max_restarts, monitor_interval=0.5,
                           logs_specs=_logs_specs(log_dir), signals_to_handle=",".join(STOP_SIGNALS),

@@ -107,7 +107,7 @@ class SuspectBook:
     quarantined: list[str] = field(default_factory=list)
 
     @staticmethod
-    def load(path: Path) -> "SuspectBook":
+    def load(path: Path) -> SuspectBook:
         try:
             return SuspectBook(**orjson.loads(Path(path).read_bytes()))
         except FileNotFoundError:

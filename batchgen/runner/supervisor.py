@@ -17,12 +17,16 @@ import time
 from pathlib import Path
 
 from batchgen.config import JobConfig
-from batchgen.io.jobfiles import (BatchFile, JobPaths, check_fingerprint, derive_batch_id,
-                                  record_upload)
+from batchgen.io.jobfiles import (
+    BatchFile,
+    JobPaths,
+    check_fingerprint,
+    derive_batch_id,
+    record_upload,
+)
 from batchgen.io.reader import InputSummary, scan_input
 from batchgen.io.writer import finalize, read_done_ids
-from batchgen.runner.errors import (EXIT_CRASH, EXIT_DEVICE_OOM, EXIT_DISK, EXIT_LOCKED,
-                                    disk_errors)
+from batchgen.runner.errors import EXIT_CRASH, EXIT_DEVICE_OOM, EXIT_DISK, EXIT_LOCKED, disk_errors
 from batchgen.runner.job import EXIT_REQUEUE, EXIT_WATCHDOG, JobSpec, fingerprint, now
 from batchgen.runner.launch import WorkerFailure, is_stop_signal, launch_workers
 from batchgen.runner.lock import JobLock
@@ -243,10 +247,26 @@ def _try_record_end(*args, **kwargs) -> None:
 
 def _record_end(spec: JobSpec, batch_file: BatchFile, started: float, status: str,
                 health: dict, counts: dict | None = None) -> None:
+    """Status, health, counters, usage and throughput of the run that ends, from the workers'
+    stats files."""
     stats = read_worker_stats(spec.paths.batch_file.parent, spec.batch_id)
-    elapsed = time.time() - started
+    elapsed = max(time.time() - started, 1e-9)
     completion = sum(s.get("completion_tokens", 0) for s in stats)
     prompt = sum(s.get("prompt_tokens", 0) for s in stats)
+    changes = {
+        "status": status, "health": {**health_from_stats(stats), **health},
+        "counters": _engine_counters(stats),
+        "timings": {"finished_at": int(time.time()), "last_run_seconds": round(elapsed, 3)},
+        "throughput": {"output_tokens_per_s": round(completion / elapsed, 2),
+                       "total_tokens_per_s": round((completion + prompt) / elapsed, 2)},
+        "output_file": str(spec.paths.output), "errors_file": str(spec.paths.errors_output),
+        "usage": _usage_after(batch_file, prompt, completion)}
+    if counts:
+        changes["request_counts"] = counts
+    batch_file.update(spec.batch_id, **changes)
+
+
+def _engine_counters(stats: list[dict]) -> dict:
     counters: dict = {}
     for s in stats:
         for key, value in s.get("engine", {}).items():
@@ -254,18 +274,14 @@ def _record_end(spec: JobSpec, batch_file: BatchFile, started: float, status: st
                 counters[key] = counters.get(key, 0) + value
             else:
                 counters.setdefault(key, value)
-    changes = dict(status=status, health={**health_from_stats(stats), **health},
-                   counters=counters,
-                   timings={"finished_at": int(time.time()), "last_run_seconds": round(elapsed, 3)},
-                   throughput={"output_tokens_per_s": round(completion / max(elapsed, 1e-9), 2),
-                               "total_tokens_per_s": round((completion + prompt) / max(elapsed, 1e-9), 2)},
-                   output_file=str(spec.paths.output), errors_file=str(spec.paths.errors_output))
-    if counts:
-        changes["request_counts"] = counts
+    return counters
+
+
+def _usage_after(batch_file: BatchFile, prompt: int, completion: int) -> dict:
+    """Token usage of every run so far (each run adds its own)."""
     state = batch_file.load()
     usage = dict(state.usage) if state else {}
     usage["prompt_tokens"] = usage.get("prompt_tokens", 0) + prompt
     usage["completion_tokens"] = usage.get("completion_tokens", 0) + completion
     usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-    changes["usage"] = usage
-    batch_file.update(spec.batch_id, **changes)
+    return usage

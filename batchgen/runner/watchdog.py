@@ -18,9 +18,9 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
 
 from batchgen.config import WatchdogConfig
 from batchgen.io.jobfiles import write_json_atomic

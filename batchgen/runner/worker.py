@@ -24,11 +24,10 @@ from batchgen.io.reader import read_records, record_key, shard
 from batchgen.io.results import dumps, error_line
 from batchgen.io.writer import IncrementalWriter, WriteFailed, WriterLocked, read_done_ids
 from batchgen.models.factory import load_model
-from batchgen.runner.errors import (EXIT_DEVICE_OOM, EXIT_DISK, EXIT_LOCKED, DiskError,
-                                    disk_errors)
+from batchgen.runner.errors import EXIT_DEVICE_OOM, EXIT_DISK, EXIT_LOCKED, DiskError, disk_errors
+from batchgen.runner.grammars import Grammars
 from batchgen.runner.job import EXIT_REQUEUE, JobSpec
 from batchgen.runner.launch import StopFlag, die_with_supervisor, launched_at
-from batchgen.runner.grammars import Grammars
 from batchgen.runner.outputs import OutputFormatter
 from batchgen.runner.quarantine import Quarantine
 from batchgen.runner.watchdog import StatsFile, Watchdog, guard_decode_steps
@@ -51,7 +50,7 @@ class RankInfo:
     """torchrun restarted this worker group after a failure."""
 
     @staticmethod
-    def from_env() -> "RankInfo":
+    def from_env() -> RankInfo:
         env = os.environ
         return RankInfo(int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)),
                         int(env.get("LOCAL_RANK", 0)),
