@@ -6,6 +6,7 @@ Every fault test runs the same small greedy job, compares its final output with 
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import random
@@ -55,6 +56,7 @@ def clean_storage(model: Path) -> Path:
     key = str(model)
     if key not in _CLEAN:
         root = Path(tempfile.mkdtemp(prefix="batchgen-clean-"))
+        atexit.register(shutil.rmtree, root, True)
         run(job_input(root), root / "s", model, check=True)
         _CLEAN[key] = root / "s"
     return _CLEAN[key]
