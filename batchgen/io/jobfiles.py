@@ -110,8 +110,12 @@ def atomic_file(path: Path) -> Iterator[IO[bytes]]:
         os.replace(tmp, path)
         fsync_dir(path.parent)
     except BaseException:
-        f.close()
-        tmp.unlink(missing_ok=True)
+        try:
+            f.close()  # may raise again (ENOSPC while flushing): the temp file still goes
+        except OSError:
+            pass
+        finally:
+            tmp.unlink(missing_ok=True)
         raise
 
 
