@@ -23,17 +23,23 @@ PANELS = {"model": "Model", "memory": "Memory", "scheduler": "Scheduler", "runti
           "watchdog": "Watchdog and preemption"}
 
 
+def _sub_config(f: dataclasses.Field):
+    """The dataclass a field holds (via default_factory), or None for a plain value."""
+    sub = f.default_factory  # type: ignore[misc]
+    return sub if sub is not dataclasses.MISSING and dataclasses.is_dataclass(sub) else None
+
+
 def leaf_sections(cls: type = JobConfig, prefix: str = "") -> list[tuple[str, type]]:
     """("engine.model", ModelConfig), ... for every leaf dataclass of a composite config."""
     out = []
     for f in dataclasses.fields(cls):
-        sub = f.default_factory  # type: ignore[misc]
-        if dataclasses.is_dataclass(sub):
-            if any(dataclasses.is_dataclass(g.default_factory) for g in dataclasses.fields(sub)
-                   if g.default_factory is not dataclasses.MISSING):
-                out += leaf_sections(sub, f"{prefix}{f.name}.")
-            else:
-                out.append((f"{prefix}{f.name}", sub))
+        sub = _sub_config(f)
+        if sub is None:
+            continue
+        if any(_sub_config(g) for g in dataclasses.fields(sub)):
+            out += leaf_sections(sub, f"{prefix}{f.name}.")
+        else:
+            out.append((f"{prefix}{f.name}", sub))
     return out
 
 
@@ -94,8 +100,8 @@ def build_config(values: dict[str, Any]) -> JobConfig:
 def _build(cls: type, values: dict[str, Any]):
     kwargs = {}
     for f in dataclasses.fields(cls):
-        sub = f.default_factory  # type: ignore[misc]
-        if sub is not dataclasses.MISSING and dataclasses.is_dataclass(sub):
+        sub = _sub_config(f)
+        if sub is not None:
             kwargs[f.name] = _build(sub, values)
         elif f.name in values:
             kwargs[f.name] = values[f.name]

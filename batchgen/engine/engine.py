@@ -154,7 +154,9 @@ class Engine:
             seq.token_ids.append(token)
             self.generated_tokens += 1
             if logprob is not None:
-                seq.logprobs = (seq.logprobs or []) + [logprob]
+                if seq.logprobs is None:
+                    seq.logprobs = []
+                seq.logprobs.append(logprob)
             if seq.matcher is not None:
                 seq.matcher.accept(token)
             reason = self._finish_reason(seq, token)

@@ -10,6 +10,7 @@ leading index (per token and head for GQA) in `scales`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -35,11 +36,14 @@ class KVLayout:
         return self.dtype == torch.float8_e4m3fn
 
     @property
+    def values_per_token(self) -> int:
+        """KV values per token in one layer."""
+        return math.prod(self.token_shape)
+
+    @property
     def bytes_per_token(self) -> int:
         """Bytes of KV per token across all layers (scales included)."""
-        values = 1
-        for d in self.token_shape:
-            values *= d
+        values = self.values_per_token
         per_layer = values * self.dtype.itemsize
         if self.quantized:
             per_layer += (values // self.token_shape[-1]) * 4

@@ -7,6 +7,7 @@ unloads (device -> host), loads (host -> device), forward over the packed batch,
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 
@@ -54,12 +55,9 @@ class ModelRunner:
         data_bytes = host_pages * layout.bytes_per_page
         scales = None
         if layout.quantized:
-            values = 1
-            for d in layout.token_shape:
-                values *= d
-            data_bytes = host_pages * layout.num_layers * 64 * values
+            data_bytes = host_pages * layout.num_layers * 64 * layout.values_per_token
             scale_shape = (host_pages, layout.num_layers, 64, *layout.token_shape[:-1])
-            scales = raw[data_bytes:].view(torch.float32)[: _numel(scale_shape)].view(scale_shape)
+            scales = raw[data_bytes:].view(torch.float32)[: math.prod(scale_shape)].view(scale_shape)
         shape = (host_pages, layout.num_layers, 64, *layout.token_shape)
         data = raw[:data_bytes].view(layout.dtype).view(shape)
         return KVPool(layout, host_pages, "cpu", data=data, scales=scales)
@@ -97,9 +95,3 @@ class ModelRunner:
         self.host_pool = None
         self.host_segment.close()
 
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n

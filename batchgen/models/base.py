@@ -1,7 +1,9 @@
-"""What every model class shares: the LM head over the rows that sample, and tied embeddings.
+"""What every model family shares.
 
-A subclass builds `self.config`, `self.model` (embed_tokens ... norm, called with a
-ForwardBatch) and `self.lm_head`, then sets `kv_token_shape` and `max_context`.
+PreNormDecoderLayer: x + attn(norm(x)), then x + mlp(norm(x)); a subclass builds self_attn, mlp,
+input_layernorm and post_attention_layernorm. DecoderStack: embed_tokens -> layers -> norm.
+PagedCausalLM: the LM head over the rows that sample and tied embeddings; a subclass builds
+`config`, `model` (a DecoderStack) and `lm_head`, then sets `kv_token_shape` and `max_context`.
 """
 
 from __future__ import annotations
@@ -10,6 +12,29 @@ import torch
 from torch import nn
 
 from batchgen.engine.forward_batch import ForwardBatch
+
+
+class PreNormDecoderLayer(nn.Module):
+    self_attn: nn.Module
+    mlp: nn.Module
+    input_layernorm: nn.Module
+    post_attention_layernorm: nn.Module
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderStack(nn.Module):
+    embed_tokens: nn.Embedding
+    layers: nn.ModuleList
+    norm: nn.Module
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        x = self.embed_tokens(batch.input_ids)
+        for layer in self.layers:
+            x = layer(x, batch)
+        return self.norm(x)
 
 
 class PagedCausalLM(nn.Module):

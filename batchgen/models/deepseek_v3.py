@@ -21,8 +21,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from batchgen.engine.forward_batch import ForwardBatch
-from batchgen.models.base import PagedCausalLM
+from batchgen.models.base import DecoderStack, PagedCausalLM, PreNormDecoderLayer
 from batchgen.models.fp8 import (
     Fp8Linear,
     QuantizedWeight,
@@ -43,7 +42,7 @@ KEEP_DENSE = (".kv_b_proj.weight",)
 """Dequantized even on CUDA: the absorbed MLA path uses kv_b_proj as a matrix, not a GEMM."""
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(PreNormDecoderLayer):
     def __init__(self, cfg, layer: int, rope: MlaRope, num_offloaded: int,
                  stager: ExpertStager | None):
         super().__init__()
@@ -55,12 +54,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
 
-
-class DeepseekV3Model(nn.Module):
+class DeepseekV3Model(DecoderStack):
     def __init__(self, cfg, num_offloaded: int, stager: ExpertStager | None):
         super().__init__()
         rope = MlaRope(cfg)
@@ -68,12 +63,6 @@ class DeepseekV3Model(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, rope, num_offloaded, stager)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        x = self.embed_tokens(batch.input_ids)
-        for layer in self.layers:
-            x = layer(x, batch)
-        return self.norm(x)
 
 
 def offloaded_experts(hf_config, options) -> int:

@@ -22,7 +22,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from batchgen.engine.forward_batch import ForwardBatch
-from batchgen.models.base import PagedCausalLM
+from batchgen.models.base import DecoderStack, PagedCausalLM, PreNormDecoderLayer
 from batchgen.models.attention import paged_attention
 from batchgen.models.layers import (
     RotaryEmbedding,
@@ -212,7 +212,7 @@ class GptOssMLP(nn.Module):
         return self.experts(x, weights, ids)
 
 
-class GptOssDecoderLayer(nn.Module):
+class GptOssDecoderLayer(PreNormDecoderLayer):
     def __init__(self, cfg, layer: int, rope: RotaryEmbedding, packed: bool):
         super().__init__()
         self.self_attn = GptOssAttention(cfg, layer, rope)
@@ -220,12 +220,8 @@ class GptOssDecoderLayer(nn.Module):
         self.input_layernorm = GptOssRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = GptOssRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
 
-
-class GptOssModel(nn.Module):
+class GptOssModel(DecoderStack):
     def __init__(self, cfg, packed: bool):
         super().__init__()
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -235,12 +231,6 @@ class GptOssModel(nn.Module):
         self.layers = nn.ModuleList(GptOssDecoderLayer(cfg, i, rope, packed)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = GptOssRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        x = self.embed_tokens(batch.input_ids)
-        for layer in self.layers:
-            x = layer(x, batch)
-        return self.norm(x)
 
 
 def checkpoint_is_mxfp4(hf_config) -> bool:

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from batchgen.engine.forward_batch import ForwardBatch
-from batchgen.models.base import PagedCausalLM
+from batchgen.models.base import DecoderStack, PagedCausalLM, PreNormDecoderLayer
 from batchgen.models.attention import paged_attention
 from batchgen.models.layers import (FusedGatedMLP, RMSNorm, RotaryEmbedding,
                                     default_max_positions, rope_inv_freq, softmax_scale)
@@ -67,7 +67,7 @@ def _sliding_window(cfg, layer: int) -> int | None:
     return int(window)
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(PreNormDecoderLayer):
     def __init__(self, cfg, layer: int, rope: RotaryEmbedding, qkv_bias: bool, qk_norm: bool):
         super().__init__()
         self.self_attn = LlamaAttention(cfg, layer, rope, qkv_bias, qk_norm)
@@ -76,12 +76,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
 
-
-class LlamaModel(nn.Module):
+class LlamaModel(DecoderStack):
     def __init__(self, cfg, qkv_bias: bool, qk_norm: bool):
         super().__init__()
         heads = cfg.num_attention_heads
@@ -92,12 +88,6 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, rope, qkv_bias, qk_norm)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        x = self.embed_tokens(batch.input_ids)
-        for layer in self.layers:
-            x = layer(x, batch)
-        return self.norm(x)
 
 
 class LlamaForCausalLM(PagedCausalLM):

@@ -75,9 +75,6 @@ def resolve_model(model: str, cache_dir: str | None = None) -> ModelSource:
     for path in candidates:
         found = _classify(path, model)
         if found is not None:
-            if path == Path(cache_dir or "/nonexistent").expanduser() and found.kind == "hf":
-                if not _config_matches(path, model):
-                    continue
             return found
     searched = "\n  ".join(str(p) for p in dict.fromkeys(candidates))
     hub_name = "models--" + model.replace("/", "--")
@@ -86,10 +83,6 @@ def resolve_model(model: str, cache_dir: str | None = None) -> ModelSource:
         f"Point --model at a local folder or .gguf file, or --cache-dir at a folder holding "
         f"{model.split('/')[-1]}/ or {hub_name}/snapshots/<rev>/.")
 
-
-def _config_matches(path: Path, model: str) -> bool:
-    """--cache-dir pointing straight at a model folder is accepted for any --model name."""
-    return True
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
