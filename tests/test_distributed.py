@@ -42,3 +42,31 @@ def test_resume_with_another_world_size_keeps_one_record_each(tmp_path, tiny_cha
     ids = [r["custom_id"] for p in (storage / "incremental").glob("*.jsonl") for r in read_jsonl(p)]
     assert sorted(ids) == sorted(r["custom_id"] for r in rows) and len(ids) == len(set(ids))
     assert len(final(storage)) == 8
+
+
+def test_tensor_parallel_job_equals_world_size_one(tmp_path, tiny_chat_model):
+    """--world-size 2 --tensor-parallel-size 2: one replica over two ranks, one results file."""
+    inp = write_jsonl(tmp_path / "in.jsonl", chat_rows(6))
+    for world, name in ((1, "one"), (2, "tp")):
+        batchgen("run", "--input", inp, "--model", tiny_chat_model, "--storage-path",
+                 tmp_path / name, "--world-size", world, "--tensor-parallel-size", world,
+                 check=True)
+    # One data-parallel replica: one results file, written by the group's first rank only.
+    assert len(list((tmp_path / "tp" / "incremental").glob("*.jsonl"))) == 1
+    assert final(tmp_path / "tp") == final(tmp_path / "one")
+
+
+def test_replica_divergence_is_detected(tmp_path, tiny_chat_model):
+    inp = write_jsonl(tmp_path / "in.jsonl", chat_rows(4))
+    env = {"BATCHGEN_CHECK_REPLICAS": "1", "BATCHGEN_TEST_DIVERGE": "1:3"}
+    proc = batchgen("run", "--input", inp, "--model", tiny_chat_model, "--storage-path",
+                    tmp_path / "s", "--world-size", 2, "--tensor-parallel-size", 2, env=env)
+    assert proc.returncode != 0
+    assert "replicas diverged by step 3" in proc.stdout + proc.stderr
+
+
+def test_replica_check_passes_on_agreeing_replicas(tmp_path, tiny_chat_model):
+    inp = write_jsonl(tmp_path / "in.jsonl", chat_rows(4))
+    batchgen("run", "--input", inp, "--model", tiny_chat_model, "--storage-path", tmp_path / "s",
+             "--world-size", 2, "--tensor-parallel-size", 2,
+             env={"BATCHGEN_CHECK_REPLICAS": "1"}, check=True)

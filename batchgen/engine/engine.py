@@ -12,11 +12,13 @@ import torch
 from batchgen.config import EngineConfig
 from batchgen.core import Completion, FinishedRequest, FinishReason, Request
 from batchgen.engine.kv_cache import KVLayout
-from batchgen.engine.memory import detect_gpu_arch, plan_pools
+from batchgen.engine.memory import PoolSizes, detect_gpu_arch, plan_pools
+from batchgen.engine.replicas import ReplicaCheck
 from batchgen.engine.runner import ModelRunner
 from batchgen.engine.sampler import SamplingRows
 from batchgen.engine.stops import StopChecker
 from batchgen.sched.scheduler import Scheduler, ScheduleOutput
+from batchgen.parallel import TensorParallel
 from batchgen.sched.sequence import Sequence
 
 log = logging.getLogger("batchgen.engine")
@@ -33,7 +35,11 @@ def pick_device(name: str) -> torch.device:
 
 class Engine:
     def __init__(self, model: torch.nn.Module, config: EngineConfig, tokenizer=None,
-                 eos_token_ids: Iterable[int] = (), skip_special_tokens: bool = True):
+                 eos_token_ids: Iterable[int] = (), skip_special_tokens: bool = True,
+                 tp: TensorParallel = TensorParallel(), host_share: float = 1.0):
+        """`tp`: the model's tensor-parallel group (its ranks agree on pool sizes and may check
+        that their decisions agree); `host_share`: this worker's share of the node's host KV
+        budget (1 / workers per node)."""
         self.config = config
         if config.scheduler.enable_host_kv_eviction:
             log.warning("--enable-host-kv-eviction is deprecated and ignored: eviction is always on")
@@ -47,7 +53,10 @@ class Engine:
                                model_dtype if kv == "auto" else KV_DTYPES[kv], model_dtype)
         model_bytes = sum(t.numel() * t.element_size()
                           for t in (*model.parameters(), *model.buffers()))
-        sizes = plan_pools(config.memory, self.layout, model_bytes, self.device)
+        sizes = plan_pools(config.memory, self.layout, model_bytes, self.device, host_share)
+        # Free memory differs a little between devices; the replicas' schedulers must not.
+        sizes = PoolSizes(*tp.agree_min([sizes.device_pages, sizes.host_pages]))
+        self.replicas = ReplicaCheck.from_env(tp)
         self.scheduler = Scheduler(config.scheduler, sizes.device_pages, sizes.host_pages)
         self.runner = ModelRunner(model, self.layout, sizes.device_pages, sizes.host_pages,
                                   self.device, config.memory.fast_init,
@@ -87,6 +96,8 @@ class Engine:
 
     def step(self) -> list[FinishedRequest]:
         out = self.scheduler.schedule()
+        if self.replicas is not None:
+            self.replicas.observe(self.steps, out)
         rows = self._sampling_rows(out)
         result = self.runner.execute(out, rows, self._grammar_masks(out))
         self.steps += 1

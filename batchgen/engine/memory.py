@@ -39,7 +39,9 @@ class PoolSizes:
 
 
 def plan_pools(cfg: MemoryConfig, layout: KVLayout, model_bytes: int,
-               device: torch.device) -> PoolSizes:
+               device: torch.device, host_share: float = 1.0) -> PoolSizes:
+    """Pages of each tier. --host-kv-cache-size (and the auto size) is per node: a worker
+    gets `host_share` of it (1 / workers on the node)."""
     if cfg.gpu_kv_cache_size is not None:
         device_bytes = cfg.gpu_kv_cache_size * 1e9
     elif device.type == "cuda":
@@ -48,9 +50,9 @@ def plan_pools(cfg: MemoryConfig, layout: KVLayout, model_bytes: int,
     else:
         device_bytes = CPU_DEVICE_POOL_BYTES
     if cfg.host_kv_cache_size is not None:
-        host_bytes = cfg.host_kv_cache_size * 1e9
+        host_bytes = cfg.host_kv_cache_size * 1e9 * host_share
     else:
-        host_bytes = auto_host_pool_bytes(model_bytes)
+        host_bytes = auto_host_pool_bytes(model_bytes) * host_share
     sizes = PoolSizes(layout.pages_for_bytes(device_bytes), layout.pages_for_bytes(host_bytes))
     page_mb = layout.bytes_per_page / 1e6
     for name, pages, flag in (("device", sizes.device_pages, "--gpu-kv-cache-size or --gpu-memory-frac"),

@@ -13,8 +13,9 @@ import torch
 from batchgen.config import ModelConfig
 from batchgen.models.convert import (EMBEDDED_NAME, check_manifest, converted_for_gguf,
                                      embedded_gguf, read_manifest)
-from batchgen.models.loader import (MANIFEST, build_model, load_hf_config, read_safetensors,
-                                    resolve_dtype, resolve_model)
+from batchgen.models.loader import (MANIFEST, build_model, load_hf_config, meta_model,
+                                    read_safetensors, resolve_dtype, resolve_model)
+from batchgen.parallel import TensorParallel
 
 log = logging.getLogger("batchgen.models")
 
@@ -75,13 +76,24 @@ def load_tokenizer(folder: Path):
     return AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
 
 
-def load_model(cfg: ModelConfig, device: torch.device, world_size: int = 1) -> LoadedModel:
+def load_model(cfg: ModelConfig, device: torch.device, world_size: int = 1,
+               tp: TensorParallel | None = None) -> LoadedModel:
     start = time.perf_counter()
     folder, name = model_folder(cfg, world_size)
     hf_config = load_hf_config(folder)
     dtype = resolve_dtype(cfg.dtype, device)
-    model = build_model(hf_config, read_safetensors(folder), dtype, device, cfg)
+    model = build_model(hf_config, read_safetensors(folder), dtype, device, cfg, tp)
     tokenizer = load_tokenizer(folder)
     log.info("model %s ready on %s in %.1fs (%s)", name, device, time.perf_counter() - start, dtype)
     return LoadedModel(model, hf_config, tokenizer, eos_token_ids(folder, hf_config, tokenizer),
                        folder, name, dtype, model.max_context)
+
+
+def weight_bytes(cfg: ModelConfig, device: torch.device, world_size: int = 1) -> int:
+    """Bytes of the whole model's weights at the dtype it would load in (sizes TP)."""
+    folder, _ = model_folder(cfg, world_size)
+    hf_config = load_hf_config(folder)
+    size = resolve_dtype(cfg.dtype, device).itemsize
+    model = meta_model(hf_config, cfg)
+    return sum(p.numel() * (p.element_size() if p.element_size() == 1 else size)
+               for p in model.parameters())

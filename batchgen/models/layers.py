@@ -7,6 +7,11 @@ import math
 import torch
 from torch import nn
 
+from batchgen.parallel import TensorParallel
+
+SINGLE = TensorParallel()
+"""No tensor parallelism: layers built without a group get this one (immutable)."""
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -107,26 +112,47 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return torch.cat([out, rest], dim=-1) if rest.numel() else out
 
 
-class GatedMLP(nn.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+class RowParallelLinear(nn.Linear):
+    """y = x W^T + b where each TP rank holds a slice of W's input columns (and of x's
+    features): the partial products are summed over the group, then the bias is added once."""
 
-    def __init__(self, hidden: int, intermediate: int, bias: bool = False):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 tp: TensorParallel = SINGLE):
+        super().__init__(tp.split(in_features, "input features"), out_features, bias=bias)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return super().forward(x)
+        out = self.tp.all_reduce(nn.functional.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)); TP splits the intermediate features."""
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False,
+                 tp: TensorParallel = SINGLE):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        local = tp.split(intermediate, "intermediate_size")
+        self.gate_proj = nn.Linear(hidden, local, bias=bias)
+        self.up_proj = nn.Linear(hidden, local, bias=bias)
+        self.down_proj = RowParallelLinear(intermediate, hidden, bias=bias, tp=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class FusedGatedMLP(nn.Module):
-    """SwiGLU with gate and up in one matmul: down(silu(gate) * up), x @ [gate | up]."""
+    """SwiGLU with gate and up in one matmul: down(silu(gate) * up), x @ [gate | up]. TP splits
+    the intermediate features: each rank holds [its gate rows | its up rows]."""
 
-    def __init__(self, hidden: int, intermediate: int, bias: bool = False):
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False,
+                 tp: TensorParallel = SINGLE):
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.local_intermediate = tp.split(intermediate, "intermediate_size")
+        self.gate_up_proj = nn.Linear(hidden, 2 * self.local_intermediate, bias=bias)
+        self.down_proj = RowParallelLinear(intermediate, hidden, bias=bias, tp=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)

@@ -12,8 +12,10 @@ from torch import nn
 from batchgen.engine.forward_batch import ForwardBatch
 from batchgen.models.base import DecoderStack, PagedCausalLM, PreNormDecoderLayer
 from batchgen.models.attention import paged_attention
-from batchgen.models.layers import (FusedGatedMLP, RMSNorm, RotaryEmbedding,
-                                    default_max_positions, rope_inv_freq, softmax_scale)
+from batchgen.models.layers import (SINGLE, FusedGatedMLP, RMSNorm, RotaryEmbedding,
+                                    RowParallelLinear, default_max_positions, rope_inv_freq,
+                                    softmax_scale)
+from batchgen.parallel import TensorParallel
 
 FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
          "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
@@ -21,19 +23,25 @@ FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_p
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg, layer: int, rope: RotaryEmbedding, qkv_bias: bool, qk_norm: bool):
+    """Tensor parallel by heads: each rank holds its query heads and their KV heads (so its KV
+    cache holds only those), and o_proj sums the ranks' partial outputs."""
+
+    def __init__(self, cfg, layer: int, rope: RotaryEmbedding, qkv_bias: bool, qk_norm: bool,
+                 tp: TensorParallel = SINGLE):
         super().__init__()
         # Qwen2 biases q/k/v only; the others follow `attention_bias` for all four projections.
         o_bias = bool(getattr(cfg, "attention_bias", False))
         self.layer = layer
-        self.heads = cfg.num_attention_heads
-        self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
+        heads = cfg.num_attention_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        self.heads = tp.split(heads, "num_attention_heads")
+        self.kv_heads = tp.split(getattr(cfg, "num_key_value_heads", None) or heads,
+                                 "num_key_value_heads")
         hidden = cfg.hidden_size
         # q, k and v in one matmul (one launch, better shapes); checkpoints load into its rows.
         self.q_size, self.kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.heads * self.head_dim, hidden, bias=o_bias)
+        self.o_proj = RowParallelLinear(heads * self.head_dim, hidden, bias=o_bias, tp=tp)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.rope = rope
@@ -68,45 +76,50 @@ def _sliding_window(cfg, layer: int) -> int | None:
 
 
 class DecoderLayer(PreNormDecoderLayer):
-    def __init__(self, cfg, layer: int, rope: RotaryEmbedding, qkv_bias: bool, qk_norm: bool):
+    def __init__(self, cfg, layer: int, rope: RotaryEmbedding, qkv_bias: bool, qk_norm: bool,
+                 tp: TensorParallel):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, layer, rope, qkv_bias, qk_norm)
+        self.self_attn = LlamaAttention(cfg, layer, rope, qkv_bias, qk_norm, tp)
         self.mlp = FusedGatedMLP(cfg.hidden_size, cfg.intermediate_size,
-                                 bias=bool(getattr(cfg, "mlp_bias", False)))
+                                 bias=bool(getattr(cfg, "mlp_bias", False)), tp=tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class LlamaModel(DecoderStack):
-    def __init__(self, cfg, qkv_bias: bool, qk_norm: bool):
+    def __init__(self, cfg, qkv_bias: bool, qk_norm: bool, tp: TensorParallel):
         super().__init__()
         heads = cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         inv_freq, scaling = rope_inv_freq(cfg, head_dim)
         rope = RotaryEmbedding(inv_freq, default_max_positions(cfg), scaling)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rope, qkv_bias, qk_norm)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rope, qkv_bias, qk_norm, tp)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class LlamaForCausalLM(PagedCausalLM):
-    """Also serves Mistral, Qwen2 and Qwen3 (the `qkv_bias` / `qk_norm` switches)."""
+    """Also serves Mistral, Qwen2 and Qwen3 (the `qkv_bias` / `qk_norm` switches).
+
+    Under tensor parallelism the embedding and LM head stay whole on every rank (replicated
+    logits: each replica samples the same tokens without another collective)."""
 
     qkv_bias = False
     qk_norm = False
+    supports_tensor_parallel = True
 
-    def __init__(self, hf_config, options=None):
+    def __init__(self, hf_config, options=None, tp: TensorParallel = SINGLE):
         super().__init__()
         self.config = hf_config
+        self.tp = tp
         qkv_bias = self.qkv_bias or bool(getattr(hf_config, "attention_bias", False))
-        self.model = LlamaModel(hf_config, qkv_bias, self.qk_norm)
+        self.model = LlamaModel(hf_config, qkv_bias, self.qk_norm, tp)
         self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
         self.tie_weights()
         attn = self.model.layers[0].self_attn
         self.kv_token_shape = (2, attn.kv_heads, attn.head_dim)
         self.max_context = default_max_positions(hf_config)
-
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters(remove_duplicate=False))
@@ -117,6 +130,7 @@ class LlamaForCausalLM(PagedCausalLM):
             target, slot = _fused_target(name)
             if target not in params:
                 raise KeyError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+            tensor = self._local_part(target, slot, tensor)
             rows = self._rows(target, slot)
             param = params[target][rows] if rows is not None else params[target]
             if tuple(param.shape) != tuple(tensor.shape):
@@ -131,13 +145,34 @@ class LlamaForCausalLM(PagedCausalLM):
         """Rows of a fused parameter that checkpoint piece `slot` fills (None: all of it)."""
         if slot < 0:
             return None
-        if ".qkv_proj." in target:
-            attn = self.model.layers[0].self_attn
-            sizes = [attn.q_size, attn.kv_size, attn.kv_size]
-        else:
-            sizes = [self.config.intermediate_size] * 2
+        sizes = self._piece_sizes(target, local=True)
         start = sum(sizes[:slot])
         return slice(start, start + sizes[slot])
+
+    def _piece_sizes(self, target: str, local: bool) -> list[int]:
+        """Rows of each checkpoint piece inside fused qkv_proj / gate_up_proj."""
+        if ".qkv_proj." in target:
+            attn = self.model.layers[0].self_attn
+            q, kv = attn.q_size, attn.kv_size
+        else:
+            q = kv = self.model.layers[0].mlp.local_intermediate
+        scale = 1 if local else self.tp.size
+        return [q * scale, kv * scale, kv * scale][: 3 if ".qkv_proj." in target else 2]
+
+    def _local_part(self, target: str, slot: int, tensor: torch.Tensor) -> torch.Tensor:
+        """This TP rank's slice of a whole checkpoint tensor: column-parallel projections by
+        output rows (per fused piece), row-parallel ones by input columns, the rest whole."""
+        tp = self.tp
+        if tp.size == 1:
+            return tensor
+        if target.endswith(("o_proj.weight", "down_proj.weight")):
+            return tp.shard(tensor, 1)
+        if ".qkv_proj." not in target and ".gate_up_proj." not in target:
+            return tensor
+        if slot >= 0:
+            return tp.shard(tensor, 0)
+        pieces = tensor.split(self._piece_sizes(target, local=False), dim=0)
+        return torch.cat([tp.shard(piece, 0) for piece in pieces])
 
     def _check_complete(self, params: dict, seen: set[tuple[str, int]]) -> None:
         whole = {name for name, slot in seen if slot < 0}  # our own (converted) layout

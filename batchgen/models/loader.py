@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from batchgen.models.registry import model_class
+from batchgen.parallel import TensorParallel
 
 log = logging.getLogger("batchgen.loader")
 MANIFEST = "batchgen_manifest.json"
@@ -124,13 +125,12 @@ def load_hf_config(folder: Path):
 
 
 def build_model(hf_config, weights, dtype: torch.dtype, device: torch.device,
-                options=None) -> torch.nn.Module:
+                options=None, tp: TensorParallel | None = None) -> torch.nn.Module:
     """Instantiate on the meta device, materialise on `device`, load `weights` by name.
 
-    `options` is the job's ModelConfig (expert offloading, pre-dequantization) or None."""
-    cls = model_class(hf_config)
-    with torch.device("meta"):
-        model = cls(hf_config, options)
+    `options` is the job's ModelConfig (expert offloading, pre-dequantization) or None; `tp`
+    this rank's tensor-parallel group (each rank keeps only its slice of the weights)."""
+    model = meta_model(hf_config, options, tp)
     model = model.to_empty(device=device).requires_grad_(False)
     if hasattr(model, "tie_weights"):
         model.tie_weights()  # to_empty gives every parameter its own storage
@@ -140,3 +140,16 @@ def build_model(hf_config, weights, dtype: torch.dtype, device: torch.device,
     model.to(dtype)
     model.load_weights((n, t.to(device=device)) for n, t in weights)
     return model.eval()
+
+
+def meta_model(hf_config, options=None, tp: TensorParallel | None = None) -> torch.nn.Module:
+    """The model's modules with shapes but no storage (free: sizes it before loading)."""
+    cls = model_class(hf_config)
+    extra = {}
+    if tp is not None and tp.size > 1:
+        if not getattr(cls, "supports_tensor_parallel", False):
+            raise CheckpointError(f"{cls.__name__} has no tensor-parallel implementation: run it "
+                                  "with --tensor-parallel-size 1 (data parallel)")
+        extra["tp"] = tp
+    with torch.device("meta"):
+        return cls(hf_config, options, **extra)

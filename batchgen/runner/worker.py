@@ -23,7 +23,8 @@ from batchgen.io.intake import IntakeError, PendingRequest, intake
 from batchgen.io.reader import read_records, record_key, shard
 from batchgen.io.results import dumps, error_line
 from batchgen.io.writer import IncrementalWriter, WriteFailed, WriterLocked, read_done_ids
-from batchgen.models.factory import load_model
+from batchgen.models.factory import load_model, weight_bytes
+from batchgen.parallel import Placement, default_tp_size, init_tensor_parallel
 from batchgen.runner.errors import EXIT_DEVICE_OOM, EXIT_DISK, EXIT_LOCKED, DiskError, disk_errors
 from batchgen.runner.grammars import Grammars
 from batchgen.runner.job import EXIT_REQUEUE, JobSpec
@@ -48,13 +49,32 @@ class RankInfo:
     local_rank: int = 0
     restarted: bool = False
     """torchrun restarted this worker group after a failure."""
+    local_world: int = 1
 
     @staticmethod
     def from_env() -> RankInfo:
         env = os.environ
         return RankInfo(int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)),
                         int(env.get("LOCAL_RANK", 0)),
-                        int(env.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0)
+                        int(env.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0,
+                        int(env.get("LOCAL_WORLD_SIZE", 1)))
+
+
+def placement(spec: JobSpec, rank: RankInfo, device: torch.device) -> Placement:
+    """Where this worker sits: --tensor-parallel-size, or the smallest TP that fits the model
+    on one device (logged). Every rank computes the same answer from the same inputs."""
+    tp = spec.config.dist.tensor_parallel_size
+    if tp is None:
+        tp = 1
+        if device.type == "cuda" and rank.world > 1:
+            memory = spec.config.engine.memory
+            device_bytes = torch.cuda.get_device_properties(device).total_memory * memory.gpu_memory_frac
+            model_bytes = weight_bytes(spec.config.engine.model, device, rank.world)
+            tp = default_tp_size(model_bytes, device_bytes, rank.local_world)
+            if rank.rank == 0:
+                log.info("tensor-parallel size %d: the smallest that fits %.1f GB of weights "
+                         "on one device (--tensor-parallel-size overrides it)", tp, model_bytes / 1e9)
+    return Placement(rank.rank, rank.world, rank.local_rank, rank.local_world, tp)
 
 
 @dataclass
@@ -67,24 +87,36 @@ class WorkerStats:
 
 
 class Worker:
+    """One rank. Data-parallel replicas (TP groups) take disjoint shards of the input by line
+    index; inside a TP group every rank reads the same shard and runs the same scheduler, and
+    only the group's first rank writes results and the crash journal."""
+
     def __init__(self, spec: JobSpec, rank: RankInfo, stop: StopFlag, watchdog: Watchdog):
         self.spec, self.rank, self.stop, self.watchdog = spec, rank, stop, watchdog
         cfg = spec.config
         paths = spec.paths
         self.stats = WorkerStats()
-        self.done = read_done_ids(paths.incremental_files())
-        self.quarantine = Quarantine(paths.batch_file.parent, spec.batch_id, rank.rank,
-                                     cfg.watchdog.quarantine_after)
-        with disk_errors("open the results file and the crash journal"):
-            self.writer = open_writer(paths.incremental(rank.rank, rank.world))
-            self.quarantine.recover(self.done, rank.restarted)
         device = pick_device(cfg.engine.runtime.device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", rank.local_rank)
-        self.loaded = load_model(cfg.engine.model, device)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        self.place = placement(spec, rank, device)
+        self.tp = init_tensor_parallel(self.place, device)
+        self.quarantine = Quarantine(paths.batch_file.parent, spec.batch_id, self.place.dp_rank,
+                                     cfg.watchdog.quarantine_after)
+        self.writer = None
+        if self.place.writes_results:
+            self.done = read_done_ids(paths.incremental_files())
+            with disk_errors("open the results file and the crash journal"):
+                self.writer = open_writer(paths.incremental(self.place.dp_rank, self.place.dp_size))
+                self.quarantine.recover(self.done, rank.restarted)
+        self.done = self.tp.broadcast(self.done if self.writer else None)
+        self.loaded = load_model(cfg.engine.model, device, rank.world, self.tp)
         self.engine = Engine(self.loaded.model, cfg.engine, self.loaded.tokenizer,
                              self.loaded.eos_token_ids,
-                             skip_special_tokens=not cfg.output.detokenization_include_special_tokens)
+                             skip_special_tokens=not cfg.output.detokenization_include_special_tokens,
+                             tp=self.tp, host_share=1.0 / rank.local_world)
         guard_decode_steps(self.engine, watchdog, cfg.watchdog.watchdog_test_stuck_time)
         self.formatter = OutputFormatter(spec, self.loaded)
         self.grammars = Grammars(self.loaded.tokenizer, self.loaded.hf_config.vocab_size,
@@ -95,11 +127,16 @@ class Worker:
         self._last_stats = 0.0
 
     def _records(self):
-        return shard(read_records(self.spec.config.storage.input), self.rank.rank, self.rank.world)
+        return shard(read_records(self.spec.config.storage.input), self.place.dp_rank,
+                     self.place.dp_size)
 
     def run(self) -> int:
         self.stop.serving = True
-        for group in self._isolate_suspects():
+        # The writing rank owns the crash journal; its replicas serve the same groups.
+        groups = self._isolate_suspects() if self.writer else None
+        groups, handled = self.tp.broadcast((groups, self.handled))
+        self.handled = set(handled)
+        for group in groups:
             self.handled.update(record_key(r) for r in group)
             if self._serve(iter(group), limit=len(group)):
                 return EXIT_REQUEUE
@@ -136,17 +173,20 @@ class Worker:
         True when a stop signal ended it early."""
         exhausted = False
         while True:
+            # A stop signal reaches the ranks of a TP group at different steps: they act on it
+            # together, or their schedulers (and collectives) would part ways.
+            stopping = self.tp.any(self.stop.requested)
             with self.watchdog.deadline("step"):
                 lines: list[bytes] = []
-                if not self.stop.requested and not exhausted:
+                if not stopping and not exhausted:
                     exhausted = self._intake(records, limit, lines)
                 if self.engine.has_unfinished():
                     lines.extend(self._result(f) for f in self.engine.step())
-                if lines:
+                if lines and self.writer:
                     self.writer.write_batch(lines)
             self.watchdog.started()
             self._report()
-            if self.stop.requested:
+            if stopping:
                 log.warning("rank %d: stop requested; finished results are on disk, %d in flight "
                             "will be recomputed on resume", self.rank.rank, self.engine.num_requests)
                 self._report(force=True)
@@ -183,8 +223,9 @@ class Worker:
                                        f"line {item.line}: {err}")
             lines.append(dumps(error_line(self.spec.batch_id, item)))
             self.stats.failed += 1
-        with disk_errors("journal the admitted requests"):
-            self.quarantine.admitted(admitted)
+        if self.writer:
+            with disk_errors("journal the admitted requests"):
+                self.quarantine.admitted(admitted)
         return exhausted
 
     def _result(self, finished) -> bytes:
@@ -213,7 +254,8 @@ class Worker:
             "quarantined": list(q.quarantined), **self.watchdog.health()})
 
     def close(self) -> None:
-        self.writer.close()
+        if self.writer:
+            self.writer.close()
         self.engine.close()
 
 
@@ -294,7 +336,7 @@ def serve(spec: JobSpec, rank: RankInfo, stop: StopFlag, watchdog: Watchdog) -> 
     finally:
         if worker is not None:
             worker.close()
-    if worker is not None:
+    if worker is not None and worker.writer is not None:
         worker.quarantine.clean_exit()
     return code
 

@@ -1,0 +1,57 @@
+"""Replica check: the ranks of a tensor-parallel group must take the very same decisions.
+
+Each rank runs its own scheduler on the same inputs; they agree because everything they see
+is identical (requests, pool sizes agreed at start, all-reduced activations, replicated
+logits). `BATCHGEN_CHECK_REPLICAS=N` folds every step's decisions into a running digest and
+compares it across the group every N steps, before the forward, so a divergence fails loudly
+instead of hanging in a collective whose shapes no longer match. Off by default: it costs one
+small all-gather per checked step.
+"""
+
+from __future__ import annotations
+
+import os
+
+from batchgen.parallel import TensorParallel, digest
+from batchgen.sched.scheduler import ScheduleOutput
+
+CHECK_ENV = "BATCHGEN_CHECK_REPLICAS"
+"""Compare the replicas' decisions every this many steps (unset or 0: never)."""
+DIVERGE_ENV = "BATCHGEN_TEST_DIVERGE"
+"""Testing only, "RANK:STEP": that TP rank drops one scheduled chunk at that step."""
+
+
+class ReplicaDivergence(RuntimeError):
+    pass
+
+
+class ReplicaCheck:
+    def __init__(self, tp: TensorParallel, every: int, diverge_at: tuple[int, int] | None = None):
+        self.tp, self.every, self.diverge_at = tp, every, diverge_at
+        self.running = bytes(8)
+
+    @staticmethod
+    def from_env(tp: TensorParallel) -> ReplicaCheck | None:
+        every = int(os.environ.get(CHECK_ENV, "0") or 0)
+        if every <= 0 or tp.size == 1:
+            return None
+        inject = os.environ.get(DIVERGE_ENV)
+        diverge_at = tuple(int(v) for v in inject.split(":")) if inject else None
+        return ReplicaCheck(tp, every, diverge_at)
+
+    def observe(self, step: int, out: ScheduleOutput) -> None:
+        """Fold this step's decisions in; on a checked step, compare with the other ranks."""
+        if self.diverge_at == (self.tp.rank, step) and out.chunks:
+            out.chunks.pop()
+        chunks = [(c.seq.seq_id, c.start, c.end, c.sample) for c in out.chunks]
+        copies = [(c.seq_id, tuple(c.src), tuple(c.dst)) for c in (*out.swap_out, *out.swap_in)]
+        self.running = digest(self.running, chunks, copies)
+        if step % self.every:
+            return
+        digests = self.tp.gather_digests(self.running)
+        if len(set(digests)) > 1:
+            odd = [r for r, d in enumerate(digests) if d != digests[0]]
+            raise ReplicaDivergence(
+                f"tensor-parallel replicas diverged by step {step}: the scheduling decisions of "
+                f"group rank(s) {odd} differ from rank 0's. This is a bug (or non-identical "
+                f"inputs/pools across ranks); the job stops rather than hang in a collective.")

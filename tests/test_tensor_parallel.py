@@ -1,0 +1,51 @@
+"""Tensor parallelism on CPU (gloo): two ranks splitting heads, columns and rows must produce
+the same greedy tokens and (nearly) the same logprobs as one process holding the whole model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_utils import greedy_requests
+from tiny_models import save_tiny_model
+from tp_utils import run_tensor_parallel
+
+from batchgen.config import EngineConfig, MemoryConfig
+from batchgen.engine.engine import Engine
+from batchgen.models.loader import build_model, load_hf_config, read_safetensors
+from batchgen.parallel import ParallelError, TensorParallel
+
+PROMPTS = [[1 + (i * 7 + j * 13) % 500 for j in range(n)] for i, n in enumerate((5, 70, 131, 20))]
+
+
+def generate(tp: TensorParallel, folder, max_tokens: int):
+    torch.manual_seed(0)
+    model = build_model(load_hf_config(folder), read_safetensors(folder), torch.float32,
+                        torch.device("cpu"), tp=tp)
+    attn = model.model.layers[0].self_attn
+    assert attn.heads * tp.size == model.config.num_attention_heads  # really split
+    cfg = EngineConfig(memory=MemoryConfig(gpu_kv_cache_size=0.05, host_kv_cache_size=0.1)).validate()
+    engine = Engine(model, cfg, tp=tp)
+    done = engine.generate(greedy_requests(PROMPTS, max_tokens, logprobs=True))
+    return [(c.completions[0].token_ids, c.completions[0].logprobs) for c in done]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_tp2_equals_one_process(tmp_path, family):
+    folder = save_tiny_model(family, tmp_path / family)
+    single = generate(TensorParallel(), folder, 24)
+    ranks = run_tensor_parallel(2, generate, folder, 24)
+    for rank in ranks:
+        for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(rank, single):
+            assert tokens == ref_tokens
+            got = torch.tensor([lp.logprob for lp in logprobs])
+            want = torch.tensor([lp.logprob for lp in ref_logprobs])
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert ranks[0] == ranks[1]  # the replicas are bitwise identical
+
+
+def test_heads_not_divisible_is_a_clear_error(tmp_path):
+    folder = save_tiny_model("llama", tmp_path / "m")  # 4 heads, 2 KV heads
+    with pytest.raises(ParallelError, match="num_key_value_heads .* tensor-parallel size 4"):
+        build_model(load_hf_config(folder), read_safetensors(folder), torch.float32,
+                    torch.device("cpu"), tp=TensorParallel(size=4, rank=0))
