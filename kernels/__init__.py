@@ -7,6 +7,8 @@ tested against. On a machine without a GPU they run under TRITON_INTERPRET=1.
 
 from .decode_attention import paged_decode_attention
 from .kv_store import store_kv
+from .mla_decode import mla_decode_attention
+from .mla_kv_store import store_mla_kv
 from .page_copy import copy_pages
 from .prefill_attention import paged_prefill_attention
 from .rmsnorm import fused_add_rmsnorm, rmsnorm
@@ -17,9 +19,11 @@ __all__ = [
     "apply_rope",
     "copy_pages",
     "fused_add_rmsnorm",
+    "mla_decode_attention",
     "paged_decode_attention",
     "paged_prefill_attention",
     "rmsnorm",
     "silu_and_mul",
     "store_kv",
+    "store_mla_kv",
 ]

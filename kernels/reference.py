@@ -131,3 +131,47 @@ def silu_and_mul(x: torch.Tensor, math_dtype: torch.dtype = torch.float32) -> to
     """x [T, 2I] -> silu(x[:, :I]) * x[:, I:] in math_dtype."""
     gate, up = x.to(math_dtype).chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
+
+
+def mla_decode_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor,
+                         kv_scales: torch.Tensor | None, page_table: torch.Tensor,
+                         context_lens: torch.Tensor, sm_scale: float,
+                         math_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Absorbed MLA decode over a paged latent cache: one query row per sequence.
+
+    q_nope [B, H, C] (W_UK absorbed); q_pe [B, H, R]; kv [num_pages, 64, 1, C + R], each token
+    [latent | k_pe]; kv_scales [num_pages, 64, 1] or None; page_table [B, max_pages];
+    context_lens [B]. Scores (q_nope . latent + q_pe . k_pe) * sm_scale over the sequence's
+    keys, values the latents. Returns [B, H, C] in math_dtype.
+    """
+    latent = q_nope.shape[-1]
+    out = torch.empty(q_nope.shape, dtype=math_dtype, device=q_nope.device)
+    for b, ctx in enumerate(context_lens.tolist()):
+        pages = page_table[b, : -(-ctx // PAGE_SIZE)].long()
+        cache = kv[pages].to(math_dtype)  # [P, 64, 1, C+R]
+        if kv_scales is not None:
+            cache = cache * kv_scales[pages].to(math_dtype).unsqueeze(-1)
+        cache = cache.reshape(-1, cache.shape[-1])[:ctx]  # [ctx, C+R]
+        q = torch.cat([q_nope[b], q_pe[b]], dim=-1).to(math_dtype)  # [H, C+R]
+        probs = torch.softmax(q @ cache.T * sm_scale, dim=-1)  # [H, ctx]
+        out[b] = probs @ cache[:, :latent]
+    return out
+
+
+def store_mla_kv(kv: torch.Tensor, kv_scales: torch.Tensor | None, rows: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Copies of an MLA layer kv [num_pages, 64, 1, W] (and scales [num_pages, 64, 1]) with
+    rows [T, W] written at slot_mapping [T] (negative slots are skipped); fp8 pools get one
+    scale per token."""
+    kv, kv_scales = kv.clone(), None if kv_scales is None else kv_scales.clone()
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    new = rows[keep][:, None]  # [T', 1, W]
+    flat = kv.view(-1, *kv.shape[2:])
+    if kv_scales is None:
+        flat[slots] = new.to(kv.dtype)
+    else:
+        values, scales = quantize_fp8(new)
+        flat[slots] = values
+        kv_scales.view(-1, 1)[slots] = scales
+    return kv, kv_scales

@@ -13,6 +13,13 @@ Two ways to attend, equal in exact arithmetic:
   Decode (one query per sequence) uses it by default: it reads 576 values per cached token
   instead of H * (dn + R + dv). Long prefill chunks default to naive, which costs fewer FLOPs
   once many queries share the expanded keys.
+
+On CUDA the cache rows are written by a Triton store (which skips the padding rows of CUDA
+graphs) and absorbed decode rows run the paged Triton kernel `mla_decode_attention`
+(batchgen_kernels), which walks each sequence's pages instead of gathering them; elsewhere
+the PyTorch paths below run, and they stay the reference the kernels are tested against.
+A whole prompt (no cached prefix) attends to its fresh rows directly, without a page gather,
+when the pool stores them exactly (same dtype, not fp8).
 """
 
 from __future__ import annotations
@@ -116,37 +123,89 @@ class MLAttention(nn.Module):
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.latent, self.rope_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)
         q_pe, k_pe = self.rope(batch.positions, q_pe, k_pe[:, None])
-        cache_rows = torch.cat([latent, k_pe[:, 0]], dim=-1)[:, None]  # [T, 1, C+R]
-        batch.kv_pool.store(self.layer, batch.slot_mapping, cache_rows)
-        out = self._attend(q_nope, q_pe, batch)
+        cache_rows = torch.cat([latent, k_pe[:, 0]], dim=-1)  # [T, C+R]
+        self._store(cache_rows, batch)
+        out = self._attend(q_nope, q_pe, cache_rows, batch)
         return self.o_proj(out.reshape(-1, self.heads * self.dv))
+
+    def _store(self, rows: torch.Tensor, batch: ForwardBatch) -> None:
+        pool = batch.kv_pool
+        if rows.is_cuda:
+            import batchgen_kernels as K
+
+            kv, scales = pool.layer(self.layer)
+            K.store_mla_kv(rows, kv, scales, batch.slot_mapping)
+        else:
+            pool.store(self.layer, batch.slot_mapping, rows[:, None])
 
     def _query(self, x: torch.Tensor) -> torch.Tensor:
         if self.q_lora_rank:
             return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         return self.q_proj(x)
 
-    def _attend(self, q_nope, q_pe, batch: ForwardBatch) -> torch.Tensor:
-        """q_nope [T, H, dn], q_pe [T, H, R] -> [T, H, dv], each row over its own sequence."""
-        pool = batch.kv_pool
-        if batch.decode_only:  # all sequences at once, pages padded to the longest
-            cache = pool.gather(self.layer, batch.page_table.long())[:, :, 0]  # [B, P*64, C+R]
-            ctx = batch.context_lens.long()
-            out = self._impl(self.decode_impl)(q_nope[:, None], q_pe[:, None], cache,
-                                               (ctx - 1)[:, None], ctx)
-            return out[:, 0]
+    def _attend(self, q_nope, q_pe, fresh, batch: ForwardBatch) -> torch.Tensor:
+        """q_nope [T, H, dn], q_pe [T, H, R] -> [T, H, dv], each row over its own sequence.
+        `fresh` [T, C+R] are this step's cache rows (already stored)."""
+        if batch.decode_only:
+            return self._decode(q_nope, q_pe, batch.page_table, batch.context_lens, batch)
         out = q_nope.new_empty(q_nope.shape[0], self.heads, self.dv)
-        start = 0
+        starts = [0]
+        for q_len in batch.q_lens:
+            starts.append(starts[-1] + q_len)
+        # Decode rows of a mixed step go together, as in a decode-only step.
+        decodes = [b for b, q_len in enumerate(batch.q_lens) if q_len == 1]
+        if decodes:
+            seqs = torch.tensor(decodes, device=q_nope.device)
+            rows = torch.tensor([starts[b] for b in decodes], device=q_nope.device)
+            out[rows] = self._decode(q_nope[rows], q_pe[rows], batch.page_table[seqs],
+                                     batch.context_lens[seqs], batch)
+        pool = batch.kv_pool
+        layout = pool.layout
+        exact = not layout.quantized and layout.dtype == fresh.dtype == layout.compute_dtype
         for b, (q_len, ctx) in enumerate(zip(batch.q_lens, batch.ctx_lens)):
-            pages = batch.page_table[b, : -(-ctx // PAGE_SIZE)].long()
-            cache = pool.gather(self.layer, pages)[:ctx, 0]  # [K, C+R]
-            rows = slice(start, start + q_len)
+            if q_len == 1:
+                continue
+            rows = slice(starts[b], starts[b] + q_len)
+            if exact and q_len == ctx:  # a whole prompt: its keys are exactly its fresh rows
+                cache = fresh[rows]
+            else:
+                pages = batch.page_table[b, : -(-ctx // PAGE_SIZE)].long()
+                cache = pool.gather(self.layer, pages)[:ctx, 0]  # [K, C+R]
             q_pos = torch.arange(ctx - q_len, ctx, device=q_nope.device)[None]
-            impl = self._impl(self.decode_impl if q_len == 1 else self.prefill_impl)
-            out[rows] = impl(q_nope[rows][None], q_pe[rows][None], cache[None], q_pos,
-                             torch.tensor([ctx], device=q_nope.device))[0]
-            start += q_len
+            out[rows] = self._impl(self.prefill_impl)(
+                q_nope[rows][None], q_pe[rows][None], cache[None], q_pos,
+                torch.tensor([ctx], device=q_nope.device))[0]
         return out
+
+    def _decode(self, q_nope, q_pe, page_table, context_lens, batch: ForwardBatch):
+        """One query row per sequence: q_nope [B, H, dn], q_pe [B, H, R] -> [B, H, dv]."""
+        if q_nope.is_cuda and self.decode_impl == "absorb":
+            return self._decode_triton(q_nope, q_pe, page_table, context_lens, batch)
+        return self._decode_torch(q_nope, q_pe, page_table, context_lens, batch)
+
+    def _decode_torch(self, q_nope, q_pe, page_table, context_lens, batch: ForwardBatch):
+        """All sequences at once, pages gathered and padded to the longest."""
+        cache = batch.kv_pool.gather(self.layer, page_table.long())[:, :, 0]  # [B, P*64, C+R]
+        ctx = context_lens.long()
+        out = self._impl(self.decode_impl)(q_nope[:, None], q_pe[:, None], cache,
+                                           (ctx - 1)[:, None], ctx)
+        return out[:, 0]
+
+    def _decode_triton(self, q_nope, q_pe, page_table, context_lens, batch: ForwardBatch):
+        """The absorbed path with the paged kernel: no gather, no padding to the longest."""
+        import batchgen_kernels as K
+
+        w_uk, w_uv = self._absorbed_weights(q_nope.dtype)
+        q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [B, H, C]
+        kv, scales = batch.kv_pool.layer(self.layer)
+        out_lat = K.mla_decode_attention(q_lat, q_pe, kv, scales, page_table, context_lens,
+                                         self.scale)
+        return torch.bmm(out_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+
+    def _absorbed_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_b_proj split per head: W_UK [H, dn, C] and W_UV [H, dv, C]."""
+        w = dense_weight(self.kv_b_proj, dtype).view(self.heads, self.dn + self.dv, self.latent)
+        return w[:, : self.dn], w[:, self.dn:]
 
     def _impl(self, name: str):
         assert name in IMPLS, f"MLA path {name!r} is not one of {IMPLS}"
@@ -163,9 +222,7 @@ class MLAttention(nn.Module):
 
     def attend_absorbed(self, q_nope, q_pe, cache, q_pos, k_len) -> torch.Tensor:
         """Same contract as `attend_naive`, attending over the latent directly."""
-        w = dense_weight(self.kv_b_proj, q_nope.dtype)
-        w = w.view(self.heads, self.dn + self.dv, self.latent)
-        w_uk, w_uv = w[:, : self.dn], w[:, self.dn:]  # [H, dn, C], [H, dv, C]
+        w_uk, w_uv = self._absorbed_weights(q_nope.dtype)  # [H, dn, C], [H, dv, C]
         q_lat = torch.einsum("bqhd,hdc->bqhc", q_nope, w_uk)
         q = torch.cat([q_lat, q_pe], dim=-1)  # [B, Q, H, C+R]
         kv = cache.to(q.dtype)[:, :, None]  # one shared head: keys [latent | k_pe], values latent
