@@ -9,6 +9,8 @@ from .decode_attention import paged_decode_attention
 from .kv_store import store_kv
 from .mla_decode import mla_decode_attention
 from .mla_kv_store import store_mla_kv
+from .moe_gemm import grouped_gemm, grouped_gemm_fp8, quantize_fp8_groups
+from .moe_routing import deepseek_route
 from .page_copy import copy_pages
 from .prefill_attention import paged_prefill_attention
 from .rmsnorm import fused_add_rmsnorm, rmsnorm
@@ -18,10 +20,14 @@ from .silu_mul import silu_and_mul
 __all__ = [
     "apply_rope",
     "copy_pages",
+    "deepseek_route",
     "fused_add_rmsnorm",
+    "grouped_gemm",
+    "grouped_gemm_fp8",
     "mla_decode_attention",
     "paged_decode_attention",
     "paged_prefill_attention",
+    "quantize_fp8_groups",
     "rmsnorm",
     "silu_and_mul",
     "store_kv",

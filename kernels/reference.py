@@ -158,6 +158,68 @@ def mla_decode_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, kv: torch.Ten
     return out
 
 
+def grouped_gemm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, silu_mul: bool = False,
+                 math_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """x [M, K] rows grouped by offsets [G] (group ends) times w[g]^T, w [E, N, K]; with
+    silu_mul, silu(gate) * up of w[g] = [gate | up] -> [M, N / 2]. Rows past offsets[-1] are
+    zero. Returns math_dtype."""
+    n = w.shape[1] // 2 if silu_mul else w.shape[1]
+    out = torch.zeros(x.shape[0], n, dtype=math_dtype, device=x.device)
+    start = 0
+    for g, end in enumerate(offsets.tolist()):
+        y = x[start:end].to(math_dtype) @ w[g].to(math_dtype).T
+        out[start:end] = silu_and_mul(y, math_dtype) if silu_mul else y
+        start = end
+    return out
+
+
+def quantize_fp8_groups(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3 [M, K], float32 scales [M, K / group]): scale = max(amax, 1e-12) / 448
+    per row and group of columns, values x / scale rounded to nearest even."""
+    tiles = x.float().reshape(x.shape[0], -1, group)
+    amax = tiles.abs().amax(dim=-1).clamp_min(1e-12)
+    scale = amax / torch.full_like(amax, FP8_MAX)  # tensor / tensor: IEEE on every device
+    q = (tiles / scale.unsqueeze(-1)).to(FP8_DTYPE)
+    return q.reshape(x.shape), scale
+
+
+def dequantize_fp8_blocks(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
+                          math_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """q [..., N, K] times its block scales [..., N / bn, K / bk], in math_dtype."""
+    full = scale.to(math_dtype).repeat_interleave(block[0], -2).repeat_interleave(block[1], -1)
+    return q.to(math_dtype) * full
+
+
+def grouped_gemm_fp8(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                     offsets: torch.Tensor, block: tuple[int, int] = (128, 128),
+                     silu_mul: bool = False, math_dtype: torch.dtype = torch.float32):
+    """`grouped_gemm` of the dequantized operands: x = xq * xs per (row, bk columns), w[g] per
+    bn x bk block."""
+    x = dequantize_fp8_blocks(xq, xs, (1, block[1]), math_dtype)
+    return grouped_gemm(x, dequantize_fp8_blocks(w, w_scale, block, math_dtype), offsets,
+                        silu_mul, math_dtype)
+
+
+def deepseek_route(logits: torch.Tensor, bias: torch.Tensor, n_group: int, topk_group: int,
+                   top_k: int, norm_topk_prob: bool, routed_scaling_factor: float
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 routing from float32 logits [T, E] (models.moe.TopkRouter after its matmul):
+    returns (weights [T, k] float32, ids [T, k] int64), ids in descending choice order."""
+    scores = logits.float().sigmoid()
+    choice = scores + bias.float()
+    per_group = choice.view(logits.shape[0], n_group, -1)
+    group_scores = per_group.topk(min(2, per_group.shape[-1]), dim=-1).values.sum(-1)
+    groups = group_scores.topk(topk_group, dim=-1).indices
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, groups, True)
+    choice = choice.masked_fill(~keep.repeat_interleave(per_group.shape[-1], dim=1),
+                                float("-inf"))
+    ids = choice.topk(top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * routed_scaling_factor, ids
+
+
 def store_mla_kv(kv: torch.Tensor, kv_scales: torch.Tensor | None, rows: torch.Tensor,
                  slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Copies of an MLA layer kv [num_pages, 64, 1, W] (and scales [num_pages, 64, 1]) with

@@ -5,9 +5,17 @@ Routed expert weights are stacked like HF's grouped layout: gate_up [E, 2I, H] (
 first), down [E, H, I].
 
 Execution: the T*k (token, expert) assignments are sorted by expert (stable), so each
-expert's tokens are one contiguous run; each run goes through its expert's SwiGLU, via
-torch._grouped_mm on CUDA (bf16/fp16) or a loop over the touched experts otherwise. Outputs are
+expert's tokens are one contiguous run; each run goes through its expert's SwiGLU as one
+grouped GEMM per projection on CUDA, or a loop over the touched experts otherwise. Outputs are
 summed over k in top-k order, so the result does not depend on where an expert lives.
+
+CUDA kernels (batchgen_kernels), chosen by `ExpertBank._grouped_path`:
+- routing: `deepseek_route`, one launch after the float32 router matmul (ROUTING_KERNEL);
+- FP8 experts: always the Triton block-scaled grouped GEMM (`grouped_gemm_fp8`, activations
+  quantized per token and 128 columns, SiLU-and-mul fused into gate_up), never a dequantize;
+- bf16/fp16 experts: GROUPED_GEMM_BACKEND, torch._grouped_mm by default (the path verified on
+  an H200); float32, or a torch without _grouped_mm, takes the Triton `grouped_gemm`.
+benchmarks/moe_kernels_bench.py times both at DeepSeek-V3 shapes to settle the default.
 
 Offloading (--enable-ep-with-offloading, --ep-offloading-ratio r): the last round(r * E)
 experts of every layer live in host memory (pinned on CUDA). After routing, the touched ones
@@ -31,6 +39,13 @@ from batchgen.models.layers import GatedMLP
 
 PROJ_ROWS = ("gate_proj", "up_proj", "down_proj")
 
+GROUPED_GEMM_BACKEND = "torch"
+"""bf16/fp16 experts on CUDA: "torch" (torch._grouped_mm, then SiLU-and-mul) or "triton"
+(batchgen_kernels.grouped_gemm with SiLU-and-mul fused). The default is the path already
+verified on an H200; switch when benchmarks/moe_kernels_bench.py shows Triton ahead."""
+ROUTING_KERNEL = True
+"""Route on CUDA with the fused Triton kernel (False: the torch ops of TopkRouter)."""
+
 
 class TopkRouter(nn.Module):
     """HF DeepseekV3TopkRouter, float32 throughout (the checkpoint keeps it in float32)."""
@@ -48,7 +63,18 @@ class TopkRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (weights [T, k] float32, expert ids [T, k] int64)."""
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        logits = F.linear(x.float(), self.weight.float())
+        if logits.is_cuda and ROUTING_KERNEL:
+            from batchgen_kernels import deepseek_route
+
+            # Same choice as below; ties go to the lower index (torch.topk's are unspecified).
+            return deepseek_route(logits, self.e_score_correction_bias, self.n_group,
+                                  self.topk_group, self.top_k, self.norm_topk_prob,
+                                  self.routed_scaling_factor)
+        return self._route_torch(logits)
+
+    def _route_torch(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = logits.sigmoid()
         # The bias only steers which experts are chosen; the weights come from the raw scores.
         choice = scores + self.e_score_correction_bias.float()
         per_group = choice.view(-1, self.n_group, self.num_experts // self.n_group)
@@ -81,8 +107,9 @@ class ExpertBank:
         the same sizes as a device int32 prefix sum, for the grouped GEMM."""
         if h.shape[0] == 0:
             return torch.empty_like(h)
-        if offs is not None and self._grouped_ok(h):
-            return self._run_grouped(h, offs)
+        grouped = self._grouped_path(h) if offs is not None else None
+        if grouped is not None:
+            return grouped(h, offs)
         out = torch.empty_like(h)
         start = 0
         for row, n in enumerate(sizes):
@@ -99,15 +126,46 @@ class ExpertBank:
         gate, up = gate_up.chunk(2, dim=-1)
         return fp8_linear(F.silu(gate) * up, self.down[row], self.down_scale[row], self.block)
 
-    def _grouped_ok(self, h: torch.Tensor) -> bool:
-        return (h.is_cuda and self.block is None and hasattr(torch, "_grouped_mm")
-                and h.dtype in (torch.bfloat16, torch.float16))
+    def _grouped_path(self, h: torch.Tensor):
+        """The grouped SwiGLU for h on CUDA (see the module docstring), None for the loop."""
+        if not h.is_cuda:
+            return None
+        if self.block is not None:
+            return self._run_fp8 if self._fp8_kernel_fits() else None
+        if (GROUPED_GEMM_BACKEND == "torch" and hasattr(torch, "_grouped_mm")
+                and h.dtype in (torch.bfloat16, torch.float16)):
+            return self._run_torch_grouped
+        return self._run_triton
 
-    def _run_grouped(self, h: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    def _run_torch_grouped(self, h: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         groups = offs.shape[0]
         gate_up = torch._grouped_mm(h, self.gate_up[:groups].transpose(1, 2), offs=offs)
         gate, up = gate_up.chunk(2, dim=-1)
         return torch._grouped_mm(F.silu(gate) * up, self.down[:groups].transpose(1, 2), offs=offs)
+
+    def _run_triton(self, h: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        from batchgen_kernels import grouped_gemm
+
+        return grouped_gemm(grouped_gemm(h, self.gate_up, offs, silu_mul=True), self.down, offs)
+
+    def _fp8_kernel_fits(self) -> bool:
+        """The FP8 kernel takes power-of-two blocks that tile both matrices exactly (R1's
+        128x128 does); other blocks keep the per-expert fp8_linear loop."""
+        bn, bk = self.block
+        inter, hidden = self.down.shape[-1], self.down.shape[-2]
+        return (all(b >= 16 and b & (b - 1) == 0 for b in (bn, bk))
+                and inter % bn == 0 and inter % bk == 0 and hidden % bn == 0
+                and hidden % bk == 0)
+
+    def _run_fp8(self, h: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        from batchgen_kernels import grouped_gemm_fp8, quantize_fp8_groups
+
+        bk = self.block[1]
+        act = grouped_gemm_fp8(*quantize_fp8_groups(h, bk), self.gate_up,
+                               self.gate_up_scale.float(), offs, self.block, silu_mul=True,
+                               out_dtype=h.dtype)
+        return grouped_gemm_fp8(*quantize_fp8_groups(act, bk), self.down, self.down_scale.float(),
+                                offs, self.block, out_dtype=h.dtype)
 
 
 class RoutedExperts(nn.Module):

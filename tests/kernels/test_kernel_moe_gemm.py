@@ -1,0 +1,165 @@
+"""Grouped expert GEMMs (bf16/fp16/fp32 and FP8 block-scaled) and the activation quantizer
+against the float64 references: empty groups, ragged tiles, fused SiLU-and-mul."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from batchgen_kernels import grouped_gemm, grouped_gemm_fp8, quantize_fp8_groups, reference
+from kernel_testing import DEVICES, TOLERANCE, assert_rel_close, poisoned
+
+LAYOUTS = {
+    "ragged": [5, 0, 20, 3, 9],  # an empty group, groups below and above one 16-row tile
+    "leading-empty": [0, 0, 7],
+    "one-group": [33],
+}
+
+
+def offsets_of(sizes, device, dtype=torch.int32):
+    return torch.tensor(sizes).cumsum(0).to(dtype).to(device)
+
+
+def random_fp8_weights(experts, n, k, block, device):
+    """e4m3 weights [E, N, K] with block scales [E, N/bn, K/bk] of varied magnitude."""
+    w = torch.randn(experts, n, k, device=device).clamp(-8, 8) * 40
+    scales = torch.rand(experts, n // block[0], k // block[1], device=device) * 0.02 + 1e-3
+    return w.to(torch.float8_e4m3fn), scales
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32],
+                         ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("silu_mul", [False, True], ids=["plain", "silu_mul"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_grouped_gemm_matches_reference(device, dtype, silu_mul, layout):
+    sizes = LAYOUTS[layout]
+    m, k, n = sum(sizes), 80, 48  # K and N are not multiples of the tiles
+    x = torch.randn(m, k, device=device).to(dtype)
+    w = (torch.randn(len(sizes) + 2, n, k, device=device) / k ** 0.5).to(dtype)  # spare rows
+    offsets = offsets_of(sizes, device, torch.int64 if layout == "one-group" else torch.int32)
+    out = poisoned((m, n // 2 if silu_mul else n), dtype, device)
+    grouped_gemm(x, w, offsets, silu_mul=silu_mul, out=out, block_m=16, block_n=16)
+    want = reference.grouped_gemm(x, w, offsets, silu_mul, torch.float64)
+    assert_rel_close(out, want, TOLERANCE[dtype], f"grouped {layout}")
+    # The default tiling (one tile per group here) agrees too.
+    assert_rel_close(grouped_gemm(x, w, offsets, silu_mul=silu_mul), want, TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_grouped_gemm_leaves_rows_past_the_last_group(device):
+    x = torch.randn(12, 32, device=device)
+    w = torch.randn(2, 16, 32, device=device)
+    out = poisoned((12, 16), torch.float32, device)
+    grouped_gemm(x, w, offsets_of([3, 6], device), out=out)
+    assert torch.isnan(out[9:]).all()
+    assert_rel_close(out[:9], reference.grouped_gemm(x[:9], w, offsets_of([3, 6], device),
+                                                     math_dtype=torch.float64), 1e-4)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_grouped_gemm_rejects_bad_inputs(device):
+    x = torch.randn(4, 32, device=device)
+    w = torch.randn(2, 16, 32, device=device)
+    with pytest.raises(AssertionError):  # more groups than weight matrices
+        grouped_gemm(x, w, offsets_of([1, 1, 2], device))
+    with pytest.raises(AssertionError):  # dtype mismatch
+        grouped_gemm(x.bfloat16(), w, offsets_of([4], device))
+    with pytest.raises(AssertionError):  # K mismatch
+        grouped_gemm(x[:, :16], w, offsets_of([4], device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("group", [128, 32])
+def test_quantize_fp8_groups_is_bit_exact(device, dtype, group):
+    x = torch.randn(6, 4 * group, device=device)
+    x[0] = 0.0  # amax floor
+    x[1] *= 1e-4  # e4m3 subnormals
+    x[2, :group // 2] *= 1e4  # one group with a large spread
+    x = x.to(dtype)
+    q, scales = quantize_fp8_groups(x, group)
+    want_q, want_scales = reference.quantize_fp8_groups(x, group)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(scales, want_scales)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("block", [(128, 128), (32, 64)], ids=["128x128", "32x64"])
+@pytest.mark.parametrize("silu_mul", [False, True], ids=["plain", "silu_mul"])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_grouped_gemm_fp8_matches_reference(device, block, silu_mul, out_dtype):
+    sizes = LAYOUTS["ragged"]
+    m, k, n = sum(sizes), 2 * block[1], 2 * block[0]
+    xq, xs = quantize_fp8_groups(torch.randn(m, k, device=device), block[1])
+    w, w_scale = random_fp8_weights(len(sizes) + 1, n, k, block, device)
+    offsets = offsets_of(sizes, device)
+    out = poisoned((m, n // 2 if silu_mul else n), out_dtype, device)
+    grouped_gemm_fp8(xq, xs, w, w_scale, offsets, block, silu_mul, out_dtype, out=out)
+    want = reference.grouped_gemm_fp8(xq, xs, w, w_scale, offsets, block, silu_mul,
+                                      torch.float64)
+    assert_rel_close(out, want, TOLERANCE[out_dtype], f"fp8 {block}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp8_expert_mlp_tracks_the_dense_mlp(device):
+    """quantize -> gate_up (fused SiLU) -> quantize -> down, as ExpertBank runs FP8 experts,
+    against the dense MLP of the dequantized weights with unquantized activations."""
+    block, hidden, inter = (128, 128), 256, 128
+    sizes = [9, 0, 14]
+    offsets = offsets_of(sizes, device)
+    x = torch.randn(sum(sizes), hidden, device=device).bfloat16()
+    gate_up, gate_up_scale = random_fp8_weights(3, 2 * inter, hidden, block, device)
+    down, down_scale = random_fp8_weights(3, hidden, inter, block, device)
+    act = grouped_gemm_fp8(*quantize_fp8_groups(x), gate_up, gate_up_scale, offsets,
+                           silu_mul=True)
+    out = grouped_gemm_fp8(*quantize_fp8_groups(act), down, down_scale, offsets)
+    dense_gate_up = reference.dequantize_fp8_blocks(gate_up, gate_up_scale, block, torch.float64)
+    dense_down = reference.dequantize_fp8_blocks(down, down_scale, block, torch.float64)
+    hidden_act = reference.grouped_gemm(x, dense_gate_up, offsets, True, torch.float64)
+    want = reference.grouped_gemm(hidden_act, dense_down, offsets, False, torch.float64)
+    # Two e4m3 activation roundings (3 mantissa bits) and a bf16 intermediate.
+    assert_rel_close(out, want, 5e-2, "fp8 mlp")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_grouped_gemm_fp8_rejects_unaligned_shapes(device):
+    xq, xs = quantize_fp8_groups(torch.randn(4, 256, device=device))
+    w, w_scale = random_fp8_weights(1, 256, 256, (128, 128), device)
+    offsets = offsets_of([4], device)
+    with pytest.raises(AssertionError):  # N = 192 is not a multiple of 128
+        grouped_gemm_fp8(xq, xs, w[:, :192], w_scale, offsets)
+    with pytest.raises(AssertionError):  # silu_mul: I = 128 fine, but I = 64 straddles a block
+        grouped_gemm_fp8(xq, xs, w[:, :128], w_scale[:, :1], offsets, silu_mul=True)
+    with pytest.raises(AssertionError):  # K = 200 is not a multiple of the group
+        quantize_fp8_groups(torch.randn(4, 200, device=device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_expert_bank_kernel_paths_match_the_loop(device, fp8):
+    """ExpertBank's CUDA paths (called directly, so the interpreter runs them on CPU) against
+    its per-expert loop; on CUDA bf16 also against torch._grouped_mm."""
+    from batchgen.models.fp8 import quantize_blocks
+    from batchgen.models.moe import ExpertBank
+
+    experts, hidden, inter, block = 4, 256, 128, (128, 128)
+    sizes = [5, 0, 9, 3]
+    gate_up = torch.randn(experts, 2 * inter, hidden, device=device) / hidden ** 0.5
+    down = torch.randn(experts, hidden, inter, device=device) / inter ** 0.5
+    h = torch.randn(sum(sizes), hidden, device=device).bfloat16()
+    offsets = offsets_of(sizes, device)
+    if fp8:
+        (gu_q, gu_s), (d_q, d_s) = [zip(*[quantize_blocks(m, block) for m in w])
+                                    for w in (gate_up, down)]
+        bank = ExpertBank(torch.stack(gu_q), torch.stack(d_q), torch.stack(gu_s),
+                          torch.stack(d_s), block)
+        assert bank._fp8_kernel_fits()
+        got = bank._run_fp8(h, offsets)
+    else:
+        bank = ExpertBank(gate_up.bfloat16(), down.bfloat16())
+        got = bank._run_triton(h, offsets)
+        if device == "cuda" and hasattr(torch, "_grouped_mm"):
+            assert_rel_close(got, bank._run_torch_grouped(h, offsets).double(), 3e-2, "vs torch")
+    want = bank.run(h, sizes)  # the loop (offsets not given)
+    assert got.dtype == h.dtype
+    assert_rel_close(got, want.double(), 5e-2 if fp8 else 3e-2, "bank")
