@@ -52,6 +52,9 @@ class DecodeGraphs:
         self.page_table = torch.zeros(largest, self.max_pages, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.batches: dict[int, ForwardBatch] = {}
+        """The captured inputs. A graph replays raw addresses: every tensor it reads must stay
+        alive (a freed logits_indices got reused and indexed out of bounds)."""
         self._pool_handle = None
 
     def _batch(self, size: int) -> ForwardBatch:
@@ -65,7 +68,7 @@ class DecodeGraphs:
     def capture(self) -> None:
         """Capture every bucket, largest first so smaller graphs reuse its memory pool."""
         for size in reversed(self.sizes):
-            batch = self._batch(size)
+            batch = self.batches[size] = self._batch(size)
             for _ in range(2):  # warm up: Triton compiles and autotunes outside the capture
                 self.model(batch)
             torch.cuda.synchronize()
