@@ -117,14 +117,19 @@ class RowParallelLinear(nn.Linear):
     features): the partial products are summed over the group, then the bias is added once."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
-                 tp: TensorParallel = SINGLE):
+                 tp: TensorParallel = SINGLE, reduce_output: bool = True):
         super().__init__(tp.split(in_features, "input features"), out_features, bias=bias)
         self.tp = tp
+        self.reduce_output = reduce_output
+        """False: the caller sums the partial outputs (with others, in one all-reduce)."""
+        assert reduce_output or not bias, "an unreduced partial output cannot take the bias"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
             return super().forward(x)
-        out = self.tp.all_reduce(nn.functional.linear(x, self.weight))
+        out = nn.functional.linear(x, self.weight)
+        if self.reduce_output:
+            out = self.tp.all_reduce(out)
         return out if self.bias is None else out + self.bias
 
 
@@ -132,12 +137,13 @@ class GatedMLP(nn.Module):
     """SwiGLU feed-forward: down(silu(gate(x)) * up(x)); TP splits the intermediate features."""
 
     def __init__(self, hidden: int, intermediate: int, bias: bool = False,
-                 tp: TensorParallel = SINGLE):
+                 tp: TensorParallel = SINGLE, reduce_output: bool = True):
         super().__init__()
         local = tp.split(intermediate, "intermediate_size")
         self.gate_proj = nn.Linear(hidden, local, bias=bias)
         self.up_proj = nn.Linear(hidden, local, bias=bias)
-        self.down_proj = RowParallelLinear(intermediate, hidden, bias=bias, tp=tp)
+        self.down_proj = RowParallelLinear(intermediate, hidden, bias=bias, tp=tp,
+                                           reduce_output=reduce_output)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -35,7 +35,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchgen.models.fp8 import QuantizedWeight, fp8_linear
-from batchgen.models.layers import GatedMLP
+from batchgen.models.layers import SINGLE, GatedMLP
+from batchgen.parallel import TensorParallel
 
 PROJ_ROWS = ("gate_proj", "up_proj", "down_proj")
 
@@ -169,15 +170,21 @@ class ExpertBank:
 
 
 class RoutedExperts(nn.Module):
-    """One layer's routed experts: experts [0, E - n_off) resident on the device as parameters,
-    the rest in host memory, staged in through `stager` when tokens route to them."""
+    """One layer's routed experts held by this rank: global experts [first_expert,
+    first_expert + num_experts) (all of them without expert parallelism). Local experts
+    [0, num_experts - n_off) are resident on the device as parameters, the rest in host memory,
+    staged in through `stager` when tokens route to them. Tokens routed to other ranks' experts
+    contribute zero here; the TP group's all-reduce adds the other ranks' parts."""
 
     def __init__(self, num_experts: int, hidden: int, inter: int, num_offloaded: int,
-                 stager: ExpertStager | None):
+                 stager: ExpertStager | None, first_expert: int = 0,
+                 total_experts: int | None = None):
         super().__init__()
         assert 0 <= num_offloaded <= num_experts
         assert num_offloaded == 0 or stager is not None, "offloaded experts need a stager"
         self.num_experts, self.hidden, self.inter = num_experts, hidden, inter
+        self.first_expert = first_expert
+        self.total_experts = total_experts or num_experts
         self.num_resident = num_experts - num_offloaded
         self.gate_up_proj = nn.Parameter(torch.empty(self.num_resident, 2 * inter, hidden))
         self.down_proj = nn.Parameter(torch.empty(self.num_resident, hidden, inter))
@@ -198,8 +205,12 @@ class RoutedExperts(nn.Module):
 
     # -- loading ----------------------------------------------------------------------
     def load(self, expert: int, proj: str, value: torch.Tensor | QuantizedWeight) -> None:
-        """Place one checkpoint matrix: proj is gate_proj / up_proj [I, H] or down_proj [H, I]."""
-        assert 0 <= expert < self.num_experts and proj in PROJ_ROWS, (expert, proj)
+        """Place one checkpoint matrix of global expert `expert` (skipped when another rank
+        holds it): proj is gate_proj / up_proj [I, H] or down_proj [H, I]."""
+        assert 0 <= expert < self.total_experts and proj in PROJ_ROWS, (expert, proj)
+        expert -= self.first_expert
+        if not 0 <= expert < self.num_experts:
+            return
         quantized = isinstance(value, QuantizedWeight)
         if quantized and self.block is None:
             self._switch_to_fp8(value.block)
@@ -218,7 +229,8 @@ class RoutedExperts(nn.Module):
         self.loaded.add((expert, proj))
 
     def missing(self) -> list[tuple[int, str]]:
-        return [(e, p) for e in range(self.num_experts) for p in PROJ_ROWS
+        """(global expert, projection) of this rank's experts not loaded yet."""
+        return [(e + self.first_expert, p) for e in range(self.num_experts) for p in PROJ_ROWS
                 if (e, p) not in self.loaded]
 
     def _bank_of(self, expert: int) -> tuple[ExpertBank, int]:
@@ -264,17 +276,22 @@ class RoutedExperts(nn.Module):
     def dispatch(self, x: torch.Tensor, ids: torch.Tensor) -> _Dispatch:
         """Sort assignments by expert and start copying the touched offloaded experts in; the
         caller may compute something else (the shared experts) before `finish`."""
-        flat = ids.reshape(-1)
+        flat = ids.reshape(-1) - self.first_expert
+        if self.num_experts < self.total_experts:  # other ranks' experts: one group past ours
+            flat = torch.where((flat >= 0) & (flat < self.num_experts), flat, self.num_experts)
         order = torch.argsort(flat, stable=True)
         counts_dev = torch.bincount(flat, minlength=self.num_experts)
-        counts = counts_dev.tolist()  # the host sync that copying on demand needs anyway
+        counts = counts_dev.tolist()[: self.num_experts]  # the host sync copying on demand needs
         offloaded = [e for e in range(self.num_resident, self.num_experts) if counts[e]]
-        offs = _group_offsets(counts_dev, self.num_resident) if x.is_cuda else (None, None)
+        offs = (_group_offsets(counts_dev[: self.num_experts], self.num_resident) if x.is_cuda
+                else (None, None))
         staged = None
         if offloaded:
             rows = [e - self.num_resident for e in offloaded]
             staged = self.stager.fetch(self.host, rows, x.device)
-        return _Dispatch(x[order // ids.shape[1]], order, counts, offloaded, staged, offs)
+        order = order[: sum(counts)]
+        return _Dispatch(x[order // ids.shape[1]], order, counts, offloaded, staged, offs,
+                         ids.numel())
 
     def finish(self, d: _Dispatch, weights: torch.Tensor) -> torch.Tensor:
         n_res = sum(d.counts[: self.num_resident])
@@ -286,7 +303,8 @@ class RoutedExperts(nn.Module):
             sizes = [d.counts[e] for e in d.offloaded]
             out_sorted[n_res:] = d.staged.bank.run(d.h[n_res:], sizes, d.offs[1])
             self.stager.release(d.staged)
-        out = torch.empty_like(out_sorted)
+        out = out_sorted.new_zeros(d.assignments, self.hidden) if len(d.order) < d.assignments \
+            else torch.empty_like(out_sorted)
         out[d.order] = out_sorted
         # Summing over k in top-k order keeps the result independent of where experts live.
         k = weights.shape[1]
@@ -298,9 +316,11 @@ class _Dispatch:
     """Assignments sorted by expert: h [T*k, H] inputs, `order` the sorting permutation,
     `offs` the grouped-GEMM offsets of the resident and the staged bank (CUDA only)."""
 
-    def __init__(self, h, order, counts, offloaded, staged, offs):
+    def __init__(self, h, order, counts, offloaded, staged, offs, assignments):
         self.h, self.order, self.counts = h, order, counts
         self.offloaded, self.staged, self.offs = offloaded, staged, offs
+        self.assignments = assignments
+        """T * k; `order` covers only those routed to this rank's experts."""
 
 
 def _group_offsets(counts: torch.Tensor, num_resident: int):
@@ -383,22 +403,33 @@ class ExpertStager:
 
 
 class DeepseekMoE(nn.Module):
-    """Routed experts + shared experts: out = routed(x) + shared(x), as HF sums them."""
+    """Routed experts + shared experts: out = routed(x) + shared(x), as HF sums them.
 
-    def __init__(self, cfg, num_offloaded: int = 0, stager: ExpertStager | None = None):
+    Under tensor parallelism the MoE is expert parallel across the TP group: each rank holds
+    E / TP routed experts and a column/row slice of the shared experts, routes every token (the
+    router is replicated), computes its own part, and one all-reduce sums the parts. Hidden
+    states are already replicated across the group, so no all-to-all dispatch is needed."""
+
+    def __init__(self, cfg, num_offloaded: int = 0, stager: ExpertStager | None = None,
+                 tp: TensorParallel = SINGLE):
         super().__init__()
         assert getattr(cfg, "hidden_act", "silu") == "silu", cfg.hidden_act
+        self.tp = tp
         self.gate = TopkRouter(cfg)
-        self.experts = RoutedExperts(cfg.n_routed_experts, cfg.hidden_size,
-                                     cfg.moe_intermediate_size, num_offloaded, stager)
+        local = tp.split(cfg.n_routed_experts, "n_routed_experts")
+        self.experts = RoutedExperts(local, cfg.hidden_size, cfg.moe_intermediate_size,
+                                     num_offloaded, stager, first_expert=tp.rank * local,
+                                     total_experts=cfg.n_routed_experts)
         self.shared_experts = None
         if cfg.n_shared_experts:
             self.shared_experts = GatedMLP(cfg.hidden_size,
-                                           cfg.moe_intermediate_size * cfg.n_shared_experts)
+                                           cfg.moe_intermediate_size * cfg.n_shared_experts,
+                                           tp=tp, reduce_output=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
         dispatch = self.experts.dispatch(x, ids)  # offloaded experts start copying in
         shared = self.shared_experts(x) if self.shared_experts is not None else None
         routed = self.experts.finish(dispatch, weights)
-        return routed + shared if shared is not None else routed
+        out = routed + shared if shared is not None else routed
+        return self.tp.all_reduce(out)
