@@ -2,8 +2,10 @@
 batchgen and (with --peer hf) HF transformers `generate` on the same weights, in one process.
 
 Prints output and total tokens/s for each, their ratio, and the fraction of the roofline
-(decode reads every weight once per step plus each sequence's KV; prefill costs 2 * params
-FLOPs per token), with the HBM bandwidth measured on the spot. EOS is ignored.
+(decode reads every device weight once per step plus each sequence's KV; prefill costs
+2 * active params FLOPs per token, k of E routed experts for MoE shapes), with the HBM
+bandwidth measured on the spot. EOS is ignored. Shapes, random weights and HF's twin model
+live in batchgen/bench_models.py.
 """
 
 from __future__ import annotations
@@ -14,24 +16,13 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from batchgen.config import (EngineConfig, MemoryConfig, ModelConfig, RuntimeConfig,
-                             SchedulerConfig)
+from batchgen.bench_models import SHAPES, hf_config_for, hf_twin, random_model, weight_stats
+from batchgen.config import EngineConfig, MemoryConfig, ModelConfig, RuntimeConfig, SchedulerConfig
 from batchgen.core import Request, SamplingParams
 
-SHAPES = {
-    "smollm2-135m": dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=49152,
-                         hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                         num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
-                         rope_theta=100000.0, tie_word_embeddings=True),
-    "llama3-8b": dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256,
-                      hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                      num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
-                      rope_theta=500000.0, tie_word_embeddings=False),
-    "qwen3-8b": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936,
-                     hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                     num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                     max_position_embeddings=40960, rope_theta=1000000.0, tie_word_embeddings=False),
-}
+__all__ = ["SHAPES", "BenchConfig", "Workload", "bench", "format_table", "hf_config_for",
+           "random_model"]
+
 PEAK_BF16_FLOPS = {"cuda": 790e12, "cpu": 1e11}
 """Dense bf16 FLOP/s used for the prefill term (H200 measured; CPU a rough placeholder)."""
 
@@ -60,35 +51,6 @@ class Workload:
         return torch.randint(10, vocab - 10, (self.requests, self.input_len), generator=gen).tolist()
 
 
-def hf_config_for(shape: str):
-    from transformers import AutoConfig
-
-    spec = dict(SHAPES[shape])
-    model_type = spec.pop("model_type")
-    return AutoConfig.for_model(model_type, **spec)
-
-
-def random_model(hf_config, dtype: torch.dtype, device: torch.device, options=None):
-    """Our model with N(0, 0.02) weights drawn on the device (no checkpoint, no download)."""
-    from batchgen.models.registry import model_class
-
-    with torch.device("meta"):
-        model = model_class(hf_config)(hf_config, options)
-    model = model.to_empty(device=device).requires_grad_(False)
-    if hasattr(model, "tie_weights"):
-        model.tie_weights()
-    gen = torch.Generator(device=device).manual_seed(0)
-    for name, param in model.named_parameters():
-        if "norm" in name:
-            param.data.fill_(1.0)
-        else:
-            param.data.normal_(0.0, 0.02, generator=gen)
-    for module in model.modules():
-        if hasattr(module, "reset_buffers"):
-            module.reset_buffers()
-    return model.to(dtype).eval()
-
-
 def measure_hbm_bandwidth(device: torch.device) -> float:
     """Read+write bytes/s of a large device-to-device copy."""
     if device.type != "cuda":
@@ -104,15 +66,13 @@ def measure_hbm_bandwidth(device: torch.device) -> float:
     return 2 * src.numel() * 10 / (time.perf_counter() - start)
 
 
-def roofline_seconds(model, layout, work: Workload, outputs: list[int], batch: int,
+def roofline_seconds(stats: dict, layout, work: Workload, outputs: list[int], batch: int,
                      bandwidth: float, device: torch.device) -> float:
     """Lower bound on the job's time: prefill FLOPs at peak + decode bytes at HBM bandwidth."""
-    params = sum(p.numel() for p in model.parameters())
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    prefill = 2 * params * work.input_len * work.requests / PEAK_BF16_FLOPS[device.type]
+    prefill = 2 * stats["active_params"] * work.input_len * work.requests / PEAK_BF16_FLOPS[device.type]
     steps = sum(outputs) / min(batch, work.requests)
     kv_read = sum(o * (work.input_len + o / 2) for o in outputs) * layout.bytes_per_token
-    return prefill + (steps * weight_bytes + kv_read) / bandwidth
+    return prefill + (steps * stats["device_bytes"] + kv_read) / bandwidth
 
 
 def run_ours(model, tokenizer, engine_cfg: EngineConfig, work: Workload) -> dict:
@@ -137,15 +97,9 @@ def run_ours(model, tokenizer, engine_cfg: EngineConfig, work: Workload) -> dict
 
 
 def run_hf_peer(model, hf_config, work: Workload, batch: int) -> dict:
-    """HF `generate` on static batches of the same requests, weights copied from ours."""
-    from transformers import AutoModelForCausalLM
-
+    """HF `generate` on static batches of the same requests, on our weights (`hf_twin`)."""
     device = next(model.parameters()).device
-    dtype = next(model.parameters()).dtype
-    with torch.device(device):
-        hf = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
-    hf.load_state_dict(model.state_dict(), strict=False)
-    hf.eval()
+    hf = hf_twin(model, hf_config)
     prompts, outputs = work.prompts(hf_config.vocab_size), work.lengths()
     sync(model)
     start = time.perf_counter()
@@ -170,15 +124,35 @@ def sync(model) -> None:
 @dataclass(frozen=True)
 class BenchConfig:
     shape: str = "smollm2-135m"
+    """A key of SHAPES."""
     dtype: str = "auto"
     kv_dtype: str = "auto"
     peer: str = "none"
+    """none, or hf: HF `generate` on static batches of the same requests and weights."""
     peer_batch: int = 256
     max_decode_batch: int = 256
     gpu_kv_cache_size: float | None = None
     host_kv_cache_size: float | None = None
     device: str = "auto"
     enable_cuda_graph: bool = False
+    fp8_weights: bool = False
+    """DeepSeek shapes: FP8 e4m3 block-quantized linears and experts, as the real checkpoints
+    (kept FP8 on CUDA: block-scaled GEMMs; dequantized on CPU)."""
+    pre_dequantize_weights: bool = False
+    """Dequantize MXFP4 (gpt-oss) or FP8 weights once at load instead of on the fly."""
+    enable_ep_with_offloading: bool = False
+    ep_offloading_ratio: float = 0.0
+    """Share of each MoE layer's routed experts kept in pinned host memory."""
+    tiny: bool = False
+    """The shape's layer pattern at toy widths (bench_models.TINY): CPU smoke runs and tests."""
+
+    def model_config(self) -> ModelConfig:
+        """The options the model is built with (validated like a job's)."""
+        cfg = ModelConfig(kv_dtype=self.kv_dtype, pre_dequantize_weights=self.pre_dequantize_weights,
+                          enable_ep_with_offloading=self.enable_ep_with_offloading,
+                          ep_offloading_ratio=self.ep_offloading_ratio)
+        cfg.validate()
+        return cfg
 
 
 def bench(cfg: BenchConfig, work: Workload) -> dict:
@@ -187,10 +161,12 @@ def bench(cfg: BenchConfig, work: Workload) -> dict:
 
     device = pick_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
-    hf_config = hf_config_for(cfg.shape)
-    model = random_model(hf_config, dtype, device)
+    hf_config = hf_config_for(cfg.shape, cfg.tiny, cfg.fp8_weights)
+    options = cfg.model_config()
+    model = random_model(hf_config, dtype, device, options)
+    stats = weight_stats(model)
     engine_cfg = EngineConfig(
-        model=ModelConfig(kv_dtype=cfg.kv_dtype),
+        model=options,
         memory=MemoryConfig(gpu_kv_cache_size=cfg.gpu_kv_cache_size,
                             host_kv_cache_size=cfg.host_kv_cache_size or 8.0),
         scheduler=SchedulerConfig(max_decode_batch=cfg.max_decode_batch),
@@ -198,7 +174,7 @@ def bench(cfg: BenchConfig, work: Workload) -> dict:
                               enable_cuda_graph=cfg.enable_cuda_graph)).validate()
     ours = run_ours(model, None, engine_cfg, work)
     bandwidth = measure_hbm_bandwidth(device)
-    bound = roofline_seconds(model, ours["layout"], work, ours["outputs"], cfg.max_decode_batch,
+    bound = roofline_seconds(stats, ours["layout"], work, ours["outputs"], cfg.max_decode_batch,
                              bandwidth, device)
     total_in = work.requests * work.input_len
     rows = {"batchgen": {"output_tok_s": ours["output_tokens"] / ours["seconds"],
@@ -211,12 +187,19 @@ def bench(cfg: BenchConfig, work: Workload) -> dict:
                                "seconds": peer["seconds"]}
         rows["ratio"] = rows["batchgen"]["output_tok_s"] / rows["hf_generate"]["output_tok_s"]
     return {"config": asdict(cfg), "workload": asdict(work), "device": str(device),
+            "dtype": str(dtype).removeprefix("torch."), "weights": stats,
             "hbm_bytes_per_s": bandwidth, "roofline_seconds": bound, "results": rows,
             "engine_stats": {k: v for k, v in ours["stats"].items() if not isinstance(v, list)}}
 
 
 def format_table(report: dict) -> str:
-    lines = [f"{'runner':<14}{'output tok/s':>14}{'total tok/s':>14}{'seconds':>10}{'roofline':>10}"]
+    w = report["weights"]
+    host = f", {w['host_bytes'] / 2**30:.1f} GiB of experts in host memory" if w["host_bytes"] else ""
+    header = (f"{report['config']['shape']} ({report['dtype']}): {_count(w['params'])} params "
+              f"({_count(w['active_params'])} active per token), "
+              f"{w['device_bytes'] / 2**30:.1f} GiB of weights on {report['device']}{host}")
+    lines = [header,
+             f"{'runner':<14}{'output tok/s':>14}{'total tok/s':>14}{'seconds':>10}{'roofline':>10}"]
     for name, row in report["results"].items():
         if name == "ratio":
             continue
@@ -226,3 +209,7 @@ def format_table(report: dict) -> str:
     if "ratio" in report["results"]:
         lines.append(f"batchgen / hf_generate output tok/s: {report['results']['ratio']:.2f}x")
     return "\n".join(lines)
+
+
+def _count(n: float) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M"

@@ -69,7 +69,8 @@ def status(batch_id: Optional[str] = typer.Argument(None, help="Job id (default:
 
 
 @app.command()
-def bench(shape: str = typer.Option("smollm2-135m", help="Model shape: smollm2-135m, llama3-8b, qwen3-8b."),
+def bench(shape: str = typer.Option("smollm2-135m", help="Model shape: smollm2-135m, llama3-8b, "
+                                    "qwen3-8b, deepseek-v3-4l (37 B), gpt-oss-20b (MXFP4)."),
           requests: int = typer.Option(64, help="Number of requests."),
           input_len: int = typer.Option(128, help="Prompt tokens per request."),
           output_len: int = typer.Option(64, help="Output tokens per request (mean if lognormal)."),
@@ -82,7 +83,16 @@ def bench(shape: str = typer.Option("smollm2-135m", help="Model shape: smollm2-1
           max_decode_batch: int = typer.Option(256, help="Most sequences decoded together."),
           gpu_kv_cache_size: Optional[float] = typer.Option(None, help="Device KV pool in GB."),
           host_kv_cache_size: Optional[float] = typer.Option(None, help="Host KV pool in GB."),
+          device: str = typer.Option("auto", help="auto, cuda, cuda:N or cpu."),
           enable_cuda_graph: bool = typer.Option(False, help="Decode with CUDA graphs."),
+          fp8_weights: bool = typer.Option(False, help="DeepSeek shapes: FP8 block weights."),
+          pre_dequantize_weights: bool = typer.Option(
+              False, help="Dequantize MXFP4/FP8 weights at load, not on the fly."),
+          enable_ep_with_offloading: bool = typer.Option(
+              False, help="Keep a share of the routed experts in host memory."),
+          ep_offloading_ratio: float = typer.Option(
+              0.0, help="Share (0-1) of routed experts offloaded (needs the flag above)."),
+          tiny: bool = typer.Option(False, help="The shape at toy widths (CPU smoke runs)."),
           json_out: Optional[Path] = typer.Option(None, "--json", help="Write the report here.")):
     """Synthetic throughput benchmark on a random-init model of a real shape (EOS ignored)."""
     import json
@@ -92,9 +102,15 @@ def bench(shape: str = typer.Option("smollm2-135m", help="Model shape: smollm2-1
 
     _setup_logging()
     cfg = BenchConfig(shape, dtype, canonical_kv_dtype(kv_dtype), peer, peer_batch,
-                      max_decode_batch, gpu_kv_cache_size, host_kv_cache_size,
-                      enable_cuda_graph=enable_cuda_graph)
-    report = run_bench(cfg, Workload(requests, input_len, output_len, output_dist, max_output_len))
+                      max_decode_batch, gpu_kv_cache_size, host_kv_cache_size, device,
+                      enable_cuda_graph, fp8_weights, pre_dequantize_weights,
+                      enable_ep_with_offloading, ep_offloading_ratio, tiny)
+    try:
+        cfg.model_config()
+        report = run_bench(cfg, Workload(requests, input_len, output_len, output_dist,
+                                         max_output_len))
+    except (ConfigError, ValueError) as err:
+        _fail(str(err))
     typer.echo(format_table(report))
     if json_out:
         json_out.write_text(json.dumps(report, indent=2, default=str))

@@ -1,0 +1,314 @@
+"""The models of `batchgen bench`: real shapes with random weights, and HF's twin of each.
+
+- `hf_config_for(shape)`: the HF config of a named shape (optionally shrunk for CPU smoke runs).
+- `random_model`: our model with random weights drawn on the device one tensor at a time and fed
+  through the model's own `load_weights`, as a checkpoint would be: DeepSeek's routed experts
+  by per-expert name (offloaded ones land in host memory), FP8 block-quantized linears on
+  request, gpt-oss experts as MXFP4 blocks + scales. Storage is allocated once, in the final
+  dtype (a float32 detour would need 148 GB for deepseek-v3-4l).
+- `hf_twin`: HF transformers' model of the same config holding *our* tensors (assigned, not
+  copied, where the layouts agree), so a 69 GiB model is not held twice.
+- `weight_stats`: parameters (all / active per token) and device bytes, for the roofline.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+DEEPSEEK_V3_4L = dict(
+    architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", vocab_size=129280,
+    hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+    num_hidden_layers=4, num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536,
+    kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+    n_routed_experts=256, num_experts_per_tok=8, n_group=8, topk_group=4, n_shared_experts=1,
+    # DeepSeek-V3 has 3 dense layers of 61; with 4 layers, 1 dense + 3 MoE gives the
+    # "37 B parameters, 69 GiB in bf16" of the issue (3 dense + 1 MoE would be 15 B).
+    first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+    hidden_act="silu", max_position_embeddings=163840, rms_norm_eps=1e-6,
+    rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+                     "original_max_position_embeddings": 4096, "beta_fast": 32,
+                     "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+    attention_bias=False, tie_word_embeddings=False, bos_token_id=0, eos_token_id=1)
+GPT_OSS_20B = dict(
+    architectures=["GptOssForCausalLM"], model_type="gpt_oss", vocab_size=201088,
+    hidden_size=2880, intermediate_size=2880, num_hidden_layers=24, num_attention_heads=64,
+    num_key_value_heads=8, head_dim=64, num_local_experts=32, num_experts_per_tok=4,
+    sliding_window=128, layer_types=["sliding_attention", "full_attention"] * 12,
+    max_position_embeddings=131072, rms_norm_eps=1e-5, attention_bias=True,
+    swiglu_limit=7.0, rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0,
+                                       "factor": 32.0, "original_max_position_embeddings": 4096,
+                                       "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False},
+    quantization_config={"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+        "lm_head"]},
+    tie_word_embeddings=False, eos_token_id=200002, pad_token_id=199999)
+SHAPES = {
+    "smollm2-135m": dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=49152,
+                         hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+                         rope_theta=100000.0, tie_word_embeddings=True),
+    "llama3-8b": dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256,
+                      hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
+                      rope_theta=500000.0, tie_word_embeddings=False),
+    "qwen3-8b": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936,
+                     hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                     max_position_embeddings=40960, rope_theta=1000000.0, tie_word_embeddings=False),
+    "deepseek-v3-4l": DEEPSEEK_V3_4L,
+    "gpt-oss-20b": GPT_OSS_20B,
+}
+TINY = {
+    "deepseek-v3-4l": dict(vocab_size=512, hidden_size=64, intermediate_size=128,
+                           moe_intermediate_size=32, num_attention_heads=4, num_key_value_heads=4,
+                           q_lora_rank=48, kv_lora_rank=32, qk_rope_head_dim=16,
+                           qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=16, n_group=4,
+                           topk_group=2, num_experts_per_tok=4, max_position_embeddings=4096),
+    "gpt-oss-20b": dict(vocab_size=512, hidden_size=64, intermediate_size=64, num_hidden_layers=4,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                        num_local_experts=8, num_experts_per_tok=2, sliding_window=16,
+                        layer_types=["sliding_attention", "full_attention"] * 2,
+                        max_position_embeddings=4096, eos_token_id=2, pad_token_id=0),
+}
+"""Per-shape overrides of `--tiny`: the same layer pattern and options at toy widths."""
+FP8_BLOCK = {False: (128, 128), True: (32, 32)}
+"""DeepSeek's FP8 weight block (full shapes, tiny shapes: the tiny experts are 32 wide)."""
+
+
+def hf_config_for(shape: str, tiny: bool = False, fp8_weights: bool = False):
+    """The HF config of a bench shape; `fp8_weights` adds DeepSeek's FP8 quantization_config."""
+    from transformers import AutoConfig
+
+    if shape not in SHAPES:
+        raise ValueError(f"unknown shape {shape!r}; one of {', '.join(SHAPES)}")
+    spec = dict(SHAPES[shape])
+    if tiny:
+        spec.update(TINY.get(shape, dict(vocab_size=512, hidden_size=64, intermediate_size=128,
+                                          num_hidden_layers=2, num_attention_heads=4,
+                                          num_key_value_heads=2, head_dim=16)))
+    if fp8_weights:
+        if spec["model_type"] != "deepseek_v3":
+            raise ValueError("--fp8-weights: only DeepSeek shapes ship FP8 block weights")
+        spec["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
+                                       "activation_scheme": "dynamic",
+                                       "weight_block_size": list(FP8_BLOCK[tiny])}
+    return AutoConfig.for_model(spec.pop("model_type"), **spec)
+
+
+# -- random weights ---------------------------------------------------------------------------
+def random_model(hf_config, dtype: torch.dtype, device: torch.device, options=None,
+                 seed: int = 0) -> nn.Module:
+    """Our model with random weights drawn on `device` (no checkpoint, no download), loaded
+    through its own `load_weights`; N(0, 0.02) matrices, ones for norms."""
+    from batchgen.models.fp8 import weight_block_size
+    from batchgen.models.loader import meta_model
+
+    model = meta_model(hf_config, options).to(dtype)  # on meta: allocate in `dtype` directly
+    model = model.to_empty(device=device).requires_grad_(False)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    for module in model.modules():
+        if hasattr(module, "reset_buffers"):
+            module.reset_buffers()
+    quantized = getattr(hf_config, "quantization_config", None)
+    fp8_block = weight_block_size(hf_config) if _quant_method(quantized) == "fp8" else None
+    model.load_weights(random_checkpoint(checkpoint_specs(model), dtype, device, fp8_block, seed))
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # FP8 swaps free the bf16 placeholders: return them
+    return model.eval()
+
+
+def _quant_method(quant) -> str:
+    if quant is None:
+        return ""
+    method = quant.get("quant_method") if isinstance(quant, dict) else quant.quant_method
+    return str(getattr(method, "value", method) or "").lower()
+
+
+def checkpoint_specs(model: nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, shape, kind) of each tensor a checkpoint of `model` holds, in module order.
+
+    kind: "ones" (norm weights), "normal", "linear" (a matrix real FP8 checkpoints quantize),
+    "mxfp4_blocks" / "mxfp4_scales". Names and shapes only, so no tensor is kept alive."""
+    from batchgen.models.gpt_oss import ExpertWeights
+    from batchgen.models.moe import RoutedExperts
+    from batchgen.models.mxfp4 import BLOCK
+
+    specs: list[tuple[str, tuple[int, ...], str]] = []
+    seen: set[int] = set()
+    done: list[str] = []  # expert containers already described whole
+    for mod_name, module in model.named_modules():
+        if any(mod_name.startswith(prefix) for prefix in done):
+            continue
+        if isinstance(module, RoutedExperts):
+            h, i = module.hidden, module.inter
+            for e in range(module.num_experts):
+                for proj, shape in (("gate_proj", (i, h)), ("up_proj", (i, h)),
+                                    ("down_proj", (h, i))):
+                    specs.append((f"{mod_name}.{e}.{proj}.weight", shape, "linear"))
+            done.append(mod_name + ".")
+            continue
+        if isinstance(module, ExpertWeights):
+            experts, out, inp = module.shape
+            specs.append((mod_name + "_blocks", (experts, out, inp // BLOCK, BLOCK // 2),
+                          "mxfp4_blocks"))
+            specs.append((mod_name + "_scales", (experts, out, inp // BLOCK), "mxfp4_scales"))
+            done.append(mod_name + ".")
+            continue
+        for pname, param in module.named_parameters(recurse=False):
+            if id(param) in seen:  # tied to a parameter already listed
+                continue
+            seen.add(id(param))
+            name = f"{mod_name}.{pname}" if mod_name else pname
+            specs.append((name, tuple(param.shape), _kind(name, module, pname)))
+    return specs
+
+
+def _kind(name: str, module: nn.Module, pname: str) -> str:
+    if "norm" in type(module).__name__.lower():
+        return "ones"
+    is_matrix = isinstance(module, nn.Linear) and pname == "weight" and module.bias is None
+    in_block = ".self_attn." in name or ".mlp." in name
+    return "linear" if is_matrix and in_block and ".mlp.gate." not in name else "normal"
+
+
+def random_checkpoint(specs, dtype: torch.dtype, device: torch.device,
+                      fp8_block: tuple[int, int] | None = None,
+                      seed: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+    """Draw the tensors of `specs` on `device`, one at a time. With `fp8_block`, "linear"
+    matrices come as e4m3 `weight` + `weight_scale_inv`, as DeepSeek's FP8 checkpoints."""
+    from batchgen.models.fp8 import quantize_blocks
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, shape, kind in specs:
+        if kind == "ones":
+            yield name, torch.ones(shape, dtype=dtype, device=device)
+        elif kind == "mxfp4_blocks":  # uniform e2m1 codes: +-{0, .5, 1, 1.5, 2, 3, 4, 6}
+            yield name, torch.randint(0, 256, shape, dtype=torch.uint8, device=device,
+                                      generator=gen)
+        elif kind == "mxfp4_scales":  # 2^-8..2^-6: values of rms ~0.02
+            yield name, torch.randint(119, 122, shape, dtype=torch.uint8, device=device,
+                                      generator=gen)
+        else:
+            w = torch.empty(shape, dtype=dtype, device=device).normal_(0.0, 0.02, generator=gen)
+            if kind == "linear" and fp8_block is not None:
+                wq, scale = quantize_blocks(w, fp8_block)
+                del w
+                yield name, wq
+                yield name + "_scale_inv", scale
+            else:
+                yield name, w
+
+
+# -- HF's twin --------------------------------------------------------------------------------
+def hf_twin(model: nn.Module, hf_config) -> nn.Module:
+    """HF's `AutoModelForCausalLM` of `hf_config` on our weights: tensors are assigned, not
+    copied, where the layouts agree (fused projections are split as views, gpt-oss experts
+    transposed as views); only MXFP4 experts are materialised, dequantized."""
+    from transformers import AutoModelForCausalLM
+
+    device = next(model.parameters()).device
+    dtype = model.model.embed_tokens.weight.dtype
+    config = copy.deepcopy(hf_config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # HF gets dense weights; it would quantize them again
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    wanted = set(hf.state_dict())
+    hf.load_state_dict(hf_state_dict(model, wanted), strict=False, assign=True)
+    hf.requires_grad_(False)
+    _rebuild_meta_buffers(hf, device)
+    missing = [n for n, t in [*hf.named_parameters(), *hf.named_buffers()] if t.is_meta]
+    if missing:
+        raise ValueError(f"HF peer: no weights for {len(missing)} tensors, e.g. {missing[:3]}")
+    return hf.eval()
+
+
+def hf_state_dict(model: nn.Module, wanted: set[str]) -> dict[str, torch.Tensor]:
+    """Our tensors under HF's names (views where possible)."""
+    from batchgen.models.fp8 import Fp8Linear
+    from batchgen.models.gpt_oss import ExpertWeights
+    from batchgen.models.moe import RoutedExperts
+    from batchgen.models.mxfp4 import dequantize_mxfp4
+
+    dtype = model.model.embed_tokens.weight.dtype
+    state = dict(model.state_dict())
+    for name, module in model.named_modules():
+        if isinstance(module, Fp8Linear) or (isinstance(module, RoutedExperts)
+                                             and (module.num_offloaded or module.block)):
+            raise ValueError("the HF peer needs every weight on the device in the model dtype: "
+                             "run it without --fp8-weights and expert offloading")
+        if isinstance(module, ExpertWeights):  # ours [E, out, in]; HF's [E, in, out]
+            for part in ("blocks", "scales", "weight"):
+                state.pop(f"{name}.{part}", None)
+            dense = (dequantize_mxfp4(module.blocks, module.scales, dtype) if module.packed
+                     else module.weight)
+            state[name] = dense.transpose(1, 2)
+    for name in [n for n in state if n not in wanted]:
+        state.update(_unfused(model, name, state.pop(name)))
+    return state
+
+
+def _unfused(model: nn.Module, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Llama's fused qkv_proj / gate_up_proj as HF's separate projections (row views)."""
+    if ".qkv_proj." in name:
+        attn = model.model.layers[0].self_attn
+        parts = zip(("q_proj", "k_proj", "v_proj"),
+                    tensor.split([attn.q_size, attn.kv_size, attn.kv_size]))
+        return {name.replace("qkv_proj", proj): t for proj, t in parts}
+    if ".gate_up_proj." in name:
+        gate, up = tensor.chunk(2)
+        return {name.replace("gate_up_proj", "gate_proj"): gate,
+                name.replace("gate_up_proj", "up_proj"): up}
+    return {}  # ours only (none today): HF's meta check reports anything left unfilled
+
+
+def _rebuild_meta_buffers(hf: nn.Module, device: torch.device) -> None:
+    """Computed buffers (rotary inv_freq) were built on meta with the model: build again."""
+    for name, module in list(hf.named_modules()):
+        if not any(b.is_meta for b in module.buffers(recurse=False)):
+            continue
+        if "rotary" not in type(module).__name__.lower():
+            raise ValueError(f"HF peer: cannot rebuild the buffers of {name} ({type(module)})")
+        with torch.device(device):  # the signature varies across versions; config is common
+            hf.set_submodule(name, type(module)(config=hf.config))
+
+
+# -- sizes ------------------------------------------------------------------------------------
+def weight_stats(model: nn.Module) -> dict:
+    """params: all weights; active_params: those one token multiplies by (k of E routed
+    experts; not the embedding table, a lookup; OpenAI counts gpt-oss-20b's 3.6 B so);
+    device_bytes: weight bytes on the device (what a large decode step reads); host_bytes:
+    offloaded experts (streamed over PCIe, outside the HBM roofline)."""
+    from batchgen.models.gpt_oss import ExpertWeights
+    from batchgen.models.moe import RoutedExperts
+
+    cfg = model.config
+    k = getattr(cfg, "num_experts_per_tok", None) or 1
+    stats = dict(params=0, active_params=0.0, device_bytes=0, host_bytes=0)
+    experts = [m for m in model.modules() if isinstance(m, (RoutedExperts, ExpertWeights))]
+    inside = {id(t) for m in experts for t in [*m.parameters(), *m.buffers()]}
+    lookups = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    for t in model.parameters():  # unique: a tied LM head counts once
+        if id(t) in inside:
+            continue
+        stats["params"] += t.numel()
+        stats["active_params"] += 0 if id(t) in lookups else t.numel()  # a lookup, no FLOPs
+        stats["device_bytes"] += t.numel() * t.element_size()
+    for m in experts:
+        if isinstance(m, RoutedExperts):
+            count, total = 3 * m.hidden * m.inter * m.num_experts, m.num_experts
+            if m.host is not None:
+                stats["host_bytes"] += sum(t.numel() * t.element_size() for t in m.host.tensors())
+        else:
+            count, total = m.shape[0] * m.shape[1] * m.shape[2], m.shape[0]
+        stats["params"] += count
+        stats["active_params"] += count * min(k, total) / total
+        stats["device_bytes"] += sum(t.numel() * t.element_size()
+                                     for t in [*m.parameters(recurse=False),
+                                               *m.buffers(recurse=False)])
+    return stats

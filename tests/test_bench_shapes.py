@@ -1,0 +1,132 @@
+"""`batchgen bench` shapes: the full DeepSeek-V3-4L / gpt-oss-20b sizes (meta models, no
+memory), and their tiny variants run end to end on CPU through our engine and HF's twin."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from batchgen.bench import BenchConfig, Workload, bench, format_table
+from batchgen.bench_models import hf_config_for, hf_twin, random_model, weight_stats
+from batchgen.config import ModelConfig
+from batchgen.engine.forward_batch import ForwardBatch
+from batchgen.engine.kv_cache import KVLayout, KVPool
+from batchgen.models.loader import meta_model
+
+CPU = torch.device("cpu")
+PROMPT = [5, 17, 99, 3, 250, 41, 7, 300, 12, 64, 77, 8]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("shape,params,active,gib", [
+    ("deepseek-v3-4l", 36.96e9, 3.27e9, 68.8),  # the issue's "37 B params, 69 GiB bf16"
+    ("gpt-oss-20b", 20.91e9, 3.61e9, 12.8),  # OpenAI's 21 B / 3.6 B active; MXFP4 experts
+])
+def test_full_shapes_have_the_published_sizes(shape, params, active, gib):
+    stats = weight_stats(meta_model(hf_config_for(shape)).to(torch.bfloat16))
+    assert stats["params"] == pytest.approx(params, rel=0.01)
+    assert stats["active_params"] == pytest.approx(active, rel=0.05)
+    assert stats["device_bytes"] / 2**30 == pytest.approx(gib, rel=0.02)
+
+
+def test_deepseek_4l_layout_is_one_dense_then_three_moe_layers():
+    cfg = hf_config_for("deepseek-v3-4l")
+    model = meta_model(cfg)
+    kinds = [type(layer.mlp).__name__ for layer in model.model.layers]
+    assert kinds == ["GatedMLP", "DeepseekMoE", "DeepseekMoE", "DeepseekMoE"]
+    assert model.kv_token_shape == (1, 576)
+
+
+def prefill_logits(model, prompt=PROMPT) -> torch.Tensor:
+    layout = KVLayout(model.config.num_hidden_layers, model.kv_token_shape, torch.float32,
+                      torch.float32)
+    pool = KVPool(layout, 2, "cpu")
+    batch = ForwardBatch.build([prompt], [0], [[0, 1]], [True], pool, CPU)
+    with torch.inference_mode():
+        return model(batch)[0]
+
+
+@pytest.mark.parametrize("shape", ["deepseek-v3-4l", "gpt-oss-20b", "smollm2-135m"])
+def test_hf_twin_shares_our_weights_and_matches_our_logits(shape):
+    cfg = hf_config_for(shape, tiny=True)
+    ours = random_model(cfg, torch.float32, CPU)
+    hf = hf_twin(ours, cfg)
+    assert (hf.model.embed_tokens.weight.data_ptr()
+            == ours.model.embed_tokens.weight.data_ptr()), "the twin copied the embedding"
+    with torch.inference_mode():
+        want = hf(torch.tensor([PROMPT])).logits[0, -1].float()
+    got = prefill_logits(ours)
+    assert got.abs().max() > 0.01  # random weights give non-trivial logits
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3 * want.abs().max().item())
+
+
+def test_gpt_oss_packed_and_pre_dequantized_get_the_same_weights():
+    cfg = hf_config_for("gpt-oss-20b", tiny=True)
+    packed = random_model(cfg, torch.float32, CPU)
+    dense = random_model(cfg, torch.float32, CPU, ModelConfig(pre_dequantize_weights=True))
+    assert packed.packed and not dense.packed
+    assert weight_stats(dense)["device_bytes"] > 3 * weight_stats(packed)["device_bytes"] / 2
+    torch.testing.assert_close(prefill_logits(packed), prefill_logits(dense))
+
+
+def test_deepseek_offloaded_experts_get_the_same_weights():
+    cfg = hf_config_for("deepseek-v3-4l", tiny=True)
+    resident = random_model(cfg, torch.float32, CPU)
+    options = ModelConfig(enable_ep_with_offloading=True, ep_offloading_ratio=0.5)
+    offloaded = random_model(cfg, torch.float32, CPU, options)
+    stats = weight_stats(offloaded)
+    assert stats["host_bytes"] > 0 and stats["params"] == weight_stats(resident)["params"]
+    torch.testing.assert_close(prefill_logits(offloaded), prefill_logits(resident))
+    with pytest.raises(ValueError, match="HF peer"):
+        hf_twin(offloaded, cfg)
+
+
+def test_deepseek_fp8_weights_load_as_block_quantized():
+    """On CPU the loader dequantizes FP8 blocks: the weights sit on the e4m3 grid times
+    one scale per 32x32 block (the tiny shapes' block)."""
+    cfg = hf_config_for("deepseek-v3-4l", tiny=True, fp8_weights=True)
+    model = random_model(cfg, torch.float32, CPU)
+    w = model.model.layers[0].mlp.gate_proj.weight[:32, :32]
+    scale = w.abs().max() / 448
+    assert torch.equal((w / scale).to(torch.float8_e4m3fn).float() * scale, w)
+    assert torch.isfinite(prefill_logits(model)).all()
+    with pytest.raises(ValueError, match="FP8 block weights"):
+        hf_config_for("gpt-oss-20b", fp8_weights=True)
+
+
+@pytest.mark.parametrize("shape,extra", [
+    ("deepseek-v3-4l", dict(peer="hf")),
+    ("deepseek-v3-4l", dict(fp8_weights=True, enable_ep_with_offloading=True,
+                            ep_offloading_ratio=0.3)),
+    ("gpt-oss-20b", dict(peer="hf")),
+])
+def test_tiny_shapes_run_through_bench(shape, extra):
+    cfg = BenchConfig(shape=shape, tiny=True, device="cpu", peer_batch=3,
+                      gpu_kv_cache_size=0.02, host_kv_cache_size=0.05, **extra)
+    report = bench(cfg, Workload(requests=3, input_len=16, output_len=3))
+    rows = report["results"]
+    assert rows["batchgen"]["output_tok_s"] > 0
+    assert ("hf_generate" in rows) == (extra.get("peer") == "hf")
+    assert shape in format_table(report)
+
+
+def test_bench_command_takes_the_model_options():
+    from batchgen.cli import app
+
+    result = CliRunner().invoke(app, [
+        "bench", "--shape", "gpt-oss-20b", "--tiny", "--device", "cpu", "--requests", "2",
+        "--input-len", "8", "--output-len", "2", "--pre-dequantize-weights",
+        "--gpu-kv-cache-size", "0.02", "--host-kv-cache-size", "0.05"])
+    assert result.exit_code == 0, result.output
+    assert "gpt-oss-20b (float32)" in result.output
+    refused = CliRunner().invoke(app, ["bench", "--shape", "deepseek-v3-4l", "--tiny",
+                                       "--device", "cpu", "--ep-offloading-ratio", "0.3"])
+    assert refused.exit_code == 2 and "enable-ep-with-offloading" in refused.output
