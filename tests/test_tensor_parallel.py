@@ -10,7 +10,7 @@ from engine_utils import greedy_requests
 from tiny_models import save_tiny_model
 from tp_utils import run_tensor_parallel
 
-from batchgen.config import EngineConfig, MemoryConfig
+from batchgen.config import EngineConfig, MemoryConfig, ModelConfig
 from batchgen.engine.engine import Engine
 from batchgen.models.loader import build_model, load_hf_config, read_safetensors
 from batchgen.parallel import ParallelError, TensorParallel
@@ -18,10 +18,10 @@ from batchgen.parallel import ParallelError, TensorParallel
 PROMPTS = [[1 + (i * 7 + j * 13) % 500 for j in range(n)] for i, n in enumerate((5, 70, 131, 20))]
 
 
-def generate(tp: TensorParallel, folder, max_tokens: int):
+def generate(tp: TensorParallel, folder, max_tokens: int, options=None):
     torch.manual_seed(0)
     model = build_model(load_hf_config(folder), read_safetensors(folder), torch.float32,
-                        torch.device("cpu"), tp=tp)
+                        torch.device("cpu"), options, tp=tp)
     attn = model.model.layers[0].self_attn
     assert attn.heads * tp.size == model.config.num_attention_heads  # really split
     cfg = EngineConfig(memory=MemoryConfig(gpu_kv_cache_size=0.05, host_kv_cache_size=0.1)).validate()
@@ -30,11 +30,7 @@ def generate(tp: TensorParallel, folder, max_tokens: int):
     return [(c.completions[0].token_ids, c.completions[0].logprobs) for c in done]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
-def test_tp2_equals_one_process(tmp_path, family):
-    folder = save_tiny_model(family, tmp_path / family)
-    single = generate(TensorParallel(), folder, 24)
-    ranks = run_tensor_parallel(2, generate, folder, 24)
+def assert_same_as_single(ranks, single):
     for rank in ranks:
         for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(rank, single):
             assert tokens == ref_tokens
@@ -42,6 +38,26 @@ def test_tp2_equals_one_process(tmp_path, family):
             want = torch.tensor([lp.logprob for lp in ref_logprobs])
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert ranks[0] == ranks[1]  # the replicas are bitwise identical
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_tp2_equals_one_process(tmp_path, family):
+    folder = save_tiny_model(family, tmp_path / family)
+    single = generate(TensorParallel(), folder, 24)
+    assert_same_as_single(run_tensor_parallel(2, generate, folder, 24), single)
+
+
+@pytest.mark.parametrize("ratio", [0.0, 0.5])
+def test_deepseek_tp2_with_expert_parallel_equals_one_process(tmp_path, ratio):
+    """MLA split by heads, 16 experts as 2 x 8 (expert parallel), shared experts by columns;
+    with --ep-offloading-ratio, half of each rank's experts stream in from host memory."""
+    from test_deepseek import save_tiny
+
+    folder = tmp_path / "ds"
+    save_tiny(folder)
+    options = ModelConfig(enable_ep_with_offloading=ratio > 0, ep_offloading_ratio=ratio)
+    single = generate(TensorParallel(), folder, 16)
+    assert_same_as_single(run_tensor_parallel(2, generate, folder, 16, options), single)
 
 
 def test_heads_not_divisible_is_a_clear_error(tmp_path):

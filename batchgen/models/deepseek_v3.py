@@ -29,9 +29,10 @@ from batchgen.models.fp8 import (
     pair_scales,
     weight_block_size,
 )
-from batchgen.models.layers import GatedMLP, RMSNorm, default_max_positions
+from batchgen.models.layers import SINGLE, GatedMLP, RMSNorm, RowParallelLinear, default_max_positions
 from batchgen.models.mla import MlaRope, MLAttention
 from batchgen.models.moe import DeepseekMoE, ExpertStager, RoutedExperts
+from batchgen.parallel import TensorParallel
 
 EXPERT_NAME = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 GROUPED_EXPERT_NAME = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
@@ -40,49 +41,64 @@ FLOAT32_PARAMS = (".mlp.gate.weight", ".mlp.gate.e_score_correction_bias")
 """Router tensors stay float32 whatever the model dtype, as in HF and DeepSeek's reference."""
 KEEP_DENSE = (".kv_b_proj.weight",)
 """Dequantized even on CUDA: the absorbed MLA path uses kv_b_proj as a matrix, not a GEMM."""
+COLUMN_PARALLEL = ("self_attn.q_b_proj.weight", "self_attn.q_proj.weight",
+                   "self_attn.kv_b_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+                   "shared_experts.gate_proj.weight", "shared_experts.up_proj.weight")
+"""Split by output rows under TP (heads, intermediate features); routed experts excluded."""
+ROW_PARALLEL = ("self_attn.o_proj.weight", "mlp.down_proj.weight",
+                "shared_experts.down_proj.weight")
+"""Split by input columns under TP; the rest (LoRA down-projections, norms, router,
+embedding, LM head) is replicated."""
 
 
 class DecoderLayer(PreNormDecoderLayer):
     def __init__(self, cfg, layer: int, rope: MlaRope, num_offloaded: int,
-                 stager: ExpertStager | None):
+                 stager: ExpertStager | None, tp: TensorParallel):
         super().__init__()
-        self.self_attn = MLAttention(cfg, layer, rope)
+        self.self_attn = MLAttention(cfg, layer, rope, tp)
         if layer >= (cfg.first_k_dense_replace or 0) and cfg.n_routed_experts:
-            self.mlp = DeepseekMoE(cfg, num_offloaded, stager)
+            self.mlp = DeepseekMoE(cfg, num_offloaded, stager, tp)
         else:
-            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, tp=tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class DeepseekV3Model(DecoderStack):
-    def __init__(self, cfg, num_offloaded: int, stager: ExpertStager | None):
+    def __init__(self, cfg, num_offloaded: int, stager: ExpertStager | None, tp: TensorParallel):
         super().__init__()
         rope = MlaRope(cfg)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rope, num_offloaded, stager)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rope, num_offloaded, stager, tp)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-def offloaded_experts(hf_config, options) -> int:
-    """Routed experts per layer kept in host memory under --ep-offloading-ratio."""
+def offloaded_experts(hf_config, options, tp: TensorParallel = SINGLE) -> int:
+    """Routed experts per layer this rank keeps in host memory under --ep-offloading-ratio
+    (the ratio applies to each rank's share of the experts)."""
     if options is None or not getattr(options, "enable_ep_with_offloading", False):
         return 0
     ratio = float(getattr(options, "ep_offloading_ratio", 0.0))
     if not 0.0 <= ratio <= 1.0:
         raise ValueError(f"ep_offloading_ratio={ratio} is not in [0, 1]")
-    return round(ratio * (hf_config.n_routed_experts or 0))
+    return round(ratio * tp.split(hf_config.n_routed_experts or 0, "n_routed_experts"))
 
 
 class DeepseekV3ForCausalLM(PagedCausalLM):
-    def __init__(self, hf_config, options=None):
+    """Under tensor parallelism: MLA split by heads (each rank caches the whole latent, which
+    all heads share), dense MLPs by columns/rows, MoE expert parallel (moe.py)."""
+
+    supports_tensor_parallel = True
+
+    def __init__(self, hf_config, options=None, tp: TensorParallel = SINGLE):
         super().__init__()
         self.config = hf_config
         self.options = options
-        num_offloaded = offloaded_experts(hf_config, options)
+        self.tp = tp
+        num_offloaded = offloaded_experts(hf_config, options, tp)
         self.expert_stager = ExpertStager(num_offloaded) if num_offloaded else None
-        self.model = DeepseekV3Model(hf_config, num_offloaded, self.expert_stager)
+        self.model = DeepseekV3Model(hf_config, num_offloaded, self.expert_stager, tp)
         self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
         self.tie_weights()
         self.kv_token_shape = (1, hf_config.kv_lora_rank + hf_config.qk_rope_head_dim)
@@ -111,6 +127,7 @@ class DeepseekV3ForCausalLM(PagedCausalLM):
                 value = dequantize_blocks(value.weight, value.scale_inv, value.block, dtype)
             if self._load_expert(experts, name, value):
                 continue
+            value = self._local_part(name, value, dtype)
             if isinstance(value, QuantizedWeight):
                 self._install_fp8_linear(name, value)
                 seen.update({name, name + "_scale_inv"})
@@ -153,8 +170,26 @@ class DeepseekV3ForCausalLM(PagedCausalLM):
             raise ValueError(f"{name}: checkpoint shape {tuple(value.weight.shape)} != model "
                              f"shape {tuple(old.weight.shape)}")
         device = old.weight.device
+        reduce = isinstance(old, RowParallelLinear) and old.reduce_output and self.tp.size > 1
         self.set_submodule(path, Fp8Linear(value.weight.to(device), value.scale_inv.to(device),
-                                           value.block))
+                                           value.block, self.tp if reduce else None))
+
+    def _local_part(self, name: str, value, dtype: torch.dtype):
+        """This TP rank's slice of a replicated-checkpoint tensor (see COLUMN/ROW_PARALLEL).
+        An FP8 matrix is cut along whole scale blocks, or dequantized when a rank's share is
+        not a whole number of blocks."""
+        tp = self.tp
+        dim = 0 if name.endswith(COLUMN_PARALLEL) else 1 if name.endswith(ROW_PARALLEL) else None
+        if tp.size == 1 or dim is None:
+            return value
+        if not isinstance(value, QuantizedWeight):
+            return tp.shard(value, dim)
+        part = value.weight.shape[dim] // tp.size
+        if part % value.block[dim]:
+            return tp.shard(dequantize_blocks(value.weight, value.scale_inv, value.block, dtype),
+                            dim)
+        return QuantizedWeight(tp.shard(value.weight, dim), tp.shard(value.scale_inv, dim),
+                               value.block)
 
     def _check_complete(self, seen: set[str], experts: dict) -> None:
         params = {n for n, _ in self.named_parameters(remove_duplicate=False)}

@@ -191,11 +191,14 @@ def _scaled_mm_works(device: torch.device, n: int, k: int) -> bool:
 class Fp8Linear(nn.Module):
     """A bias-free linear layer whose weight stays e4m3 with per-block scales (CUDA only)."""
 
-    def __init__(self, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]):
+    def __init__(self, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
+                 reduce_over=None):
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.weight_scale_inv = nn.Parameter(scale_inv.float(), requires_grad=False)
         self.block = tuple(block)
+        self.reduce_over = reduce_over
+        """The TensorParallel group summing a row-parallel layer's partial outputs, or None."""
 
     @property
     def out_features(self) -> int:
@@ -205,7 +208,8 @@ class Fp8Linear(nn.Module):
         return dequantize_blocks(self.weight, self.weight_scale_inv, self.block, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_linear(x, self.weight, self.weight_scale_inv, self.block)
+        out = fp8_linear(x, self.weight, self.weight_scale_inv, self.block)
+        return out if self.reduce_over is None else self.reduce_over.all_reduce(out)
 
 
 def dense_weight(linear: nn.Module, dtype: torch.dtype) -> torch.Tensor:

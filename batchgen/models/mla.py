@@ -34,12 +34,15 @@ from batchgen.core import PAGE_SIZE
 from batchgen.engine.forward_batch import ForwardBatch
 from batchgen.models.fp8 import dense_weight
 from batchgen.models.layers import (
+    SINGLE,
     RMSNorm,
     RotaryEmbedding,
+    RowParallelLinear,
     default_max_positions,
     rope_inv_freq,
     rope_parameters,
 )
+from batchgen.parallel import TensorParallel
 
 LORA_NORM_EPS = 1e-6
 """q_a_layernorm / kv_a_layernorm use RMSNorm's default eps in HF and DeepSeek's reference,
@@ -90,11 +93,14 @@ def mla_softmax_scale(cfg) -> float:
 
 
 class MLAttention(nn.Module):
-    def __init__(self, cfg, layer: int, rope: MlaRope):
+    """Tensor parallel by heads: q_b_proj / kv_b_proj rows and o_proj columns are split; the
+    latent projection (and so the cached latent) is whole on every rank, shared by all heads."""
+
+    def __init__(self, cfg, layer: int, rope: MlaRope, tp: TensorParallel = SINGLE):
         super().__init__()
         bias = bool(getattr(cfg, "attention_bias", False))
         self.layer = layer
-        self.heads = cfg.num_attention_heads
+        self.heads = tp.split(cfg.num_attention_heads, "num_attention_heads")
         self.dn, self.rope_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
         self.dv, self.latent = cfg.v_head_dim, cfg.kv_lora_rank
         q_out = self.heads * (self.dn + self.rope_dim)
@@ -108,7 +114,8 @@ class MLAttention(nn.Module):
         self.kv_a_proj_with_mqa = nn.Linear(cfg.hidden_size, self.latent + self.rope_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.latent, LORA_NORM_EPS)
         self.kv_b_proj = nn.Linear(self.latent, self.heads * (self.dn + self.dv), bias=False)
-        self.o_proj = nn.Linear(self.heads * self.dv, cfg.hidden_size, bias=bias)
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * self.dv, cfg.hidden_size,
+                                        bias=bias, tp=tp)
         self.rope = rope
         self.scale = mla_softmax_scale(cfg)
         self.prefill_impl = "naive"
