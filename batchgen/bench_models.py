@@ -146,7 +146,7 @@ def checkpoint_specs(model: nn.Module) -> list[tuple[str, tuple[int, ...], str]]
             continue
         if isinstance(module, RoutedExperts):
             h, i = module.hidden, module.inter
-            for e in range(module.num_experts):
+            for e in range(getattr(module, "total_experts", module.num_experts)):
                 for proj, shape in (("gate_proj", (i, h)), ("up_proj", (i, h)),
                                     ("down_proj", (h, i))):
                     specs.append((f"{mod_name}.{e}.{proj}.weight", shape, "linear"))
