@@ -10,6 +10,7 @@ live in batchgen/bench_models.py.
 
 from __future__ import annotations
 
+import gc
 import math
 import time
 from dataclasses import asdict, dataclass
@@ -99,6 +100,9 @@ def run_ours(model, tokenizer, engine_cfg: EngineConfig, work: Workload) -> dict
 def run_hf_peer(model, hf_config, work: Workload, batch: int) -> dict:
     """HF `generate` on static batches of the same requests, on our weights (`hf_twin`)."""
     device = next(model.parameters()).device
+    gc.collect()  # our engine's KV pools: give their memory back before HF allocates its cache
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     hf = hf_twin(model, hf_config)
     prompts, outputs = work.prompts(hf_config.vocab_size), work.lengths()
     sync(model)
