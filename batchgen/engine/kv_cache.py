@@ -70,6 +70,9 @@ class KVPool:
         self.scales = scales
         if layout.quantized and scales is None:
             self.scales = torch.ones(shape[:-1], dtype=torch.float32, device=device)
+        assert self.data.is_contiguous() and (self.scales is None or self.scales.is_contiguous())
+        self._scratch: torch.Tensor | None = None
+        """Reused output of `gather_heads` (see there)."""
 
     @property
     def device(self) -> torch.device:
@@ -94,14 +97,52 @@ class KVPool:
 
     def gather(self, layer: int, pages: torch.Tensor) -> torch.Tensor:
         """KV of `pages[..., P]` as `[..., P * PAGE_SIZE, *token_shape]` in the compute dtype."""
-        data, scales = self.layer(layer)
-        picked = data[pages]
-        lead = picked.shape[:-len(self.layout.token_shape) - 2]
+        lead = pages.shape[:-1]
+        picked = self._rows(self.data, layer, pages.reshape(-1), 0)
         picked = picked.reshape(*lead, -1, *self.layout.token_shape)
         if not self.layout.quantized:
             return picked.to(self.layout.compute_dtype)
-        scale = scales[pages].reshape(*lead, -1, *self.layout.token_shape[:-1])
+        scale = self._rows(self.scales, layer, pages.reshape(-1), 0)
+        scale = scale.reshape(*lead, -1, *self.layout.token_shape[:-1])
         return (picked.float() * scale.unsqueeze(-1)).to(self.layout.compute_dtype)
+
+    def gather_heads(self, layer: int, pages: torch.Tensor) -> torch.Tensor:
+        """KV of `pages[N]` with the token's leading dims first, in the compute dtype:
+        `[*token_shape[:-1], N, PAGE_SIZE, token_shape[-1]]`, i.e. `[2, KVH, N, 64, D]` for GQA.
+
+        Every (K or V, head) page is then one contiguous `[64, D]` block, the layout CPU
+        batched matmuls need (on strided pages they run several times slower). The result
+        may be a view of a scratch buffer that the next call overwrites: on CPU a fresh
+        multi-MiB tensor per layer costs about as much in page faults as the copy itself.
+        """
+        lead = len(self.layout.token_shape) - 1
+        if self.layout.quantized or self.layout.dtype != self.layout.compute_dtype:
+            picked = self._rows(self.data, layer, pages, lead)
+            if not self.layout.quantized:
+                return picked.to(self.layout.compute_dtype)
+            scale = self._rows(self.scales, layer, pages, lead)
+            return (picked.float() * scale.unsqueeze(-1)).to(self.layout.compute_dtype)
+        shape = (*self.layout.token_shape[:-1], pages.numel(), PAGE_SIZE, self.layout.token_shape[-1])
+        numel = math.prod(shape)
+        if self._scratch is None or self._scratch.numel() < numel:
+            self._scratch = torch.empty(numel, dtype=self.layout.dtype, device=self.device)
+        out = self._scratch[:numel].view(shape)
+        return self._rows(self.data, layer, pages, lead, out=out)
+
+    def _rows(self, source: torch.Tensor, layer: int, pages: torch.Tensor, lead: int,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+        """`source[pages, layer]` (source is `data` or `scales`) as one index_select over the
+        flattened (page, layer) rows, with the first `lead` token dims moved in front.
+
+        One index_select of whole rows is several times faster on CPU than advanced indexing
+        of the strided per-layer view."""
+        flat = source.flatten(0, 1)  # a view: pools are allocated contiguous
+        rows = pages.long() * self.layout.num_layers + layer
+        if lead:
+            flat = flat.movedim(tuple(range(2, 2 + lead)), tuple(range(lead)))
+        if out is None:
+            return flat.index_select(lead, rows)
+        return torch.index_select(flat, lead, rows, out=out)
 
 
 def copy_pages(src: KVPool, src_pages: list[int], dst: KVPool, dst_pages: list[int]) -> None:
