@@ -12,6 +12,7 @@ SIGKILL comes at AGENT_GRACE_SHARE, so the supervisor is out within the grace pe
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import signal
@@ -70,16 +71,33 @@ def launch_workers(dist: DistConfig, spec_file: Path, log_dir: Path, grace: floa
     else:
         rdzv = {"rdzv_backend": "static", "rdzv_endpoint": dist.dist_init_addr,
                 "run_id": "batchgen", "rdzv_configs": {"rank": dist.node_rank}}
-    config = LaunchConfig(min_nodes=dist.nnodes, max_nodes=dist.nnodes, nproc_per_node=per_node,
-                          max_restarts=dist.max_restarts, monitor_interval=0.5,
-                          logs_specs=_logs_specs(log_dir), signals_to_handle=",".join(STOP_SIGNALS),
-                          shutdown_timeout=agent_shutdown_timeout(grace), **rdzv)
+    config = LaunchConfig(**supported_launch_options(
+        min_nodes=dist.nnodes, max_nodes=dist.nnodes, nproc_per_node=per_node,
+        max_restarts=dist.max_restarts, monitor_interval=0.5, logs_specs=_logs_specs(log_dir),
+        signals_to_handle=",".join(STOP_SIGNALS), shutdown_timeout=agent_shutdown_timeout(grace),
+        **rdzv))
     try:
         elastic_launch(config, sys.executable)("-u", "-m", "batchgen.runner.worker", str(spec_file))
     except ChildFailedError as err:
         rank, failure = min(err.failures.items())
         log = _log_of(log_dir, rank)
         raise WorkerFailure(rank, failure.exitcode, _tail(log), str(log or "")) from None
+
+
+def supported_launch_options(**options) -> dict:
+    """The options this torch's LaunchConfig knows. torch 2.11 lacks `shutdown_timeout` (the
+    agent then waits its default before SIGKILL) and older ones `signals_to_handle` (SIGUSR1 is
+    then not forwarded: Slurm's --signal must target SIGTERM)."""
+    import dataclasses
+
+    from torch.distributed.launcher.api import LaunchConfig
+
+    known = {f.name for f in dataclasses.fields(LaunchConfig)}
+    dropped = sorted(set(options) - known)
+    if dropped:
+        logging.getLogger("batchgen.launch").warning(
+            "this torch's launcher has no %s; running without", ", ".join(dropped))
+    return {k: v for k, v in options.items() if k in known}
 
 
 def agent_shutdown_timeout(grace: float) -> int:
