@@ -40,13 +40,20 @@ class JobSpec:
     def save(self) -> Path:
         path = self.spec_file()
         tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-        tmp.write_bytes(orjson.dumps(dataclasses.asdict(self)))
+        tmp.write_bytes(self.to_bytes())
         os.replace(tmp, path)
         return path
 
+    def to_bytes(self) -> bytes:
+        return orjson.dumps(dataclasses.asdict(self))
+
     @staticmethod
-    def load(path: str | Path) -> "JobSpec":
-        raw = orjson.loads(Path(path).read_bytes())
+    def load(path: str | Path) -> JobSpec:
+        return JobSpec.from_bytes(Path(path).read_bytes())
+
+    @staticmethod
+    def from_bytes(data: bytes) -> JobSpec:
+        raw = orjson.loads(data)
         return JobSpec(config=_config_from_dict(JobConfig, raw.pop("config")), **raw)
 
 

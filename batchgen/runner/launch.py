@@ -26,8 +26,11 @@ from pathlib import Path
 from batchgen.config import DistConfig
 from batchgen.runner.job import EXIT_REQUEUE
 
-NCCL_SAFE_ENV = {"NCCL_NVLS_ENABLE": "0"}
-"""NVLink multicast stays off on every GPU machine we launch on (it hangs lent machines)."""
+NCCL_SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                 "NVSHMEM_DISABLE_NVLS": "1"}
+"""NVLink multicast stays off in NCCL, PyTorch symmetric memory and NVSHMEM on every machine we
+run on, whatever the caller's environment says: on shared hosts a program using it can put the
+host's GPUs out of service (/work/.library/device/KINDS.md)."""
 STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1")
 """Signals the launcher's agent forwards to the workers (SIGUSR1: Slurm --signal, spot notices)."""
 WORKER_STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
@@ -48,9 +51,12 @@ class WorkerFailure(Exception):
     log_tail: str
     log_path: str = ""
     """The failed worker's stderr log (stack dumps of the watchdog and faulthandler land there)."""
+    cause: str = ""
+    """What was seen instead of an exit code (a node of the group stopped responding)."""
 
     def __str__(self) -> str:
-        return f"worker rank {self.rank} exited with code {self.exitcode}\n{self.log_tail}"
+        what = self.cause or f"worker rank {self.rank} exited with code {self.exitcode}"
+        return f"{what}\n{self.log_tail}"
 
 
 def launch_workers(dist: DistConfig, spec_file: Path, log_dir: Path, grace: float) -> None:
@@ -59,8 +65,7 @@ def launch_workers(dist: DistConfig, spec_file: Path, log_dir: Path, grace: floa
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    for key, value in NCCL_SAFE_ENV.items():
-        os.environ.setdefault(key, value)
+    force_safe_env()
     os.environ[SUPERVISOR_PID_ENV] = str(os.getpid())
     os.environ[LAUNCHED_AT_ENV] = repr(time.time())
     per_node = dist.world_size // dist.nnodes
@@ -79,9 +84,9 @@ def launch_workers(dist: DistConfig, spec_file: Path, log_dir: Path, grace: floa
     try:
         elastic_launch(config, sys.executable)("-u", "-m", "batchgen.runner.worker", str(spec_file))
     except ChildFailedError as err:
-        rank, failure = min(err.failures.items())
-        log = _log_of(log_dir, rank)
-        raise WorkerFailure(rank, failure.exitcode, _tail(log), str(log or "")) from None
+        rank, failure = root_failure(err.failures)  # global rank; logs are per local rank
+        log = _log_of(log_dir, failure.local_rank)
+        raise WorkerFailure(rank, failure.exitcode, tail(log), str(log or "")) from None
 
 
 def supported_launch_options(**options) -> dict:
@@ -98,6 +103,19 @@ def supported_launch_options(**options) -> dict:
         logging.getLogger("batchgen.launch").warning(
             "this torch's launcher has no %s; running without", ", ".join(dropped))
     return {k: v for k, v in options.items() if k in known}
+
+
+def root_failure(failures: dict) -> tuple:
+    """(global rank, ProcessFailure) of the rank that brought the group down. When one rank dies
+    the agent stops the others, which then exit 75 (stopped) a moment later: those are effects,
+    not the cause. Then the first to fail, then the lowest rank."""
+    return min(failures.items(), key=lambda item: (item[1].exitcode == EXIT_REQUEUE,
+                                                   item[1].timestamp, item[0]))
+
+
+def force_safe_env() -> None:
+    """NCCL_SAFE_ENV in this process's environment (workers inherit it)."""
+    os.environ.update(NCCL_SAFE_ENV)
 
 
 def agent_shutdown_timeout(grace: float) -> int:
@@ -123,7 +141,8 @@ def _log_of(log_dir: Path, rank: int) -> Path | None:
     return logs[-1] if logs else None
 
 
-def _tail(log: Path | None, lines: int = 20) -> str:
+def tail(log: Path | None, lines: int = 20) -> str:
+    """The last lines of a worker's log, for the failure report."""
     if log is None:
         return "(no worker log found)"
     text = log.read_text(errors="replace").splitlines()[-lines:]

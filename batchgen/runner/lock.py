@@ -1,4 +1,10 @@
-"""One live run per job: an exclusive flock on batches/{batch_id}.lock naming its holder."""
+"""One live run per job: an exclusive flock on batches/{batch_id}.lock naming its holder.
+
+A run spread over nodes (or over the ranks of an external launcher) is one run: its leader
+(node 0, rank 0) holds the job lock; every other member holds batches/{batch_id}.node{R}.lock
+(or .rank{R}.lock) instead. So members never contend with the leader, and two copies of the
+same member (a stale node still running when its job was requeued) cannot both start.
+"""
 
 from __future__ import annotations
 
@@ -45,6 +51,12 @@ class JobLock:
                 os.ftruncate(self._fd, 0)  # no stale holder name for the next run to report
             os.close(self._fd)  # closing drops the flock
             self._fd = None
+
+
+def member_lock(batch_file: Path, kind: str, member: int) -> JobLock:
+    """The lock of member `member` (> 0) of a group: kind "node" or "rank"."""
+    batch_file = Path(batch_file)
+    return JobLock(batch_file.with_name(f"{batch_file.name.split('.')[0]}.{kind}{member}.lock"))
 
 
 def _holder(fd: int) -> str:

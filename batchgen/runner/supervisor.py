@@ -5,10 +5,16 @@ any weights load. The supervisor is the only writer of the batch file; workers w
 incremental files and stats, which it copies into the batch file's health section.
 Stop signals: see launch.py; outside the launcher (before or after it runs) they raise Preempted
 here, and a second one exits at once.
+
+Runs over several nodes, or under an external torchrun / srun (members.py): the leader (node 0,
+rank 0) does all of the above and publishes a plan (group.py); every other member checks it,
+runs its own ranks and reports how they ended. The leader merges only after every member
+reported success, and ends the run non-zero naming the rank when one fails or dies.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -16,7 +22,7 @@ import signal
 import time
 from pathlib import Path
 
-from batchgen.config import JobConfig
+from batchgen.config import ConfigError, JobConfig
 from batchgen.io.jobfiles import (
     BatchFile,
     JobPaths,
@@ -25,11 +31,21 @@ from batchgen.io.jobfiles import (
     record_upload,
 )
 from batchgen.io.reader import InputSummary, scan_input
-from batchgen.io.writer import finalize, read_done_ids
-from batchgen.runner.errors import EXIT_CRASH, EXIT_DEVICE_OOM, EXIT_DISK, EXIT_LOCKED, disk_errors
+from batchgen.io.writer import IncompleteResults, finalize, read_done_ids
+from batchgen.runner.errors import (
+    EXIT_CODES,
+    EXIT_CRASH,
+    EXIT_DEVICE_OOM,
+    EXIT_DISK,
+    EXIT_LOCKED,
+    PreflightFailed,
+    disk_errors,
+    exit_code_of,
+)
+from batchgen.runner.group import Group, GroupError, MemberEnd, PlanRefused
 from batchgen.runner.job import EXIT_REQUEUE, EXIT_WATCHDOG, JobSpec, fingerprint, now
-from batchgen.runner.launch import WorkerFailure, is_stop_signal, launch_workers
-from batchgen.runner.lock import JobLock
+from batchgen.runner.launch import WorkerFailure, is_stop_signal
+from batchgen.runner.members import Member, check_plan, member_failure, member_for
 from batchgen.runner.preflight import preflight
 from batchgen.runner.progress import ProgressReporter, read_worker_stats
 from batchgen.runner.quarantine import mark_crashed
@@ -37,6 +53,8 @@ from batchgen.runner.watchdog import health_from_stats
 
 log = logging.getLogger("batchgen")
 SUPERVISOR_STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
+SHARED_FS_RETRY_S = (2, 5, 10, 20, 30)
+"""Waits before retrying a merge that misses results other nodes reported done (NFS caches)."""
 NOT_CRASHES = (EXIT_DISK, EXIT_LOCKED)
 """Worker exit codes that are no evidence against the requests in flight (no quarantine strike)."""
 
@@ -106,7 +124,15 @@ def run_job(config: JobConfig) -> int:
     stops.install()
     try:
         with disk_errors(f"write the job's files under {config.storage.storage_path}"):
-            return _run(config, stops)
+            config, member = member_for(config)
+            try:
+                return _run(config, stops, member) if member.leader else _follow(config, member)
+            finally:
+                if member.group is not None:
+                    member.group.close()
+    except (GroupError, ConfigError) as err:  # members disagree, or the launcher's world does
+        log.error("%s", err)
+        return getattr(err, "code", 2)
     except Preempted as stop:
         log.warning("stopped by %s: finished results are safe; re-run the same command to "
                     "resume (exit %d: requeue)", stop, EXIT_REQUEUE)
@@ -115,52 +141,188 @@ def run_job(config: JobConfig) -> int:
         stops.restore()
 
 
-def _run(config: JobConfig, stops: StopSignals) -> int:
+def _run(config: JobConfig, stops: StopSignals, member: Member) -> int:
     from batchgen.models.factory import model_folder
 
-    summary, paths = identify(config)
-    lock = JobLock(paths.batch_file.with_suffix(".lock"))
-    lock.acquire()  # before anything is written: a second live run changes nothing
+    group = member.group
+    with _abort_followers(group):
+        summary, paths = identify(config)
+        lock = member.lock(paths.batch_file)
+        lock.acquire()  # before anything is written: a second live run changes nothing
     try:
-        spec, batch_file = prepare(config, summary, paths)
-        if batch_file.load().status == "completed" and paths.output.exists():
-            log.info("job %s already completed: %s", spec.batch_id, paths.output)
-            return 0
-        already = len(read_done_ids(paths.incremental_files()))  # refuses a corrupt file
-        preflight(config, paths, summary.size_bytes, summary.records, summary.records - already)
-        model_folder(config.engine.model, config.dist.world_size)  # not found / convert: here
-        return _run_locked(spec, batch_file, already, stops)
+        with _abort_followers(group):
+            spec, batch_file = prepare(config, summary, paths)
+            if batch_file.load().status == "completed" and paths.output.exists():
+                log.info("job %s already completed: %s", spec.batch_id, paths.output)
+                if group is not None:
+                    group.publish_final("done")
+                return 0
+            already = len(read_done_ids(paths.incremental_files()))  # refuses a corrupt file
+            left = summary.records - already
+            preflight(config, paths, summary.size_bytes, summary.records, left)
+            model_folder(config.engine.model, config.dist.world_size)  # not found / convert: here
+        return _run_locked(spec, batch_file, already, stops, member,
+                           {"input_bytes": summary.size_bytes, "left": left})
     finally:
         lock.release()
 
 
-def _run_locked(spec: JobSpec, batch_file: BatchFile, already: int, stops: StopSignals) -> int:
-    paths = spec.paths
+@contextlib.contextmanager
+def _abort_followers(group: Group | None):
+    """The leader failed before launching: tell the followers why (and with which code)."""
+    try:
+        yield
+    except BaseException as err:
+        if group is not None:
+            code = _code_of(err)
+            try:
+                group.publish_final("abort", 10.0, code=code,
+                                    reason=f"{type(err).__name__}: {err}")
+            except Exception as lost:  # noqa: BLE001
+                log.warning("could not tell the followers: %s (they stop when we exit)", lost)
+        raise
+
+
+def _code_of(err: BaseException) -> int:
+    if isinstance(err, Preempted) or is_stop_signal(err):
+        return EXIT_REQUEUE
+    if isinstance(err, GroupError):
+        return err.code
+    if isinstance(err, (*EXIT_CODES, PreflightFailed)):
+        return exit_code_of(err)
+    return EXIT_CRASH
+
+
+def _run_locked(spec: JobSpec, batch_file: BatchFile, already: int, stops: StopSignals,
+                member: Member, sizes: dict) -> int:
+    paths, group = spec.paths, member.group
     log.info("job %s: %d requests, %d already done; results -> %s", spec.batch_id,
              spec.total_records, already, paths.output)
     started = time.time()
     batch_file.update(spec.batch_id, status="in_progress", timings={"started_at": int(started)})
     for stale in paths.batch_file.parent.glob(f"{spec.batch_id}.worker*.json"):
         stale.unlink()
+    spec_file = spec.save()
     progress = ProgressReporter(paths.batch_file.parent, spec.batch_id, spec.total_records, already)
     progress.start()
     try:
         if already < spec.total_records:
-            launch_workers(spec.config.dist, spec.save(), paths.storage_path / "logs" / spec.batch_id,
-                           spec.config.watchdog.preempt_grace)
-    except WorkerFailure as failure:
+            _lead_ranks(spec, spec_file, member, sizes, stops)
+        elif group is not None:
+            group.publish_final("done")
+    except PlanRefused as err:  # nothing ran: no crash evidence against any request
+        _try_record_end(spec, batch_file, started, "failed", {"last_failure": str(err)})
+        log.error("%s", err)
+        return err.code
+    except GroupError:  # a follower's ranks failed, or it died
+        if group is None or group.failure is None:
+            raise
+        return _worker_failed(spec, batch_file, started, member_failure(group.failure, spec.config))
+    except WorkerFailure as own:
+        failure = own
+        if group is not None and group.failure is not None:  # we stopped because of a follower
+            failure = member_failure(group.failure, spec.config)
         return _worker_failed(spec, batch_file, started, failure)
     except BaseException as err:
         if not (is_stop_signal(err) or isinstance(err, Preempted)):
             raise
+        if group is not None and group.failure is not None:  # our own stop, for a follower
+            return _worker_failed(spec, batch_file, started,
+                                  member_failure(group.failure, spec.config))
         stops.stopping = True  # the launcher took the first signal: the next one exits at once
         name = signal.Signals(err.sigval).name if hasattr(err, "sigval") else str(err)
         _try_record_end(spec, batch_file, started, "in_progress", {"last_stop": name})
         raise Preempted(name) from None
     finally:
         progress.stop()
-        stops.install()  # the launcher replaced our handlers with its own
-    return _finish(spec, batch_file, started)
+        stops.install()  # the launcher (or the in-process worker) replaced our handlers
+    return _finish(spec, batch_file, started, patient=group is not None)
+
+
+def _lead_ranks(spec: JobSpec, spec_file: Path, member: Member, sizes: dict,
+                stops: StopSignals) -> None:
+    """Publish the plan, run our own ranks while watching the followers, then wait for every
+    follower to report its shard done."""
+    group = member.group
+    if group is not None:
+        group.publish("launch", spec=spec_file.read_bytes().decode(), **sizes,
+                      records=spec.total_records)
+        group.wait_ready()
+        group.watch(lambda end: os.kill(os.getpid(), signal.SIGTERM))  # stop ours, then report
+    member.run_ranks(spec, spec.config.dist)
+    if group is not None:
+        stops.install()  # from here a stop signal raises Preempted in this loop
+        group.unwatch()
+        log.info("our ranks are done; waiting for the other %d %ss to finish their shards",
+                 group.members - 1, group.kind)
+        group.wait_ends()
+
+
+def _follow(config: JobConfig, member: Member) -> int:
+    """A member other than the leader: run the leader's plan with our ranks, report the end.
+    Never touches the batch file or the final outputs."""
+    from batchgen.models.factory import model_folder
+
+    group = member.group
+    who = member.name
+    lost: list[str] = []
+    group.start_beating(on_lost=lambda why: (lost.append(why), os.kill(os.getpid(), signal.SIGTERM)))
+    plan = group.plan()
+    if plan["action"] == "done":
+        log.info("%s: the leader says nothing is left to run", who)
+        return 0
+    if plan["action"] == "abort":
+        log.error("%s: the leader stopped before launching: %s", who, plan["reason"])
+        return int(plan["code"])
+    spec_bytes = plan["spec"].encode()
+    spec = JobSpec.from_bytes(spec_bytes)
+    lock = member.lock(spec.paths.batch_file)
+    try:
+        check_plan(config, spec, spec_bytes, who)
+        lock.acquire()
+        if member.external is None or member.external.local_rank == 0:
+            preflight(config, spec.paths, plan["input_bytes"], plan["records"], plan["left"])
+        model_folder(config.engine.model, config.dist.world_size)
+    except BaseException as err:
+        group.report(MemberEnd(group.member, _code_of(err), cause=f"{who}: {err}"))
+        lock.release()
+        raise
+    group.ready()
+    try:
+        end = _run_follower_ranks(spec, config, member, lost)
+    finally:
+        lock.release()
+    group.report(end)
+    group.close()
+    if end.code == 0:
+        log.info("%s: our ranks finished their shards; the leader merges the outputs", who)
+    return end.code
+
+
+def _run_follower_ranks(spec: JobSpec, config: JobConfig, member: Member,
+                        lost: list[str]) -> MemberEnd:
+    m = member.group.member
+    try:
+        member.run_ranks(spec, config.dist)
+        return MemberEnd(m, 0)
+    except WorkerFailure as failure:
+        code = _worker_exit_code(failure.exitcode)
+        log.error("%s\n%s", failure.cause or f"worker rank {failure.rank} exited with code "
+                  f"{failure.exitcode}", failure.log_tail)
+        return MemberEnd(m, code, failure.rank, failure.exitcode, failure.log_tail, failure.log_path)
+    except BaseException as err:
+        if not (is_stop_signal(err) or isinstance(err, Preempted)):
+            raise
+        why = lost[0] if lost else "a stop signal"
+        log.warning("%s stopped (%s): finished results are safe (exit %d: requeue)",
+                    member.name, why, EXIT_REQUEUE)
+        return MemberEnd(m, EXIT_REQUEUE, cause=f"{member.name} stopped: {why}")
+
+
+def _worker_exit_code(code: int) -> int:
+    if code in (EXIT_REQUEUE, EXIT_WATCHDOG, EXIT_DISK, EXIT_DEVICE_OOM, EXIT_LOCKED):
+        return code
+    return code if 0 < code < 256 else EXIT_CRASH
 
 
 def _worker_failed(spec: JobSpec, batch_file: BatchFile, started: float,
@@ -176,9 +338,7 @@ def _worker_failed(spec: JobSpec, batch_file: BatchFile, started: float,
                     {"last_failure": cause, "last_failure_at": int(time.time()),
                      "last_exit_code": code, "worker_log": failure.log_path})
     log.error("%s\n%s", cause, failure.log_tail)
-    if code in (EXIT_WATCHDOG, EXIT_DISK, EXIT_DEVICE_OOM, EXIT_LOCKED):
-        return code
-    return code if 0 < code < 256 else EXIT_CRASH
+    return _worker_exit_code(code)
 
 
 def _failure_cause(spec: JobSpec, failure: WorkerFailure) -> str:
@@ -186,6 +346,8 @@ def _failure_cause(spec: JobSpec, failure: WorkerFailure) -> str:
     stats = {s.get("rank"): s for s in read_worker_stats(spec.paths.batch_file.parent, spec.batch_id)}
     mine = stats.get(failure.rank, {})
     resume = "re-run the same command to resume (under Slurm: requeue)"
+    if failure.cause:
+        return f"{failure.cause}; {resume}"
     if failure.exitcode == EXIT_WATCHDOG:
         cause = mine.get("watchdog", {}).get("cause", "watchdog: a deadline was missed")
         return f"worker rank {failure.rank}: {cause}; {resume}"
@@ -205,17 +367,28 @@ def _failure_cause(spec: JobSpec, failure: WorkerFailure) -> str:
             f"error line; {resume}")
 
 
-def _finish(spec: JobSpec, batch_file: BatchFile, started: float) -> int:
+def _finish(spec: JobSpec, batch_file: BatchFile, started: float, patient: bool = False) -> int:
+    """Merge the incremental files into the outputs. `patient`: other nodes wrote some of them;
+    give a shared filesystem's caches a minute to show their last lines before giving up."""
     paths = spec.paths
     batch_file.update(spec.batch_id, status="finalizing")
     _remove_output_temps(paths)  # left by a finalize that was killed
-    try:
-        with disk_errors("write the final outputs"):
-            report = finalize(paths.incremental_files(), Path(spec.config.storage.input),
-                              paths.output, paths.errors_output)
-    except BaseException:
-        _remove_output_temps(paths)  # a temp file whose close failed on a full disk stays
-        raise
+    waits = list(SHARED_FS_RETRY_S) if patient else []
+    while True:
+        try:
+            with disk_errors("write the final outputs"):
+                report = finalize(paths.incremental_files(), Path(spec.config.storage.input),
+                                  paths.output, paths.errors_output)
+            break
+        except IncompleteResults as err:
+            _remove_output_temps(paths)
+            if not waits:
+                raise
+            log.warning("%s; waiting %d s for the shared filesystem", err, waits[0])
+            time.sleep(waits.pop(0))
+        except BaseException:
+            _remove_output_temps(paths)  # a temp file whose close failed on a full disk stays
+            raise
     s = spec.config.storage
     if s.save_result and s.output:
         default = JobPaths.for_job(s.storage_path, spec.batch_id).output
