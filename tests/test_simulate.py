@@ -153,3 +153,56 @@ def test_transfers_hide_partly_under_the_forward():
     a, b = serial.step(64, 64 * 500, 64 * 500, 10, 10), hidden.step(64, 64 * 500, 64 * 500, 10, 10)
     assert a.transfer == b.transfer > 0 and a.exposed_transfer == a.transfer
     assert b.exposed_transfer == max(0.0, b.transfer - b.forward)
+
+
+def test_allreduce_crossing_nodes_costs_the_network():
+    """TP 8 in a node: NVLink only. TP 16 over 2 nodes: NVLink inside each node plus each GPU's
+    1/8 share over its NIC, and both latencies."""
+    from batchgen.sched.cost_model import allreduce_cost
+
+    hidden_bytes = 7168 * 2
+    inside = Hardware(8, 1e15, 4e12, 55e9, 300e9, 45e-6, 0.5, 0.0, 8, 40e9, 60e-6)
+    per_token, fixed = allreduce_cost(inside, hidden_bytes)
+    assert inside.tp_nodes == 1 and fixed == 45e-6
+    assert per_token == pytest.approx(2 * 7 / 8 * hidden_bytes / 300e9)
+    spans = dataclasses.replace(inside, tensor_parallel=16)
+    per_token16, fixed16 = allreduce_cost(spans, hidden_bytes)
+    assert spans.tp_nodes == 2 and fixed16 == pytest.approx(105e-6)
+    assert per_token16 == pytest.approx(per_token + 2 * 1 / 2 * hidden_bytes / 8 / 40e9)
+    across = dataclasses.replace(spans, tensor_parallel=2, gpus_per_node=1)  # one GPU per node
+    per_token2, fixed2 = allreduce_cost(across, hidden_bytes)
+    assert per_token2 == pytest.approx(hidden_bytes / 40e9) and fixed2 == 60e-6
+    assert allreduce_cost(dataclasses.replace(inside, tensor_parallel=1), hidden_bytes) == (0, 0)
+
+
+def test_tp_across_nodes_is_slower_than_inside_one():
+    """Same 16 GPUs as 2 nodes of 8, TP 16: a slower network only costs all-reduce time."""
+    sim = dataclasses.replace(SMALL, world_size=16, tensor_parallel=16, nnodes=2,
+                              interconnect_gbps=300, network_gbps=40)
+    fast = run_simulation(dataclasses.replace(sim, network_gbps=400, network_latency_us=0.0),
+                          SchedulerConfig())
+    slow = run_simulation(sim, SchedulerConfig())
+    assert slow.comm_s > fast.comm_s > 0 and slow.total_time_s > fast.total_time_s
+    assert slow.output_tokens == fast.output_tokens and slow.steps == fast.steps
+    assert "TP 16 x DP 1 on 2 node(s), each TP group spans 2 nodes" in slow.summary()
+
+
+def test_data_parallel_over_nodes_needs_no_network():
+    """TP 8 x DP 2 on 2 nodes: each replica inside a node; the network speed changes nothing."""
+    sim = dataclasses.replace(SMALL, world_size=16, tensor_parallel=8, nnodes=2)
+    a = run_simulation(sim, SchedulerConfig())
+    b = run_simulation(dataclasses.replace(sim, network_gbps=1.0, network_latency_us=1e4),
+                       SchedulerConfig())
+    assert a.replicas == 2 and comparable(a) == comparable(b)
+    assert "TP 8 x DP 2 on 2 node(s), TP inside a node" in a.summary()
+
+
+def test_layouts_that_split_a_tp_group_unevenly_are_refused():
+    for refused in ({"world_size": 12, "tensor_parallel": 3, "nnodes": 3},   # 3 of 4 per node
+                    {"world_size": 24, "tensor_parallel": 12, "nnodes": 3},  # 12 over nodes of 8
+                    {"world_size": 16, "tensor_parallel": 16, "nnodes": 3}):  # 16 on 3 nodes
+        with pytest.raises(ValueError):
+            dataclasses.replace(SMALL, **refused).validate()
+    for accepted in ({"world_size": 12, "tensor_parallel": 4, "nnodes": 3},
+                     {"world_size": 32, "tensor_parallel": 16, "nnodes": 4}):
+        dataclasses.replace(SMALL, **accepted).validate()

@@ -6,7 +6,10 @@ is per GPU. A step's forward is bound by compute or by memory, whichever is slow
     forward  = max(FLOPs / flop_rate, bytes / hbm_rate)           (per GPU, work split over TP)
     FLOPs    = 2 * active_params * tokens + attention (query, context) pairs * per-pair FLOPs
     bytes    = weights touched this step + KV read by decode and prefill attention
-    comm     = 2 all-reduces per layer when tp > 1 (latency + activations / bus bandwidth)
+    comm     = 2 all-reduces per layer when tp > 1, hierarchical when the TP group spans nodes:
+               NVLink part  2(g-1)/g * bytes / nvlink     (g = TP ranks per node)
+               network part 2(m-1)/m * bytes/g / network  (m = nodes the group spans; each GPU
+                            sends its 1/g share over its own NIC) + both latencies
     transfer = max(device->host, host->device bytes) / PCIe      (the link is full duplex)
     exposed  = max(0, transfer - overlap * forward)
     step     = forward + comm + exposed + per-step overhead
@@ -107,6 +110,18 @@ class Hardware:
     allreduce_latency_s: float
     transfer_overlap: float
     step_overhead_s: float
+    gpus_per_node: int = 0
+    """GPUs of one node (0: the whole TP group sits in one node)."""
+    network_bytes_s: float = 0.0
+    """All-reduce bus bandwidth per GPU between nodes (its NIC)."""
+    network_latency_s: float = 0.0
+    """Extra fixed cost of an all-reduce that crosses nodes."""
+
+    @property
+    def tp_nodes(self) -> int:
+        """Nodes one TP group spans."""
+        per_node = self.gpus_per_node or self.tensor_parallel
+        return max(1, self.tensor_parallel // per_node)
 
 
 @dataclass
@@ -144,9 +159,9 @@ class CostModel:
         self.kv_bytes_per_token_gpu = self.kv_bytes_per_token / (tp if shape.kv_shards_over_tp else 1)
         """What each GPU keeps of one token's KV (all of it when the latent is replicated)."""
         self._pair_flops = shape.attn_flops_per_pair_layer * shape.num_layers
-        self._comm_per_token = (2 * shape.num_layers * shape.hidden_size * 2 * 2 * (tp - 1) / tp
-                                / hw.interconnect_bytes_s) if tp > 1 else 0.0
-        self._comm_fixed = 2 * shape.num_layers * hw.allreduce_latency_s if tp > 1 else 0.0
+        per_token, fixed = allreduce_cost(hw, shape.hidden_size * 2)  # bf16 activations
+        self._comm_per_token = 2 * shape.num_layers * per_token
+        self._comm_fixed = 2 * shape.num_layers * fixed
 
     def step(self, tokens: int, attn_pairs: float, kv_read_tokens: float,
              pages_out: int = 0, pages_in: int = 0) -> StepTime:
@@ -182,6 +197,22 @@ class CostModel:
         return total
 
 
+def allreduce_cost(hw: Hardware, token_bytes: float) -> tuple[float, float]:
+    """(seconds per token, fixed seconds) of one all-reduce over the TP group: NVLink inside a
+    node, then the network between the nodes the group spans (module docstring)."""
+    tp, nodes = hw.tensor_parallel, hw.tp_nodes
+    if tp == 1:
+        return 0.0, 0.0
+    local = tp // nodes
+    per_token = (2 * (local - 1) / local * token_bytes / hw.interconnect_bytes_s
+                 if local > 1 else 0.0)
+    fixed = hw.allreduce_latency_s if local > 1 else 0.0
+    if nodes > 1:
+        per_token += 2 * (nodes - 1) / nodes * token_bytes / local / hw.network_bytes_s
+        fixed += hw.network_latency_s
+    return per_token, fixed
+
+
 def build_cost_model(sim: SimulationConfig) -> CostModel:
     """The preset's shape, with the explicit numbers of `sim` in place of its own."""
     shape = PRESETS[sim.model]
@@ -198,7 +229,9 @@ def build_cost_model(sim: SimulationConfig) -> CostModel:
                                           * KV_BYTES_PER_VALUE[canonical_kv_dtype(sim.kv_dtype)])
     hw = Hardware(sim.tensor_parallel, sim.gpu_tflops * 1e12, sim.hbm_gbps * 1e9,
                   sim.pcie_gbps * 1e9, sim.interconnect_gbps * 1e9, sim.allreduce_latency_us * 1e-6,
-                  sim.transfer_overlap, sim.step_overhead_ms * 1e-3)
+                  sim.transfer_overlap, sim.step_overhead_ms * 1e-3,
+                  sim.world_size // sim.nnodes, sim.network_gbps * 1e9,
+                  sim.network_latency_us * 1e-6)
     return CostModel(shape, hw, kv_bytes)
 
 

@@ -45,13 +45,22 @@ class SimulationConfig:
     kv_dtype: str = "bfloat16"
     """KV storage dtype: bfloat16, float16 or fp8_e4m3fn (aliases as in `batchgen run`)."""
     world_size: int = 1
-    """GPUs in all; data-parallel replicas = world_size / tensor_parallel."""
+    """GPUs in all; data-parallel replicas = world_size / tensor_parallel, each with its own
+    scheduler and a round-robin share of the requests."""
     tensor_parallel: int = 1
-    """GPUs per replica (weights and compute split over them)."""
+    """GPUs per replica (weights and compute split over them; 2 all-reduces per layer)."""
+    nnodes: int = 1
+    """Nodes the world_size GPUs sit on (world_size / nnodes each). A TP group fits in one node
+    or spans whole nodes; spanning ones all-reduce over the network too."""
     interconnect_gbps: float = 300.0
-    """All-reduce bus bandwidth between TP ranks, GB/s (NCCL on H200 NVLink: ~300)."""
+    """All-reduce bus bandwidth between TP ranks inside a node, GB/s (NCCL on H200 NVLink:
+    ~300)."""
     allreduce_latency_us: float = 45.0
-    """Fixed cost of one all-reduce (NCCL, 1 MiB on H200: 44 us)."""
+    """Fixed cost of one all-reduce inside a node (NCCL, 1 MiB on H200: 44 us)."""
+    network_gbps: float = 40.0
+    """All-reduce bandwidth per GPU between nodes, GB/s (one 400 Gb/s NIC per GPU, achieved)."""
+    network_latency_us: float = 60.0
+    """Extra fixed cost of an all-reduce that crosses nodes, us."""
     gpu_memory_gb: float = 150.0
     """Memory of one GPU in GB (an H200 reports 139.8 GiB = 150 GB)."""
     gpu_memory_frac: float = 0.9
@@ -92,9 +101,14 @@ class SimulationConfig:
             (self.model in PRESETS, f"model must be one of {', '.join(PRESETS)}"),
             (self.world_size >= 1 and self.tensor_parallel >= 1, "world size and TP must be >= 1"),
             (self.world_size % self.tensor_parallel == 0, "world_size must be a multiple of TP"),
+            (self.nnodes >= 1 and self.world_size % self.nnodes == 0,
+             "world_size must be a multiple of nnodes"),
+            (_tp_fits(self.tensor_parallel, self.world_size // max(1, self.nnodes)),
+             "a TP group must fit in one node or span whole nodes"),
             (0.0 <= self.transfer_overlap <= 1.0, "transfer_overlap must be in [0, 1]"),
             (min(self.pcie_gbps, self.gpu_tflops, self.hbm_gbps, self.interconnect_gbps,
-                 self.host_kv_gb, self.gpu_memory_gb) > 0, "sizes and rates must be > 0"),
+                 self.network_gbps, self.host_kv_gb, self.gpu_memory_gb) > 0,
+             "sizes and rates must be > 0"),
             (0.0 < self.gpu_memory_frac <= 1.0, "gpu_memory_frac must be in (0, 1]"),
             (self.requests_file is not None or self.num_requests >= 1, "num_requests must be >= 1"),
             (self.max_tokens is None or self.max_tokens >= 1, "max_tokens must be >= 1"),
@@ -106,6 +120,10 @@ class SimulationConfig:
         LengthDist.parse(self.prompt_len)
         LengthDist.parse(self.output_len)
         return self
+
+
+def _tp_fits(tp: int, per_node: int) -> bool:
+    return per_node >= 1 and (per_node % tp == 0 if tp <= per_node else tp % per_node == 0)
 
 
 @dataclass(frozen=True)
@@ -325,10 +343,13 @@ class SimulationResult:
     wall_s: float
     """Real seconds the simulation took."""
     timeline: Timeline
+    layout: str = ""
+    """TP x DP over nodes, e.g. "TP 16 x DP 1 on 2 nodes (each TP group spans 2 nodes)"."""
 
     def summary(self) -> str:
         lines = [
-            (f"{self.requests} requests on {self.replicas} replica(s): {self.output_tok_s:,.0f} "
+            (f"{self.requests} requests on {self.replicas} replica(s) ({self.layout}): "
+             f"{self.output_tok_s:,.0f} "
              f"output tok/s ({self.total_tok_s:,.0f} total), {self.total_time_s:,.1f} s simulated"),
             (f"evictions {self.evictions}, recomputed tokens {self.recomputed_tokens:,}, loads "
              f"{self.loads}, unloads {self.unloads}, chunk growths {self.chunk_growths}"),
@@ -388,7 +409,14 @@ def _combine(sim: SimulationConfig, cost: CostModel, pages: tuple[int, int],
         mean_decode_batch=sum(r.batch_seconds for r in replicas) / span,
         steps=sum(r.steps for r in replicas), decisions=sum(c.decisions for c in counters),
         final_chunk_tokens=replicas[0].sched.chunk.chunk_tokens, wall_s=wall,
-        timeline=_timeline(replicas, total, sim.timeline_points))
+        timeline=_timeline(replicas, total, sim.timeline_points), layout=_layout(sim, cost))
+
+
+def _layout(sim: SimulationConfig, cost: CostModel) -> str:
+    span = cost.hw.tp_nodes
+    where = f"each TP group spans {span} nodes" if span > 1 else "TP inside a node"
+    return (f"TP {sim.tensor_parallel} x DP {sim.world_size // sim.tensor_parallel} on "
+            f"{sim.nnodes} node(s), {where}")
 
 
 def _timeline(replicas: list[_Replica], total: float, points: int) -> Timeline:
