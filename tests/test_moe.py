@@ -154,3 +154,24 @@ def test_cuda_grouped_mm_and_streamed_offload_match_loop():
                                atol=3e-2 * expected.abs().max().item())
     assert torch.equal(out_streamed, out_resident)
     assert stager.stream is not None and stager.copied_experts > 0
+
+
+@pytest.mark.parametrize("first,local", [(0, E), (0, E // 2), (E // 2, E // 2), (4, 4)])
+def test_sync_free_path_matches_dispatch_path(first, local):
+    """The static-shape path CUDA graphs capture (all assignments sorted, counts scattered on
+    the device, other ranks' experts masked) == the host-counted path, with and without a
+    share of the experts living on another rank."""
+    hf = hf_moe()
+    x = tokens(50)
+    routed = RoutedExperts(local, H, I, 0, None, first_expert=first, total_experts=E)
+    for e in range(E):
+        gate, up = hf.experts.gate_up_proj[e].detach().chunk(2, dim=0)
+        for proj, w in (("gate_proj", gate), ("up_proj", up),
+                        ("down_proj", hf.experts.down_proj[e].detach())):
+            routed.load(e, proj, w)
+    assert not routed.missing()
+    weights, ids = ours_from(hf).gate(x)
+    with torch.no_grad():
+        expected = routed.finish(routed.dispatch(x, ids), weights)
+        torch.testing.assert_close(routed.forward_on_device(x, ids, weights), expected,
+                                   rtol=1e-6, atol=1e-6)

@@ -271,7 +271,37 @@ class RoutedExperts(nn.Module):
     # -- compute ----------------------------------------------------------------------
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, H], ids/weights [T, k] -> sum_j weights[:, j] * expert_{ids[:, j]}(x) [T, H]."""
+        if self.runs_on_device(x):
+            return self.forward_on_device(x, ids, weights)
         return self.finish(self.dispatch(x, ids), weights)
+
+    def runs_on_device(self, x: torch.Tensor) -> bool:
+        """No offloaded expert and a grouped GEMM for x: the layer needs no host sync (so CUDA
+        graphs can capture it); offloading must read the counts on the host to copy."""
+        return (x.is_cuda and self.num_offloaded == 0
+                and self.resident_bank()._grouped_path(x) is not None)
+
+    def forward_on_device(self, x: torch.Tensor, ids: torch.Tensor,
+                          weights: torch.Tensor) -> torch.Tensor:
+        """`forward` with every shape static: all T*k assignments are sorted (other ranks'
+        experts last, in a group past ours that the GEMM does not read) and the counts are
+        scattered on the device instead of read back."""
+        k = ids.shape[1]
+        flat = ids.reshape(-1) - self.first_expert
+        mine = (flat >= 0) & (flat < self.num_experts)
+        flat = torch.where(mine, flat, self.num_experts)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.zeros(self.num_experts + 1, dtype=torch.int64, device=x.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat))
+        offs = counts[: self.num_experts].cumsum(0).to(torch.int32)
+        sizes = [] if x.is_cuda else counts[: self.num_experts].tolist()  # CPU: the loop path
+        out_sorted = self.resident_bank().run(x[order // k], sizes, offs)
+        # Rows past the last offset were not written by the GEMM: never let them through.
+        out_sorted = torch.where(mine[order, None], out_sorted, 0)
+        out = torch.empty_like(out_sorted)
+        out[order] = out_sorted
+        combined = (out.view(-1, k, self.hidden).float() * weights[..., None]).sum(dim=1)
+        return combined.to(x.dtype)
 
     def dispatch(self, x: torch.Tensor, ids: torch.Tensor) -> _Dispatch:
         """Sort assignments by expert and start copying the touched offloaded experts in; the
@@ -428,8 +458,12 @@ class DeepseekMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        dispatch = self.experts.dispatch(x, ids)  # offloaded experts start copying in
-        shared = self.shared_experts(x) if self.shared_experts is not None else None
-        routed = self.experts.finish(dispatch, weights)
+        if self.experts.runs_on_device(x):
+            routed = self.experts.forward_on_device(x, ids, weights)
+            shared = self.shared_experts(x) if self.shared_experts is not None else None
+        else:
+            dispatch = self.experts.dispatch(x, ids)  # offloaded experts start copying in
+            shared = self.shared_experts(x) if self.shared_experts is not None else None
+            routed = self.experts.finish(dispatch, weights)
         out = routed + shared if shared is not None else routed
         return self.tp.all_reduce(out)
