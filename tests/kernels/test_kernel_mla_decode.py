@@ -129,9 +129,10 @@ def test_mla_layer_kernel_path_matches_torch_path(device, dtype, kv_dtype):
     store_mla_kv(rows, *twin.layer(0), slots)
     if pool.scales is None:
         assert torch.equal(pool.data.float(), twin.data.float()), "Triton store != KVPool.store"
-    else:  # KVPool.store divides by a Python scalar: on CUDA a reciprocal, an ulp off at times
+    else:  # KVPool.store divides by a Python scalar: on CUDA a reciprocal, so a value on a
+        # rounding boundary lands one e4m3 ulp (2^-3 relative) away at times (seen on the H200)
         torch.testing.assert_close(twin.gather(0, table.long().to(device)),
-                                   pool.gather(0, table.long().to(device)), rtol=0.07, atol=1e-6)
+                                   pool.gather(0, table.long().to(device)), rtol=0.13, atol=1e-6)
 
     q_nope = torch.randn(len(ctx_lens), 4, 16, device=device).to(dtype)
     q_pe = torch.randn(len(ctx_lens), 4, 16, device=device).to(dtype)
