@@ -5,6 +5,7 @@ each (first-call allocations and lazy initialisation are not what is measured). 
 tokens/s of both, the ratio, and how many greedy outputs are identical.
 
     OMP_NUM_THREADS=1 python benchmarks/cpu_engine.py --threads 1 [--prompts 32] [--new-tokens 64]
+        [--max-prefill-tokens 8192]
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import time
 
 import torch
 
-from batchgen.config import EngineConfig, MemoryConfig, ModelConfig
+from batchgen.config import EngineConfig, MemoryConfig, ModelConfig, SchedulerConfig
 from batchgen.core import Request, SamplingParams
 from batchgen.engine.engine import Engine
 from batchgen.models.factory import load_model
@@ -37,8 +38,10 @@ def chat_prompts(tokenizer, count: int) -> list[list[int]]:
     return prompts
 
 
-def run_batchgen(loaded, prompts, new_tokens) -> tuple[Timer, list[list[int]]]:
-    cfg = EngineConfig(memory=MemoryConfig(gpu_kv_cache_size=1.0, host_kv_cache_size=1.0)).validate()
+def run_batchgen(loaded, prompts, new_tokens,
+                 max_prefill_tokens: int) -> tuple[Timer, list[list[int]]]:
+    cfg = EngineConfig(memory=MemoryConfig(gpu_kv_cache_size=1.0, host_kv_cache_size=1.0),
+                       scheduler=SchedulerConfig(max_prefill_tokens=max_prefill_tokens)).validate()
     engine = Engine(loaded.model, cfg, loaded.tokenizer, loaded.eos_token_ids)
 
     def requests(batch, tag, tokens):
@@ -96,12 +99,15 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--max-prefill-tokens", type=int,
+                        default=SchedulerConfig.max_prefill_tokens,
+                        help="batchgen's token budget per prefill step (engine default)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     loaded = load_model(ModelConfig(dtype="float32"), torch.device("cpu"))
     prompts = chat_prompts(loaded.tokenizer, args.prompts)
     generated = args.prompts * args.new_tokens
-    ours_t, ours = run_batchgen(loaded, prompts, args.new_tokens)
+    ours_t, ours = run_batchgen(loaded, prompts, args.new_tokens, args.max_prefill_tokens)
     hf_t, hf = run_hf(loaded.folder, prompts, args.new_tokens)
     same = sum(a == b for a, b in zip(ours, hf))
     lengths = [len(p) for p in prompts]

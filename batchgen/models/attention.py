@@ -49,7 +49,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, H, D], k/v [T, KVH, D] -> [T, H, D]. Stores k/v in the pool first.
 
-    On CUDA the Triton kernels run (batchgen_kernels); elsewhere the reference below."""
+    On CUDA the Triton kernels run (batchgen_kernels); elsewhere the PyTorch paths below."""
     if q.is_cuda:
         return _triton_attention(q, k, v, layer, batch, scale, window, sinks)
     pool = batch.kv_pool
