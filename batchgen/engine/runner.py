@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 
 import torch
 
@@ -38,6 +39,10 @@ class ModelRunner:
 
     def _capture(self, runtime):
         from batchgen.engine.graphs import DecodeGraphs
+
+        if os.environ.get("BATCHGEN_SEGMENTED_GRAPH", "0") not in ("", "0"):
+            log.warning("BATCHGEN_SEGMENTED_GRAPH=1 (per-segment graphs) is not implemented: "
+                        "capturing the whole model per bucket instead")
 
         graphs = DecodeGraphs(self.model, self.device_pool, runtime.cuda_graph_max_bucket_size,
                               runtime.cuda_graph_num_buckets, self.model.max_context)
