@@ -60,8 +60,27 @@ def test_deepseek_tp2_with_expert_parallel_equals_one_process(tmp_path, ratio):
     assert_same_as_single(run_tensor_parallel(2, generate, folder, 16, options), single)
 
 
+def test_fewer_kv_heads_than_ranks_replicates_them(tmp_path):
+    """4 query heads over 2 KV heads at TP 4: each KV head lives on the two ranks whose query
+    heads read it (checked with the weights each rank loads; TP 4 on 2 cores is too slow)."""
+    folder = save_tiny_model("llama", tmp_path / "m")
+    full = build_model(load_hf_config(folder), read_safetensors(folder), torch.float32,
+                       torch.device("cpu")).model.layers[0].self_attn
+    q_full, k_full, v_full = full.qkv_proj.weight.split([full.q_size, full.kv_size, full.kv_size])
+    d = full.head_dim
+    for rank in range(4):
+        attn = build_model(load_hf_config(folder), read_safetensors(folder), torch.float32,
+                           torch.device("cpu"), tp=TensorParallel(size=4, rank=rank)
+                           ).model.layers[0].self_attn
+        q, k, v = attn.qkv_proj.weight.split([attn.q_size, attn.kv_size, attn.kv_size])
+        assert (attn.heads, attn.kv_heads, attn.kv_first) == (1, 1, rank // 2)
+        assert torch.equal(q, q_full[rank * d:(rank + 1) * d])
+        assert torch.equal(k, k_full[(rank // 2) * d:(rank // 2 + 1) * d])
+        assert torch.equal(v, v_full[(rank // 2) * d:(rank // 2 + 1) * d])
+
+
 def test_heads_not_divisible_is_a_clear_error(tmp_path):
     folder = save_tiny_model("llama", tmp_path / "m")  # 4 heads, 2 KV heads
-    with pytest.raises(ParallelError, match="num_key_value_heads .* tensor-parallel size 4"):
+    with pytest.raises(ParallelError, match="num_attention_heads .* tensor-parallel size 3"):
         build_model(load_hf_config(folder), read_safetensors(folder), torch.float32,
-                    torch.device("cpu"), tp=TensorParallel(size=4, rank=0))
+                    torch.device("cpu"), tp=TensorParallel(size=3, rank=0))

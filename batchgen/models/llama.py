@@ -35,8 +35,8 @@ class LlamaAttention(nn.Module):
         heads = cfg.num_attention_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         self.heads = tp.split(heads, "num_attention_heads")
-        self.kv_heads = tp.split(getattr(cfg, "num_key_value_heads", None) or heads,
-                                 "num_key_value_heads")
+        self.kv_first, self.kv_heads = kv_head_share(
+            getattr(cfg, "num_key_value_heads", None) or heads, tp)
         hidden = cfg.hidden_size
         # q, k and v in one matmul (one launch, better shapes); checkpoints load into its rows.
         self.q_size, self.kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
@@ -58,6 +58,18 @@ class LlamaAttention(nn.Module):
         q, k = self.rope(batch.positions, q, k)
         out = paged_attention(q, k, v, self.layer, batch, self.scale, window=self.window)
         return self.o_proj(out.reshape(-1, self.heads * self.head_dim))
+
+
+def kv_head_share(kv_heads: int, tp: TensorParallel) -> tuple[int, int]:
+    """(first KV head, count) this rank holds. With fewer KV heads than ranks each KV head is
+    replicated on TP / KVH ranks (the ones whose query heads read it)."""
+    if kv_heads % tp.size == 0:
+        count = kv_heads // tp.size
+        return tp.rank * count, count
+    if tp.size % kv_heads == 0:
+        return tp.rank // (tp.size // kv_heads), 1
+    tp.split(kv_heads, "num_key_value_heads")  # raises, naming the flag
+    raise AssertionError("unreachable")
 
 
 def _sliding_window(cfg, layer: int) -> int | None:
@@ -121,7 +133,9 @@ class LlamaForCausalLM(PagedCausalLM):
         self.kv_token_shape = (2, attn.kv_heads, attn.head_dim)
         self.max_context = default_max_positions(hf_config)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
+                     presharded: bool = False) -> None:
+        """`presharded`: the tensors are this TP rank's already (our per-rank converted files)."""
         params = dict(self.named_parameters(remove_duplicate=False))
         seen: set[tuple[str, int]] = set()
         for name, tensor in weights:
@@ -130,7 +144,8 @@ class LlamaForCausalLM(PagedCausalLM):
             target, slot = _fused_target(name)
             if target not in params:
                 raise KeyError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
-            tensor = self._local_part(target, slot, tensor)
+            if not presharded:
+                tensor = self._local_part(target, slot, tensor)
             rows = self._rows(target, slot)
             param = params[target][rows] if rows is not None else params[target]
             if tuple(param.shape) != tuple(tensor.shape):
@@ -151,13 +166,15 @@ class LlamaForCausalLM(PagedCausalLM):
 
     def _piece_sizes(self, target: str, local: bool) -> list[int]:
         """Rows of each checkpoint piece inside fused qkv_proj / gate_up_proj."""
-        if ".qkv_proj." in target:
-            attn = self.model.layers[0].self_attn
-            q, kv = attn.q_size, attn.kv_size
-        else:
-            q = kv = self.model.layers[0].mlp.local_intermediate
-        scale = 1 if local else self.tp.size
-        return [q * scale, kv * scale, kv * scale][: 3 if ".qkv_proj." in target else 2]
+        if ".qkv_proj." not in target:
+            inter = self.model.layers[0].mlp.local_intermediate * (1 if local else self.tp.size)
+            return [inter, inter]
+        attn = self.model.layers[0].self_attn
+        if local:
+            return [attn.q_size, attn.kv_size, attn.kv_size]
+        cfg = self.config
+        kv = (getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads) * attn.head_dim
+        return [attn.q_size * self.tp.size, kv, kv]
 
     def _local_part(self, target: str, slot: int, tensor: torch.Tensor) -> torch.Tensor:
         """This TP rank's slice of a whole checkpoint tensor: column-parallel projections by
@@ -170,9 +187,16 @@ class LlamaForCausalLM(PagedCausalLM):
         if ".qkv_proj." not in target and ".gate_up_proj." not in target:
             return tensor
         if slot >= 0:
-            return tp.shard(tensor, 0)
+            return self._piece_part(target, slot, tensor)
         pieces = tensor.split(self._piece_sizes(target, local=False), dim=0)
-        return torch.cat([tp.shard(piece, 0) for piece in pieces])
+        return torch.cat([self._piece_part(target, i, piece) for i, piece in enumerate(pieces)])
+
+    def _piece_part(self, target: str, slot: int, piece: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of one fused piece: its query heads / features, its KV heads."""
+        if ".qkv_proj." in target and slot > 0:
+            attn = self.model.layers[0].self_attn
+            return piece.narrow(0, attn.kv_first * attn.head_dim, attn.kv_size)
+        return self.tp.shard(piece, 0)
 
     def _check_complete(self, params: dict, seen: set[tuple[str, int]]) -> None:
         whole = {name for name, slot in seen if slot < 0}  # our own (converted) layout
