@@ -139,6 +139,9 @@ def simulate(png: Optional[Path] = typer.Option(None, help="Write the timeline p
 
 def convert(output: Path = typer.Option(..., "--output", help="Folder to write (must not exist)."),
             world_size: int = typer.Option(1, help="World size the folder is for."),
+            tensor_parallel_size: int = typer.Option(
+                1, help="TP size the folder is for: > 1 writes one file per TP rank holding only "
+                        "that rank's weights (runs at another TP size are refused)."),
             **flags) -> None:
     """Write a model in batchgen's own layout (fused projections, chosen dtype) + a manifest;
     `batchgen run --converted-ckpt-dir` then loads it without conversion."""
@@ -153,7 +156,7 @@ def convert(output: Path = typer.Option(..., "--output", help="Folder to write (
     except ConfigError as err:
         _fail(str(err))
     with _user_errors():
-        convert_model(cfg, output, world_size)
+        convert_model(cfg, output, world_size, tensor_parallel_size)
     typer.echo(f"converted -> {output}")
 
 

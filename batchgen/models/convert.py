@@ -2,7 +2,13 @@
 
 GGUF files are dequantized once through transformers' GGUF loader (`gguf` + `accelerate`) and
 cached here, so the second start reads plain safetensors. A converted folder records what it
-was made for (source, dtype, world size); loading it for something else is refused.
+was made for (source, dtype, world size, tensor-parallel size); loading it for something else
+is refused.
+
+At tensor-parallel size 1 the folder holds the whole model (`model.safetensors`), which any TP
+size can still load by slicing. At size T > 1 it holds one `model-tpRR-of-TT.safetensors` per
+TP rank with exactly that rank's parameters (heads, columns, rows, experts already cut), so a
+rank reads 1/T of the weights and slices nothing; only a run at that TP size can use it.
 """
 
 from __future__ import annotations
@@ -14,11 +20,13 @@ import logging
 import os
 import shutil
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from batchgen.models.loader import MANIFEST, CheckpointError
+from batchgen.parallel import ParallelError, TensorParallel
 
 log = logging.getLogger("batchgen.convert")
 FORMAT = "batchgen-converted"
@@ -58,7 +66,10 @@ def read_manifest(folder: Path) -> dict:
     return manifest
 
 
-def check_manifest(manifest: dict, folder: Path, world_size: int, dtype: str | None) -> None:
+def check_manifest(manifest: dict, folder: Path, world_size: int, dtype: str | None,
+                   tp_size: int | None = None) -> None:
+    """Refuse a folder made for another layout. `tp_size` None skips the TP check (callers that
+    run before the TP size is known); a whole-model folder (TP 1) suits every TP size."""
     if manifest.get("world_size", 1) != world_size:
         raise CheckpointError(
             f"{folder} was converted for world size {manifest.get('world_size')}, this run uses "
@@ -67,6 +78,31 @@ def check_manifest(manifest: dict, folder: Path, world_size: int, dtype: str | N
         raise CheckpointError(
             f"{folder} was converted to {manifest.get('dtype')}, this run asks for --dtype {dtype}: "
             f"convert again with --dtype {dtype}, or drop --dtype")
+    sharded = manifest.get("tensor_parallel_size", 1)
+    if tp_size is not None and sharded > 1 and sharded != tp_size:
+        raise CheckpointError(
+            f"{folder} holds per-rank shards for --tensor-parallel-size {sharded}, this run uses "
+            f"tensor-parallel size {tp_size}: run with --tensor-parallel-size {sharded}, or re-run "
+            f"`batchgen convert --world-size {world_size} --tensor-parallel-size {tp_size}` "
+            "into a new folder")
+
+
+def shard_name(rank: int, size: int) -> str:
+    """The weight file of TP rank `rank` in a folder converted for TP size `size` > 1."""
+    return f"model-tp{rank:02d}-of-{size:02d}.safetensors"
+
+
+def rank_shard(folder: Path, tp: TensorParallel) -> str | None:
+    """The file holding exactly this rank's parameters when `folder` was converted per TP rank
+    (check_manifest has matched the sizes), else None: read every file and slice."""
+    if not (folder / MANIFEST).is_file():
+        return None
+    size = read_manifest(folder).get("tensor_parallel_size", 1)
+    if size == 1:
+        return None
+    if size != tp.size:  # check_manifest refuses this earlier with the flags to use
+        raise CheckpointError(f"{folder} is sharded for tensor-parallel size {size}, not {tp.size}")
+    return shard_name(tp.rank, size)
 
 
 def convert_gguf(gguf: Path, out_dir: Path) -> Path:
@@ -96,23 +132,31 @@ def convert_gguf(gguf: Path, out_dir: Path) -> Path:
 
 
 def write_converted(folder: Path, hf_config, tokenizer, state_dict: dict, *, source: str,
-                    dtype: str, world_size: int, rank_shards: list[dict] | None = None) -> None:
+                    dtype: str, world_size: int) -> None:
+    """The whole model in one file (tensor-parallel size 1)."""
+    save_weights(folder / "model.safetensors", hf_config, state_dict)
+    write_metadata(folder, hf_config, tokenizer, ["model.safetensors"], source=source,
+                   dtype=dtype, world_size=world_size, tensor_parallel_size=1)
+
+
+def save_weights(path: Path, hf_config, state_dict: dict) -> None:
     from safetensors.torch import save_file
 
-    hf_config.save_pretrained(str(folder))
-    if tokenizer is not None:
-        tokenizer.save_pretrained(str(folder))
     tensors = {k: v.contiguous() for k, v in state_dict.items()}
     if getattr(hf_config, "tie_word_embeddings", False):
         tensors.pop("lm_head.weight", None)
-    shards = rank_shards or [tensors]
-    files = []
-    for rank, shard in enumerate(shards):
-        name = "model.safetensors" if len(shards) == 1 else f"model-rank{rank:03d}.safetensors"
-        save_file(shard, str(folder / name))
-        files.append(name)
+    save_file(tensors, str(path))
+
+
+def write_metadata(folder: Path, hf_config, tokenizer, files: list[str], *, source: str,
+                   dtype: str, world_size: int, tensor_parallel_size: int) -> None:
+    """config.json, the tokenizer and the manifest (written last: it marks the folder done)."""
+    hf_config.save_pretrained(str(folder))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(folder))
     manifest = {"format": FORMAT, "version": FORMAT_VERSION, "source": source, "dtype": dtype,
-                "world_size": world_size, "files": files,
+                "world_size": world_size, "tensor_parallel_size": tensor_parallel_size,
+                "files": files,
                 "architectures": list(getattr(hf_config, "architectures", []) or [])}
     (folder / MANIFEST).write_text(json.dumps(manifest, indent=2))
 
@@ -127,26 +171,61 @@ def converted_for_gguf(gguf: Path, converted_dir: str | None) -> Path:
     return convert_gguf(gguf, folder)
 
 
-def convert_model(cfg, output: Path, world_size: int = 1) -> Path:
+def convert_model(cfg, output: Path, world_size: int = 1, tensor_parallel_size: int = 1) -> Path:
     """`batchgen convert`: load any supported model and write it in our layout.
 
-    Every rank of a data-parallel job reads the same full weights; the manifest records the
-    world size so a folder made for another layout is refused at load time."""
-    from batchgen.models.factory import load_model
-
+    At tensor-parallel size 1 every rank reads the same full weights. At T > 1 the model is
+    built once per TP rank (slicing needs only the rank and size, no process group) and each
+    rank's state dict is written on its own, so memory holds one rank's share at a time. The
+    manifest records world and TP size so a folder made for another layout is refused."""
     output = Path(output)
+    if tensor_parallel_size < 1 or world_size % tensor_parallel_size:
+        raise CheckpointError(f"--tensor-parallel-size {tensor_parallel_size} must divide "
+                              f"--world-size {world_size}")
     if output.exists() and any(output.iterdir()):
         raise CheckpointError(f"{output} exists and is not empty: choose a new folder")
-    loaded = load_model(cfg, torch.device("cpu"))
-    dtype = str(loaded.dtype).removeprefix("torch.")
+    # Host-offloaded experts are not parameters, so a state dict would miss them.
+    cfg = replace(cfg, enable_ep_with_offloading=False, ep_offloading_ratio=0.0)
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=output.parent))
     try:
-        write_converted(tmp, loaded.hf_config, loaded.tokenizer, loaded.model.state_dict(),
-                        source=str(loaded.folder), dtype=dtype, world_size=world_size)
+        if tensor_parallel_size == 1:
+            loaded = _load_for_conversion(cfg, None)
+            write_converted(tmp, loaded.hf_config, loaded.tokenizer, loaded.model.state_dict(),
+                            source=str(loaded.folder), dtype=_dtype_name(loaded),
+                            world_size=world_size)
+        else:
+            _write_rank_shards(cfg, tmp, world_size, tensor_parallel_size)
         if output.exists():
             output.rmdir()
         os.replace(tmp, output)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return output
+
+
+def _write_rank_shards(cfg, folder: Path, world_size: int, size: int) -> None:
+    files = []
+    for rank in range(size):
+        try:
+            loaded = _load_for_conversion(cfg, TensorParallel(size=size, rank=rank))
+        except ParallelError as err:  # a user error (the CLI reports CheckpointError cleanly)
+            raise CheckpointError(f"cannot convert for tensor-parallel size {size}: {err}") from err
+        files.append(shard_name(rank, size))
+        save_weights(folder / files[-1], loaded.hf_config, loaded.model.state_dict())
+        log.info("wrote tensor-parallel rank %d of %d: %s", rank, size, files[-1])
+        meta = (loaded.hf_config, loaded.tokenizer, str(loaded.folder), _dtype_name(loaded))
+        del loaded  # one rank's weights in memory at a time
+    hf_config, tokenizer, source, dtype = meta
+    write_metadata(folder, hf_config, tokenizer, files, source=source, dtype=dtype,
+                   world_size=world_size, tensor_parallel_size=size)
+
+
+def _load_for_conversion(cfg, tp: TensorParallel | None):
+    from batchgen.models.factory import load_model
+
+    return load_model(cfg, torch.device("cpu"), tp=tp)
+
+
+def _dtype_name(loaded) -> str:
+    return str(loaded.dtype).removeprefix("torch.")

@@ -112,7 +112,10 @@ class DeepseekV3ForCausalLM(PagedCausalLM):
             attn.decode_impl = decode or attn.decode_impl
 
     # -- weights ------------------------------------------------------------------------
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
+                     presharded: bool = False) -> None:
+        """`presharded`: the tensors are this TP rank's already (our per-rank converted files:
+        sliced projections, grouped experts numbered from this rank's first expert)."""
         dtype = self.model.embed_tokens.weight.dtype
         device = self.model.embed_tokens.weight.device
         pre_dequantize = bool(getattr(self.options, "pre_dequantize_weights", False))
@@ -125,9 +128,10 @@ class DeepseekV3ForCausalLM(PagedCausalLM):
                 continue
             if isinstance(value, QuantizedWeight) and name.endswith(KEEP_DENSE):
                 value = dequantize_blocks(value.weight, value.scale_inv, value.block, dtype)
-            if self._load_expert(experts, name, value):
+            if self._load_expert(experts, name, value, presharded):
                 continue
-            value = self._local_part(name, value, dtype)
+            if not presharded:
+                value = self._local_part(name, value, dtype)
             if isinstance(value, QuantizedWeight):
                 self._install_fp8_linear(name, value)
                 seen.update({name, name + "_scale_inv"})
@@ -142,7 +146,7 @@ class DeepseekV3ForCausalLM(PagedCausalLM):
         match = LAYER_INDEX.match(name)  # the MTP layer(s) after the last decoder layer
         return match is not None and int(match.group(1)) >= self.config.num_hidden_layers
 
-    def _load_expert(self, experts: dict, name: str, value) -> bool:
+    def _load_expert(self, experts: dict, name: str, value, presharded: bool = False) -> bool:
         match = EXPERT_NAME.match(name)
         if match:
             experts[match.group(1)].load(int(match.group(2)), match.group(3), value)
@@ -152,13 +156,14 @@ class DeepseekV3ForCausalLM(PagedCausalLM):
             return False
         module = experts[match.group(1)]
         assert not isinstance(value, QuantizedWeight), "grouped experts come dense"
+        first = module.first_expert if presharded else 0
         for e in range(value.shape[0]):
             if match.group(2) == "down_proj":
-                module.load(e, "down_proj", value[e])
+                module.load(first + e, "down_proj", value[e])
             else:
                 gate, up = value[e].chunk(2, dim=0)
-                module.load(e, "gate_proj", gate)
-                module.load(e, "up_proj", up)
+                module.load(first + e, "gate_proj", gate)
+                module.load(first + e, "up_proj", up)
         return True
 
     def _install_fp8_linear(self, name: str, value: QuantizedWeight) -> None:

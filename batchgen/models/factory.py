@@ -12,7 +12,7 @@ import torch
 
 from batchgen.config import ModelConfig
 from batchgen.models.convert import (EMBEDDED_NAME, check_manifest, converted_for_gguf,
-                                     embedded_gguf, read_manifest)
+                                     embedded_gguf, rank_shard, read_manifest)
 from batchgen.models.loader import (MANIFEST, build_model, load_hf_config, meta_model,
                                     read_safetensors, resolve_dtype, resolve_model)
 from batchgen.parallel import TensorParallel
@@ -32,11 +32,13 @@ class LoadedModel:
     max_context: int
 
 
-def model_folder(cfg: ModelConfig, world_size: int = 1) -> tuple[Path, str]:
-    """The folder weights are read from (converting GGUF first) and the model's display name."""
+def model_folder(cfg: ModelConfig, world_size: int = 1,
+                 tp_size: int | None = None) -> tuple[Path, str]:
+    """The folder weights are read from (converting GGUF first) and the model's display name.
+    `tp_size` None: not known yet, a converted folder's TP size is checked at load time."""
     converted = Path(cfg.converted_ckpt_dir).expanduser() if cfg.converted_ckpt_dir else None
     if converted is not None and (converted / MANIFEST).is_file():
-        check_manifest(read_manifest(converted), converted, world_size, cfg.dtype)
+        check_manifest(read_manifest(converted), converted, world_size, cfg.dtype, tp_size)
         log.info("loading converted checkpoint %s", converted)
         return converted, cfg.model or EMBEDDED_NAME
     if cfg.model is None:
@@ -45,7 +47,7 @@ def model_folder(cfg: ModelConfig, world_size: int = 1) -> tuple[Path, str]:
     if source.kind == "gguf":
         return converted_for_gguf(source.path, cfg.converted_ckpt_dir), cfg.model
     if source.kind == "converted":
-        check_manifest(read_manifest(source.path), source.path, world_size, cfg.dtype)
+        check_manifest(read_manifest(source.path), source.path, world_size, cfg.dtype, tp_size)
     log.info("loading %s from %s", cfg.model, source.path)
     return source.path, cfg.model
 
@@ -79,10 +81,13 @@ def load_tokenizer(folder: Path):
 def load_model(cfg: ModelConfig, device: torch.device, world_size: int = 1,
                tp: TensorParallel | None = None) -> LoadedModel:
     start = time.perf_counter()
-    folder, name = model_folder(cfg, world_size)
+    tp = tp or TensorParallel()
+    folder, name = model_folder(cfg, world_size, tp.size)
     hf_config = load_hf_config(folder)
     dtype = resolve_dtype(cfg.dtype, device)
-    model = build_model(hf_config, read_safetensors(folder), dtype, device, cfg, tp)
+    shard = rank_shard(folder, tp)  # converted per TP rank: read only ours, slice nothing
+    weights = read_safetensors(folder, [shard] if shard else None)
+    model = build_model(hf_config, weights, dtype, device, cfg, tp, presharded=shard is not None)
     tokenizer = load_tokenizer(folder)
     log.info("model %s ready on %s in %.1fs (%s)", name, device, time.perf_counter() - start, dtype)
     return LoadedModel(model, hf_config, tokenizer, eos_token_ids(folder, hf_config, tokenizer),

@@ -92,12 +92,18 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return getattr(torch, dtype)
 
 
-def read_safetensors(folder: Path):
-    """Yield (name, tensor) from every safetensors shard of a folder, index-aware."""
+def read_safetensors(folder: Path, files: list[str] | None = None):
+    """Yield (name, tensor) from `files` of a folder (default: every safetensors shard,
+    index-aware)."""
     from safetensors import safe_open
 
     index = folder / "model.safetensors.index.json"
-    if index.is_file():
+    if files is not None:
+        missing = [f for f in files if not (folder / f).is_file()]
+        if missing:
+            raise CheckpointError(f"{folder} lacks {', '.join(missing)}: the conversion was "
+                                  "interrupted or the folder was copied partially")
+    elif index.is_file():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
     else:
         files = sorted(p.name for p in folder.glob("*.safetensors"))
@@ -125,11 +131,14 @@ def load_hf_config(folder: Path):
 
 
 def build_model(hf_config, weights, dtype: torch.dtype, device: torch.device,
-                options=None, tp: TensorParallel | None = None) -> torch.nn.Module:
+                options=None, tp: TensorParallel | None = None,
+                presharded: bool = False) -> torch.nn.Module:
     """Instantiate on the meta device, materialise on `device`, load `weights` by name.
 
     `options` is the job's ModelConfig (expert offloading, pre-dequantization) or None; `tp`
-    this rank's tensor-parallel group (each rank keeps only its slice of the weights)."""
+    this rank's tensor-parallel group (each rank keeps only its slice of the weights).
+    `presharded`: `weights` are already this rank's slice (`batchgen convert
+    --tensor-parallel-size`), so the model copies them as they are."""
     model = meta_model(hf_config, options, tp)
     model = model.to_empty(device=device).requires_grad_(False)
     if hasattr(model, "tie_weights"):
@@ -138,7 +147,11 @@ def build_model(hf_config, weights, dtype: torch.dtype, device: torch.device,
         if hasattr(module, "reset_buffers"):
             module.reset_buffers()
     model.to(dtype)
-    model.load_weights((n, t.to(device=device)) for n, t in weights)
+    weights = ((n, t.to(device=device)) for n, t in weights)
+    if presharded:  # only TP-capable models take the switch (meta_model checked that)
+        model.load_weights(weights, presharded=True)
+    else:
+        model.load_weights(weights)
     return model.eval()
 
 
