@@ -51,16 +51,25 @@ def weight_block_size(hf_config) -> tuple[int, int]:
     return int(bn), int(bk)
 
 
+SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale")
+"""Block scales (DeepSeek: `weight_scale_inv` [N/bn, K/bk]) or a per-tensor scale (common FP8
+checkpoints: `weight_scale`, one value); both multiply the e4m3 values back."""
+
+
 def pair_scales(weights: Iterable[tuple[str, torch.Tensor]], block: tuple[int, int],
                 keep_fp8: bool, dtype: torch.dtype) -> Iterator[tuple[str, object]]:
-    """Join each e4m3 `X.weight` with its `X.weight_scale_inv` (in either order) and yield
-    (X.weight, QuantizedWeight) when `keep_fp8`, else the weight dequantized to `dtype`.
-    Every other tensor passes through unchanged."""
+    """Join each e4m3 `X.weight` with its `X.weight_scale_inv` / `X.weight_scale` (in either
+    order) and yield (X.weight, QuantizedWeight) when `keep_fp8`, else the weight dequantized
+    to `dtype`. A per-tensor scale becomes a uniform block grid; a per-channel one is always
+    dequantized. Static activation scales (`input_scale`) are dropped: activations are
+    quantized dynamically. Every other tensor passes through unchanged."""
     weights_waiting: dict[str, torch.Tensor] = {}
     scales_waiting: dict[str, torch.Tensor] = {}
     for name, tensor in weights:
-        if name.endswith(".weight_scale_inv"):
-            base = name[: -len("_scale_inv")]
+        if name.endswith(".input_scale"):
+            continue
+        if name.endswith(SCALE_SUFFIXES):
+            base = name[: name.rindex(".weight_scale")] + ".weight"
             if base not in weights_waiting:
                 scales_waiting[base] = tensor
                 continue
@@ -73,14 +82,44 @@ def pair_scales(weights: Iterable[tuple[str, torch.Tensor]], block: tuple[int, i
         else:
             yield name, tensor
             continue
-        if keep_fp8:
-            yield base, QuantizedWeight(weight, scale.float(), block)
+        scale, per_channel = block_grid(scale.float(), tuple(weight.shape), block)
+        if keep_fp8 and not per_channel:
+            yield base, QuantizedWeight(weight, scale, block)
+        elif per_channel:
+            yield base, (weight.float() * scale).to(dtype)
         else:
             yield base, dequantize_blocks(weight, scale, block, dtype)
     unpaired = sorted(weights_waiting) + sorted(scales_waiting)
     if unpaired:
         raise ValueError("FP8 weights without their weight_scale_inv (or the reverse): "
                          f"{unpaired[:3]}")
+
+
+def block_grid(scale: torch.Tensor, shape: tuple[int, int],
+               block: tuple[int, int]) -> tuple[torch.Tensor, bool]:
+    """(scales on the [ceil(N/bn), ceil(K/bk)] grid, False), or for per-channel scales
+    ([N] / [N, 1]) the (broadcastable [N, 1] scales, True)."""
+    grid = (-(-shape[0] // block[0]), -(-shape[1] // block[1]))
+    if scale.numel() == 1:
+        return scale.reshape(1, 1).expand(grid).contiguous(), False
+    if scale.dim() == 2 and tuple(scale.shape) == grid:
+        return scale, False
+    if scale.numel() == shape[0]:
+        return scale.reshape(shape[0], 1), True
+    raise ValueError(f"FP8 scale of shape {tuple(scale.shape)} fits neither the {grid} block grid "
+                     f"nor one value per row of a {shape} weight")
+
+
+def narrow_quantized(value: QuantizedWeight, dim: int, start: int, length: int,
+                     dtype: torch.dtype) -> QuantizedWeight | torch.Tensor:
+    """Rows (dim 0) or columns (dim 1) [start, start + length) of a block-quantized matrix:
+    still FP8 when the cut falls on scale-block edges, else dequantized to `dtype`."""
+    edge = value.block[dim]
+    if start % edge or (length % edge and start + length != value.weight.shape[dim]):
+        return dequantize_blocks(value.weight, value.scale_inv, value.block,
+                                 dtype).narrow(dim, start, length)
+    scales = value.scale_inv.narrow(dim, start // edge, -(-length // edge))
+    return QuantizedWeight(value.weight.narrow(dim, start, length), scales, value.block)
 
 
 def quantize_blocks(w: torch.Tensor, block: tuple[int, int] = (128, 128)):

@@ -12,6 +12,9 @@ from torch import nn
 from batchgen.engine.forward_batch import ForwardBatch
 from batchgen.models.base import DecoderStack, PagedCausalLM, PreNormDecoderLayer
 from batchgen.models.attention import paged_attention
+from batchgen.models.fp8 import (QuantizedWeight, dequantize_blocks, narrow_quantized,
+                                 pair_scales, weight_block_size)
+from batchgen.models.fp8_dense import Fp8Projections, is_fp8_checkpoint
 from batchgen.models.layers import (SINGLE, FusedGatedMLP, RMSNorm, RotaryEmbedding,
                                     RowParallelLinear, default_max_positions, rope_inv_freq,
                                     softmax_scale)
@@ -124,6 +127,7 @@ class LlamaForCausalLM(PagedCausalLM):
     def __init__(self, hf_config, options=None, tp: TensorParallel = SINGLE):
         super().__init__()
         self.config = hf_config
+        self.options = options
         self.tp = tp
         qkv_bias = self.qkv_bias or bool(getattr(hf_config, "attention_bias", False))
         self.model = LlamaModel(hf_config, qkv_bias, self.qk_norm, tp)
@@ -135,8 +139,10 @@ class LlamaForCausalLM(PagedCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
                      presharded: bool = False) -> None:
-        """`presharded`: the tensors are this TP rank's already (our per-rank converted files)."""
+        """`presharded`: the tensors are this TP rank's already (our per-rank converted files).
+        FP8 checkpoints stay FP8 on CUDA (fp8_dense.py) and are dequantized elsewhere."""
         params = dict(self.named_parameters(remove_duplicate=False))
+        weights, fp8 = self._fp8_reader(weights)
         seen: set[tuple[str, int]] = set()
         for name, tensor in weights:
             if name.endswith("rotary_emb.inv_freq"):
@@ -146,15 +152,40 @@ class LlamaForCausalLM(PagedCausalLM):
                 raise KeyError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
             if not presharded:
                 tensor = self._local_part(target, slot, tensor)
-            rows = self._rows(target, slot)
-            param = params[target][rows] if rows is not None else params[target]
-            if tuple(param.shape) != tuple(tensor.shape):
-                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model "
-                                 f"shape {tuple(param.shape)}")
-            with torch.no_grad():
-                param.copy_(tensor)
+            pieces = [(slot, tensor)]
+            if isinstance(tensor, QuantizedWeight):
+                pieces = fp8.accept(target, slot, tensor)
+            for piece_slot, dense in pieces:
+                self._copy(params, name, target, piece_slot, dense)
             seen.add((target, slot))
+        if fp8 is not None:
+            fp8.check_done()
         self._check_complete(params, seen)
+
+    def _fp8_reader(self, weights):
+        """(weights with FP8 scales paired, the FP8 installer or None)."""
+        if not is_fp8_checkpoint(self.config):
+            return weights, None
+        dtype = self.model.embed_tokens.weight.dtype
+        paired = pair_scales(weights, weight_block_size(self.config), self._keep_fp8(), dtype)
+        return paired, Fp8Projections(self, self._piece_count, dtype)
+
+    def _keep_fp8(self) -> bool:
+        """FP8 GEMMs on CUDA; dequantized on CPU and with --pre-dequantize-weights."""
+        on_cuda = self.model.embed_tokens.weight.device.type == "cuda"
+        return on_cuda and not getattr(self.options, "pre_dequantize_weights", False)
+
+    def _piece_count(self, target: str) -> int:
+        return 3 if ".qkv_proj." in target else 2 if ".gate_up_proj." in target else 1
+
+    def _copy(self, params: dict, name: str, target: str, slot: int, tensor: torch.Tensor) -> None:
+        rows = self._rows(target, slot)
+        param = params[target][rows] if rows is not None else params[target]
+        if tuple(param.shape) != tuple(tensor.shape):
+            raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model "
+                             f"shape {tuple(param.shape)}")
+        with torch.no_grad():
+            param.copy_(tensor)
 
     def _rows(self, target: str, slot: int) -> slice | None:
         """Rows of a fused parameter that checkpoint piece `slot` fills (None: all of it)."""
@@ -179,24 +210,36 @@ class LlamaForCausalLM(PagedCausalLM):
     def _local_part(self, target: str, slot: int, tensor: torch.Tensor) -> torch.Tensor:
         """This TP rank's slice of a whole checkpoint tensor: column-parallel projections by
         output rows (per fused piece), row-parallel ones by input columns, the rest whole."""
-        tp = self.tp
-        if tp.size == 1:
+        if self.tp.size == 1:
             return tensor
         if target.endswith(("o_proj.weight", "down_proj.weight")):
-            return tp.shard(tensor, 1)
+            return self._shard(tensor, 1)
         if ".qkv_proj." not in target and ".gate_up_proj." not in target:
             return tensor
         if slot >= 0:
             return self._piece_part(target, slot, tensor)
+        if isinstance(tensor, QuantizedWeight):  # our whole fused layout in FP8: rare
+            tensor = dequantize_blocks(tensor.weight, tensor.scale_inv, tensor.block,
+                                       self.model.embed_tokens.weight.dtype)
         pieces = tensor.split(self._piece_sizes(target, local=False), dim=0)
         return torch.cat([self._piece_part(target, i, piece) for i, piece in enumerate(pieces)])
 
-    def _piece_part(self, target: str, slot: int, piece: torch.Tensor) -> torch.Tensor:
+    def _piece_part(self, target: str, slot: int, piece):
         """This rank's rows of one fused piece: its query heads / features, its KV heads."""
         if ".qkv_proj." in target and slot > 0:
             attn = self.model.layers[0].self_attn
-            return piece.narrow(0, attn.kv_first * attn.head_dim, attn.kv_size)
-        return self.tp.shard(piece, 0)
+            return self._narrow(piece, 0, attn.kv_first * attn.head_dim, attn.kv_size)
+        return self._shard(piece, 0)
+
+    def _shard(self, value, dim: int):
+        shape = value.weight.shape if isinstance(value, QuantizedWeight) else value.shape
+        part = self.tp.split(shape[dim], f"dimension {dim} of a {tuple(shape)} tensor")
+        return self._narrow(value, dim, self.tp.rank * part, part)
+
+    def _narrow(self, value, dim: int, start: int, length: int):
+        if isinstance(value, QuantizedWeight):
+            return narrow_quantized(value, dim, start, length, self.model.embed_tokens.weight.dtype)
+        return value.narrow(dim, start, length)
 
     def _check_complete(self, params: dict, seen: set[tuple[str, int]]) -> None:
         whole = {name for name, slot in seen if slot < 0}  # our own (converted) layout

@@ -1,0 +1,77 @@
+"""FP8 checkpoints of dense models (the Llama family): e4m3 projection weights with 128x128
+block scales (`weight_scale_inv`) or one per-tensor scale (`weight_scale`); fp8.py reads both.
+
+On CUDA a projection stays FP8 and runs the block-scaled GEMM of fp8.py (`Fp8Linear`); fused
+projections (q|k|v, gate|up) are joined along their rows once every piece has arrived, which
+needs each piece to end on a scale-block edge. Whatever cannot stay FP8 (a misaligned piece, a
+biased projection) is dequantized and loaded as a dense tensor, so the model is always whole.
+On CPU pair_scales dequantizes at read time and none of this runs.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from batchgen.models.fp8 import Fp8Linear, QuantizedWeight, dequantize_blocks
+from batchgen.models.layers import RowParallelLinear
+
+
+def is_fp8_checkpoint(hf_config) -> bool:
+    quant = getattr(hf_config, "quantization_config", None)
+    if quant is None:
+        return False
+    method = quant.get("quant_method") if isinstance(quant, dict) else quant.quant_method
+    return str(getattr(method, "value", method) or "").lower() == "fp8"
+
+
+class Fp8Projections:
+    """Collects the FP8 pieces of each projection of `model` and swaps in one Fp8Linear per
+    projection when its last piece arrives. `pieces(target)` says how many checkpoint pieces
+    a fused parameter has (1 for a plain projection)."""
+
+    def __init__(self, model: nn.Module, pieces, dtype: torch.dtype):
+        self.model, self.pieces, self.dtype = model, pieces, dtype
+        self.waiting: dict[str, dict[int, QuantizedWeight]] = {}
+
+    def accept(self, target: str, slot: int, value: QuantizedWeight):
+        """Take one piece; returns [(slot, dense tensor)] to load the usual way when the
+        projection cannot stay FP8 (empty while pieces are missing or once installed)."""
+        whole = slot < 0
+        got = self.waiting.setdefault(target, {})
+        got[max(slot, 0)] = value
+        if not whole and len(got) < self.pieces(target):
+            return []
+        del self.waiting[target]
+        ordered = [got[i] for i in sorted(got)]
+        if self._can_install(target, ordered):
+            self._install(target, ordered)
+            return []
+        return [(-1 if whole else i, dequantize_blocks(q.weight, q.scale_inv, q.block, self.dtype))
+                for i, q in zip(sorted(got), ordered)]
+
+    def check_done(self) -> None:
+        if self.waiting:
+            raise ValueError(f"FP8 projections missing pieces: {sorted(self.waiting)[:3]}")
+
+    def _can_install(self, target: str, ordered: list[QuantizedWeight]) -> bool:
+        module = self.model.get_submodule(target[: -len(".weight")])
+        if not isinstance(module, nn.Linear) or module.bias is not None:
+            return False
+        if len({q.block for q in ordered}) != 1:
+            return False
+        rows = ordered[0].block[0]
+        return all(q.weight.shape[0] % rows == 0 for q in ordered[:-1])
+
+    def _install(self, target: str, ordered: list[QuantizedWeight]) -> None:
+        path = target[: -len(".weight")]
+        old = self.model.get_submodule(path)
+        weight = torch.cat([q.weight for q in ordered]) if len(ordered) > 1 else ordered[0].weight
+        scale = torch.cat([q.scale_inv for q in ordered]) if len(ordered) > 1 else ordered[0].scale_inv
+        if tuple(weight.shape) != tuple(old.weight.shape):
+            raise ValueError(f"{target}: FP8 checkpoint shape {tuple(weight.shape)} != model "
+                             f"shape {tuple(old.weight.shape)}")
+        reduce = (isinstance(old, RowParallelLinear) and old.reduce_output and old.tp.size > 1)
+        device = old.weight.device
+        self.model.set_submodule(path, Fp8Linear(weight.to(device), scale.to(device),
+                                                 ordered[0].block, old.tp if reduce else None))

@@ -1,0 +1,93 @@
+"""FP8 checkpoints of dense (Llama-family) models: e4m3 projections with block scales
+(`weight_scale_inv`) or one per-tensor scale (`weight_scale`), as our own quantizer writes them.
+On CPU they are dequantized at load; the FP8 modules CUDA keeps are exercised here too (their
+matmul dequantizes on CPU), so both must give the logits of the dequantized weights."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tiny_models import save_tiny_model
+
+from batchgen.models.fp8 import Fp8Linear, dequantize_blocks, quantize_blocks
+from batchgen.models.llama import LlamaForCausalLM
+from batchgen.models.loader import build_model, load_hf_config, read_safetensors
+from engine_utils import greedy_requests, make_engine
+
+BLOCK = (16, 16)
+
+
+def write_fp8(src, dst, per_tensor: bool):
+    """Quantize every projection of `src` into `dst` (and `dst/dequant`: the values it holds)."""
+    dst.mkdir()
+    (dst / "dequant").mkdir()
+    state = load_file(str(src / "model.safetensors"))
+    quantized, dense = {}, {}
+    for name, w in state.items():
+        if name.endswith("proj.weight"):
+            if per_tensor:
+                scale = w.abs().max().float() / 448.0
+                q = (w / scale).to(torch.float8_e4m3fn)
+                quantized[name], quantized[name[:-len("weight")] + "weight_scale"] = q, scale
+                quantized[name[:-len("weight")] + "input_scale"] = torch.tensor(1.0)
+                dense[name] = q.float() * scale
+            else:
+                q, scale = quantize_blocks(w, BLOCK)
+                quantized[name], quantized[name + "_scale_inv"] = q, scale
+                dense[name] = dequantize_blocks(q, scale, BLOCK)
+        else:
+            quantized[name] = dense[name] = w
+    config = json.loads((src / "config.json").read_text())
+    (dst / "dequant" / "config.json").write_text(json.dumps(config))
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                     "weight_block_size": list(BLOCK)}
+    (dst / "config.json").write_text(json.dumps(config))
+    save_file(quantized, str(dst / "model.safetensors"))
+    save_file(dense, str(dst / "dequant" / "model.safetensors"))
+
+
+def load(folder, keep_fp8=False, monkeypatch=None):
+    if keep_fp8:
+        monkeypatch.setattr(LlamaForCausalLM, "_keep_fp8", lambda self: True)
+    return build_model(load_hf_config(folder), read_safetensors(folder), torch.float32,
+                       torch.device("cpu"))
+
+
+def tokens(model, n=24):
+    prompts = [[1 + (i * 5 + j * 11) % 500 for j in range(m)] for i, m in enumerate((7, 70))]
+    done = make_engine(model).generate(greedy_requests(prompts, n, logprobs=True))
+    return [(d.completions[0].token_ids, [lp.logprob for lp in d.completions[0].logprobs])
+            for d in done]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("per_tensor", [False, True], ids=["block", "per-tensor"])
+@pytest.mark.parametrize("keep_fp8", [False, True], ids=["dequantized", "fp8-modules"])
+def test_fp8_checkpoint_equals_its_dequantized_weights(tmp_path, monkeypatch, family,
+                                                       per_tensor, keep_fp8):
+    src = save_tiny_model(family, tmp_path / "src")
+    write_fp8(src, tmp_path / "fp8", per_tensor)
+    ours = load(tmp_path / "fp8", keep_fp8, monkeypatch)
+    reference = load(tmp_path / "fp8" / "dequant")
+    fp8_modules = [m for m in ours.modules() if isinstance(m, Fp8Linear)]
+    # q|k|v and gate|up fused: 4 FP8 projections per layer when kept
+    assert len(fp8_modules) == (4 * ours.config.num_hidden_layers if keep_fp8 else 0)
+    got, want = tokens(ours), tokens(reference)
+    for (t, lp), (rt, rlp) in zip(got, want):
+        assert t == rt
+        torch.testing.assert_close(torch.tensor(lp), torch.tensor(rlp), rtol=1e-4, atol=1e-4)
+
+
+def test_qwen2_biased_qkv_stays_dense(tmp_path, monkeypatch):
+    """Fp8Linear has no bias: q/k/v with a bias are dequantized, the rest stays FP8."""
+    src = save_tiny_model("qwen2", tmp_path / "src")
+    write_fp8(src, tmp_path / "fp8", per_tensor=False)
+    ours = load(tmp_path / "fp8", True, monkeypatch)
+    layer = ours.model.layers[0]
+    assert not isinstance(layer.self_attn.qkv_proj, Fp8Linear)
+    assert isinstance(layer.self_attn.o_proj, Fp8Linear)
+    assert [t for t, _ in tokens(ours)] == [t for t, _ in tokens(load(tmp_path / "fp8" / "dequant"))]
