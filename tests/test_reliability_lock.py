@@ -18,7 +18,10 @@ from test_reliability_support import (
 def test_second_live_run_is_refused_and_only_the_first_writes(tmp_path, tiny_chat_model):
     inp = job_input(tmp_path)
     storage = tmp_path / "s"
-    first = launch(inp, storage, tiny_chat_model)
+    # Decode steps slowed down: the first run must still be live when the second one starts
+    # (a fast machine finished the tiny job in between: "already completed", exit 0).
+    slow = ("--watchdog-test-stuck-time", "0.2")
+    first = launch(inp, storage, tiny_chat_model, *slow)
     lock = None
 
     def holder_named() -> bool:
@@ -28,7 +31,7 @@ def test_second_live_run_is_refused_and_only_the_first_writes(tmp_path, tiny_cha
 
     assert wait_for(holder_named, 120), first.communicate()[1][-3000:]
     t0 = time.monotonic()
-    second = run(inp, storage, tiny_chat_model)
+    second = run(inp, storage, tiny_chat_model, *slow)
     refused_in = time.monotonic() - t0
     assert second.returncode == 4, second.stderr[-3000:]
     assert f"pid {first.pid} on host {socket.gethostname()}" in second.stderr
