@@ -6,23 +6,47 @@ Prints output and total tokens/s for each, their ratio, and the fraction of the 
 2 * active params FLOPs per token, k of E routed experts for MoE shapes), with the HBM
 bandwidth measured on the spot. EOS is ignored. Shapes, random weights and HF's twin model
 live in batchgen/bench_models.py.
+
+Output lengths: fixed, or lognormal with sigma 1 whose *uncapped* mean is --output-len, draws
+above --max-output-len cut to it (mean 2048, max 16384 gives ~2,015 on average; the same
+distribution as `batchgen simulate`'s lognormal:mean=2048,sigma=1.0,max=16384). With
+--max-tokens-mode exact every request's max_tokens is its drawn length, so the scheduler
+knows every length; with cap every max_tokens is --max-output-len and the drawn length ends
+the request as an EOS would (LengthStopEngine), which the scheduler cannot foresee: its host
+reservations then come from the chunk and its adaptive EMA, as in a real long-tail job.
+
+--compare-host-tier runs the same workload twice at the same device KV pool, host tier on
+(the configured host pool) then off, and reports both and their ratio. The scheduler has no
+switch that removes the host tier: every admitted sequence reserves host pages, which back
+the sequences unloaded from the device. "Off" is therefore a host pool exactly as large as the
+device pool, which is what a GPU-only engine has: the KV of all live sequences must fit in
+the device's capacity, so admissions stop where the device is full, and when a growing
+sequence runs out of host pages the scheduler evicts (drops its KV and re-prefills it later,
+i.e. recomputes) instead of parking it. Unloads can still happen when a sequence's device
+reservation (context + a 32-page buffer) exceeds its host one, but the host never holds more
+than the device could; the table prints both runs' loads, unloads, evictions and recomputed
+tokens. The device pool is pinned to the "on" run's page count. Both runs are greedy on the
+same weights, so their tokens must agree (a sha256 over every request's tokens is compared).
+"On" runs first, so any warm-up cost (kernel JIT) is charged to it, not to the claim.
 """
 
 from __future__ import annotations
 
 import gc
+import hashlib
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
 from batchgen.bench_models import SHAPES, hf_config_for, hf_twin, random_model, weight_stats
 from batchgen.config import EngineConfig, MemoryConfig, ModelConfig, RuntimeConfig, SchedulerConfig
-from batchgen.core import Request, SamplingParams
+from batchgen.core import FinishReason, Request, SamplingParams
+from batchgen.engine.engine import Engine
 
-__all__ = ["SHAPES", "BenchConfig", "Workload", "bench", "format_table", "hf_config_for",
-           "random_model"]
+__all__ = ["SHAPES", "BenchConfig", "LengthStopEngine", "Workload", "bench", "format_table",
+           "hf_config_for", "host_tier_off", "random_model"]
 
 PEAK_BF16_FLOPS = {"cuda": 790e12, "cpu": 1e11}
 """Dense bf16 FLOP/s used for the prefill term (H200 measured; CPU a rough placeholder)."""
@@ -33,23 +57,60 @@ class Workload:
     requests: int = 256
     input_len: int = 1000
     output_len: int = 256
+    """Output tokens of every request (fixed), or the uncapped mean (lognormal)."""
     output_dist: str = "fixed"
-    """fixed, or lognormal (mean output_len, capped at max_output_len)."""
+    """fixed, or lognormal (sigma 1, uncapped mean output_len, capped at max_output_len)."""
     max_output_len: int = 16384
     seed: int = 0
+    max_tokens_mode: str = "exact"
+    """exact: max_tokens = the drawn length (the scheduler knows it); cap: max_tokens =
+    max_output_len and the drawn length ends the request like an EOS."""
+
+    def validate(self) -> Workload:
+        checks = [(self.requests >= 1, "--requests must be >= 1"),
+                  (self.input_len >= 1, "--input-len must be >= 1"),
+                  (1 <= self.output_len <= self.max_output_len,
+                   "--output-len must be in [1, --max-output-len]"),
+                  (self.output_dist in ("fixed", "lognormal"), "--output-dist: fixed or lognormal"),
+                  (self.max_tokens_mode in ("exact", "cap"), "--max-tokens-mode: exact or cap")]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+        return self
 
     def lengths(self) -> list[int]:
         if self.output_dist == "fixed":
             return [self.output_len] * self.requests
         gen = torch.Generator().manual_seed(self.seed)
         sigma = 1.0
-        mu = math.log(self.output_len) - sigma ** 2 / 2
+        mu = math.log(self.output_len) - sigma ** 2 / 2  # so the uncapped mean is output_len
         draws = torch.empty(self.requests).log_normal_(mu, sigma, generator=gen)
         return [max(1, min(self.max_output_len, int(x))) for x in draws.tolist()]
 
     def prompts(self, vocab: int) -> list[list[int]]:
         gen = torch.Generator().manual_seed(self.seed + 1)
         return torch.randint(10, vocab - 10, (self.requests, self.input_len), generator=gen).tolist()
+
+    def sampling(self, length: int) -> SamplingParams:
+        """Greedy, EOS ignored; the budget the scheduler sees follows `max_tokens_mode`."""
+        if self.max_tokens_mode == "exact":
+            return SamplingParams(max_tokens=length, min_tokens=length, temperature=0.0,
+                                  ignore_eos=True)
+        return SamplingParams(max_tokens=self.max_output_len, temperature=0.0, ignore_eos=True)
+
+
+class LengthStopEngine(Engine):
+    """An engine whose requests stop after a length only the bench knows, as a model's EOS
+    would (a random model's own EOS cannot be placed): the scheduler sees only max_tokens."""
+
+    def __init__(self, *args, stop_after: dict[str, int], **kwargs):
+        super().__init__(*args, **kwargs)
+        self.stop_after = stop_after
+
+    def _finish_reason(self, seq, token):
+        if seq.num_decoded >= self.stop_after[seq.request_id]:
+            return FinishReason.STOP, None
+        return super()._finish_reason(seq, token)
 
 
 def measure_hbm_bandwidth(device: torch.device) -> float:
@@ -77,32 +138,46 @@ def roofline_seconds(stats: dict, layout, work: Workload, outputs: list[int], ba
 
 
 def run_ours(model, tokenizer, engine_cfg: EngineConfig, work: Workload) -> dict:
-    from batchgen.engine.engine import Engine
-
-    engine = Engine(model, engine_cfg, tokenizer, ())
     prompts, outputs = work.prompts(model.config.vocab_size), work.lengths()
+    ids = [f"b{i}" for i in range(work.requests)]
+    if work.max_tokens_mode == "cap":
+        engine = LengthStopEngine(model, engine_cfg, tokenizer, (),
+                                  stop_after=dict(zip(ids, outputs)))
+    else:
+        engine = Engine(model, engine_cfg, tokenizer, ())
+    digests: dict[str, bytes] = {}
+    produced = 0
     sync(model)
     start = time.perf_counter()
-    for i, (prompt, out) in enumerate(zip(prompts, outputs)):
-        engine.add_request(Request(f"b{i}", prompt, SamplingParams(
-            max_tokens=out, min_tokens=out, temperature=0.0, ignore_eos=True)))
+    for rid, prompt, out in zip(ids, prompts, outputs):
+        engine.add_request(Request(rid, prompt, work.sampling(out)))
     while engine.has_unfinished():
-        engine.step()
+        for done in engine.step():
+            tokens = done.completions[0].token_ids
+            produced += len(tokens)
+            digests[done.request_id] = hashlib.sha256(str(tokens).encode()).digest()
     sync(model)
     elapsed = time.perf_counter() - start
     stats = engine.stats()
     layout = engine.layout
     engine.close()
-    return {"seconds": elapsed, "output_tokens": sum(outputs), "stats": stats,
-            "layout": layout, "outputs": outputs}
+    tokens_sha256 = hashlib.sha256(b"".join(digests[rid] for rid in ids)).hexdigest()
+    return {"seconds": elapsed, "output_tokens": produced, "stats": stats,
+            "layout": layout, "outputs": outputs, "tokens_sha256": tokens_sha256}
+
+
+def host_tier_off(engine_cfg: EngineConfig, device_pages: int, layout) -> EngineConfig:
+    """`engine_cfg` with both pools `device_pages` pages: no host room beyond what the device
+    holds (see the module docstring). Half a page of slack keeps the GB -> pages floor exact."""
+    size_gb = (device_pages + 0.5) * layout.bytes_per_page / 1e9
+    memory = replace(engine_cfg.memory, gpu_kv_cache_size=size_gb, host_kv_cache_size=size_gb)
+    return replace(engine_cfg, memory=memory).validate()
 
 
 def run_hf_peer(model, hf_config, work: Workload, batch: int) -> dict:
     """HF `generate` on static batches of the same requests, on our weights (`hf_twin`)."""
     device = next(model.parameters()).device
-    gc.collect()  # our engine's KV pools: give their memory back before HF allocates its cache
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    free_kv_memory(device)  # our engine's KV pools: give their memory back before HF's cache
     hf = hf_twin(model, hf_config)
     prompts, outputs = work.prompts(hf_config.vocab_size), work.lengths()
     sync(model)
@@ -125,6 +200,13 @@ def sync(model) -> None:
         torch.cuda.synchronize()
 
 
+def free_kv_memory(device: torch.device) -> None:
+    """Return a closed engine's pools to the device before the next one allocates."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 @dataclass(frozen=True)
 class BenchConfig:
     shape: str = "smollm2-135m"
@@ -136,7 +218,14 @@ class BenchConfig:
     peer_batch: int = 256
     max_decode_batch: int = 256
     gpu_kv_cache_size: float | None = None
+    """Device KV pool in GB (overrides gpu_memory_frac)."""
     host_kv_cache_size: float | None = None
+    """Host KV pool in GB (default 8)."""
+    gpu_memory_frac: float = 0.9
+    """Share of device memory for weights + KV when gpu_kv_cache_size is unset (CUDA)."""
+    compare_host_tier: bool = False
+    """Run the workload again with the host tier off (host pool = device pool, same device
+    pool) and report both and their ratio."""
     device: str = "auto"
     enable_cuda_graph: bool = False
     fp8_weights: bool = False
@@ -163,6 +252,7 @@ def bench(cfg: BenchConfig, work: Workload) -> dict:
     from batchgen.engine.engine import pick_device
     from batchgen.models.loader import resolve_dtype
 
+    work.validate()
     device = pick_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     hf_config = hf_config_for(cfg.shape, cfg.tiny, cfg.fp8_weights)
@@ -172,7 +262,8 @@ def bench(cfg: BenchConfig, work: Workload) -> dict:
     engine_cfg = EngineConfig(
         model=options,
         memory=MemoryConfig(gpu_kv_cache_size=cfg.gpu_kv_cache_size,
-                            host_kv_cache_size=cfg.host_kv_cache_size or 8.0),
+                            host_kv_cache_size=cfg.host_kv_cache_size or 8.0,
+                            gpu_memory_frac=cfg.gpu_memory_frac),
         scheduler=SchedulerConfig(max_decode_batch=cfg.max_decode_batch),
         runtime=RuntimeConfig(cuda_graph_max_bucket_size=cfg.max_decode_batch,
                               enable_cuda_graph=cfg.enable_cuda_graph)).validate()
@@ -181,19 +272,38 @@ def bench(cfg: BenchConfig, work: Workload) -> dict:
     bound = roofline_seconds(stats, ours["layout"], work, ours["outputs"], cfg.max_decode_batch,
                              bandwidth, device)
     total_in = work.requests * work.input_len
-    rows = {"batchgen": {"output_tok_s": ours["output_tokens"] / ours["seconds"],
-                         "total_tok_s": (ours["output_tokens"] + total_in) / ours["seconds"],
-                         "seconds": ours["seconds"], "roofline_fraction": bound / ours["seconds"]}}
+    rows = {"batchgen": {**_row(ours, total_in), "roofline_fraction": bound / ours["seconds"]}}
+    report = {"config": asdict(cfg), "workload": asdict(work), "device": str(device),
+              "dtype": str(dtype).removeprefix("torch."), "weights": stats,
+              "hbm_bytes_per_s": bandwidth, "roofline_seconds": bound, "results": rows,
+              "kv_bytes_per_page": ours["layout"].bytes_per_page,
+              "tokens_sha256": ours["tokens_sha256"], "engine_stats": _scalars(ours["stats"])}
+    if cfg.compare_host_tier:
+        free_kv_memory(device)
+        off = run_ours(model, None, host_tier_off(engine_cfg, ours["stats"]["device_pages"],
+                                                  ours["layout"]), work)
+        rows["host_tier_off"] = {**_row(off, total_in),
+                                 "roofline_fraction": bound / off["seconds"]}
+        report["host_tier"] = {
+            "ratio": rows["batchgen"]["output_tok_s"] / rows["host_tier_off"]["output_tok_s"],
+            "same_tokens": ours["tokens_sha256"] == off["tokens_sha256"],
+            "on": {"tokens_sha256": ours["tokens_sha256"], **_scalars(ours["stats"])},
+            "off": {"tokens_sha256": off["tokens_sha256"], **_scalars(off["stats"])}}
     if cfg.peer == "hf":
         peer = run_hf_peer(model, hf_config, work, cfg.peer_batch)
-        rows["hf_generate"] = {"output_tok_s": peer["output_tokens"] / peer["seconds"],
-                               "total_tok_s": (peer["output_tokens"] + total_in) / peer["seconds"],
-                               "seconds": peer["seconds"]}
+        rows["hf_generate"] = _row(peer, total_in)
         rows["ratio"] = rows["batchgen"]["output_tok_s"] / rows["hf_generate"]["output_tok_s"]
-    return {"config": asdict(cfg), "workload": asdict(work), "device": str(device),
-            "dtype": str(dtype).removeprefix("torch."), "weights": stats,
-            "hbm_bytes_per_s": bandwidth, "roofline_seconds": bound, "results": rows,
-            "engine_stats": {k: v for k, v in ours["stats"].items() if not isinstance(v, list)}}
+    return report
+
+
+def _row(run: dict, total_in: int) -> dict:
+    return {"output_tok_s": run["output_tokens"] / run["seconds"],
+            "total_tok_s": (run["output_tokens"] + total_in) / run["seconds"],
+            "seconds": run["seconds"], "output_tokens": run["output_tokens"]}
+
+
+def _scalars(stats: dict) -> dict:
+    return {k: v for k, v in stats.items() if not isinstance(v, list)}
 
 
 def format_table(report: dict) -> str:
@@ -205,14 +315,33 @@ def format_table(report: dict) -> str:
     lines = [header,
              f"{'runner':<14}{'output tok/s':>14}{'total tok/s':>14}{'seconds':>10}{'roofline':>10}"]
     for name, row in report["results"].items():
-        if name == "ratio":
-            continue
+        if not isinstance(row, dict):
+            continue  # the HF ratio, printed below
         frac = row.get("roofline_fraction")
         lines.append(f"{name:<14}{row['output_tok_s']:>14,.1f}{row['total_tok_s']:>14,.1f}"
                      f"{row['seconds']:>10.2f}{'' if frac is None else f'{frac:>9.0%}':>10}")
     if "ratio" in report["results"]:
         lines.append(f"batchgen / hf_generate output tok/s: {report['results']['ratio']:.2f}x")
+    if "host_tier" in report:
+        lines += _host_tier_lines(report["host_tier"])
     return "\n".join(lines)
+
+
+def _host_tier_lines(tier: dict) -> list[str]:
+    """The comparison's verdict and the scheduler counters that explain it."""
+    same = "same tokens" if tier["same_tokens"] else "TOKENS DIFFER (a scheduler bug)"
+    columns = (f"{'host tier':<10}{'pages dev/host':>18}{'peak host':>11}{'loads':>8}"
+               f"{'unloads':>9}{'evictions':>11}{'recomputed':>12}{'steps':>9}")
+    lines = [f"host tier on (batchgen) / off output tok/s: {tier['ratio']:.2f}x, {same}", columns]
+    for name in ("on", "off"):
+        s = tier[name]
+        lines.append(f"{name:<10}{s['device_pages']:>10,}/{s['host_pages']:<7,}"
+                     f"{s['peak_host_pages']:>11,}{s['loads']:>8,}{s['unloads']:>9,}"
+                     f"{s['evictions']:>11,}{s['reprefill_tokens']:>12,}{s['steps']:>9,}")
+    if tier["on"]["host_pages"] <= tier["on"]["device_pages"]:
+        lines.append("note: the host pool is not larger than the device pool, so 'on' has no "
+                     "more host room than 'off'; raise --host-kv-cache-size")
+    return lines
 
 
 def _count(n: float) -> str:

@@ -73,16 +73,25 @@ def bench(shape: str = typer.Option("smollm2-135m", help="Model shape: smollm2-1
                                     "qwen3-8b, deepseek-v3-4l (37 B), gpt-oss-20b (MXFP4)."),
           requests: int = typer.Option(64, help="Number of requests."),
           input_len: int = typer.Option(128, help="Prompt tokens per request."),
-          output_len: int = typer.Option(64, help="Output tokens per request (mean if lognormal)."),
+          output_len: int = typer.Option(
+              64, help="Output tokens per request (lognormal: the uncapped mean, sigma 1)."),
           output_dist: str = typer.Option("fixed", help="fixed or lognormal."),
           max_output_len: int = typer.Option(16384, help="Cap of lognormal outputs."),
+          max_tokens_mode: str = typer.Option(
+              "exact", help="exact: max_tokens = each drawn length (the scheduler knows it); "
+              "cap: max_tokens = --max-output-len, the drawn length ends a request like an EOS."),
           peer: str = typer.Option("none", help="none, or hf: HF generate on static batches."),
           peer_batch: int = typer.Option(256, help="Static batch size of the HF peer."),
           dtype: str = typer.Option("auto", help="auto, float32, bfloat16, float16."),
           kv_dtype: str = typer.Option("auto", help="auto, bfloat16, float16, fp8_e4m3fn."),
           max_decode_batch: int = typer.Option(256, help="Most sequences decoded together."),
           gpu_kv_cache_size: Optional[float] = typer.Option(None, help="Device KV pool in GB."),
+          gpu_memory_frac: float = typer.Option(
+              0.9, help="Share of device memory for weights + KV (without --gpu-kv-cache-size)."),
           host_kv_cache_size: Optional[float] = typer.Option(None, help="Host KV pool in GB."),
+          compare_host_tier: bool = typer.Option(
+              False, help="Run again with the host tier off (host pool = device pool, same "
+              "device pool); report both, their ratio, and whether their tokens agree."),
           device: str = typer.Option("auto", help="auto, cuda, cuda:N or cpu."),
           enable_cuda_graph: bool = typer.Option(False, help="Decode with CUDA graphs."),
           fp8_weights: bool = typer.Option(False, help="DeepSeek shapes: FP8 block weights."),
@@ -101,14 +110,22 @@ def bench(shape: str = typer.Option("smollm2-135m", help="Model shape: smollm2-1
     from batchgen.config import canonical_kv_dtype
 
     _setup_logging()
-    cfg = BenchConfig(shape, dtype, canonical_kv_dtype(kv_dtype), peer, peer_batch,
-                      max_decode_batch, gpu_kv_cache_size, host_kv_cache_size, device,
-                      enable_cuda_graph, fp8_weights, pre_dequantize_weights,
-                      enable_ep_with_offloading, ep_offloading_ratio, tiny)
+    cfg = BenchConfig(
+        shape=shape, dtype=dtype, kv_dtype=canonical_kv_dtype(kv_dtype), peer=peer,
+        peer_batch=peer_batch, max_decode_batch=max_decode_batch,
+        gpu_kv_cache_size=gpu_kv_cache_size, host_kv_cache_size=host_kv_cache_size,
+        gpu_memory_frac=gpu_memory_frac, compare_host_tier=compare_host_tier, device=device,
+        enable_cuda_graph=enable_cuda_graph, fp8_weights=fp8_weights,
+        pre_dequantize_weights=pre_dequantize_weights,
+        enable_ep_with_offloading=enable_ep_with_offloading,
+        ep_offloading_ratio=ep_offloading_ratio, tiny=tiny)
+    work = Workload(requests=requests, input_len=input_len, output_len=output_len,
+                    output_dist=output_dist, max_output_len=max_output_len,
+                    max_tokens_mode=max_tokens_mode)
     try:
         cfg.model_config()
-        report = run_bench(cfg, Workload(requests, input_len, output_len, output_dist,
-                                         max_output_len))
+        work.validate()
+        report = run_bench(cfg, work)
     except (ConfigError, ValueError) as err:
         _fail(str(err))
     typer.echo(format_table(report))

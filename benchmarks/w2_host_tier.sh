@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# W2 long tail on one H200: host tier on vs off at equal device memory (target: on >= 1.3x off).
+#
+#   4096 requests, 512 prompt tokens, outputs lognormal (sigma 1, uncapped mean 2048, cut at
+#   16384; the drawn 4096 average 2,042 tokens, 8.36 M in all), max_tokens 16384 for every
+#   request (--max-tokens-mode cap: the drawn length ends a request like an EOS, unseen by the
+#   scheduler), Llama-3-8B shape, random bf16 weights, CUDA graphs.
+#   --gpu-memory-frac 0.3 gives a device KV pool of ~2,555 pages (~21 GB, 8.4 MB per page):
+#   about 40 running sequences, against ~300 live ones in the 100 GB host pool.
+#   "Off" = a host pool of exactly the device pool's pages, same device pool (see the
+#   batchgen/bench.py docstring for why that is "off" in batchgen).
+#
+# Usage (from the repo root):
+#   benchmarks/w2_host_tier.sh            both runs in one process (--compare-host-tier)
+#   benchmarks/w2_host_tier.sh on         the "on" run only  -> $OUT/w2_on.json
+#   benchmarks/w2_host_tier.sh off        the "off" run only (sized from $OUT/w2_on.json), then
+#                                         the ratio and the token check of the two JSON files
+# Knobs (environment): REQUESTS (4096), SHAPE (llama3-8b), GPU_MEMORY_FRAC (0.3),
+#   HOST_KV_GB (100), MAX_DECODE_BATCH (256), OUT (/tmp/w2_host_tier: the JSON reports).
+#
+# Duration: `batchgen simulate` (llama3-8b, same flags) predicts ~4,200 out tok/s on and
+# ~3,600 off (ratio 1.17) with 0.5 ms of host work per step, ~2,840 / ~2,320 (1.22) with 5 ms:
+# each run takes 35-60 min, the pair 1.2-1.8 h. Use the `on` / `off` halves (or a smaller
+# REQUESTS) where one command may only run for minutes; REQUESTS=1024 still takes ~10 min per
+# run. The same simulation reaches 1.31x only with --initial-gpu-page-buffer 4 (not a bench
+# flag today): the 32-page (2,048-token) device buffer per sequence caps the "on" batch.
+set -euo pipefail
+
+MODE=${1:-compare}
+OUT=${OUT:-/tmp/w2_host_tier}
+mkdir -p "$OUT"
+if [ -d .bench/whl ]; then  # the lead's offline wheels and import paths (see .bench/gpu*.sh)
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .bench/whl/*.whl \
+        2>&1 | tail -1 || true
+    mkdir -p /tmp/pp && ln -sfn "$PWD/batchgen" /tmp/pp/batchgen
+    ln -sfn "$PWD/kernels" /tmp/pp/batchgen_kernels
+    export PYTHONPATH=/tmp/pp:/tmp/site
+fi
+export PYTHONUNBUFFERED=1
+W2=(--shape "${SHAPE:-llama3-8b}" --requests "${REQUESTS:-4096}" --input-len 512
+    --output-len 2048 --output-dist lognormal --max-output-len 16384 --max-tokens-mode cap
+    --max-decode-batch "${MAX_DECODE_BATCH:-256}" --enable-cuda-graph)
+ON_POOLS=(--gpu-memory-frac "${GPU_MEMORY_FRAC:-0.3}" --host-kv-cache-size "${HOST_KV_GB:-100}")
+
+case "$MODE" in
+  compare)
+    python3 -m batchgen.cli bench "${W2[@]}" "${ON_POOLS[@]}" --compare-host-tier \
+      --json "$OUT/w2_compare.json" ;;
+  on)
+    python3 -m batchgen.cli bench "${W2[@]}" "${ON_POOLS[@]}" --json "$OUT/w2_on.json" ;;
+  off)
+    # Both pools = the "on" run's device pages (half a page of slack for the GB -> pages floor).
+    SIZE_GB=$(python3 -c "import json, sys; r = json.load(open(sys.argv[1]));
+print((r['engine_stats']['device_pages'] + 0.5) * r['kv_bytes_per_page'] / 1e9)" "$OUT/w2_on.json")
+    python3 -m batchgen.cli bench "${W2[@]}" --gpu-kv-cache-size "$SIZE_GB" \
+      --host-kv-cache-size "$SIZE_GB" --json "$OUT/w2_off.json"
+    python3 - "$OUT/w2_on.json" "$OUT/w2_off.json" <<'EOF'
+import json, sys
+on, off = (json.load(open(path)) for path in sys.argv[1:3])
+rate = lambda r: r["results"]["batchgen"]["output_tok_s"]
+same = on["tokens_sha256"] == off["tokens_sha256"]
+print(f"host tier on {rate(on):,.1f} / off {rate(off):,.1f} output tok/s = "
+      f"{rate(on) / rate(off):.2f}x, {'same tokens' if same else 'TOKENS DIFFER'}")
+for name, r in (("on", on), ("off", off)):
+    s = r["engine_stats"]
+    print(f"{name}: pages {s['device_pages']}/{s['host_pages']}, loads {s['loads']}, "
+          f"unloads {s['unloads']}, evictions {s['evictions']}, recomputed "
+          f"{s['reprefill_tokens']} tokens, steps {s['steps']}")
+EOF
+    ;;
+  *) echo "usage: $0 [compare|on|off]" >&2; exit 2 ;;
+esac
