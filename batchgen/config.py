@@ -68,7 +68,8 @@ class ModelConfig:
     (models--org--name/snapshots/REV/). Nothing is ever downloaded."""
     converted_ckpt_dir: str | None = None
     """Folder written by `batchgen convert` (or the embedded model's conversion cache); loading
-    from it skips conversion. Refused if converted for another world size or dtype."""
+    from it skips conversion. Refused if converted for another world size, dtype or
+    tensor-parallel size."""
     dtype: str = "auto"
     """Weight and activation dtype: auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16,
     float16."""

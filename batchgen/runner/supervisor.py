@@ -160,7 +160,8 @@ def _run(config: JobConfig, stops: StopSignals, member: Member) -> int:
             already = len(read_done_ids(paths.incremental_files()))  # refuses a corrupt file
             left = summary.records - already
             preflight(config, paths, summary.size_bytes, summary.records, left)
-            model_folder(config.engine.model, config.dist.world_size)  # not found / convert: here
+            model_folder(config.engine.model, config.dist.world_size,
+                         config.dist.tensor_parallel_size)  # not found / convert: here
         return _run_locked(spec, batch_file, already, stops, member,
                            {"input_bytes": summary.size_bytes, "left": left})
     finally:
@@ -282,7 +283,8 @@ def _follow(config: JobConfig, member: Member) -> int:
         lock.acquire()
         if member.external is None or member.external.local_rank == 0:
             preflight(config, spec.paths, plan["input_bytes"], plan["records"], plan["left"])
-        model_folder(config.engine.model, config.dist.world_size)
+        model_folder(config.engine.model, config.dist.world_size,
+                     config.dist.tensor_parallel_size)
     except BaseException as err:
         group.report(MemberEnd(group.member, _code_of(err), cause=f"{who}: {err}"))
         lock.release()
