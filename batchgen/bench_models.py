@@ -80,7 +80,8 @@ FP8_BLOCK = {False: (128, 128), True: (32, 32)}
 
 
 def hf_config_for(shape: str, tiny: bool = False, fp8_weights: bool = False):
-    """The HF config of a bench shape; `fp8_weights` adds DeepSeek's FP8 quantization_config."""
+    """The HF config of a bench shape; `fp8_weights` adds an FP8 block quantization_config
+    (DeepSeek's; dense shapes load it through models/fp8_dense.py)."""
     from transformers import AutoConfig
 
     if shape not in SHAPES:
@@ -91,8 +92,8 @@ def hf_config_for(shape: str, tiny: bool = False, fp8_weights: bool = False):
                                           num_hidden_layers=2, num_attention_heads=4,
                                           num_key_value_heads=2, head_dim=16)))
     if fp8_weights:
-        if spec["model_type"] != "deepseek_v3":
-            raise ValueError("--fp8-weights: only DeepSeek shapes ship FP8 block weights")
+        if spec["model_type"] == "gpt_oss":
+            raise ValueError("--fp8-weights: gpt-oss ships MXFP4 experts, not FP8 block weights")
         spec["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
                                        "activation_scheme": "dynamic",
                                        "weight_block_size": list(FP8_BLOCK[tiny])}

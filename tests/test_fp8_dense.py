@@ -91,3 +91,16 @@ def test_qwen2_biased_qkv_stays_dense(tmp_path, monkeypatch):
     assert not isinstance(layer.self_attn.qkv_proj, Fp8Linear)
     assert isinstance(layer.self_attn.o_proj, Fp8Linear)
     assert [t for t, _ in tokens(ours)] == [t for t, _ in tokens(load(tmp_path / "fp8" / "dequant"))]
+
+
+def test_our_fused_layout_in_fp8_installs_whole(monkeypatch):
+    """`batchgen bench --fp8-weights` on a dense shape: our fused q|k|v and gate|up come as one
+    FP8 tensor each (no pieces to join) and must become Fp8Linear modules directly."""
+    from batchgen.bench_models import hf_config_for, random_model
+
+    monkeypatch.setattr(LlamaForCausalLM, "_keep_fp8", lambda self: True)
+    model = random_model(hf_config_for("llama3-8b", tiny=True, fp8_weights=True), torch.float32,
+                         torch.device("cpu"))
+    kept = [n for n, m in model.named_modules() if isinstance(m, Fp8Linear)]
+    assert len(kept) == 4 * model.config.num_hidden_layers
+    assert all(t for t, _ in tokens(model, 4))
