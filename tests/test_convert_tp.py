@@ -120,3 +120,17 @@ def test_bad_tp_sizes_are_refused_before_writing(tmp_path):
     with pytest.raises(CheckpointError, match="num_attention_heads"):
         convert_model(ModelConfig(model=str(source)), tmp_path / "b", 3, tensor_parallel_size=3)
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_default_tp_size_follows_a_sharded_folder(tmp_path):
+    """Without --tensor-parallel-size a worker takes the TP size the folder was sharded for
+    (it loads at no other); whole folders leave the choice to the memory rule."""
+    from batchgen.runner.worker import sharded_tp_size
+
+    source = save_tiny_model("llama", tmp_path / "src")
+    sharded = convert_model(ModelConfig(model=str(source)), tmp_path / "tp2", world_size=2,
+                            tensor_parallel_size=2)
+    whole = convert_model(ModelConfig(model=str(source)), tmp_path / "tp1", world_size=2)
+    assert sharded_tp_size(ModelConfig(converted_ckpt_dir=str(sharded)), 2) == 2
+    assert sharded_tp_size(ModelConfig(converted_ckpt_dir=str(whole)), 2) is None
+    assert sharded_tp_size(ModelConfig(model=str(source)), 2) is None

@@ -23,7 +23,9 @@ from batchgen.io.intake import IntakeError, PendingRequest, intake
 from batchgen.io.reader import read_records, record_key, shard
 from batchgen.io.results import dumps, error_line
 from batchgen.io.writer import IncrementalWriter, WriteFailed, WriterLocked, read_done_ids
-from batchgen.models.factory import load_model, weight_bytes
+from batchgen.models.convert import read_manifest
+from batchgen.models.factory import load_model, model_folder, weight_bytes
+from batchgen.models.loader import MANIFEST
 from batchgen.parallel import Placement, default_tp_size, init_tensor_parallel
 from batchgen.runner.errors import EXIT_DEVICE_OOM, EXIT_DISK, EXIT_LOCKED, DiskError, disk_errors
 from batchgen.runner.grammars import Grammars
@@ -65,6 +67,8 @@ def placement(spec: JobSpec, rank: RankInfo, device: torch.device) -> Placement:
     on one device (logged). Every rank computes the same answer from the same inputs."""
     tp = spec.config.dist.tensor_parallel_size
     if tp is None:
+        tp = sharded_tp_size(spec.config.engine.model, rank.world)
+    if tp is None:
         tp = 1
         if device.type == "cuda" and rank.world > 1:
             memory = spec.config.engine.memory
@@ -75,6 +79,16 @@ def placement(spec: JobSpec, rank: RankInfo, device: torch.device) -> Placement:
                 log.info("tensor-parallel size %d: the smallest that fits %.1f GB of weights "
                          "on one device (--tensor-parallel-size overrides it)", tp, model_bytes / 1e9)
     return Placement(rank.rank, rank.world, rank.local_rank, rank.local_world, tp)
+
+
+def sharded_tp_size(model_cfg, world: int) -> int | None:
+    """The TP size a `batchgen convert --tensor-parallel-size` folder was sharded for (it can
+    load at no other), or None when the weights are whole."""
+    folder, _ = model_folder(model_cfg, world)
+    if not (folder / MANIFEST).is_file():
+        return None
+    size = read_manifest(folder).get("tensor_parallel_size", 1)
+    return size if size > 1 else None
 
 
 @dataclass
