@@ -1,6 +1,8 @@
 """Data parallel on CPU: `--world-size 2` launches two workers through torch's elastic launcher,
 each with its own shard and incremental file; the merged output equals the one-worker run."""
 
+import json
+
 from job_utils import batchgen, chat_rows, read_jsonl, write_jsonl
 
 
@@ -54,6 +56,9 @@ def test_tensor_parallel_job_equals_world_size_one(tmp_path, tiny_chat_model):
     # One data-parallel replica: one results file, written by the group's first rank only.
     assert len(list((tmp_path / "tp" / "incremental").glob("*.jsonl"))) == 1
     assert final(tmp_path / "tp") == final(tmp_path / "one")
+    usage = [json.loads(p.read_text())["usage"] for name in ("one", "tp")
+             for p in (tmp_path / name / "batches").glob("*.json") if p.name.count(".") == 1]
+    assert usage[0] == usage[1]  # each result counted once, not once per TP rank
 
 
 def test_replica_divergence_is_detected(tmp_path, tiny_chat_model):

@@ -258,13 +258,16 @@ class Worker:
         self._last_stats = now
         elapsed = max(now - self.stats.started, 1e-9)
         q = self.quarantine.book
+        # A TP group computes each result once across its ranks: only the writing rank counts
+        # it (the others still report their heartbeat and health).
+        counted = self.writer is not None
+        stats = self.stats if counted else WorkerStats(started=self.stats.started)
         self.watchdog.stats.update({
-            "rank": self.rank.rank, "pid": os.getpid(),
-            "completed": self.stats.completed, "failed": self.stats.failed,
-            "prompt_tokens": self.stats.prompt_tokens,
-            "completion_tokens": self.stats.completion_tokens,
-            "output_tokens_per_s": self.engine.generated_tokens / elapsed,
-            "engine": self.engine.stats(), "suspects": len(q.strikes),
+            "rank": self.rank.rank, "pid": os.getpid(), "writes_results": counted,
+            "completed": stats.completed, "failed": stats.failed,
+            "prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.completion_tokens,
+            "output_tokens_per_s": self.engine.generated_tokens / elapsed if counted else 0.0,
+            "engine": self.engine.stats() if counted else {}, "suspects": len(q.strikes),
             "quarantined": list(q.quarantined), **self.watchdog.health()})
 
     def close(self) -> None:
