@@ -61,3 +61,16 @@ def test_logprobs_are_log_softmax_of_raw_logits():
     for row, lp in enumerate(out.logprobs):
         assert abs(lp.logprob - ref[row, lp.token_id].item()) < 1e-6
         assert [t for t, _ in lp.top] == ref[row].topk(3).indices.tolist()
+
+
+def test_bans_apply_to_their_own_row_only():
+    """Each row's banned ids (EOS before min_tokens) are masked in that row alone, in one
+    indexed write; greedy rows then take their best allowed token."""
+    logits = torch.zeros(3, 8)
+    logits[:, 5] = 3.0  # everyone's favourite
+    logits[:, 2] = 2.0
+    logits[:, 7] = 1.0
+    params = [SamplingParams(temperature=0.0)] * 3
+    banned = [(5,), (), (5, 2)]
+    out = sample(logits, SamplingRows(params, [0, 0, 0], [0, 0, 0], banned))
+    assert out.token_ids == [2, 5, 7]

@@ -61,11 +61,10 @@ def sample(logits: torch.Tensor, rows: SamplingRows,
     logits = logits.float()
     raw_logprobs = torch.log_softmax(logits, dim=-1) if any(p.logprobs for p in rows.params) else None
     logits = _apply_bans(logits, rows.banned, allowed)
-    greedy = torch.tensor([p.greedy for p in rows.params], device=logits.device)
     chosen = logits.argmax(dim=-1)
-    if not bool(greedy.all()):
-        sampled = _sample_random(logits, rows)
-        chosen = torch.where(greedy, chosen, sampled)
+    if not all(p.greedy for p in rows.params):  # decided on the host: no device round trip
+        greedy = torch.tensor([p.greedy for p in rows.params], device=logits.device)
+        chosen = torch.where(greedy, chosen, _sample_random(logits, rows))
     tokens = chosen.tolist()
     return SampleResult(tokens, _gather_logprobs(raw_logprobs, tokens, rows.params))
 
@@ -75,9 +74,12 @@ def _apply_bans(logits, banned, allowed):
         logits = logits.masked_fill(~allowed, float("-inf"))
     if any(banned):
         logits = logits.clone() if allowed is None else logits
-        for row, ids in enumerate(banned):
-            if ids:
-                logits[row, list(ids)] = float("-inf")
+        # One indexed write for every (row, token) pair: a write per row is a kernel launch
+        # per sequence on the GPU.
+        rows = [row for row, ids in enumerate(banned) for _ in ids]
+        cols = [token for ids in banned for token in ids]
+        index = torch.tensor([rows, cols], dtype=torch.long).to(logits.device, non_blocking=True)
+        logits[index[0], index[1]] = float("-inf")
     return logits
 
 
