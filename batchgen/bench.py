@@ -227,10 +227,11 @@ class BenchConfig:
     """Run the workload again with the host tier off (host pool = device pool, same device
     pool) and report both and their ratio."""
     device: str = "auto"
-    enable_cuda_graph: bool = False
+    disable_cuda_graphs: bool = False
+    """Decode eagerly (graphs are on by default on CUDA)."""
     fp8_weights: bool = False
-    """DeepSeek shapes: FP8 e4m3 block-quantized linears and experts, as the real checkpoints
-    (kept FP8 on CUDA: block-scaled GEMMs; dequantized on CPU)."""
+    """FP8 e4m3 block-quantized linears (and DeepSeek's experts), as FP8 checkpoints ship them
+    (kept FP8 on CUDA: block-scaled GEMMs; dequantized on CPU). Not for gpt-oss (MXFP4)."""
     pre_dequantize_weights: bool = False
     """Dequantize MXFP4 (gpt-oss) or FP8 weights once at load instead of on the fly."""
     enable_ep_with_offloading: bool = False
@@ -266,7 +267,7 @@ def bench(cfg: BenchConfig, work: Workload) -> dict:
                             gpu_memory_frac=cfg.gpu_memory_frac),
         scheduler=SchedulerConfig(max_decode_batch=cfg.max_decode_batch),
         runtime=RuntimeConfig(cuda_graph_max_bucket_size=cfg.max_decode_batch,
-                              enable_cuda_graph=cfg.enable_cuda_graph)).validate()
+                              disable_cuda_graphs=cfg.disable_cuda_graphs)).validate()
     ours = run_ours(model, None, engine_cfg, work)
     bandwidth = measure_hbm_bandwidth(device)
     bound = roofline_seconds(stats, ours["layout"], work, ours["outputs"], cfg.max_decode_batch,

@@ -93,8 +93,9 @@ def bench(shape: str = typer.Option("smollm2-135m", help="Model shape: smollm2-1
               False, help="Run again with the host tier off (host pool = device pool, same "
               "device pool); report both, their ratio, and whether their tokens agree."),
           device: str = typer.Option("auto", help="auto, cuda, cuda:N or cpu."),
-          enable_cuda_graph: bool = typer.Option(False, help="Decode with CUDA graphs."),
-          fp8_weights: bool = typer.Option(False, help="DeepSeek shapes: FP8 block weights."),
+          disable_cuda_graphs: bool = typer.Option(
+              False, help="Decode eagerly (CUDA graphs are on by default on CUDA)."),
+          fp8_weights: bool = typer.Option(False, help="FP8 block weights (not gpt-oss)."),
           pre_dequantize_weights: bool = typer.Option(
               False, help="Dequantize MXFP4/FP8 weights at load, not on the fly."),
           enable_ep_with_offloading: bool = typer.Option(
@@ -115,7 +116,7 @@ def bench(shape: str = typer.Option("smollm2-135m", help="Model shape: smollm2-1
         peer_batch=peer_batch, max_decode_batch=max_decode_batch,
         gpu_kv_cache_size=gpu_kv_cache_size, host_kv_cache_size=host_kv_cache_size,
         gpu_memory_frac=gpu_memory_frac, compare_host_tier=compare_host_tier, device=device,
-        enable_cuda_graph=enable_cuda_graph, fp8_weights=fp8_weights,
+        disable_cuda_graphs=disable_cuda_graphs, fp8_weights=fp8_weights,
         pre_dequantize_weights=pre_dequantize_weights,
         enable_ep_with_offloading=enable_ep_with_offloading,
         ep_offloading_ratio=ep_offloading_ratio, tiny=tiny)

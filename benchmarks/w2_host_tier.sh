@@ -39,7 +39,7 @@ fi
 export PYTHONUNBUFFERED=1
 W2=(--shape "${SHAPE:-llama3-8b}" --requests "${REQUESTS:-4096}" --input-len 512
     --output-len 2048 --output-dist lognormal --max-output-len 16384 --max-tokens-mode cap
-    --max-decode-batch "${MAX_DECODE_BATCH:-256}" --enable-cuda-graph)
+    --max-decode-batch "${MAX_DECODE_BATCH:-256}")
 ON_POOLS=(--gpu-memory-frac "${GPU_MEMORY_FRAC:-0.3}" --host-kv-cache-size "${HOST_KV_GB:-100}")
 
 case "$MODE" in
