@@ -106,28 +106,15 @@ def random_model(hf_config, dtype: torch.dtype, device: torch.device, options=No
     """Our model with random weights drawn on `device` (no checkpoint, no download), loaded
     through its own `load_weights`; N(0, 0.02) matrices, ones for norms."""
     from batchgen.models.fp8 import weight_block_size
-    from batchgen.models.loader import meta_model
+    from batchgen.models.fp8_dense import is_fp8_checkpoint
+    from batchgen.models.loader import materialize, meta_model
 
-    model = meta_model(hf_config, options).to(dtype)  # on meta: allocate in `dtype` directly
-    model = model.to_empty(device=device).requires_grad_(False)
-    if hasattr(model, "tie_weights"):
-        model.tie_weights()
-    for module in model.modules():
-        if hasattr(module, "reset_buffers"):
-            module.reset_buffers()
-    quantized = getattr(hf_config, "quantization_config", None)
-    fp8_block = weight_block_size(hf_config) if _quant_method(quantized) == "fp8" else None
+    model = materialize(meta_model(hf_config, options).to(dtype), device)
+    fp8_block = weight_block_size(hf_config) if is_fp8_checkpoint(hf_config) else None
     model.load_weights(random_checkpoint(checkpoint_specs(model), dtype, device, fp8_block, seed))
     if device.type == "cuda":
         torch.cuda.empty_cache()  # FP8 swaps free the bf16 placeholders: return them
     return model.eval()
-
-
-def _quant_method(quant) -> str:
-    if quant is None:
-        return ""
-    method = quant.get("quant_method") if isinstance(quant, dict) else quant.quant_method
-    return str(getattr(method, "value", method) or "").lower()
 
 
 def checkpoint_specs(model: nn.Module) -> list[tuple[str, tuple[int, ...], str]]:

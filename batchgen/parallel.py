@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,10 +59,6 @@ class Placement:
     def writes_results(self) -> bool:
         """One rank per TP group does the I/O: its replicas compute the very same results."""
         return self.tp_rank == 0
-
-    def tp_ranks(self) -> list[int]:
-        first = self.dp_rank * self.tp_size
-        return list(range(first, first + self.tp_size))
 
 
 @dataclass(frozen=True)
@@ -177,7 +172,3 @@ def digest(*parts: object) -> bytes:
     for part in parts:
         h.update(repr(part).encode())
     return h.digest()
-
-
-def env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip() not in ("", "0", "false", "no")

@@ -73,10 +73,16 @@ def store_kv(kv: torch.Tensor, kv_scales: torch.Tensor | None, k: torch.Tensor, 
              slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Copies of kv [num_pages, 64, 2, KVH, D] (and scales) with k/v [T, KVH, D] written at
     slot_mapping [T] (page * 64 + offset; negative slots are skipped)."""
+    return _store_tokens(kv, kv_scales, torch.stack([k, v], dim=1), slot_mapping)
+
+
+def _store_tokens(kv, kv_scales, new, slot_mapping):
+    """Copies of kv [num_pages, 64, *token] (and scales [num_pages, 64, *token[:-1]]) with
+    new [T, *token] written at slot_mapping [T]; negative slots skipped, fp8 quantized."""
     kv, kv_scales = kv.clone(), None if kv_scales is None else kv_scales.clone()
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
-    new = torch.stack([k[keep], v[keep]], dim=1)  # [T', 2, KVH, D]
+    new = new[keep]
     flat = kv.view(-1, *kv.shape[2:])
     if kv_scales is None:
         flat[slots] = new.to(kv.dtype)
@@ -225,15 +231,4 @@ def store_mla_kv(kv: torch.Tensor, kv_scales: torch.Tensor | None, rows: torch.T
     """Copies of an MLA layer kv [num_pages, 64, 1, W] (and scales [num_pages, 64, 1]) with
     rows [T, W] written at slot_mapping [T] (negative slots are skipped); fp8 pools get one
     scale per token."""
-    kv, kv_scales = kv.clone(), None if kv_scales is None else kv_scales.clone()
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep].long()
-    new = rows[keep][:, None]  # [T', 1, W]
-    flat = kv.view(-1, *kv.shape[2:])
-    if kv_scales is None:
-        flat[slots] = new.to(kv.dtype)
-    else:
-        values, scales = quantize_fp8(new)
-        flat[slots] = values
-        kv_scales.view(-1, 1)[slots] = scales
-    return kv, kv_scales
+    return _store_tokens(kv, kv_scales, rows[:, None], slot_mapping)

@@ -139,20 +139,25 @@ def build_model(hf_config, weights, dtype: torch.dtype, device: torch.device,
     this rank's tensor-parallel group (each rank keeps only its slice of the weights).
     `presharded`: `weights` are already this rank's slice (`batchgen convert
     --tensor-parallel-size`), so the model copies them as they are."""
-    model = meta_model(hf_config, options, tp)
-    model = model.to_empty(device=device).requires_grad_(False)
-    if hasattr(model, "tie_weights"):
-        model.tie_weights()  # to_empty gives every parameter its own storage
-    for module in model.modules():  # buffers (rope tables) are computed, not loaded
-        if hasattr(module, "reset_buffers"):
-            module.reset_buffers()
-    model.to(dtype)
+    model = materialize(meta_model(hf_config, options, tp).to(dtype), device)
     weights = ((n, t.to(device=device)) for n, t in weights)
     if presharded:  # only TP-capable models take the switch (meta_model checked that)
         model.load_weights(weights, presharded=True)
     else:
         model.load_weights(weights)
     return model.eval()
+
+
+def materialize(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """Give a meta model uninitialised storage on `device`, in the dtypes it already has (cast
+    on meta first: allocating float32 and casting after would need twice the memory)."""
+    model = model.to_empty(device=device).requires_grad_(False)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()  # to_empty gives every parameter its own storage
+    for module in model.modules():  # buffers (rope tables) are computed, not loaded
+        if hasattr(module, "reset_buffers"):
+            module.reset_buffers()
+    return model
 
 
 def meta_model(hf_config, options=None, tp: TensorParallel | None = None) -> torch.nn.Module:
