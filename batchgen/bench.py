@@ -229,6 +229,10 @@ class BenchConfig:
     device: str = "auto"
     disable_cuda_graphs: bool = False
     """Decode eagerly (graphs are on by default on CUDA)."""
+    cuda_graph_num_buckets: int = 16
+    """Captured decode batch sizes up to max_decode_batch."""
+    decode_burst_steps: int = 8
+    """Decode steps run back to back per host sync (1: sync every token)."""
     fp8_weights: bool = False
     """FP8 e4m3 block-quantized linears (and DeepSeek's experts), as FP8 checkpoints ship them
     (kept FP8 on CUDA: block-scaled GEMMs; dequantized on CPU). Not for gpt-oss (MXFP4)."""
@@ -267,7 +271,9 @@ def bench(cfg: BenchConfig, work: Workload) -> dict:
                             gpu_memory_frac=cfg.gpu_memory_frac),
         scheduler=SchedulerConfig(max_decode_batch=cfg.max_decode_batch),
         runtime=RuntimeConfig(cuda_graph_max_bucket_size=cfg.max_decode_batch,
-                              disable_cuda_graphs=cfg.disable_cuda_graphs)).validate()
+                              cuda_graph_num_buckets=cfg.cuda_graph_num_buckets,
+                              disable_cuda_graphs=cfg.disable_cuda_graphs,
+                              decode_burst_steps=cfg.decode_burst_steps)).validate()
     ours = run_ours(model, None, engine_cfg, work)
     bandwidth = measure_hbm_bandwidth(device)
     bound = roofline_seconds(stats, ours["layout"], work, ours["outputs"], cfg.max_decode_batch,

@@ -95,6 +95,10 @@ def bench(shape: str = typer.Option("smollm2-135m", help="Model shape: smollm2-1
           device: str = typer.Option("auto", help="auto, cuda, cuda:N or cpu."),
           disable_cuda_graphs: bool = typer.Option(
               False, help="Decode eagerly (CUDA graphs are on by default on CUDA)."),
+          cuda_graph_num_buckets: int = typer.Option(
+              16, help="Captured decode batch sizes (fewer capture faster)."),
+          decode_burst_steps: int = typer.Option(
+              8, help="Decode steps per host sync while the running set is fixed."),
           fp8_weights: bool = typer.Option(False, help="FP8 block weights (not gpt-oss)."),
           pre_dequantize_weights: bool = typer.Option(
               False, help="Dequantize MXFP4/FP8 weights at load, not on the fly."),
@@ -116,7 +120,8 @@ def bench(shape: str = typer.Option("smollm2-135m", help="Model shape: smollm2-1
         peer_batch=peer_batch, max_decode_batch=max_decode_batch,
         gpu_kv_cache_size=gpu_kv_cache_size, host_kv_cache_size=host_kv_cache_size,
         gpu_memory_frac=gpu_memory_frac, compare_host_tier=compare_host_tier, device=device,
-        disable_cuda_graphs=disable_cuda_graphs, fp8_weights=fp8_weights,
+        disable_cuda_graphs=disable_cuda_graphs, cuda_graph_num_buckets=cuda_graph_num_buckets,
+        decode_burst_steps=decode_burst_steps, fp8_weights=fp8_weights,
         pre_dequantize_weights=pre_dequantize_weights,
         enable_ep_with_offloading=enable_ep_with_offloading,
         ep_offloading_ratio=ep_offloading_ratio, tiny=tiny)

@@ -202,8 +202,15 @@ class RuntimeConfig:
     """Number of captured batch sizes between 1 and the max bucket."""
     seed: int = 0
     """Job-level seed: requests without a seed get one derived from it and their custom_id."""
+    decode_burst_steps: int = 8
+    """Decode steps run back to back between host syncs while the running set is fixed: the
+    sampled tokens stay on the device and are read (and stop conditions checked) once per
+    burst. A sequence that stops inside a burst discards the rest of its burst's tokens
+    (wasted compute, never wrong output). 1 syncs after every token."""
 
     def validate(self) -> None:
+        _require(self.decode_burst_steps >= 1, "decode_burst_steps", self.decode_burst_steps,
+                 "an integer >= 1")
         if self.enable_cuda_graph and self.disable_cuda_graphs:
             raise ConfigError("disable_cuda_graphs", True,
                               "--enable-cuda-graph and --disable-cuda-graphs are mutually exclusive")

@@ -67,7 +67,7 @@ def test_replica_divergence_is_detected(tmp_path, tiny_chat_model):
     proc = batchgen("run", "--input", inp, "--model", tiny_chat_model, "--storage-path",
                     tmp_path / "s", "--world-size", 2, "--tensor-parallel-size", 2, env=env)
     assert proc.returncode != 0
-    assert "replicas diverged by step 3" in proc.stdout + proc.stderr
+    assert "replicas diverged by step" in proc.stdout + proc.stderr
 
 
 def test_replica_check_passes_on_agreeing_replicas(tmp_path, tiny_chat_model):

@@ -19,7 +19,7 @@ from batchgen.engine.sampler import SamplingRows
 from batchgen.engine.stops import StopChecker
 from batchgen.sched.scheduler import Scheduler, ScheduleOutput
 from batchgen.parallel import TensorParallel
-from batchgen.sched.sequence import Sequence
+from batchgen.sched.sequence import Sequence, SeqState
 
 log = logging.getLogger("batchgen.engine")
 
@@ -98,10 +98,13 @@ class Engine:
         out = self.scheduler.schedule()
         if self.replicas is not None:
             self.replicas.observe(self.steps, out)
-        rows = self._sampling_rows(out)
-        result = self.runner.execute(out, rows, self._grammar_masks(out))
-        self.steps += 1
-        return self._postprocess(out, result)
+        steps = self._burst_steps(out)
+        if steps > 1:
+            self.scheduler.extend_decode(steps - 1)
+        rows = [self._sampling_rows(out, ahead) for ahead in range(steps)]
+        results = self.runner.execute(out, rows, self._grammar_masks(out))
+        self.steps += steps
+        return self._postprocess(out, results)
 
     def generate(self, requests: Iterable[Request]) -> list[FinishedRequest]:
         """Run requests to completion; results in the order given."""
@@ -141,41 +144,61 @@ class Engine:
 
         return lambda logits: apply_masks(logits, matchers)
 
-    def _sampling_rows(self, out: ScheduleOutput) -> SamplingRows:
+    def _burst_steps(self, out: ScheduleOutput) -> int:
+        """How many decode steps `out` runs back to back (one host sync for all of them): 1
+        unless every chunk decodes and none needs the host between tokens (a grammar). The
+        scheduler bounds it by the steps its page reservations cover."""
+        limit = self.config.runtime.decode_burst_steps
+        if limit <= 1 or not out.chunks:
+            return 1
+        if any(c.end - c.start != 1 or not c.sample or c.seq.matcher is not None
+               for c in out.chunks):
+            return 1
+        longest = max(c.seq.sampling.max_tokens - c.seq.num_decoded for c in out.chunks)
+        return max(1, min(limit, self.scheduler.decode_steps_covered, longest))
+
+    def _sampling_rows(self, out: ScheduleOutput, ahead: int = 0) -> SamplingRows:
+        """The sampled rows of `out` as they stand `ahead` steps into a burst."""
         seqs = [c.seq for c in out.chunks if c.sample]
         banned = []
         for seq in seqs:
             params = seq.sampling
             # A grammar decides when EOS is allowed; banning it too could leave no token at all.
-            early = seq.num_decoded < params.min_tokens and seq.matcher is None
+            early = seq.num_decoded + ahead < params.min_tokens and seq.matcher is None
             ids = (() if params.ignore_eos else tuple(self.eos_ids)) + params.stop_token_ids
             banned.append(ids if early else ())
         return SamplingRows([s.sampling for s in seqs], [s.seed for s in seqs],
-                            [s.num_decoded for s in seqs], banned)
+                            [s.num_decoded + ahead for s in seqs], banned)
 
-    def _postprocess(self, out: ScheduleOutput, result) -> list[FinishedRequest]:
+    def _postprocess(self, out: ScheduleOutput, results) -> list[FinishedRequest]:
         finished = []
-        sampled = iter(zip(result.token_ids, result.logprobs)) if result else iter(())
         for chunk in out.chunks:
-            seq = chunk.seq
-            seq.num_computed = chunk.end
             if not chunk.sample:
-                continue
-            token, logprob = next(sampled)
-            seq.token_ids.append(token)
-            self.generated_tokens += 1
-            if logprob is not None:
-                if seq.logprobs is None:
-                    seq.logprobs = []
-                seq.logprobs.append(logprob)
-            if seq.matcher is not None:
-                seq.matcher.accept(token)
-            reason = self._finish_reason(seq, token)
-            if reason is not None:
-                done = self._complete(seq, *reason)
+                chunk.seq.num_computed = chunk.end
+        sampling = [c for c in out.chunks if c.sample]
+        for step, result in enumerate(results):
+            for chunk, token, logprob in zip(sampling, result.token_ids, result.logprobs):
+                done = self._accept(chunk.seq, chunk.end + step, token, logprob)
                 if done is not None:
                     finished.append(done)
         return finished
+
+    def _accept(self, seq: Sequence, computed: int, token: int, logprob) -> FinishedRequest | None:
+        """Append one sampled token; the finished request when this ends its last sequence.
+        Tokens a burst drew for a sequence after it finished are dropped here."""
+        if seq.state is SeqState.FINISHED:
+            return None
+        seq.num_computed = computed
+        seq.token_ids.append(token)
+        self.generated_tokens += 1
+        if logprob is not None:
+            if seq.logprobs is None:
+                seq.logprobs = []
+            seq.logprobs.append(logprob)
+        if seq.matcher is not None:
+            seq.matcher.accept(token)
+        reason = self._finish_reason(seq, token)
+        return self._complete(seq, *reason) if reason is not None else None
 
     def _finish_reason(self, seq: Sequence, token: int):
         params = seq.sampling

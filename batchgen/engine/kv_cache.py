@@ -86,6 +86,11 @@ class KVPool:
     def store(self, layer: int, slots: torch.Tensor, kv: torch.Tensor) -> None:
         """Write `kv[T, *token_shape]` at flat slots (page * PAGE_SIZE + offset)."""
         data, scales = self.layer(layer)
+        # Slot -1: a row with nothing to store (the kernels skip it too). Not checked on CUDA,
+        # where reading the minimum would sync; the Triton stores handle it there.
+        if not slots.is_cuda and slots.numel() and int(slots.min()) < 0:
+            keep = slots >= 0
+            slots, kv = slots[keep], kv[keep]
         # The layer view is strided over pages, so index (page, offset) instead of a flat slot.
         page, offset = slots // PAGE_SIZE, slots % PAGE_SIZE
         if self.layout.quantized:

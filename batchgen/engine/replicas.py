@@ -29,6 +29,7 @@ class ReplicaCheck:
     def __init__(self, tp: TensorParallel, every: int, diverge_at: tuple[int, int] | None = None):
         self.tp, self.every, self.diverge_at = tp, every, diverge_at
         self.running = bytes(8)
+        self._next_check = 0
 
     @staticmethod
     def from_env(tp: TensorParallel) -> ReplicaCheck | None:
@@ -40,14 +41,18 @@ class ReplicaCheck:
         return ReplicaCheck(tp, every, diverge_at)
 
     def observe(self, step: int, out: ScheduleOutput) -> None:
-        """Fold this step's decisions in; on a checked step, compare with the other ranks."""
-        if self.diverge_at == (self.tp.rank, step) and out.chunks:
+        """Fold this step's decisions in; on a checked step, compare with the other ranks.
+        `step` counts forwards, so it jumps by a decode burst's length between calls."""
+        if (self.diverge_at is not None and self.diverge_at[0] == self.tp.rank
+                and step >= self.diverge_at[1] and out.chunks):
             out.chunks.pop()
+            self.diverge_at = None
         chunks = [(c.seq.seq_id, c.start, c.end, c.sample) for c in out.chunks]
         copies = [(c.seq_id, tuple(c.src), tuple(c.dst)) for c in (*out.swap_out, *out.swap_in)]
         self.running = digest(self.running, chunks, copies)
-        if step % self.every:
+        if step < self._next_check:
             return
+        self._next_check = step + self.every
         digests = self.tp.gather_digests(self.running)
         if len(set(digests)) > 1:
             odd = [r for r, d in enumerate(digests) if d != digests[0]]

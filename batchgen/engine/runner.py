@@ -12,9 +12,10 @@ import os
 
 import torch
 
+from batchgen.engine.burst import DecodeBurst
 from batchgen.engine.forward_batch import ForwardBatch
 from batchgen.engine.kv_cache import KVLayout, KVPool, copy_pages
-from batchgen.engine.sampler import SampleResult, SamplingRows, sample
+from batchgen.engine.sampler import SampleResult, SamplingRows, sample, sample_on_device, to_host
 from batchgen.sched.host_pool import HostSegment
 from batchgen.sched.scheduler import ScheduleOutput
 
@@ -68,16 +69,20 @@ class ModelRunner:
         return KVPool(layout, host_pages, "cpu", data=data, scales=scales)
 
     @torch.inference_mode()
-    def execute(self, out: ScheduleOutput, rows: SamplingRows,
-                logits_processor=None) -> SampleResult | None:
-        """Copies, forward and sampling of one step; `logits_processor(logits)` may mask the
-        sampled rows' logits in place first (structured outputs)."""
+    def execute(self, out: ScheduleOutput, rows: list[SamplingRows],
+                logits_processor=None) -> list[SampleResult]:
+        """Copies, then forward and sampling of `len(rows)` steps: one step of any batch, or
+        a burst of back-to-back decode steps (every chunk decodes; `rows[i]` samples step i).
+        `logits_processor(logits)` may mask the sampled rows' logits in place first
+        (structured outputs; single steps only)."""
         for copy in out.swap_out:
             copy_pages(self.device_pool, copy.src, self.host_pool, copy.dst)
         for copy in out.swap_in:
             copy_pages(self.host_pool, copy.src, self.device_pool, copy.dst)
         if not out.chunks:
-            return None
+            return []
+        if len(rows) > 1:
+            return self._burst(out, rows)
         batch = ForwardBatch.build(
             token_ids=[c.seq.token_ids[c.start:c.end] for c in out.chunks],
             starts=[c.start for c in out.chunks],
@@ -86,15 +91,26 @@ class ModelRunner:
             kv_pool=self.device_pool,
             device=self.device,
         )
-        if self.graphs is not None and self.graphs.can_run(batch):
-            logits = self.graphs.run(batch)
-        else:
-            logits = self.model(batch)
-        if not rows.params:
-            return SampleResult([], [])
+        logits = self._forward(batch)
+        if not rows[0].params:
+            return [SampleResult([], [])]
         if logits_processor is not None:
             logits_processor(logits)
-        return sample(logits, rows)
+        return [sample(logits, rows[0])]
+
+    def _burst(self, out: ScheduleOutput, rows: list[SamplingRows]) -> list[SampleResult]:
+        burst = DecodeBurst.build([c.seq for c in out.chunks], len(rows), self.device_pool,
+                                  self.device)
+        input_ids, drawn = burst.first_ids, []
+        for step, step_rows in enumerate(rows):
+            drawn.append(sample_on_device(self._forward(burst.batch(step, input_ids)), step_rows))
+            input_ids = drawn[-1].tokens
+        return to_host(drawn, rows)
+
+    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+        if self.graphs is not None and self.graphs.can_run(batch):
+            return self.graphs.run(batch)
+        return self.model(batch)
 
     def close(self) -> None:
         self.host_pool = None

@@ -54,19 +54,75 @@ class SampleResult:
     logprobs: list[TokenLogprob | None]
 
 
+@dataclass
+class DeviceSample:
+    """One step's samples still on the device: reading them is what waits for the GPU."""
+
+    tokens: torch.Tensor
+    """[S] int64 sampled ids."""
+    chosen_logprobs: torch.Tensor | None = None
+    """[S] float32 log-probability of each sampled id (when any row wants logprobs)."""
+    top_ids: torch.Tensor | None = None
+    """[S, k] most likely ids, k = the largest top_logprobs asked."""
+    top_logprobs: torch.Tensor | None = None
+
+
 def sample(logits: torch.Tensor, rows: SamplingRows,
            allowed: torch.Tensor | None = None) -> SampleResult:
-    """logits `[S, V]` float32 -> one token per row. `allowed` is an optional bool `[S, V]`
-    mask (structured outputs)."""
+    """logits `[S, V]` -> one token per row. `allowed` is an optional bool `[S, V]` mask
+    (structured outputs)."""
+    return to_host([sample_on_device(logits, rows, allowed)], [rows])[0]
+
+
+def sample_on_device(logits: torch.Tensor, rows: SamplingRows,
+                     allowed: torch.Tensor | None = None) -> DeviceSample:
+    """Sample without waiting for the device: every branch is decided from host values."""
     logits = logits.float()
-    raw_logprobs = torch.log_softmax(logits, dim=-1) if any(p.logprobs for p in rows.params) else None
+    want_logprobs = any(p.logprobs for p in rows.params)
+    raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
     logits = _apply_bans(logits, rows.banned, allowed)
     chosen = logits.argmax(dim=-1)
-    if not all(p.greedy for p in rows.params):  # decided on the host: no device round trip
-        greedy = torch.tensor([p.greedy for p in rows.params], device=logits.device)
+    if not all(p.greedy for p in rows.params):
+        greedy = _upload([p.greedy for p in rows.params], torch.bool, logits.device)
         chosen = torch.where(greedy, chosen, _sample_random(logits, rows))
-    tokens = chosen.tolist()
-    return SampleResult(tokens, _gather_logprobs(raw_logprobs, tokens, rows.params))
+    if raw_logprobs is None:
+        return DeviceSample(chosen)
+    k = max(p.top_logprobs for p in rows.params)
+    top_vals, top_ids = raw_logprobs.topk(k, dim=-1) if k else (None, None)
+    return DeviceSample(chosen, raw_logprobs.gather(1, chosen[:, None])[:, 0], top_ids, top_vals)
+
+
+def to_host(samples: list[DeviceSample], rows: list[SamplingRows]) -> list[SampleResult]:
+    """Results of several steps (same rows), read back with one device sync."""
+    if not samples:
+        return []
+    tokens = torch.stack([s.tokens for s in samples]).tolist()
+    chosen = top_ids = top_vals = None
+    if samples[0].chosen_logprobs is not None:
+        chosen = torch.stack([s.chosen_logprobs for s in samples]).tolist()
+        if samples[0].top_ids is not None:
+            top_ids = torch.stack([s.top_ids for s in samples]).tolist()
+            top_vals = torch.stack([s.top_logprobs for s in samples]).tolist()
+    results = []
+    for step, step_rows in enumerate(rows):
+        logprobs: list[TokenLogprob | None] = [None] * len(tokens[step])
+        if chosen is not None:
+            for row, p in enumerate(step_rows.params):
+                if not p.logprobs:
+                    continue
+                top = []
+                if top_ids is not None and p.top_logprobs:
+                    top = list(zip(top_ids[step][row][: p.top_logprobs],
+                                   top_vals[step][row][: p.top_logprobs]))
+                logprobs[row] = TokenLogprob(tokens[step][row], chosen[step][row], top)
+        results.append(SampleResult(tokens[step], logprobs))
+    return results
+
+
+def _upload(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list on the device without a sync (a plain `torch.tensor(..., device=cuda)`
+    waits for the stream)."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
 def _apply_bans(logits, banned, allowed):
@@ -78,7 +134,7 @@ def _apply_bans(logits, banned, allowed):
         # per sequence on the GPU.
         rows = [row for row, ids in enumerate(banned) for _ in ids]
         cols = [token for ids in banned for token in ids]
-        index = torch.tensor([rows, cols], dtype=torch.long).to(logits.device, non_blocking=True)
+        index = _upload([rows, cols], torch.long, logits.device)
         logits[index[0], index[1]] = float("-inf")
     return logits
 
@@ -86,11 +142,11 @@ def _apply_bans(logits, banned, allowed):
 def _sample_random(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
     device = logits.device
     params = rows.params
-    temp = torch.tensor([max(p.temperature, 1e-5) for p in params], device=device)
+    temp = _upload([max(p.temperature, 1e-5) for p in params], torch.float32, device)
     logprobs = torch.log_softmax(logits / temp[:, None], dim=-1)
     logprobs = _truncate(logprobs, params)
-    seeds = torch.tensor(rows.seeds, dtype=torch.int64, device=device)
-    steps = torch.tensor(rows.steps, dtype=torch.int64, device=device)
+    seeds = _upload(rows.seeds, torch.int64, device)
+    steps = _upload(rows.steps, torch.int64, device)
     gumbel = -torch.log(-torch.log(uniform_noise(seeds, steps, logits.shape[-1])))
     return (logprobs + gumbel).argmax(dim=-1)
 
@@ -98,10 +154,12 @@ def _sample_random(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
 def _truncate(logprobs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Apply top-k, top-p and min-p (in that order) by masking to -inf."""
     device = logprobs.device
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else logprobs.shape[-1] for p in params], device=device)
-    top_p = torch.tensor([p.top_p for p in params], device=device)
-    min_p = torch.tensor([p.min_p for p in params], device=device)
-    if bool((top_k < logprobs.shape[-1]).any()) or bool((top_p < 1.0).any()):
+    vocab = logprobs.shape[-1]
+    top_k_host = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    # Which truncations apply is decided on the host: a .any() on the device would sync.
+    if any(k < vocab for k in top_k_host) or any(p.top_p < 1.0 for p in params):
+        top_k = _upload(top_k_host, torch.int64, device)
+        top_p = _upload([p.top_p for p in params], torch.float32, device)
         sorted_lp, order = logprobs.sort(dim=-1, descending=True)
         rank = torch.arange(logprobs.shape[-1], device=device)[None, :]
         probs = sorted_lp.exp()
@@ -110,27 +168,8 @@ def _truncate(logprobs: torch.Tensor, params: list[SamplingParams]) -> torch.Ten
         drop[:, 0] = False
         sorted_lp = sorted_lp.masked_fill(drop, float("-inf"))
         logprobs = torch.empty_like(logprobs).scatter_(-1, order, sorted_lp)
-    if bool((min_p > 0).any()):
+    if any(p.min_p > 0 for p in params):
+        min_p = _upload([p.min_p for p in params], torch.float32, device)
         threshold = logprobs.max(dim=-1, keepdim=True).values + torch.log(min_p[:, None].clamp_min(1e-30))
         logprobs = logprobs.masked_fill((logprobs < threshold) & (min_p[:, None] > 0), float("-inf"))
     return logprobs
-
-
-def _gather_logprobs(raw: torch.Tensor | None, tokens: list[int],
-                     params: list[SamplingParams]) -> list[TokenLogprob | None]:
-    if raw is None:
-        return [None] * len(tokens)
-    k = max(p.top_logprobs for p in params)
-    top_vals, top_ids = (raw.topk(k, dim=-1) if k else (None, None))
-    chosen = raw.gather(1, torch.tensor(tokens, device=raw.device)[:, None])[:, 0].tolist()
-    out: list[TokenLogprob | None] = []
-    for row, (p, token) in enumerate(zip(params, tokens)):
-        if not p.logprobs:
-            out.append(None)
-            continue
-        top = []
-        if p.top_logprobs:
-            top = list(zip(top_ids[row, : p.top_logprobs].tolist(),
-                           top_vals[row, : p.top_logprobs].tolist()))
-        out.append(TokenLogprob(token, chosen[row], top))
-    return out

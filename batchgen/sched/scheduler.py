@@ -118,6 +118,17 @@ class Scheduler:
             self._steps_left -= 1
         return out
 
+    @property
+    def decode_steps_covered(self) -> int:
+        """Decode steps the running set may take from the one just scheduled on, before the
+        next decision: their device pages are reserved already."""
+        return max(1, self._steps_left + 1)
+
+    def extend_decode(self, extra_steps: int) -> None:
+        """The decode step just scheduled runs `extra_steps` more times back to back."""
+        assert 0 <= extra_steps < self.decode_steps_covered, (extra_steps, self._steps_left)
+        self._steps_left -= extra_steps
+
     def _decision_due(self) -> bool:
         if not self.running or self._steps_left <= 0:
             return True

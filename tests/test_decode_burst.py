@@ -1,0 +1,180 @@
+"""Decode bursts (several decode steps per host sync) give exactly the output of one step per
+sync: sequences stopping inside a burst (EOS, stop ids, stop strings, max_tokens), sampling with
+seeds and truncation, min_tokens bans, logprobs, n > 1, and tight pools that unload and evict."""
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from batchgen.config import EngineConfig, MemoryConfig, RuntimeConfig, SchedulerConfig
+from batchgen.core import Request, SamplingParams
+from batchgen.engine.burst import DecodeBurst
+from batchgen.engine.engine import Engine
+from engine_utils import load_ours, page_bytes
+from tiny_models import save_tiny_chat_model
+
+
+@pytest.fixture(scope="module")
+def chat(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    folder = save_tiny_chat_model(tmp_path_factory.mktemp("burst-chat"))
+    return load_ours(folder), AutoTokenizer.from_pretrained(str(folder))
+
+
+def engine(model, tokenizer, burst, device_pages=None, host_pages=None, **sched):
+    size = page_bytes(model)
+    memory = MemoryConfig(
+        gpu_kv_cache_size=0.05 if device_pages is None else (device_pages + 0.5) * size / 1e9,
+        host_kv_cache_size=0.1 if host_pages is None else (host_pages + 0.5) * size / 1e9)
+    cfg = EngineConfig(memory=memory, scheduler=SchedulerConfig(**sched),
+                       runtime=RuntimeConfig(decode_burst_steps=burst)).validate()
+    return Engine(model, cfg, tokenizer, (tokenizer.eos_token_id,))
+
+
+def mixed_requests(tokenizer, seed=0, count=10):
+    gen = torch.Generator().manual_seed(seed)
+    vocab = len(tokenizer)
+    frequent = tokenizer.decode([int(torch.randint(3, vocab, (1,), generator=gen))])
+    kinds = [
+        dict(temperature=0.0, max_tokens=37),
+        dict(temperature=0.0, max_tokens=5, logprobs=True, top_logprobs=3),
+        dict(temperature=0.8, top_k=20, seed=7, max_tokens=40, min_tokens=30),
+        dict(temperature=1.0, top_p=0.9, min_p=0.05, max_tokens=50, n=2),
+        dict(temperature=1.0, max_tokens=60, stop=(frequent, "e"), logprobs=True),
+        dict(temperature=1.2, max_tokens=45, stop_token_ids=tuple(range(100, 1100))),
+        dict(temperature=0.0, max_tokens=64, ignore_eos=True),
+    ]
+    requests = []
+    for i in range(count):
+        prompt = torch.randint(3, vocab, (int(torch.randint(3, 90, (1,), generator=gen)),),
+                               generator=gen).tolist()
+        requests.append(Request(f"r{i}", prompt, SamplingParams(**kinds[i % len(kinds)])))
+    return requests
+
+
+def long_requests(count=4):
+    """Greedy, EOS ignored, long: they outgrow a tight device pool and force unloads."""
+    gen = torch.Generator().manual_seed(11)
+    return [Request(f"long{i}", torch.randint(3, 500, (60,), generator=gen).tolist(),
+                    SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=150))
+            for i in range(count)]
+
+
+def outcome(results):
+    return {r.request_id: [(c.token_ids, c.finish_reason, c.text, c.stop_reason,
+                            None if c.logprobs is None else
+                            [(lp.token_id, round(lp.logprob, 4), [t for t, _ in lp.top])
+                             for lp in c.logprobs])
+                           for c in r.completions] for r in results}
+
+
+def count_bursts(eng):
+    bursts = []
+    execute = eng.runner.execute
+
+    def counting(out, rows, *args):
+        bursts.append(len(rows))
+        return execute(out, rows, *args)
+
+    eng.runner.execute = counting
+    return bursts
+
+
+@pytest.mark.parametrize("burst", [2, 8, 32])
+def test_bursts_equal_one_step_per_sync(chat, burst):
+    model, tokenizer = chat
+    reference = outcome(engine(model, tokenizer, 1).generate(mixed_requests(tokenizer)))
+    eng = engine(model, tokenizer, burst)
+    bursts = count_bursts(eng)
+    assert outcome(eng.generate(mixed_requests(tokenizer))) == reference
+    assert max(bursts) == burst  # bursts really ran, at full length
+    eng.scheduler.check_integrity()
+    assert eng.scheduler.device.num_used == 0 and eng.scheduler.host.num_used == 0
+    # The request mix really stops inside bursts, for every reason.
+    reasons = {c[1].value for r in reference.values() for c in r}
+    assert reasons == {"stop", "length"}
+
+
+def test_bursts_with_tight_pools_equal_one_step_per_sync(chat):
+    model, tokenizer = chat
+    tight = dict(device_pages=7, host_pages=10, initial_gpu_page_buffer=1,
+                 extension_gpu_page_buffer=1, decision_frequency_pages=1,
+                 max_prefill_tokens=96, host_kv_watermark=50.0, host_kv_chunk_size=64,
+                 adaptive_chunk_min=64)
+
+    def requests():
+        return long_requests() + mixed_requests(tokenizer, 1)
+
+    reference = outcome(engine(model, tokenizer, 1, **tight).generate(requests()))
+    eng = engine(model, tokenizer, 16, **tight)
+    bursts = count_bursts(eng)
+    assert outcome(eng.generate(requests())) == reference
+    stats = eng.stats()
+    assert stats["unloads"] > 0 and stats["evictions"] > 0 and max(bursts) > 1
+    assert stats["peak_device_pages"] <= 7
+    eng.scheduler.check_integrity()
+
+
+@settings(max_examples=15, deadline=None)
+@given(burst=st.integers(1, 40), decision_pages=st.integers(1, 3), seed=st.integers(0, 10**6))
+def test_burst_never_outruns_the_reserved_pages(chat, burst, decision_pages, seed):
+    """Every slot a burst writes lies in its row's own pages (or is -1), and the positions of
+    rows still decoding are covered: a burst never writes into another sequence's page."""
+    model, tokenizer = chat
+    eng = engine(model, tokenizer, burst, device_pages=12, host_pages=30,
+                 initial_gpu_page_buffer=1, extension_gpu_page_buffer=3,
+                 decision_frequency_pages=decision_pages)
+    checked = []
+    execute = eng.runner.execute
+
+    def checking(out, rows, *args):
+        if len(rows) > 1:
+            seqs = [c.seq for c in out.chunks]
+            plan = DecodeBurst.build(seqs, len(rows), eng.runner.device_pool, torch.device("cpu"))
+            for row, seq in enumerate(seqs):
+                own = set(seq.device_pages)
+                for step in range(len(rows)):
+                    slot = int(plan.slots[step, row])
+                    still_decoding = seq.num_decoded + step < seq.sampling.max_tokens
+                    assert slot >= 0 or not still_decoding
+                    assert slot < 0 or slot // 64 in own
+            checked.append(len(rows))
+        return execute(out, rows, *args)
+
+    eng.runner.execute = checking
+    gen = torch.Generator().manual_seed(seed)
+    requests = [Request(f"q{i}", torch.randint(3, 500, (int(torch.randint(2, 100, (1,), generator=gen)),),
+                                               generator=gen).tolist(),
+                        SamplingParams(temperature=0.0, ignore_eos=True,
+                                       max_tokens=int(torch.randint(1, 150, (1,), generator=gen))))
+                for i in range(5)]
+    eng.generate(requests)
+    eng.scheduler.check_integrity()
+    assert burst == 1 or checked
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bursts_replay_cuda_graphs_like_single_steps(tmp_path):
+    """On CUDA a burst replays the decode graphs back to back with no host sync between its
+    steps; its output equals syncing after every token."""
+    from transformers import AutoTokenizer
+
+    from batchgen.models.loader import build_model, load_hf_config, read_safetensors
+
+    folder = save_tiny_chat_model(tmp_path / "m")
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    results = {}
+    for burst in (1, 8):
+        model = build_model(load_hf_config(folder), read_safetensors(folder), torch.bfloat16,
+                            torch.device("cuda"))
+        runtime = RuntimeConfig(cuda_graph_max_bucket_size=16, cuda_graph_num_buckets=5,
+                                decode_burst_steps=burst)
+        cfg = EngineConfig(memory=MemoryConfig(gpu_kv_cache_size=0.2, host_kv_cache_size=0.2),
+                           runtime=runtime).validate()
+        eng = Engine(model, cfg, tokenizer, (tokenizer.eos_token_id,))
+        assert eng.runner.graphs is not None
+        bursts = count_bursts(eng)
+        results[burst] = outcome(eng.generate(mixed_requests(tokenizer, 2, count=14)))
+        assert max(bursts) == burst
+    assert results[8] == results[1]
