@@ -11,7 +11,7 @@ from batchgen.core import Request, SamplingParams
 from batchgen.engine.burst import DecodeBurst
 from batchgen.engine.engine import Engine
 from engine_utils import load_ours, page_bytes
-from tiny_models import save_tiny_chat_model
+from tiny_models import VOCAB, save_tiny_chat_model, save_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -32,16 +32,18 @@ def engine(model, tokenizer, burst, device_pages=None, host_pages=None, **sched)
     return Engine(model, cfg, tokenizer, (tokenizer.eos_token_id,))
 
 
-def mixed_requests(tokenizer, seed=0, count=10):
+def mixed_requests(tokenizer, seed=0, count=10, vocab=None):
+    """Requests of every kind; without a tokenizer (then `vocab` is given) no stop strings."""
     gen = torch.Generator().manual_seed(seed)
-    vocab = len(tokenizer)
-    frequent = tokenizer.decode([int(torch.randint(3, vocab, (1,), generator=gen))])
+    vocab = vocab or len(tokenizer)
+    word = int(torch.randint(3, vocab, (1,), generator=gen))
+    stops = dict(stop=(tokenizer.decode([word]), "e")) if tokenizer else dict(stop_token_ids=(word,))
     kinds = [
         dict(temperature=0.0, max_tokens=37),
         dict(temperature=0.0, max_tokens=5, logprobs=True, top_logprobs=3),
         dict(temperature=0.8, top_k=20, seed=7, max_tokens=40, min_tokens=30),
         dict(temperature=1.0, top_p=0.9, min_p=0.05, max_tokens=50, n=2),
-        dict(temperature=1.0, max_tokens=60, stop=(frequent, "e"), logprobs=True),
+        dict(temperature=1.0, max_tokens=60, logprobs=True, **stops),
         dict(temperature=1.2, max_tokens=45, stop_token_ids=tuple(range(100, 1100))),
         dict(temperature=0.0, max_tokens=64, ignore_eos=True),
     ]
@@ -158,12 +160,9 @@ def test_burst_never_outruns_the_reserved_pages(chat, burst, decision_pages, see
 def test_bursts_replay_cuda_graphs_like_single_steps(tmp_path):
     """On CUDA a burst replays the decode graphs back to back with no host sync between its
     steps; its output equals syncing after every token."""
-    from transformers import AutoTokenizer
-
     from batchgen.models.loader import build_model, load_hf_config, read_safetensors
 
-    folder = save_tiny_chat_model(tmp_path / "m")
-    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    folder = save_tiny_model("llama", tmp_path / "m")  # no tokenizer: no stop strings here
     results = {}
     for burst in (1, 8):
         model = build_model(load_hf_config(folder), read_safetensors(folder), torch.bfloat16,
@@ -172,9 +171,9 @@ def test_bursts_replay_cuda_graphs_like_single_steps(tmp_path):
                                 decode_burst_steps=burst)
         cfg = EngineConfig(memory=MemoryConfig(gpu_kv_cache_size=0.2, host_kv_cache_size=0.2),
                            runtime=runtime).validate()
-        eng = Engine(model, cfg, tokenizer, (tokenizer.eos_token_id,))
+        eng = Engine(model, cfg, None, (2,))
         assert eng.runner.graphs is not None
         bursts = count_bursts(eng)
-        results[burst] = outcome(eng.generate(mixed_requests(tokenizer, 2, count=14)))
+        results[burst] = outcome(eng.generate(mixed_requests(None, 2, count=14, vocab=VOCAB)))
         assert max(bursts) == burst
     assert results[8] == results[1]
