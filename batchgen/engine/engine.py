@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from dataclasses import asdict
+import time
+from dataclasses import asdict, dataclass
 from typing import Iterable
 
 import torch
@@ -31,6 +32,23 @@ def pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
+
+
+@dataclass
+class StepTimes:
+    """Wall seconds by phase of step(). The forward ends with reading the samples back, so
+    `forward_*` is device time plus whatever host work the device waited for."""
+
+    schedule_s: float = 0.0
+    forward_decode_s: float = 0.0
+    """Decode-only steps and bursts."""
+    forward_other_s: float = 0.0
+    """Steps with prefill chunks (or only page copies)."""
+    postprocess_s: float = 0.0
+    decode_steps: int = 0
+    bursts: int = 0
+    """Forwards run as part of a burst of more than one step, and how many bursts."""
+    burst_steps: int = 0
 
 
 class Engine:
@@ -68,6 +86,7 @@ class Engine:
         self._done: dict[str, list[Completion]] = {}
         self.steps = 0
         self.generated_tokens = 0
+        self.times = StepTimes()
 
     # -- public API ---------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -95,6 +114,7 @@ class Engine:
         return len(self._groups)
 
     def step(self) -> list[FinishedRequest]:
+        begin = time.perf_counter()
         out = self.scheduler.schedule()
         if self.replicas is not None:
             self.replicas.observe(self.steps, out)
@@ -102,9 +122,13 @@ class Engine:
         if steps > 1:
             self.scheduler.extend_decode(steps - 1)
         rows = [self._sampling_rows(out, ahead) for ahead in range(steps)]
+        scheduled = time.perf_counter()
         results = self.runner.execute(out, rows, self._grammar_masks(out))
+        ran = time.perf_counter()
         self.steps += steps
-        return self._postprocess(out, results)
+        finished = self._postprocess(out, results)
+        self._time(out, steps, scheduled - begin, ran - scheduled, time.perf_counter() - ran)
+        return finished
 
     def generate(self, requests: Iterable[Request]) -> list[FinishedRequest]:
         """Run requests to completion; results in the order given."""
@@ -118,8 +142,15 @@ class Engine:
                 finished[done.request_id] = done
         return [finished[rid] for rid in order]
 
+    def reset_stats(self) -> None:
+        """Start the counters over (a benchmark's warm-up is not part of its measurement)."""
+        self.steps = self.generated_tokens = 0
+        self.times = StepTimes()
+        self.scheduler.reset_counters()
+
     def stats(self) -> dict:
         return {"steps": self.steps, "generated_tokens": self.generated_tokens,
+                "times": asdict(self.times),
                 "peak_device_pages": self.scheduler.device.peak_used,
                 "peak_host_pages": self.scheduler.host.peak_used,
                 "device_pages": self.scheduler.device.num_pages,
@@ -143,6 +174,20 @@ class Engine:
         from batchgen.io.structured import apply_masks
 
         return lambda logits: apply_masks(logits, matchers)
+
+    def _time(self, out: ScheduleOutput, steps: int, schedule_s: float, forward_s: float,
+              postprocess_s: float) -> None:
+        times = self.times
+        times.schedule_s += schedule_s
+        times.postprocess_s += postprocess_s
+        if out.chunks and all(c.end - c.start == 1 and c.sample for c in out.chunks):
+            times.forward_decode_s += forward_s
+            times.decode_steps += steps
+        else:
+            times.forward_other_s += forward_s
+        if steps > 1:
+            times.bursts += 1
+            times.burst_steps += steps
 
     def _burst_steps(self, out: ScheduleOutput) -> int:
         """How many decode steps `out` runs back to back (one host sync for all of them): 1

@@ -104,6 +104,11 @@ class Scheduler:
         if natural:
             self.chunk.observe(seq.num_decoded)
 
+    def reset_counters(self) -> None:
+        self.counters = Counters()
+        self.device.peak_used = self.device.num_used
+        self.host.peak_used = self.host.num_used
+
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
