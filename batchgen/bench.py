@@ -160,6 +160,10 @@ def run_ours(model, tokenizer, engine_cfg: EngineConfig, work: Workload) -> dict
     sync(model)
     elapsed = time.perf_counter() - start
     stats = engine.stats()
+    stager = getattr(model, "expert_stager", None)
+    if stager is not None:  # offloaded experts copied in during the timed run (and warm-up)
+        stats["expert_copies"] = {"fetches": stager.fetches, "experts": stager.copied_experts,
+                                  "bytes": stager.copied_bytes}
     layout = engine.layout
     engine.close()
     tokens_sha256 = hashlib.sha256(b"".join(digests[rid] for rid in ids)).hexdigest()
@@ -360,6 +364,10 @@ def format_table(report: dict) -> str:
             f"{times['bursts']:,} bursts), other forwards {times['forward_other_s']:.2f} s, "
             f"postprocess {times['postprocess_s']:.2f} s; untimed warm-up "
             f"{report['warmup_seconds']:.1f} s")
+    copies = report["engine_stats"].get("expert_copies")
+    if copies:
+        lines.append(f"offloaded experts copied in (warm-up included): {copies['experts']:,} in "
+                     f"{copies['fetches']:,} fetches, {copies['bytes'] / 1e9:,.1f} GB")
     if "host_tier" in report:
         lines += _host_tier_lines(report["host_tier"])
     return "\n".join(lines)

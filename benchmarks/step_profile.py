@@ -59,15 +59,20 @@ def top_kernels(fn, rows: int) -> str:
                                      row_limit=rows, max_name_column_width=60)
 
 
-def batch_of(pool: KVPool, lengths: list[int], computed: list[int], first_page: int) -> ForwardBatch:
+def batch_of(pool: KVPool, lengths: list[int], computed: list[int], first_page: int,
+             vocab: int) -> ForwardBatch:
     """Sequence b computes tokens computed[b]..lengths[b] on its own run of pages."""
     tables, page = [], first_page
     for n in lengths:
         count = -(-n // PAGE_SIZE)
         tables.append(list(range(page, page + count)))
         page += count
+    # Random ids: identical tokens would route every row of an MoE to the same few experts.
+    gen = torch.Generator().manual_seed(first_page)
+    ids = [torch.randint(10, vocab - 10, (n - c,), generator=gen).tolist()
+           for n, c in zip(lengths, computed)]
     return ForwardBatch.build(
-        token_ids=[[7] * (n - c) for n, c in zip(lengths, computed)], starts=computed,
+        token_ids=ids, starts=computed,
         page_tables=tables, sample_mask=[True] * len(lengths), kv_pool=pool,
         device=pool.device)
 
@@ -98,8 +103,9 @@ def main() -> None:
     bandwidth = measure_hbm_bandwidth(device)
     stats = weight_stats(model)
 
-    decode = batch_of(pool, [args.context] * args.batch, [args.context - 1] * args.batch, 0)
-    prefill = batch_of(pool, [args.prompt_len] * prompts, [0] * prompts, decode_pages)
+    vocab = model.config.vocab_size
+    decode = batch_of(pool, [args.context] * args.batch, [args.context - 1] * args.batch, 0, vocab)
+    prefill = batch_of(pool, [args.prompt_len] * prompts, [0] * prompts, decode_pages, vocab)
     graph_ms = float("nan")
     with torch.inference_mode():
         eager_ms = timed(lambda: model(decode), 5)

@@ -45,6 +45,11 @@ class ModelRunner:
             log.warning("BATCHGEN_SEGMENTED_GRAPH=1 (per-segment graphs) is not implemented: "
                         "capturing the whole model per bucket instead")
 
+        if getattr(self.model, "expert_stager", None) is not None:
+            # Which offloaded experts to copy in is read on the host after routing, every MoE
+            # layer of every step: nothing a replayed graph could do.
+            log.info("expert offloading is on: decode runs eagerly (no CUDA graphs)")
+            return None
         graphs = DecodeGraphs(self.model, self.device_pool, runtime.cuda_graph_max_bucket_size,
                               runtime.cuda_graph_num_buckets, self.model.max_context)
         try:
