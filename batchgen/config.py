@@ -328,7 +328,9 @@ class WatchdogConfig:
     watchdog_timeout: float | None = None
     """Seconds one scheduler step may take (disabled by default; 600 recommended)."""
     decode_step_timeout: float | None = None
-    """Seconds one decode iteration may take (disabled by default; 300 recommended)."""
+    """Seconds one decode iteration may take (disabled by default; 300 recommended). A decode
+    burst (--decode-burst-steps) is timed as one iteration: keep the timeout well above a few
+    steps' time."""
     startup_timeout: float | None = None
     """Seconds from launch to the first step (disabled by default; 1800 for large models)."""
     no_watchdog: bool = False
@@ -336,7 +338,7 @@ class WatchdogConfig:
     watchdog_heartbeat_interval: float | None = None
     """Seconds between heartbeats written to the batch file's health section."""
     watchdog_test_stuck_time: float = 0.0
-    """Testing only: sleep this long inside a decode step."""
+    """Testing only: sleep this long inside each decode step."""
     preempt_grace: float = 20.0
     """Seconds between SIGTERM/SIGUSR1 and exit (flush included); exit code 75 means requeue."""
     quarantine_after: int = 3
