@@ -47,8 +47,9 @@ class StepTimes:
     postprocess_s: float = 0.0
     decode_steps: int = 0
     bursts: int = 0
-    """Forwards run as part of a burst of more than one step, and how many bursts."""
+    """Decode calls that ran more than one step back to back."""
     burst_steps: int = 0
+    """Forwards those bursts ran."""
 
 
 class Engine:
@@ -180,7 +181,7 @@ class Engine:
         times = self.times
         times.schedule_s += schedule_s
         times.postprocess_s += postprocess_s
-        if out.chunks and all(c.end - c.start == 1 and c.sample for c in out.chunks):
+        if out.decode_only:
             times.forward_decode_s += forward_s
             times.decode_steps += steps
         else:
@@ -194,10 +195,9 @@ class Engine:
         unless every chunk decodes and none needs the host between tokens (a grammar). The
         scheduler bounds it by the steps its page reservations cover."""
         limit = self.config.runtime.decode_burst_steps
-        if limit <= 1 or not out.chunks:
+        if limit <= 1 or not out.decode_only:
             return 1
-        if any(c.end - c.start != 1 or not c.sample or c.seq.matcher is not None
-               for c in out.chunks):
+        if any(c.seq.matcher is not None for c in out.chunks):
             return 1
         longest = max(c.seq.sampling.max_tokens - c.seq.num_decoded for c in out.chunks)
         return max(1, min(limit, self.scheduler.decode_steps_covered, longest))

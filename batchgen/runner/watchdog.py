@@ -177,11 +177,6 @@ class Watchdog:
         faulthandler.cancel_dump_traceback_later()  # only reached when a test replaced exit
 
 
-def is_decode(out) -> bool:
-    """A decode iteration: every chunk computes one token and samples the next."""
-    return bool(out.chunks) and all(c.sample and c.end - c.start == 1 for c in out.chunks)
-
-
 def guard_decode_steps(engine, watchdog: Watchdog, stuck_time: float = 0.0) -> None:
     """Put --decode-step-timeout around each decode iteration of the engine's model runner.
 
@@ -190,7 +185,7 @@ def guard_decode_steps(engine, watchdog: Watchdog, stuck_time: float = 0.0) -> N
     execute = engine.runner.execute
 
     def guarded(out, rows, *args, **kwargs):
-        if not is_decode(out):
+        if not out.decode_only:
             return execute(out, rows, *args, **kwargs)
         # A burst of K decode iterations is timed as one (it syncs once, so a hang anywhere in
         # it shows only at its end); the test sleep stays per iteration.

@@ -54,6 +54,11 @@ class ScheduleOutput:
     """Host -> device copies, done before the forward."""
     decided: bool = False
 
+    @property
+    def decode_only(self) -> bool:
+        """Every chunk computes one token and samples the next (a plain decode step)."""
+        return bool(self.chunks) and all(c.sample and c.end - c.start == 1 for c in self.chunks)
+
 
 @dataclass
 class Counters:
