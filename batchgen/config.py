@@ -206,7 +206,8 @@ class RuntimeConfig:
     """Decode steps run back to back between host syncs while the running set is fixed: the
     sampled tokens stay on the device and are read (and stop conditions checked) once per
     burst. A sequence that stops inside a burst discards the rest of its burst's tokens
-    (wasted compute, never wrong output). 1 syncs after every token."""
+    (wasted compute, never wrong output), so bursts shrink to 1/16 of the mean length of the
+    sequences finished so far. 1 syncs after every token."""
 
     def validate(self) -> None:
         _require(self.decode_burst_steps >= 1, "decode_burst_steps", self.decode_burst_steps,

@@ -118,6 +118,19 @@ def test_bursts_with_tight_pools_equal_one_step_per_sync(chat):
     eng.scheduler.check_integrity()
 
 
+def test_bursts_shrink_when_finished_sequences_are_short(chat):
+    model, tokenizer = chat
+    eng = engine(model, tokenizer, 8)
+    bursts = count_bursts(eng)
+    greedy = dict(temperature=0.0, ignore_eos=True)
+    eng.generate([Request(f"s{i}", [5, 6, 7, 8 + i], SamplingParams(max_tokens=20, **greedy))
+                  for i in range(4)])
+    assert max(bursts) == 8  # nothing had finished yet
+    bursts.clear()
+    eng.generate([Request("later", [9, 10, 11], SamplingParams(max_tokens=40, **greedy))])
+    assert max(bursts) == 1  # finished sequences are 20 tokens long: 20 // 16 = 1
+
+
 @settings(max_examples=15, deadline=None)
 @given(burst=st.integers(1, 40), decision_pages=st.integers(1, 3), seed=st.integers(0, 10**6))
 def test_burst_never_outruns_the_reserved_pages(chat, burst, decision_pages, seed):

@@ -24,6 +24,11 @@ from batchgen.sched.sequence import Sequence, SeqState
 
 log = logging.getLogger("batchgen.engine")
 
+BURST_SHARE_OF_LENGTH = 16
+"""A burst is at most 1/16 of the mean decode length of the sequences finished so far: one
+that stops inside a burst computes half a burst for nothing on average, so at most ~3% of its
+steps are wasted (short answers get short bursts)."""
+
 KV_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16,
              "fp8_e4m3fn": torch.float8_e4m3fn}
 
@@ -193,12 +198,16 @@ class Engine:
     def _burst_steps(self, out: ScheduleOutput) -> int:
         """How many decode steps `out` runs back to back (one host sync for all of them): 1
         unless every chunk decodes and none needs the host between tokens (a grammar). The
-        scheduler bounds it by the steps its page reservations cover."""
+        scheduler bounds it by the steps its page reservations cover, and finished sequences'
+        lengths by BURST_SHARE_OF_LENGTH."""
         limit = self.config.runtime.decode_burst_steps
         if limit <= 1 or not out.decode_only:
             return 1
         if any(c.seq.matcher is not None for c in out.chunks):
             return 1
+        typical = self.scheduler.chunk.ema  # mean decode length of finished sequences
+        if typical is not None:
+            limit = min(limit, int(typical) // BURST_SHARE_OF_LENGTH)
         longest = max(c.seq.sampling.max_tokens - c.seq.num_decoded for c in out.chunks)
         return max(1, min(limit, self.scheduler.decode_steps_covered, longest))
 

@@ -110,7 +110,9 @@ class Scheduler:
             self.chunk.observe(seq.num_decoded)
 
     def reset_counters(self) -> None:
+        """Counters, peaks and the learned decode length start over (after a warm-up)."""
         self.counters = Counters()
+        self.chunk = ChunkSizer(self.cfg)
         self.device.peak_used = self.device.num_used
         self.host.peak_used = self.host.num_used
 
