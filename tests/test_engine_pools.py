@@ -97,3 +97,21 @@ def test_fp8_kv_logits_stay_close(tiny_llama):
     # large random weights amplify the ~3% KV error to ~13% of the logits (garbage would be
     # ~100%).
     assert (fp8 - ref).norm() / ref.norm() < 0.25
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_tiny_pools_match_roomy_pools_on_cuda(tmp_path):
+    """Unloads copy device -> pinned host pages and loads copy them back on the GPU path."""
+    from batchgen.models.loader import build_model, load_hf_config, read_safetensors
+
+    folder = save_tiny_model("llama", tmp_path / "m")
+    model = build_model(load_hf_config(folder), read_safetensors(folder), torch.float32,
+                        torch.device("cuda"))
+    prompts = workload()
+    roomy, _ = run(make_engine(model), prompts, 200)
+    tight, stats = run(make_engine_pages(
+        model, device_pages=7, host_pages=10, initial_gpu_page_buffer=1,
+        extension_gpu_page_buffer=1, decision_frequency_pages=1, host_kv_chunk_size=64,
+        adaptive_chunk_min=64, max_prefill_tokens=96, host_kv_watermark=50.0), prompts, 200)
+    assert stats["unloads"] > 0 and stats["loads"] > 0
+    assert tight == roomy

@@ -157,6 +157,10 @@ def copy_pages(src: KVPool, src_pages: list[int], dst: KVPool, dst_pages: list[i
         return
     src_idx = torch.tensor(src_pages, dtype=torch.long, device=src.device)
     dst_idx = torch.tensor(dst_pages, dtype=torch.long, device=dst.device)
-    dst.data.index_copy_(0, dst_idx, src.data.index_select(0, src_idx).to(dst.device, non_blocking=True))
+    # Only a copy onto the GPU may be asynchronous: it is stream-ordered before the kernels
+    # that read it. A non_blocking copy to the host returns before the data has landed, and
+    # the host-side index_copy_ below would read it early.
+    to_gpu = dst.device.type == "cuda"
+    dst.data.index_copy_(0, dst_idx, src.data.index_select(0, src_idx).to(dst.device, non_blocking=to_gpu))
     if src.scales is not None:
         dst.scales.index_copy_(0, dst_idx, src.scales.index_select(0, src_idx).to(dst.device))
