@@ -190,3 +190,17 @@ def test_bursts_replay_cuda_graphs_like_single_steps(tmp_path):
         results[burst] = outcome(eng.generate(mixed_requests(None, 2, count=14, vocab=VOCAB)))
         assert max(bursts) == burst
     assert results[8] == results[1]
+
+
+def test_burst_rows_that_end_at_the_model_context_stay_inside_it(chat):
+    """A sequence whose budget ends at the model's last position stops inside a burst while
+    another goes on: its idle steps must not index past the rope table (or the context)."""
+    model, tokenizer = chat
+    limit = model.config.max_position_embeddings
+    gen = torch.Generator().manual_seed(3)
+    greedy = dict(temperature=0.0, ignore_eos=True)
+    long_prompt = torch.randint(3, 500, (limit - 18,), generator=gen).tolist()
+    requests = [Request("edge", long_prompt, SamplingParams(max_tokens=18, **greedy)),
+                Request("other", [5, 6, 7], SamplingParams(max_tokens=60, **greedy))]
+    single = outcome(engine(model, tokenizer, 1).generate(requests))
+    assert outcome(engine(model, tokenizer, 32).generate(requests)) == single

@@ -6,9 +6,10 @@ computed on the host once, uploaded in one go, and each step takes its input ids
 previous step's samples on the device: the host only launches work, the device never waits for
 Python between tokens, and the sampled tokens come back together at the end of the burst.
 
-A row that would pass the pages it owns (it hit max_tokens earlier in the burst) writes its KV
-to slot -1 (skipped) and attends only within its pages; its samples are discarded afterwards,
-as are the samples of a row after its EOS or stop string.
+A row that would pass the pages it owns or its budget (it hit max_tokens earlier in the burst)
+repeats its last position, writes its KV to slot -1 (skipped) and attends only within its
+pages; its samples are discarded afterwards, as are the samples of a row after its EOS or
+stop string.
 """
 
 from __future__ import annotations
@@ -50,10 +51,14 @@ class DecodeBurst:
               device: torch.device) -> "DecodeBurst":
         """Every sequence decodes: it computes its last token (position num_tokens - 1)."""
         starts = torch.tensor([s.num_tokens - 1 for s in seqs], dtype=torch.long)
-        capacity = torch.tensor([len(s.device_pages) * PAGE_SIZE for s in seqs], dtype=torch.long)
-        positions = starts[None, :] + torch.arange(steps, dtype=torch.long)[:, None]
-        inside = positions < capacity[None, :]
-        context = torch.minimum(positions + 1, capacity[None, :])
+        # A row may use positions below its pages' end and its budget (prompt + max_tokens,
+        # which the model's context bounds); a row still decoding never reaches either.
+        limit = torch.tensor([min(len(s.device_pages) * PAGE_SIZE, s.budget_tokens)
+                              for s in seqs], dtype=torch.long)[None, :]
+        wanted = starts[None, :] + torch.arange(steps, dtype=torch.long)[:, None]
+        inside = wanted < limit
+        positions = torch.minimum(wanted, limit - 1)  # idle rows repeat their last position
+        context = positions + 1
         width = max(1, int(-(-context.max() // PAGE_SIZE)))
         table = torch.tensor([s.device_pages[:width] + [0] * (width - len(s.device_pages[:width]))
                               for s in seqs], dtype=torch.long)
