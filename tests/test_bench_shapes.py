@@ -130,3 +130,28 @@ def test_bench_command_takes_the_model_options():
     refused = CliRunner().invoke(app, ["bench", "--shape", "deepseek-v3-4l", "--tiny",
                                        "--device", "cpu", "--ep-offloading-ratio", "0.3"])
     assert refused.exit_code == 2 and "enable-ep-with-offloading" in refused.output
+
+
+def test_bench_measures_after_an_untimed_warm_up_and_splits_the_time():
+    cfg = BenchConfig(shape="llama3-8b", tiny=True, device="cpu", gpu_kv_cache_size=0.02,
+                      host_kv_cache_size=0.05, max_decode_batch=4, decode_burst_steps=4)
+    work = Workload(requests=6, input_len=12, output_len=40)
+    report = bench(cfg, work)
+    stats = report["engine_stats"]
+    times = stats["times"]
+    # The warm-up's requests are not counted: only the timed run's tokens and finishes.
+    assert report["results"]["batchgen"]["output_tokens"] == stats["generated_tokens"] == 6 * 40
+    assert stats["finished"] == 6 and report["warmup_seconds"] > 0
+    assert times["bursts"] > 0 and times["burst_steps"] <= 4 * times["bursts"]
+    assert times["decode_steps"] >= times["burst_steps"]
+    assert "batchgen time:" in format_table(report)
+
+
+def test_bench_reports_offloaded_expert_copies():
+    cfg = BenchConfig(shape="deepseek-v3-4l", tiny=True, device="cpu", gpu_kv_cache_size=0.02,
+                      host_kv_cache_size=0.05, enable_ep_with_offloading=True,
+                      ep_offloading_ratio=0.5)
+    report = bench(cfg, Workload(requests=3, input_len=16, output_len=4))
+    copies = report["engine_stats"]["expert_copies"]
+    assert copies["experts"] > 0 and copies["bytes"] > 0
+    assert "offloaded experts copied in" in format_table(report)
