@@ -16,7 +16,8 @@ from batchgen.parallel import TensorParallel, digest
 from batchgen.sched.scheduler import ScheduleOutput
 
 CHECK_ENV = "BATCHGEN_CHECK_REPLICAS"
-"""Compare the replicas' decisions every this many steps (unset or 0: never)."""
+"""Compare the replicas' decisions every this many engine steps, a decode burst counting as
+one (unset or 0: never)."""
 DIVERGE_ENV = "BATCHGEN_TEST_DIVERGE"
 """Testing only, "RANK:STEP": that TP rank drops one scheduled chunk at that step."""
 
@@ -29,7 +30,9 @@ class ReplicaCheck:
     def __init__(self, tp: TensorParallel, every: int, diverge_at: tuple[int, int] | None = None):
         self.tp, self.every, self.diverge_at = tp, every, diverge_at
         self.running = bytes(8)
-        self._next_check = 0
+        self._calls = 0
+        """observe() calls so far: the cadence counts calls, not forwards, so ranks stay paired
+        in the all-gather even after one of them diverges into other burst lengths."""
 
     @staticmethod
     def from_env(tp: TensorParallel) -> ReplicaCheck | None:
@@ -50,9 +53,9 @@ class ReplicaCheck:
         chunks = [(c.seq.seq_id, c.start, c.end, c.sample) for c in out.chunks]
         copies = [(c.seq_id, tuple(c.src), tuple(c.dst)) for c in (*out.swap_out, *out.swap_in)]
         self.running = digest(self.running, chunks, copies)
-        if step < self._next_check:
+        self._calls += 1
+        if (self._calls - 1) % self.every:
             return
-        self._next_check = step + self.every
         digests = self.tp.gather_digests(self.running)
         if len(set(digests)) > 1:
             odd = [r for r, d in enumerate(digests) if d != digests[0]]
