@@ -22,14 +22,6 @@ TINY_WORK = {"requests": 12, "input_len": 16, "output_len": 100, "output_dist": 
 hold ten, and decodes outlast one decision window (128 tokens), so admissions unload."""
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def gb(pages: float) -> float:
     return pages * PAGE_BYTES / 1e9
 

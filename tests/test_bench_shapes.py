@@ -18,14 +18,6 @@ CPU = torch.device("cpu")
 PROMPT = [5, 17, 99, 3, 250, 41, 7, 300, 12, 64, 77, 8]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.parametrize("shape,params,active,gib", [
     ("deepseek-v3-4l", 36.96e9, 3.27e9, 68.8),  # the "37 B params, 69 GiB bf16"
     ("gpt-oss-20b", 20.91e9, 3.61e9, 12.8),  # OpenAI's 21 B / 3.6 B active; MXFP4 experts

@@ -89,16 +89,6 @@ def load_with(folder: Path, **options):
     return build_model(cfg, read_safetensors(folder), torch.float32, CPU, ModelConfig(**options))
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matrices gain nothing from intra-op threads, and their spin-waits made these engine
-    runs 10-50x slower on a busy 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     folder = tmp_path_factory.mktemp("deepseek")

@@ -84,18 +84,8 @@ def save_mxfp4_checkpoint(hf, packed: dict, folder):
     return folder
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny ops (index_add_ on a few rows) are ~1000x slower when the intra-op pool spins on
-    a loaded CPU; one thread is also the fastest setting for a model this small."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
-def checkpoints(one_thread, tmp_path_factory):
+def checkpoints(tmp_path_factory):
     """(HF model, MXFP4 folder, dense folder written by HF save_pretrained)."""
     from transformers import GptOssForCausalLM as HFGptOss
 

@@ -124,7 +124,8 @@ class Engine:
         out = self.scheduler.schedule()
         if self.replicas is not None:
             self.replicas.observe(self.steps, out)
-        steps = self._burst_steps(out)
+        decode = out.decode_only
+        steps = self._burst_steps(out) if decode else 1
         if steps > 1:
             self.scheduler.extend_decode(steps - 1)
         rows = [self._sampling_rows(out, ahead) for ahead in range(steps)]
@@ -133,7 +134,7 @@ class Engine:
         ran = time.perf_counter()
         self.steps += steps
         finished = self._postprocess(out, results)
-        self._time(out, steps, scheduled - begin, ran - scheduled, time.perf_counter() - ran)
+        self._time(decode, steps, scheduled - begin, ran - scheduled, time.perf_counter() - ran)
         return finished
 
     def generate(self, requests: Iterable[Request]) -> list[FinishedRequest]:
@@ -181,12 +182,12 @@ class Engine:
 
         return lambda logits: apply_masks(logits, matchers)
 
-    def _time(self, out: ScheduleOutput, steps: int, schedule_s: float, forward_s: float,
+    def _time(self, decode: bool, steps: int, schedule_s: float, forward_s: float,
               postprocess_s: float) -> None:
         times = self.times
         times.schedule_s += schedule_s
         times.postprocess_s += postprocess_s
-        if out.decode_only:
+        if decode:
             times.forward_decode_s += forward_s
             times.decode_steps += steps
         else:
@@ -196,14 +197,12 @@ class Engine:
             times.burst_steps += steps
 
     def _burst_steps(self, out: ScheduleOutput) -> int:
-        """How many decode steps `out` runs back to back (one host sync for all of them): 1
-        unless every chunk decodes and none needs the host between tokens (a grammar). The
+        """How many steps the decode-only `out` runs back to back (one host sync for all of
+        them): 1 when a row needs the host between tokens (a grammar). The
         scheduler bounds it by the steps its page reservations cover, and finished sequences'
         lengths by BURST_SHARE_OF_LENGTH."""
         limit = self.config.runtime.decode_burst_steps
-        if limit <= 1 or not out.decode_only:
-            return 1
-        if any(c.seq.matcher is not None for c in out.chunks):
+        if limit <= 1 or any(c.seq.matcher is not None for c in out.chunks):
             return 1
         typical = self.scheduler.chunk.ema  # mean decode length of finished sequences
         if typical is not None:

@@ -33,16 +33,25 @@ def poisoned(shape, dtype, device) -> torch.Tensor:
 
 def make_paged_kv(ctx_lens: list[int], kv_heads: int, head_dim: int, kv_dtype: torch.dtype,
                   device: str, num_layers: int = 2, layer: int = 1, spare_pages: int = 3):
-    """A NaN-poisoned pool with random KV for each sequence's first ctx tokens.
+    """A GQA pool: `make_paged_pool` with token shape (2, KVH, D), i.e. the layer view
+    [num_pages, 64, 2, KVH, D] (index 0 of the third dim is K, 1 is V)."""
+    return make_paged_pool(ctx_lens, (2, kv_heads, head_dim), kv_dtype, device, num_layers,
+                           layer, spare_pages)
 
-    Returns (kv, kv_scales, page_table): the layer view `data[:, layer]`
-    [num_pages, 64, 2, KVH, D] (strided over pages, like the engine's), its scales view for
-    fp8 (else None), and an int32 page table of shuffled page ids.
+
+def make_paged_pool(ctx_lens: list[int], token_shape: tuple[int, ...], kv_dtype: torch.dtype,
+                    device: str, num_layers: int = 2, layer: int = 1, spare_pages: int = 3):
+    """A NaN-poisoned pool [pages, layers, 64, *token_shape] with random values in each
+    sequence's first ctx slots.
+
+    Returns (kv, kv_scales, page_table): the layer view `data[:, layer]` (strided over pages,
+    like the engine's), its scales view [pages, 64, *token_shape[:-1]] for fp8 (else None),
+    and an int32 page table of shuffled page ids.
     """
     pages_per_seq = [-(-c // PAGE_SIZE) for c in ctx_lens]
     num_pages = sum(pages_per_seq) + spare_pages
     fp8 = kv_dtype == torch.float8_e4m3fn
-    shape = (num_pages, num_layers, PAGE_SIZE, 2, kv_heads, head_dim)
+    shape = (num_pages, num_layers, PAGE_SIZE, *token_shape)
     data = poisoned(shape, torch.float32, device).to(kv_dtype)
     scales = poisoned(shape[:-1], torch.float32, device) if fp8 else None
     order = torch.randperm(num_pages)
@@ -53,11 +62,10 @@ def make_paged_kv(ctx_lens: list[int], kv_heads: int, head_dim: int, kv_dtype: t
         start += n
         slots = torch.arange(ctx)
         page, offset = table[b, slots // PAGE_SIZE].long(), slots % PAGE_SIZE
-        values = torch.randn(ctx, 2, kv_heads, head_dim, device=device)
+        values = torch.randn(ctx, *token_shape, device=device)
         if fp8:
-            fp8_values = (values * 100).clamp(-448, 448).to(kv_dtype)
-            data[page, layer, offset] = fp8_values
-            scales[page, layer, offset] = torch.rand(ctx, 2, kv_heads, device=device) * 0.02
+            data[page, layer, offset] = (values * 100).clamp(-448, 448).to(kv_dtype)
+            scales[page, layer, offset] = torch.rand(ctx, *token_shape[:-1], device=device) * 0.02
         else:
             data[page, layer, offset] = values.to(kv_dtype)
     kv_scales = scales[:, layer] if fp8 else None

@@ -5,35 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 from batchgen_kernels import mla_decode_attention, reference
-from kernel_testing import DEVICES, PAGE_SIZE, TOLERANCE, assert_rel_close, poisoned
+from kernel_testing import (DEVICES, PAGE_SIZE, TOLERANCE, assert_rel_close, make_paged_pool,
+                            poisoned)
 
 
-def make_latent_cache(ctx_lens: list[int], width: int, kv_dtype: torch.dtype, device: str,
-                      num_layers: int = 2, layer: int = 1, spare_pages: int = 3):
-    """A NaN-poisoned MLA pool [pages, layers, 64, 1, width] with random tokens for each
-    sequence's first ctx slots; returns the layer view, its fp8 scales (or None) and an int32
-    page table of shuffled page ids."""
-    pages_per_seq = [-(-c // PAGE_SIZE) for c in ctx_lens]
-    num_pages = sum(pages_per_seq) + spare_pages
-    fp8 = kv_dtype == torch.float8_e4m3fn
-    shape = (num_pages, num_layers, PAGE_SIZE, 1, width)
-    data = poisoned(shape, torch.float32, device).to(kv_dtype)
-    scales = poisoned(shape[:-1], torch.float32, device) if fp8 else None
-    order = torch.randperm(num_pages)
-    table = torch.zeros(len(ctx_lens), max(pages_per_seq), dtype=torch.int32)
-    start = 0
-    for b, (ctx, n) in enumerate(zip(ctx_lens, pages_per_seq)):
-        table[b, :n] = order[start:start + n]
-        start += n
-        slots = torch.arange(ctx)
-        page, offset = table[b, slots // PAGE_SIZE].long(), slots % PAGE_SIZE
-        values = torch.randn(ctx, 1, width, device=device)
-        if fp8:
-            data[page, layer, offset] = (values * 100).clamp(-448, 448).to(kv_dtype)
-            scales[page, layer, offset] = torch.rand(ctx, 1, device=device) * 0.02
-        else:
-            data[page, layer, offset] = values.to(kv_dtype)
-    return data[:, layer], (scales[:, layer] if fp8 else None), table.to(device)
+def make_latent_cache(ctx_lens: list[int], width: int, kv_dtype: torch.dtype, device: str):
+    """An MLA pool: one shared "head" of latent + rope values per token."""
+    return make_paged_pool(ctx_lens, (1, width), kv_dtype, device)
 
 
 # (heads, latent, rope, num_splits, block_n): 20 heads leave a partial second head block;
