@@ -7,7 +7,7 @@ The scheduler sees only token and page counts; only the runner and models touch 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 PAGE_SIZE = 64
 """Tokens per KV page, on the device and in the host pool alike."""
@@ -59,6 +59,13 @@ class SamplingParams:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+
+    def fit_context(self, room: int) -> SamplingParams:
+        """These params with max_tokens (and min_tokens) at most `room`, the positions the model
+        has left after the prompt: the context bounds the answer, which then ends "length"."""
+        if self.max_tokens <= room:
+            return self
+        return replace(self, max_tokens=room, min_tokens=min(self.min_tokens, room))
 
 
 @dataclass

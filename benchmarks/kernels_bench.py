@@ -63,6 +63,29 @@ def bench_decode(batch: int, ctx: int, kv_dtype=BF16, num_splits=None):
     return name, f"B={batch} ctx={ctx}", ours, theirs, moved
 
 
+def sweep_decode_fp8() -> list:
+    """The fp8 decode kernel per launch setting (warps x stages) and dot dtype (float16, the
+    default, vs bfloat16, the old conversion-bound one), at B=256 ctx 1k and B=384 ctx 1.5k:
+    picks decode_attention.FP8_LAUNCH. The "torch ms" column repeats the bf16-KV kernel."""
+    from batchgen_kernels import decode_attention as DA
+
+    saved, rows = (dict(DA.FP8_LAUNCH), DA.dot_dtype), []
+    try:
+        for batch, ctx in ((256, 1024), (384, 1500)):
+            bf16_ms = bench_decode(batch, ctx)[2]
+            for dot_name, pick in (("f16", saved[1]), ("bf16", lambda q_dtype, fp8: q_dtype)):
+                DA.dot_dtype = pick
+                for warps in (2, 4, 8):
+                    for stages in (1, 2, 3, 4):
+                        DA.FP8_LAUNCH = {"num_warps": warps, "num_stages": stages}
+                        _, shape, ours, _, moved = bench_decode(batch, ctx, torch.float8_e4m3fn)
+                        rows.append((f"fp8 dot={dot_name} w={warps} s={stages}", shape, ours,
+                                     bf16_ms, moved))
+    finally:
+        DA.FP8_LAUNCH, DA.dot_dtype = saved
+    return rows
+
+
 def bench_prefill(batch: int, q_len: int):
     kv, scales, table = paged_pool(batch, q_len, BF16)
     q = torch.randn(batch * q_len, HEADS, HEAD_DIM, device="cuda", dtype=BF16)
@@ -164,12 +187,14 @@ CASES = {
     "rmsnorm": lambda: [bench_rmsnorm(8192, 4096)],
     "rope": lambda: [bench_rope(8192)],
     "silu": lambda: [bench_silu(8192, 14336)],
+    "decode_sweep": sweep_decode_fp8,
 }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", default=",".join(CASES), help="comma-separated cases")
+    parser.add_argument("--only", default=",".join(c for c in CASES if c != "decode_sweep"),
+                        help="comma-separated cases (decode_sweep: fp8 decode launch settings)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("kernels_bench needs a CUDA device")

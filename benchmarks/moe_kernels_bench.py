@@ -1,6 +1,7 @@
 """Time the MoE kernels at DeepSeek-V3 expert shapes on a CUDA device (H200 intended).
 
 Usage: python benchmarks/moe_kernels_bench.py [--only bf16,fp8,route] [--tokens 64,256,1024]
+       python benchmarks/moe_kernels_bench.py --sweep --tokens 64,8192   (fp8 launch settings)
 
 Shapes: hidden 7168, moe_intermediate 2048, 256 routed experts, 8 per token (8 groups, 4
 kept), routing drawn from random logits, so T tokens give M = 8T expert rows. Rows:
@@ -128,6 +129,39 @@ def bench_fp8(banks, tokens: int) -> list:
     return rows
 
 
+def sweep_fp8(banks, tokens: int, keep: int = 4) -> list:
+    """Every candidate launch setting of grouped_gemm_fp8 for both projections at T tokens;
+    the `keep` fastest per projection, the default setting's row always among them. Small
+    row tiles for decode-sized T, large ones for prefill-sized T."""
+    h, offs, touched = routed_rows(tokens)
+    m = h.shape[0]
+    small = m < K.moe_gemm.LARGE_TILE_ROWS_PER_GROUP * touched
+    grid = [(bm, bn, w, s) for bm in ((16, 32) if small else (64, 128)) for bn in (64, 128)
+            for w in ((4,) if small else (4, 8)) for s in ((3, 4, 5) if small else (3, 4))]
+    rows = []
+    for proj, silu, flops in (("gate_up", True, 2 * m * 2 * INTER * HIDDEN),
+                              ("down", False, 2 * m * HIDDEN * INTER)):
+        q, s = banks[proj + "_fp8"]
+        x = h if silu else torch.randn(m, INTER, device="cuda", dtype=BF16)
+        xq, xs = K.quantize_fp8_groups(x, BLOCK[1])
+        default = K.moe_gemm.fp8_tiles(m, offs.shape[0], silu)
+        timed = []
+        for tiles in [default] + [K.moe_gemm.FP8Tiles(*c) for c in grid]:
+            if silu and tiles.block_m == 128 and tiles.block_n == 128 and tiles.num_warps == 4:
+                continue  # two 128x128 float32 accumulators on 128 threads: spills
+            args = (xq, xs, q, s, offs, BLOCK)
+            ms = do_bench(lambda a=args, t=tiles, f=silu: K.grouped_gemm_fp8(*a, silu_mul=f,
+                                                                             tiles=t))
+            timed.append((ms, tiles, tiles is default))
+        timed.sort(key=lambda r: r[0])
+        kept = timed[:keep] + [r for r in timed[keep:] if r[2]]
+        for ms, tiles, is_default in kept:
+            label = f"{proj} {'*' if is_default else ''}{tuple(tiles)}"
+            rows.append((label, f"T={tokens} M={m} E={touched}", ms, ms, None,
+                         flops / ms / 1e9, touched * q[0].nbytes / ms / 1e6, 0.0))
+    return rows
+
+
 def bench_route(tokens: int) -> list:
     logits = torch.randn(tokens, EXPERTS, device="cuda")
     bias = torch.randn(EXPERTS, device="cuda") * 0.1
@@ -143,7 +177,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default="bf16,fp8,route", help="comma-separated cases")
     parser.add_argument("--tokens", default="64,256,1024", help="comma-separated token counts")
+    parser.add_argument("--sweep", action="store_true",
+                        help="time every candidate fp8 launch setting (tiles); * = the default")
     args = parser.parse_args()
+    if args.sweep:
+        args.only = "sweep"
     if not torch.cuda.is_available():
         raise SystemExit("moe_kernels_bench needs a CUDA device")
     cases, token_counts = args.only.split(","), [int(t) for t in args.tokens.split(",")]
@@ -151,9 +189,9 @@ def main() -> None:
           f"H={HIDDEN} I={INTER} E={EXPERTS} k={TOP_K}")
     torch.manual_seed(0)
     banks = {}
-    if "bf16" in cases or "fp8" in cases:
+    if "bf16" in cases or "fp8" in cases or "sweep" in cases:
         banks["gate_up"], banks["down"] = random_bank(2 * INTER, HIDDEN), random_bank(HIDDEN, INTER)
-    if "fp8" in cases:
+    if "fp8" in cases or "sweep" in cases:
         banks["gate_up_fp8"], banks["down_fp8"] = (quantize_bank(banks["gate_up"]),
                                                    quantize_bank(banks["down"]))
     print(f"{'case':20} {'shape':24} {'triton ms':>9} {'torch ms':>9} {'speedup':>7} "
@@ -168,6 +206,8 @@ def main() -> None:
             rows += bench_fp8(banks, tokens)
         if "route" in cases:
             rows += bench_route(tokens)
+        if "sweep" in cases:
+            rows += sweep_fp8(banks, tokens)
         for name, shape, ours, theirs, extra, tflops, gbs, diff in rows:
             extra = f"{extra:8.3f}" if extra is not None else f"{'-':>8}"
             print(f"{name:20} {shape:24} {ours:9.3f} {theirs:9.3f} {theirs / ours:6.2f}x "

@@ -35,7 +35,7 @@ from ._common import (
 )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["pages_per_split", "num_splits"])  # one variant per batch
 def _decode_kernel(
         q_ptr, kv_ptr, scale_ptr, page_table_ptr, context_lens_ptr, sinks_ptr,
         out_ptr, part_out_ptr, part_lse_ptr,
@@ -46,7 +46,7 @@ def _decode_kernel(
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
         BLOCK_D: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr,
         HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, FP8: tl.constexpr,
-        F32_DOT: tl.constexpr):
+        DOT_DTYPE: tl.constexpr, F32_DOT: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -64,7 +64,7 @@ def _decode_kernel(
     mask_d = offs_d < HEAD_DIM
     heads = kv_head * GROUP + offs_g
     q_ptrs = q_ptr + seq * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
-    q = tl.load(q_ptrs, mask=mask_g[:, None] & mask_d[None, :], other=0.0)
+    q = tl.load(q_ptrs, mask=mask_g[:, None] & mask_d[None, :], other=0.0).to(DOT_DTYPE)
     qk_scale = sm_scale * LOG2E
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
@@ -77,7 +77,7 @@ def _decode_kernel(
         k_t, v, k_scale, v_scale = load_page_kv(
             kv_ptr, scale_ptr, page * stride_page + kv_head * stride_head,
             page * stride_s_page + kv_head * stride_s_head, offs_n, offs_d, valid, mask_d,
-            stride_slot, stride_kv, stride_s_slot, stride_s_kv, q_ptr.dtype.element_ty, FP8)
+            stride_slot, stride_kv, stride_s_slot, stride_s_kv, DOT_DTYPE, FP8)
         s = dot(q, k_t, F32_DOT) * (k_scale * qk_scale)[None, :]
         s = tl.where(valid[None, :], s, float("-inf"))
         # Every walked page holds a visible key, so m_new is finite.
@@ -105,7 +105,7 @@ def _decode_kernel(
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=mask_g[:, None] & mask_d[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _reduce_kernel(part_out_ptr, part_lse_ptr, sinks_ptr, out_ptr, num_splits,
                    stride_ot, stride_oh, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
                    BLOCK_D: tl.constexpr, HAS_SINKS: tl.constexpr):
@@ -133,6 +133,33 @@ def _reduce_kernel(part_out_ptr, part_lse_ptr, sinks_ptr, out_ptr, num_splits,
                          acc[None, :], sink, HAS_SINKS)
     o_ptrs = out_ptr + seq * stride_ot + head * stride_oh + offs_d[None, :]
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask_d[None, :])
+
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+def dot_dtype(q_dtype: torch.dtype, fp8_kv: bool) -> torch.dtype:
+    """The dtype K/V are cast to for the two dots. fp8 KV goes to float16 when q is 16-bit:
+    e4m3 -> f16 is one instruction per two values, e4m3 -> bf16 takes a detour through f32
+    that made the fp8 kernel conversion-bound (no faster than bf16 on half the bytes). The
+    e4m3 values (|v| <= 448) are exact in f16; q is cast too (bf16 q beyond f16's 65504 range
+    does not occur in attention), probabilities times per-token V scales stay far above f16's
+    subnormals where they matter, and both dots accumulate in float32."""
+    if fp8_kv and q_dtype in (torch.float16, torch.bfloat16):
+        return torch.float16
+    return q_dtype
+
+
+FP8_LAUNCH = {"num_warps": 2, "num_stages": 2}
+BF16_LAUNCH = {"num_warps": 2, "num_stages": 2}
+"""Warps/stages of the decode kernel: best of 2/4/8 warps x 1-4 stages on an H200 (bf16);
+the fp8 entry is re-measured by benchmarks/kernels_bench.py --sweep."""
+
+
+def reduce_block(num_splits: int) -> int:
+    """The merge's split tile: at least 16, so the batch-dependent split count compiles at
+    most three variants of the merge (16/32/64) instead of one per power of two."""
+    return max(16, next_pow2(num_splits))
 
 
 def default_num_splits(batch: int, kv_heads: int, max_pages: int, device: torch.device) -> int:
@@ -224,11 +251,11 @@ def paged_decode_attention(q: torch.Tensor, kv: torch.Tensor, kv_scales: torch.T
         page_table.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_G=max(16, next_pow2(group)), BLOCK_D=block_d,
         PAGE=PAGE_SIZE, SPLIT=split, HAS_WINDOW=window is not None,
-        HAS_SINKS=sinks is not None, FP8=fp8, F32_DOT=use_f32_dot(q.dtype),
-        num_warps=2, num_stages=2)  # best of 2/4/8 warps x 1-4 stages on H200, bf16 and fp8
+        HAS_SINKS=sinks is not None, FP8=fp8, DOT_DTYPE=_TL_DTYPES[dot_dtype(q.dtype, fp8)],
+        F32_DOT=use_f32_dot(q.dtype), **(FP8_LAUNCH if fp8 else BF16_LAUNCH))
     if split:
         _reduce_kernel[(batch, heads)](
             part_out, part_lse, sinks if sinks is not None else q, out, num_splits,
-            out.stride(0), out.stride(1), HEAD_DIM=head_dim, BLOCK_S=next_pow2(num_splits),
+            out.stride(0), out.stride(1), HEAD_DIM=head_dim, BLOCK_S=reduce_block(num_splits),
             BLOCK_D=next_pow2(head_dim), HAS_SINKS=sinks is not None, num_warps=4)
     return out

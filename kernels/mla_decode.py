@@ -40,13 +40,13 @@ from ._common import (
 )
 
 # The split merge is the GQA decode kernel's: same partial layout [B, H, S, D], no sinks.
-from .decode_attention import _reduce_kernel
+from .decode_attention import _reduce_kernel, reduce_block
 
 MAX_SPLITS = 16
 """The merge holds a [splits, C] float32 tile per program; 16 x 512 keeps it in registers."""
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])  # one variant for every batch size
 def _mla_decode_kernel(
         q_nope_ptr, q_pe_ptr, kv_ptr, scale_ptr, page_table_ptr, context_lens_ptr,
         out_ptr, part_out_ptr, part_lse_ptr, sm_scale, num_splits,
@@ -218,6 +218,6 @@ def mla_decode_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, kv: torch.Ten
     if split:
         _reduce_kernel[(batch, heads)](
             part_out, part_lse, q_nope, out, num_splits, out.stride(0), out.stride(1),
-            HEAD_DIM=latent, BLOCK_S=next_pow2(num_splits), BLOCK_D=next_pow2(latent),
+            HEAD_DIM=latent, BLOCK_S=reduce_block(num_splits), BLOCK_D=next_pow2(latent),
             HAS_SINKS=False, num_warps=4)
     return out

@@ -27,6 +27,8 @@ reports what they reach on DeepSeek-V3 shapes.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -161,6 +163,35 @@ def _quant_groups_kernel(x_ptr, q_ptr, s_ptr, num_groups, stride_xm, stride_qm, 
 
 
 # -- launchers ---------------------------------------------------------------------------------
+class FP8Tiles(NamedTuple):
+    """One launch setting of the FP8 grouped GEMM."""
+
+    block_m: int | None
+    """Row tile (power of two >= 16); None sizes it to the mean rows per group."""
+    block_n: int
+    """Column tile, capped at the weight block's bn (one weight scale per tile and K step)."""
+    num_warps: int
+    num_stages: int
+
+
+def fp8_tiles(m: int, groups: int, silu_mul: bool) -> FP8Tiles:
+    """Launch setting by rows per group: decode batches give experts a handful of rows each
+    (small row tiles, as `grouped_gemm`), prefill hundreds (large tiles that keep the tensor
+    cores fed). The thresholds come from benchmarks/moe_kernels_bench.py --sweep on an H200."""
+    if m < LARGE_TILE_ROWS_PER_GROUP * max(1, min(groups, m)):
+        return FP8Tiles(None, 64 if silu_mul else 128, 4, 3)
+    return LARGE_FP8_TILES[silu_mul]
+
+
+LARGE_TILE_ROWS_PER_GROUP = 64
+"""Mean rows per group from which the large prefill tiles are used (decode batches of up to
+a few hundred tokens stay below it: 8 of 256 experts per token)."""
+LARGE_FP8_TILES = {True: FP8Tiles(64, 128, 8, 3), False: FP8Tiles(64, 128, 4, 4)}
+"""Prefill tiles of the gate_up (SiLU fused, two accumulators) and the down GEMM: on an H200
+at 8,192 tokens (DeepSeek-V3 experts) 6.6 and 3.7 ms (581 and 516 TFLOP/s), against 8.7 and
+4.0 ms for the fitted-row-tile setting used below the threshold."""
+
+
 def _check_offsets(offsets: torch.Tensor, w: torch.Tensor) -> int:
     check_dtype("offsets", offsets, (torch.int32, torch.int64))
     assert offsets.dim() == 1 and offsets.stride(0) == 1, "offsets is a contiguous [G]"
@@ -253,8 +284,8 @@ def quantize_fp8_groups(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor
 def grouped_gemm_fp8(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                      offsets: torch.Tensor, block: tuple[int, int] = (128, 128),
                      silu_mul: bool = False, out_dtype: torch.dtype = torch.bfloat16,
-                     out: torch.Tensor | None = None,
-                     block_m: int | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, block_m: int | None = None,
+                     tiles: FP8Tiles | None = None) -> torch.Tensor:
     """Block-scaled FP8 grouped GEMM: out[rows of g] = dequant(x) @ dequant(w[g])^T.
 
     xq        [M, K] float8_e4m3fn, rows sorted by group; xs [M, K / bk] float32 activation
@@ -265,6 +296,8 @@ def grouped_gemm_fp8(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, w_scal
     block     (bn, bk): powers of two >= 16; N and K multiples of them (and, with silu_mul,
               I = N / 2 a multiple of bn, so no block straddles the gate|up seam).
     silu_mul  write silu(gate) * up [M, I] (gate = rows [0, I) of w), as `grouped_gemm`.
+    block_m   row tile (power of two >= 16); None: `fp8_tiles` decides.
+    tiles     the whole launch setting (a benchmark sweep); None: `fp8_tiles(M, G, silu_mul)`.
     Returns out [M, N] (or [M, I]) in out_dtype (float32/float16/bfloat16).
     """
     check_device(xq, xs, w, w_scale, offsets, out)
@@ -291,13 +324,14 @@ def grouped_gemm_fp8(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, w_scal
     out = _out_buffer(out, (m, n), out_dtype, xq.device)
     if m == 0 or groups == 0 or n == 0:
         return out
-    block_m, row_tiles = _row_tiling(m, groups, block_m, 64)
-    block_n = min(bn, 64 if silu_mul else 128)
+    tiles = tiles or fp8_tiles(m, groups, silu_mul)
+    block_m, row_tiles = _row_tiling(m, groups, block_m or tiles.block_m, 64)
+    block_n = min(bn, tiles.block_n)
     grid = (row_tiles, n // block_n)
     _grouped_gemm_fp8_kernel[grid](
         xq, xs, w, w_scale, offsets, out, groups, n, k // bk, xq.stride(0), xs.stride(0),
         w.stride(0), w.stride(1), w_scale.stride(0), w_scale.stride(1), out.stride(0),
         WEIGHT_BLOCK_N=bn, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk,
         BLOCK_G=max(16, next_pow2(groups)), SILU_MUL=silu_mul, F32_DOT=interpreting(),
-        num_warps=8 if block_m * block_n >= 128 * 128 else 4, num_stages=3)
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out

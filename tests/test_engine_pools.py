@@ -65,6 +65,23 @@ def test_request_larger_than_pool_is_refused(tiny_llama):
         engine.add_request(greedy_requests([list(range(3, 100))], 100)[0])
 
 
+def test_answers_stop_at_the_model_context(tiny_llama):
+    """Requests given straight to the engine (the bench, library users) are bounded by the
+    model's positions as the job intake bounds them: max_tokens past the context ends the
+    answer "length" at the last position (it used to index past the rope table), and a prompt
+    that fills the context is refused."""
+    limit = tiny_llama.max_context
+    engine = make_engine(tiny_llama, device_gb=0.2, host_gb=0.4)
+    prompts = [[3 + i % (VOCAB - 3) for i in range(n)] for n in (limit - 20, limit - 1, 30)]
+    results = engine.generate(greedy_requests(prompts, 100, ignore_eos=True))
+    engine.scheduler.check_integrity()
+    got = {r.request_id: r.completions[0] for r in results}
+    assert [len(got[f"r{i}"].token_ids) for i in range(3)] == [20, 1, 100]
+    assert {c.finish_reason.value for c in got.values()} == {"length"}
+    with pytest.raises(ValueError, match="at least one token must be left"):
+        engine.add_request(greedy_requests([[3] * limit], 10)[0])
+
+
 def test_fp8_kv_roundtrip_error_is_bounded():
     from batchgen.engine.kv_cache import KVLayout, KVPool
 

@@ -96,8 +96,18 @@ class Engine:
 
     # -- public API ---------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
+        """Queue a request. Its answer is bounded by the model's context: max_tokens shrinks to
+        the positions left after the prompt (as the job runner's intake does), and a prompt
+        that leaves none is refused."""
+        room = self.model.max_context - len(request.prompt_token_ids)
+        if room < 1:
+            raise ValueError(f"request {request.request_id!r}: the prompt is "
+                             f"{len(request.prompt_token_ids)} tokens but the model context is "
+                             f"{self.model.max_context} (at least one token must be left to "
+                             "generate)")
         params = request.sampling
         params.validate()
+        params = params.fit_context(room)
         if request.request_id in self._groups:
             raise ValueError(f"request id {request.request_id!r} is already in the engine")
         base_seed = params.seed if params.seed is not None else self._derived_seed(request.request_id)

@@ -322,20 +322,10 @@ def tokenize_request(parsed: ParsedRequest, tokenizer: Any,
                            f"line {parsed.line}: the prompt is {len(ids)} tokens but the model "
                            f"context is {max_context} tokens (at least one token must be left "
                            "to generate); shorten the prompt: it is never truncated")
-    sampling = _clamp(parsed.sampling, max_context - len(ids))
+    sampling = parsed.sampling.fit_context(max_context - len(ids))
     values = {f.name: getattr(parsed, f.name) for f in fields(ParsedRequest)}
     values["sampling"] = sampling
     return PendingRequest(**values, prompt_token_ids=ids)
-
-
-def _clamp(sampling: SamplingParams, room: int) -> SamplingParams:
-    # The context bounds the answer length: max_tokens shrinks to what fits (documented).
-    max_tokens = min(sampling.max_tokens, room)
-    if max_tokens == sampling.max_tokens:
-        return sampling
-    fields_now = {f.name: getattr(sampling, f.name) for f in fields(SamplingParams)}
-    fields_now.update(max_tokens=max_tokens, min_tokens=min(sampling.min_tokens, max_tokens))
-    return SamplingParams(**fields_now)
 
 
 def _prompt_ids(parsed: ParsedRequest, tokenizer: Any) -> list[int]:

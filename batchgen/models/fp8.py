@@ -298,7 +298,7 @@ def _compiled_kernel():
     # Decorated on first use, not at import: TRITON_INTERPRET is read when jit() runs, and
     # CPU tests turn the interpreter on only around their own calls. (So the kernel calls no
     # @triton.jit helper such as tl.cdiv or tl.zeros: those were jit-ed when triton was imported.)
-    return triton.jit(_fp8_gemm_kernel)
+    return triton.jit(_fp8_gemm_kernel, do_not_specialize=["M"])  # one variant for any M
 
 
 if tl is not None:

@@ -6,6 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 from batchgen_kernels import grouped_gemm, grouped_gemm_fp8, quantize_fp8_groups, reference
+from batchgen_kernels.moe_gemm import (
+    LARGE_FP8_TILES,
+    LARGE_TILE_ROWS_PER_GROUP,
+    FP8Tiles,
+    fp8_tiles,
+)
 from kernel_testing import DEVICES, TOLERANCE, assert_rel_close, poisoned
 
 LAYOUTS = {
@@ -13,6 +19,10 @@ LAYOUTS = {
     "leading-empty": [0, 0, 7],
     "one-group": [33],
 }
+
+
+FP8_ACCUMULATION_TOLERANCE = 2e-3
+"""max|out - ref| / max|ref| for float32 outputs of wgmma-sized tiles (see the test below)."""
 
 
 def offsets_of(sizes, device, dtype=torch.int32):
@@ -98,6 +108,32 @@ def test_grouped_gemm_fp8_matches_reference(device, block, silu_mul, out_dtype):
     want = reference.grouped_gemm_fp8(xq, xs, w, w_scale, offsets, block, silu_mul,
                                       torch.float64)
     assert_rel_close(out, want, TOLERANCE[out_dtype], f"fp8 {block}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("silu_mul", [False, True], ids=["plain", "silu_mul"])
+@pytest.mark.parametrize("tiles", [None, FP8Tiles(16, 64, 4, 3), FP8Tiles(128, 128, 8, 4),
+                                   FP8Tiles(None, 128, 4, 5)],
+                         ids=["picked", "m16", "m128", "fitted-m"])
+def test_grouped_gemm_fp8_launch_settings_match_reference(device, silu_mul, tiles):
+    """Every launch setting the tile sweep can choose, and the prefill-sized rows per group
+    from which `fp8_tiles` switches to the large tiles (a full, a ragged and an empty group).
+    Row tiles >= 64 run on Hopper's wgmma, whose fp8 products are summed with fewer than 32
+    mantissa bits inside each K step (the reason the kernel rescales per bk-wide step in
+    float32, as DeepSeek does): float32 outputs get FP8_ACCUMULATION_TOLERANCE."""
+    sizes = [LARGE_TILE_ROWS_PER_GROUP * 2, 0, LARGE_TILE_ROWS_PER_GROUP + 37]
+    block = (128, 128)
+    m, k, n = sum(sizes), 2 * block[1], 2 * block[0]
+    assert fp8_tiles(m, len(sizes), silu_mul) == LARGE_FP8_TILES[silu_mul]
+    xq, xs = quantize_fp8_groups(torch.randn(m, k, device=device), block[1])
+    w, w_scale = random_fp8_weights(len(sizes), n, k, block, device)
+    offsets = offsets_of(sizes, device)
+    out = poisoned((m, n // 2 if silu_mul else n), torch.float32, device)
+    grouped_gemm_fp8(xq, xs, w, w_scale, offsets, block, silu_mul, torch.float32, out=out,
+                     tiles=tiles)
+    want = reference.grouped_gemm_fp8(xq, xs, w, w_scale, offsets, block, silu_mul,
+                                      torch.float64)
+    assert_rel_close(out, want, FP8_ACCUMULATION_TOLERANCE, f"fp8 tiles {tiles}")
 
 
 @pytest.mark.parametrize("device", DEVICES)
