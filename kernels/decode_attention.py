@@ -35,7 +35,9 @@ from ._common import (
 )
 
 
-@triton.jit(do_not_specialize=["pages_per_split", "num_splits"])  # one variant per batch
+# Batch-dependent ints (split sizes, the page table's width) would each compile a variant
+# per divisibility class (Triton specialises ints on == 1 and % 16): a JIT pause mid-job.
+@triton.jit(do_not_specialize=["pages_per_split", "num_splits", "stride_pt"])
 def _decode_kernel(
         q_ptr, kv_ptr, scale_ptr, page_table_ptr, context_lens_ptr, sinks_ptr,
         out_ptr, part_out_ptr, part_lse_ptr,

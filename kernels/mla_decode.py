@@ -46,7 +46,7 @@ MAX_SPLITS = 16
 """The merge holds a [splits, C] float32 tile per program; 16 x 512 keeps it in registers."""
 
 
-@triton.jit(do_not_specialize=["num_splits"])  # one variant for every batch size
+@triton.jit(do_not_specialize=["num_splits", "stride_pt"])  # one variant for every batch
 def _mla_decode_kernel(
         q_nope_ptr, q_pe_ptr, kv_ptr, scale_ptr, page_table_ptr, context_lens_ptr,
         out_ptr, part_out_ptr, part_lse_ptr, sm_scale, num_splits,

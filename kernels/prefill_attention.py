@@ -34,7 +34,7 @@ from ._common import (
 )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_pt"])  # one variant for any page table width
 def _prefill_kernel(
         q_ptr, kv_ptr, scale_ptr, cu_seqlens_ptr, context_lens_ptr, page_table_ptr, sinks_ptr,
         out_ptr, sm_scale, window,
