@@ -243,6 +243,9 @@ class BenchConfig:
     """none, or hf: HF `generate` on static batches of the same requests and weights."""
     peer_batch: int = 256
     max_decode_batch: int = 256
+    initial_gpu_page_buffer: int = 32
+    """Device pages reserved beyond the context when a sequence is loaded (as `run`'s flag):
+    when the device pool bounds the decode batch, a smaller buffer fits more sequences."""
     gpu_kv_cache_size: float | None = None
     """Device KV pool in GB (overrides gpu_memory_frac)."""
     host_kv_cache_size: float | None = None
@@ -295,7 +298,8 @@ def bench(cfg: BenchConfig, work: Workload) -> dict:
         memory=MemoryConfig(gpu_kv_cache_size=cfg.gpu_kv_cache_size,
                             host_kv_cache_size=cfg.host_kv_cache_size or 8.0,
                             gpu_memory_frac=cfg.gpu_memory_frac),
-        scheduler=SchedulerConfig(max_decode_batch=cfg.max_decode_batch),
+        scheduler=SchedulerConfig(max_decode_batch=cfg.max_decode_batch,
+                                  initial_gpu_page_buffer=cfg.initial_gpu_page_buffer),
         runtime=RuntimeConfig(cuda_graph_max_bucket_size=cfg.max_decode_batch,
                               cuda_graph_num_buckets=cfg.cuda_graph_num_buckets,
                               disable_cuda_graphs=cfg.disable_cuda_graphs,

@@ -4,7 +4,9 @@
 #   4096 requests, 512 prompt tokens, outputs lognormal (sigma 1, uncapped mean 2048, cut at
 #   16384; the drawn 4096 average 2,042 tokens, 8.36 M in all), max_tokens 16384 for every
 #   request (--max-tokens-mode cap: the drawn length ends a request like an EOS, unseen by the
-#   scheduler), Llama-3-8B shape, random bf16 weights, CUDA graphs.
+#   scheduler), Llama-3-8B shape, random bf16 weights, CUDA graphs. Llama-3-8B has 8,192
+#   positions, so answers end at 7,680 tokens (512 + 7,680; the engine bounds max_tokens by
+#   the context); SHAPE=qwen3-8b (40,960 positions) serves the full 16k tail.
 #   --gpu-memory-frac 0.3 gives a device KV pool of ~2,555 pages (~21 GB, 8.4 MB per page):
 #   about 40 running sequences, against ~300 live ones in the 100 GB host pool.
 #   "Off" = a host pool of exactly the device pool's pages, same device pool (see the
@@ -16,14 +18,17 @@
 #   benchmarks/w2_host_tier.sh off        the "off" run only (sized from $OUT/w2_on.json), then
 #                                         the ratio and the token check of the two JSON files
 # Knobs (environment): REQUESTS (4096), SHAPE (llama3-8b), GPU_MEMORY_FRAC (0.3),
-#   HOST_KV_GB (100), MAX_DECODE_BATCH (256), OUT (/tmp/w2_host_tier: the JSON reports).
+#   HOST_KV_GB (100), MAX_DECODE_BATCH (256), INITIAL_GPU_PAGE_BUFFER (32),
+#   OUT (/tmp/w2_host_tier: the JSON reports).
 #
 # Duration: `batchgen simulate` (llama3-8b, same flags) predicts ~4,200 out tok/s on and
 # ~3,600 off (ratio 1.17) with 0.5 ms of host work per step, ~2,840 / ~2,320 (1.22) with 5 ms:
 # each run takes 35-60 min, the pair 1.2-1.8 h. Use the `on` / `off` halves (or a smaller
 # REQUESTS) where one command may only run for minutes; REQUESTS=1024 still takes ~10 min per
-# run. The same simulation reaches 1.31x only with --initial-gpu-page-buffer 4 (not a bench
-# flag today): the 32-page (2,048-token) device buffer per sequence caps the "on" batch.
+# run. The same simulation reaches 1.31x only with --initial-gpu-page-buffer 4 (knob
+# INITIAL_GPU_PAGE_BUFFER): the 32-page (2,048-token) device buffer per sequence caps the "on"
+# batch. Measured at 160 requests (max 7,680 out): on 3,261 / off 3,055 = 1.07x with 32
+# (docs/performance.md); the simulator gives 1.13x there with 32 and 1.23x with 4.
 set -euo pipefail
 
 MODE=${1:-compare}
@@ -39,7 +44,8 @@ fi
 export PYTHONUNBUFFERED=1
 W2=(--shape "${SHAPE:-llama3-8b}" --requests "${REQUESTS:-4096}" --input-len 512
     --output-len 2048 --output-dist lognormal --max-output-len 16384 --max-tokens-mode cap
-    --max-decode-batch "${MAX_DECODE_BATCH:-256}")
+    --max-decode-batch "${MAX_DECODE_BATCH:-256}"
+    --initial-gpu-page-buffer "${INITIAL_GPU_PAGE_BUFFER:-32}")
 ON_POOLS=(--gpu-memory-frac "${GPU_MEMORY_FRAC:-0.3}" --host-kv-cache-size "${HOST_KV_GB:-100}")
 
 case "$MODE" in

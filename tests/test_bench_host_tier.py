@@ -34,12 +34,14 @@ def test_compare_host_tier_reports_both_runs_with_the_same_tokens(tmp_path):
             "--requests", "12", "--input-len", "16", "--output-len", "100",
             "--output-dist", "lognormal", "--max-output-len", "400", "--max-tokens-mode", "cap",
             "--max-decode-batch", "8", "--gpu-kv-cache-size", str(gb(16.5)),
-            "--host-kv-cache-size", str(gb(82.5)), "--compare-host-tier", "--json", str(out)]
+            "--host-kv-cache-size", str(gb(82.5)), "--initial-gpu-page-buffer", "2",
+            "--compare-host-tier", "--json", str(out)]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     assert "host_tier_off" in result.output and "same tokens" in result.output
 
     report = json.loads(out.read_text())
+    assert report["config"]["initial_gpu_page_buffer"] == 2
     rows, tier = report["results"], report["host_tier"]
     want_tokens = sum(Workload(**TINY_WORK).lengths())
     for name in ("batchgen", "host_tier_off"):
