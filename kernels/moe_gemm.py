@@ -178,7 +178,7 @@ def fp8_tiles(m: int, groups: int, silu_mul: bool) -> FP8Tiles:
     """Launch setting by rows per group: decode batches give experts a handful of rows each
     (small row tiles, as `grouped_gemm`), prefill hundreds (large tiles that keep the tensor
     cores fed). Settings from benchmarks/moe_kernels_bench.py --sweep on an H200 (64 and 256
-    tokens: the fitted tile within 2% of the best; 8,192 tokens: the large tiles, 1.07-1.32x
+    tokens: the fitted tile among the fastest, within run-to-run noise; 8,192 tokens: the large tiles, 1.07-1.32x
     faster); the threshold lies between those points (2,048 tokens, ~78 rows per group, was
     only swept with fitted tiles: 334 TFLOP/s)."""
     if m < LARGE_TILE_ROWS_PER_GROUP * max(1, min(groups, m)):
