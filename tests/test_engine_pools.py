@@ -82,6 +82,33 @@ def test_answers_stop_at_the_model_context(tiny_llama):
         engine.add_request(greedy_requests([[3] * limit], 10)[0])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn], ids=["fp32", "fp8"])
+def test_copy_pages_moves_exactly_the_listed_pages(dtype):
+    """Runs of consecutive pages are copied as one slice each: every listed page (and its fp8
+    scales) lands on its partner, nothing else changes, whatever the runs look like."""
+    from batchgen.engine.kv_cache import KVLayout, KVPool, copy_pages, page_runs
+
+    layout = KVLayout(3, (2, 2, 8), dtype, torch.float32)
+    src, dst = KVPool(layout, 12, "cpu"), KVPool(layout, 10, "cpu")
+    for pool in (src, dst):
+        pool.data.copy_(torch.randn(pool.data.shape).to(dtype))
+        if pool.scales is not None:
+            pool.scales.copy_(torch.rand(pool.scales.shape))
+    before = [dst.data.float().clone(), None if dst.scales is None else dst.scales.clone()]
+    src_pages, dst_pages = [4, 5, 6, 0, 11, 9, 10], [1, 2, 3, 7, 0, 8, 9]
+    assert page_runs(src_pages, dst_pages) == [(4, 1, 3), (0, 7, 1), (11, 0, 1), (9, 8, 2)]
+    copy_pages(src, src_pages, dst, dst_pages)
+    for s, d in zip(src_pages, dst_pages):
+        assert torch.equal(dst.data[d].float(), src.data[s].float())
+        if dtype == torch.float8_e4m3fn:
+            assert torch.equal(dst.scales[d], src.scales[s])
+    untouched = [p for p in range(10) if p not in dst_pages]
+    assert torch.equal(dst.data[untouched].float(), before[0][untouched])
+    if before[1] is not None:
+        assert torch.equal(dst.scales[untouched], before[1][untouched])
+    assert page_runs([], []) == []
+
+
 def test_fp8_kv_roundtrip_error_is_bounded():
     from batchgen.engine.kv_cache import KVLayout, KVPool
 

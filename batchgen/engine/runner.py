@@ -118,6 +118,8 @@ class ModelRunner:
         return self.model(batch)
 
     def close(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # no page copy may still target the segment
         self.host_pool = None
         self.host_segment.close()
 
