@@ -152,10 +152,10 @@ def dot_dtype(q_dtype: torch.dtype, fp8_kv: bool) -> torch.dtype:
     return q_dtype
 
 
+# Warps/stages of the decode kernel: the best of 2/4/8 warps x 1-4 stages on an H200 for
+# bf16 KV, and again for fp8 KV with f16 dots (`kernels_bench.py --only decode_sweep`).
 FP8_LAUNCH = {"num_warps": 2, "num_stages": 2}
 BF16_LAUNCH = {"num_warps": 2, "num_stages": 2}
-"""Warps/stages of the decode kernel: best of 2/4/8 warps x 1-4 stages on an H200 (bf16);
-the fp8 entry is re-measured by benchmarks/kernels_bench.py --sweep."""
 
 
 def reduce_block(num_splits: int) -> int:

@@ -177,10 +177,10 @@ class FP8Tiles(NamedTuple):
 def fp8_tiles(m: int, groups: int, silu_mul: bool) -> FP8Tiles:
     """Launch setting by rows per group: decode batches give experts a handful of rows each
     (small row tiles, as `grouped_gemm`), prefill hundreds (large tiles that keep the tensor
-    cores fed). Settings from benchmarks/moe_kernels_bench.py --sweep on an H200 (64 and 256
-    tokens: the fitted tile among the fastest, within run-to-run noise; 8,192 tokens: the large tiles, 1.07-1.32x
-    faster); the threshold lies between those points (2,048 tokens, ~78 rows per group, was
-    only swept with fitted tiles: 334 TFLOP/s)."""
+    cores fed). Settings from benchmarks/moe_kernels_bench.py --sweep on an H200: at 64 and
+    256 tokens the fitted tile is among the fastest (within run-to-run noise); at 8,192 tokens
+    the large tiles are 1.07-1.32x faster. The threshold lies between those points (2,048
+    tokens, ~78 rows per group, was swept with fitted tiles only: 334 TFLOP/s)."""
     if m < LARGE_TILE_ROWS_PER_GROUP * max(1, min(groups, m)):
         return FP8Tiles(None, 64 if silu_mul else 128, 4, 3)
     return LARGE_FP8_TILES[silu_mul]
