@@ -7,6 +7,7 @@ and, after this step, `context_lens[b]` tokens of KV reachable through `page_tab
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -43,6 +44,21 @@ class ForwardBatch:
     @property
     def decode_only(self) -> bool:
         return all(q == 1 for q in self.q_lens)
+
+    @cached_property
+    def decode_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sequence indices, packed query rows) of the one-token sequences of a mixed batch,
+        built once per forward: a layer that asked for them as fresh tensors would copy them
+        from the host (a stream synchronisation) in every layer."""
+        seqs, rows, start = [], [], 0
+        for b, q_len in enumerate(self.q_lens):
+            if q_len == 1:
+                seqs.append(b)
+                rows.append(start)
+            start += q_len
+        device = self.cu_seqlens_q.device
+        return (torch.tensor(seqs, dtype=torch.long).to(device, non_blocking=True),
+                torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True))
 
     @staticmethod
     def build(token_ids: list[list[int]], starts: list[int], page_tables: list[list[int]],

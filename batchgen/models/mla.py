@@ -156,32 +156,32 @@ class MLAttention(nn.Module):
         if batch.decode_only:
             return self._decode(q_nope, q_pe, batch.page_table, batch.context_lens, batch)
         out = q_nope.new_empty(q_nope.shape[0], self.heads, self.dv)
-        starts = [0]
-        for q_len in batch.q_lens:
-            starts.append(starts[-1] + q_len)
         # Decode rows of a mixed step go together, as in a decode-only step.
-        decodes = [b for b, q_len in enumerate(batch.q_lens) if q_len == 1]
-        if decodes:
-            seqs = torch.tensor(decodes, device=q_nope.device)
-            rows = torch.tensor([starts[b] for b in decodes], device=q_nope.device)
+        seqs, rows = batch.decode_rows
+        if seqs.numel():
             out[rows] = self._decode(q_nope[rows], q_pe[rows], batch.page_table[seqs],
                                      batch.context_lens[seqs], batch)
         pool = batch.kv_pool
         layout = pool.layout
         exact = not layout.quantized and layout.dtype == fresh.dtype == layout.compute_dtype
+        attend = self._impl(self.prefill_impl)
+        start = 0
         for b, (q_len, ctx) in enumerate(zip(batch.q_lens, batch.ctx_lens)):
+            rows = slice(start, start + q_len)
+            start += q_len
             if q_len == 1:
                 continue
-            rows = slice(starts[b], starts[b] + q_len)
-            if exact and q_len == ctx:  # a whole prompt: its keys are exactly its fresh rows
-                cache = fresh[rows]
+            if exact and q_len == ctx:
+                # A whole prompt: its keys are exactly its fresh rows, so plain causal
+                # attention (no mask tensor: SDPA's flash kernels apply).
+                cache, q_pos = fresh[rows], None
             else:
                 pages = batch.page_table[b, : -(-ctx // PAGE_SIZE)].long()
                 cache = pool.gather(self.layer, pages)[:ctx, 0]  # [K, C+R]
-            q_pos = torch.arange(ctx - q_len, ctx, device=q_nope.device)[None]
-            out[rows] = self._impl(self.prefill_impl)(
-                q_nope[rows][None], q_pe[rows][None], cache[None], q_pos,
-                torch.tensor([ctx], device=q_nope.device))[0]
+                q_pos = torch.arange(ctx - q_len, ctx, device=q_nope.device)[None]
+            # The cache holds exactly this sequence's ctx keys: no key-length mask.
+            out[rows] = attend(q_nope[rows][None], q_pe[rows][None], cache[None], q_pos,
+                               None)[0]
         return out
 
     def _decode(self, q_nope, q_pe, page_table, context_lens, batch: ForwardBatch):
@@ -219,7 +219,8 @@ class MLAttention(nn.Module):
         return self.attend_naive if name == "naive" else self.attend_absorbed
 
     def attend_naive(self, q_nope, q_pe, cache, q_pos, k_len) -> torch.Tensor:
-        """q_nope [B, Q, H, dn], q_pe [B, Q, H, R], cache [B, K, C+R] -> [B, Q, H, dv]."""
+        """q_nope [B, Q, H, dn], q_pe [B, Q, H, R], cache [B, K, C+R] -> [B, Q, H, dv]; q_pos
+        [B, Q] and k_len [B] as `_masked_attention` takes them (None: whole prompts / all keys)."""
         latent, k_pe = cache.to(q_nope.dtype).split([self.latent, self.rope_dim], dim=-1)
         kv = self.kv_b_proj(latent).view(*latent.shape[:2], self.heads, self.dn + self.dv)
         k_nope, v = kv.split([self.dn, self.dv], dim=-1)
@@ -239,10 +240,18 @@ class MLAttention(nn.Module):
 
 def _masked_attention(q, k, v, q_pos, k_len, scale) -> torch.Tensor:
     """Causal attention with per-sequence lengths: q [B, Q, H, D], k [B, K, KH, D],
-    v [B, K, KH, Dv] (KH divides H), q_pos [B, Q] absolute positions, k_len [B] -> [B, Q, H, Dv]."""
-    key_pos = torch.arange(k.shape[1], device=q.device)[None, None, :]
-    allowed = (key_pos <= q_pos[:, :, None]) & (key_pos < k_len[:, None, None])
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=allowed[:, None],
-        scale=scale, enable_gqa=k.shape[2] != q.shape[2])
+    v [B, K, KH, Dv] (KH divides H), q_pos [B, Q] absolute positions, k_len [B] -> [B, Q, H, Dv].
+    q_pos None: whole prompts (query i is key i), plain causal attention without a mask tensor;
+    k_len None: every key of k is valid."""
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    gqa = k.shape[1] != q.shape[1]
+    if q_pos is None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        return out.transpose(1, 2)
+    key_pos = torch.arange(k.shape[2], device=q.device)[None, None, :]
+    allowed = key_pos <= q_pos[:, :, None]
+    if k_len is not None:
+        allowed = allowed & (key_pos < k_len[:, None, None])
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None], scale=scale,
+                                         enable_gqa=gqa)
     return out.transpose(1, 2)
