@@ -19,7 +19,9 @@ graphs) and absorbed decode rows run the paged Triton kernel `mla_decode_attenti
 (batchgen_kernels), which walks each sequence's pages instead of gathering them; elsewhere
 the PyTorch paths below run, and they stay the reference the kernels are tested against.
 A whole prompt (no cached prefix) attends to its fresh rows directly, without a page gather,
-when the pool stores them exactly (same dtype, not fp8).
+when the pool stores them exactly (same dtype, not fp8), by causal SDPA without a mask tensor.
+Nothing in a layer copies from the host: per-layer `torch.tensor(..., device=cuda)` calls
+would each synchronise the stream.
 """
 
 from __future__ import annotations
