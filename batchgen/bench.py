@@ -23,11 +23,16 @@ device pool, which is what a GPU-only engine has: the KV of all live sequences m
 the device's capacity, so admissions stop where the device is full, and when a growing
 sequence runs out of host pages the scheduler evicts (drops its KV and re-prefills it later,
 i.e. recomputes) instead of parking it. Unloads can still happen when a sequence's device
-reservation (context + a 32-page buffer) exceeds its host one, but the host never holds more
+reservation (context + --initial-gpu-page-buffer pages) exceeds its host one, but the host never holds more
 than the device could; the table prints both runs' loads, unloads, evictions and recomputed
 tokens. The device pool is pinned to the "on" run's page count. Both runs are greedy on the
-same weights, so their tokens must agree (a sha256 over every request's tokens is compared).
+same weights, so on CPU in float32 their tokens must agree (a sha256 over every request's
+tokens is compared); on CUDA the two runs batch differently and bf16 rounds differently.
 "On" runs first, so any warm-up cost (kernel JIT) is charged to it, not to the claim.
+
+Triton compiles each kernel variant on its first launch in a process (seconds on a fresh
+machine, a disk-cache read later). The untimed warm-up meets most variants; the report counts
+those first launched inside the timed run, so a short benchmark polluted by JIT says so.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import gc
 import hashlib
 import math
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 
 import torch
@@ -150,16 +156,18 @@ def run_ours(model, tokenizer, engine_cfg: EngineConfig, work: Workload) -> dict
     produced = 0
     sync(model)
     start = time.perf_counter()
-    for rid, prompt, out in zip(ids, prompts, outputs):
-        engine.add_request(Request(rid, prompt, work.sampling(out)))
-    while engine.has_unfinished():
-        for done in engine.step():
-            tokens = done.completions[0].token_ids
-            produced += len(tokens)
-            digests[done.request_id] = hashlib.sha256(str(tokens).encode()).digest()
-    sync(model)
+    with triton_variants_first_used() as variants:
+        for rid, prompt, out in zip(ids, prompts, outputs):
+            engine.add_request(Request(rid, prompt, work.sampling(out)))
+        while engine.has_unfinished():
+            for done in engine.step():
+                tokens = done.completions[0].token_ids
+                produced += len(tokens)
+                digests[done.request_id] = hashlib.sha256(str(tokens).encode()).digest()
+        sync(model)
     elapsed = time.perf_counter() - start
     stats = engine.stats()
+    stats["triton_variants_in_timed_run"] = variants[0] if variants else None
     stager = getattr(model, "expert_stager", None)
     if stager is not None:  # offloaded experts copied in during the timed run (and warm-up)
         stats["expert_copies"] = {"fetches": stager.fetches, "experts": stager.copied_experts,
@@ -169,6 +177,32 @@ def run_ours(model, tokenizer, engine_cfg: EngineConfig, work: Workload) -> dict
     tokens_sha256 = hashlib.sha256(b"".join(digests[rid] for rid in ids)).hexdigest()
     return {"seconds": elapsed, "output_tokens": produced, "stats": stats, "warmup_s": warmup_s,
             "layout": layout, "outputs": outputs, "tokens_sha256": tokens_sha256}
+
+
+@contextmanager
+def triton_variants_first_used():
+    """Count the Triton kernel variants first launched in this process inside the block (each
+    is compiled then, or read from Triton's disk cache). Yields a one-item list, or None
+    where Triton has no runtime hooks (triton.knobs, 3.4+)."""
+    try:
+        from triton import knobs
+
+        runtime = knobs.runtime
+        previous = runtime.jit_cache_hook
+    except (ImportError, AttributeError):
+        yield None
+        return
+    seen = [0]
+
+    def count(*args, **kwargs):
+        seen[0] += 1
+        return previous(*args, **kwargs) if previous else False  # False: compile as usual
+
+    runtime.jit_cache_hook = count
+    try:
+        yield seen
+    finally:
+        runtime.jit_cache_hook = previous
 
 
 def warm_up(engine: Engine, model, work: Workload, prefill_tokens: int) -> float:
@@ -368,6 +402,11 @@ def format_table(report: dict) -> str:
             f"{times['bursts']:,} bursts), other forwards {times['forward_other_s']:.2f} s, "
             f"postprocess {times['postprocess_s']:.2f} s; untimed warm-up "
             f"{report['warmup_seconds']:.1f} s")
+    variants = report["engine_stats"].get("triton_variants_in_timed_run")
+    if variants:
+        lines.append(f"note: {variants} Triton kernel variants were first launched inside the "
+                     "timed run (JIT compiles on a fresh machine: a rerun reads them from "
+                     "Triton's cache)")
     copies = report["engine_stats"].get("expert_copies")
     if copies:
         lines.append(f"offloaded experts copied in (warm-up included): {copies['experts']:,} in "

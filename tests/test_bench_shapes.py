@@ -137,6 +137,35 @@ def test_bench_measures_after_an_untimed_warm_up_and_splits_the_time():
     assert times["bursts"] > 0 and times["burst_steps"] <= 4 * times["bursts"]
     assert times["decode_steps"] >= times["burst_steps"]
     assert "batchgen time:" in format_table(report)
+    # The CPU runs no compiled Triton kernel, so none is first launched in the timed run.
+    assert stats["triton_variants_in_timed_run"] in (0, None)
+    assert "Triton kernel variants" not in format_table(report)
+    jit = dict(report, engine_stats={**stats, "triton_variants_in_timed_run": 3})
+    assert "note: 3 Triton kernel variants were first launched" in format_table(jit)
+
+
+def test_triton_variant_counter_counts_compiles_and_restores_the_hook():
+    """The counter sits on Triton's compile hook (called before each new variant is built),
+    passes every call on to a hook that was there, and puts that hook back."""
+    knobs = pytest.importorskip("triton").knobs
+    from batchgen.bench import triton_variants_first_used
+
+    calls = []
+    outer = knobs.runtime.jit_cache_hook
+
+    def earlier(*args, **kwargs):
+        calls.append(kwargs["key"])
+        return False
+
+    knobs.runtime.jit_cache_hook = earlier
+    try:
+        with triton_variants_first_used() as seen:
+            for key in ("a", "b"):
+                assert knobs.runtime.jit_cache_hook(key=key, repr=key) is False
+        assert seen == [2] and calls == ["a", "b"]
+        assert knobs.runtime.jit_cache_hook is earlier
+    finally:
+        knobs.runtime.jit_cache_hook = outer
 
 
 def test_bench_reports_offloaded_expert_copies():
