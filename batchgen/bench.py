@@ -23,11 +23,12 @@ device pool, which is what a GPU-only engine has: the KV of all live sequences m
 the device's capacity, so admissions stop where the device is full, and when a growing
 sequence runs out of host pages the scheduler evicts (drops its KV and re-prefills it later,
 i.e. recomputes) instead of parking it. Unloads can still happen when a sequence's device
-reservation (context + --initial-gpu-page-buffer pages) exceeds its host one, but the host never holds more
-than the device could; the table prints both runs' loads, unloads, evictions and recomputed
-tokens. The device pool is pinned to the "on" run's page count. Both runs are greedy on the
-same weights, so on CPU in float32 their tokens must agree (a sha256 over every request's
-tokens is compared); on CUDA the two runs batch differently and bf16 rounds differently.
+reservation (context + --initial-gpu-page-buffer pages) exceeds its host one, but the host
+never holds more than the device could; the table prints both runs' loads, unloads,
+evictions and recomputed tokens. The device pool is pinned to the "on" run's page count.
+Both runs are greedy on the same weights, so on CPU in float32 their tokens must agree (a
+sha256 over every request's tokens is compared); on CUDA the two runs batch differently and
+bf16 rounds differently.
 "On" runs first, so any warm-up cost (kernel JIT) is charged to it, not to the claim.
 
 Triton compiles each kernel variant on its first launch in a process (seconds on a fresh

@@ -287,7 +287,7 @@ def quantize_fp8_groups(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor
 def grouped_gemm_fp8(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                      offsets: torch.Tensor, block: tuple[int, int] = (128, 128),
                      silu_mul: bool = False, out_dtype: torch.dtype = torch.bfloat16,
-                     out: torch.Tensor | None = None, block_m: int | None = None,
+                     out: torch.Tensor | None = None,
                      tiles: FP8Tiles | None = None) -> torch.Tensor:
     """Block-scaled FP8 grouped GEMM: out[rows of g] = dequant(x) @ dequant(w[g])^T.
 
@@ -299,8 +299,7 @@ def grouped_gemm_fp8(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, w_scal
     block     (bn, bk): powers of two >= 16; N and K multiples of them (and, with silu_mul,
               I = N / 2 a multiple of bn, so no block straddles the gate|up seam).
     silu_mul  write silu(gate) * up [M, I] (gate = rows [0, I) of w), as `grouped_gemm`.
-    block_m   row tile (power of two >= 16); None: `fp8_tiles` decides.
-    tiles     the whole launch setting (a benchmark sweep); None: `fp8_tiles(M, G, silu_mul)`.
+    tiles     the launch setting (a benchmark sweep); None: `fp8_tiles(M, G, silu_mul)`.
     Returns out [M, N] (or [M, I]) in out_dtype (float32/float16/bfloat16).
     """
     check_device(xq, xs, w, w_scale, offsets, out)
@@ -328,7 +327,7 @@ def grouped_gemm_fp8(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, w_scal
     if m == 0 or groups == 0 or n == 0:
         return out
     tiles = tiles or fp8_tiles(m, groups, silu_mul)
-    block_m, row_tiles = _row_tiling(m, groups, block_m or tiles.block_m, 64)
+    block_m, row_tiles = _row_tiling(m, groups, tiles.block_m, 64)
     block_n = min(bn, tiles.block_n)
     grid = (row_tiles, n // block_n)
     _grouped_gemm_fp8_kernel[grid](
