@@ -51,6 +51,7 @@ from batchgen.bench_models import SHAPES, hf_config_for, hf_twin, random_model, 
 from batchgen.config import EngineConfig, MemoryConfig, ModelConfig, RuntimeConfig, SchedulerConfig
 from batchgen.core import FinishReason, Request, SamplingParams
 from batchgen.engine.engine import Engine
+from batchgen.parallel import TensorParallel
 
 __all__ = ["SHAPES", "BenchConfig", "LengthStopEngine", "Workload", "bench", "format_table",
            "hf_config_for", "host_tier_off", "random_model"]
@@ -144,14 +145,15 @@ def roofline_seconds(stats: dict, layout, work: Workload, outputs: list[int], ba
     return prefill + (steps * stats["device_bytes"] + kv_read) / bandwidth
 
 
-def run_ours(model, tokenizer, engine_cfg: EngineConfig, work: Workload) -> dict:
+def run_ours(model, tokenizer, engine_cfg: EngineConfig, work: Workload,
+             tp: TensorParallel = TensorParallel()) -> dict:
     prompts, outputs = work.prompts(model.config.vocab_size), work.lengths()
     ids = [f"b{i}" for i in range(work.requests)]
     if work.max_tokens_mode == "cap":
-        engine = LengthStopEngine(model, engine_cfg, tokenizer, (),
+        engine = LengthStopEngine(model, engine_cfg, tokenizer, (), tp=tp,
                                   stop_after=dict(zip(ids, outputs)))
     else:
-        engine = Engine(model, engine_cfg, tokenizer, ())
+        engine = Engine(model, engine_cfg, tokenizer, (), tp=tp)
     warmup_s = warm_up(engine, model, work, engine_cfg.scheduler.max_prefill_tokens)
     digests: dict[str, bytes] = {}
     produced = 0
@@ -307,6 +309,10 @@ class BenchConfig:
     """Share of each MoE layer's routed experts kept in pinned host memory."""
     tiny: bool = False
     """The shape's layer pattern at toy widths (bench_models.TINY): CPU smoke runs and tests."""
+    tensor_parallel_size: int = 1
+    """Ranks the model is split over (attention heads and MLP columns; DeepSeek's routed
+    experts across the ranks, i.e. EP), one process each: GPUs 0..N-1, or CPU processes over
+    gloo. Every rank runs the whole workload; rank 0 reports (bench_tp.py)."""
 
     def model_config(self) -> ModelConfig:
         """The options the model is built with (validated like a job's)."""
@@ -317,16 +323,23 @@ class BenchConfig:
         return cfg
 
 
-def bench(cfg: BenchConfig, work: Workload) -> dict:
+def bench(cfg: BenchConfig, work: Workload, tp: TensorParallel | None = None) -> dict:
+    """The report of one benchmark. `tp`: this rank's group, inside a tensor-parallel run
+    (bench_tp.py starts the ranks when cfg.tensor_parallel_size > 1 and none is given)."""
     from batchgen.engine.engine import pick_device
     from batchgen.models.loader import resolve_dtype
 
+    if tp is None and cfg.tensor_parallel_size > 1:
+        from batchgen.bench_tp import bench_tensor_parallel
+
+        return bench_tensor_parallel(cfg, work)
+    tp = tp or TensorParallel()
     work.validate()
     device = pick_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     hf_config = hf_config_for(cfg.shape, cfg.tiny, cfg.fp8_weights)
     options = cfg.model_config()
-    model = random_model(hf_config, dtype, device, options)
+    model = random_model(hf_config, dtype, device, options, tp=tp)
     stats = weight_stats(model)
     engine_cfg = EngineConfig(
         model=options,
@@ -339,7 +352,7 @@ def bench(cfg: BenchConfig, work: Workload) -> dict:
                               cuda_graph_num_buckets=cfg.cuda_graph_num_buckets,
                               disable_cuda_graphs=cfg.disable_cuda_graphs,
                               decode_burst_steps=cfg.decode_burst_steps)).validate()
-    ours = run_ours(model, None, engine_cfg, work)
+    ours = run_ours(model, None, engine_cfg, work, tp)
     bandwidth = measure_hbm_bandwidth(device)
     bound = roofline_seconds(stats, ours["layout"], work, ours["outputs"], cfg.max_decode_batch,
                              bandwidth, device)
@@ -354,7 +367,7 @@ def bench(cfg: BenchConfig, work: Workload) -> dict:
     if cfg.compare_host_tier:
         free_kv_memory(device)
         off = run_ours(model, None, host_tier_off(engine_cfg, ours["stats"]["device_pages"],
-                                                  ours["layout"]), work)
+                                                  ours["layout"]), work, tp)
         rows["host_tier_off"] = {**_row(off, total_in),
                                  "roofline_fraction": bound / off["seconds"]}
         report["host_tier"] = {
@@ -424,7 +437,7 @@ def _host_tier_lines(tier: dict, device: str) -> list[str]:
     near-tied logits of random weights flip."""
     if tier["same_tokens"]:
         same = "same tokens"
-    elif device.startswith("cuda"):
+    elif "cuda" in device:
         same = "tokens differ (expected on CUDA: batch-dependent bf16 rounding)"
     else:
         same = "TOKENS DIFFER (a scheduler bug)"

@@ -102,16 +102,19 @@ def hf_config_for(shape: str, tiny: bool = False, fp8_weights: bool = False):
 
 # -- random weights ---------------------------------------------------------------------------
 def random_model(hf_config, dtype: torch.dtype, device: torch.device, options=None,
-                 seed: int = 0) -> nn.Module:
+                 seed: int = 0, tp=None) -> nn.Module:
     """Our model with random weights drawn on `device` (no checkpoint, no download), loaded
-    through its own `load_weights`; N(0, 0.02) matrices, ones for norms."""
+    through its own `load_weights`; N(0, 0.02) matrices, ones for norms. With `tp` (a
+    TensorParallel of size > 1) each rank draws the whole checkpoint with the same seed and
+    keeps its slice, so the group holds exactly the one-device model's weights."""
     from batchgen.models.fp8 import weight_block_size
     from batchgen.models.fp8_dense import is_fp8_checkpoint
     from batchgen.models.loader import materialize, meta_model
 
-    model = materialize(meta_model(hf_config, options).to(dtype), device)
+    model = materialize(meta_model(hf_config, options, tp).to(dtype), device)
+    whole = model if tp is None or tp.size == 1 else meta_model(hf_config)
     fp8_block = weight_block_size(hf_config) if is_fp8_checkpoint(hf_config) else None
-    model.load_weights(random_checkpoint(checkpoint_specs(model), dtype, device, fp8_block, seed))
+    model.load_weights(random_checkpoint(checkpoint_specs(whole), dtype, device, fp8_block, seed))
     if device.type == "cuda":
         torch.cuda.empty_cache()  # FP8 swaps free the bf16 placeholders: return them
     return model.eval()
@@ -121,7 +124,9 @@ def checkpoint_specs(model: nn.Module) -> list[tuple[str, tuple[int, ...], str]]
     """(name, shape, kind) of each tensor a checkpoint of `model` holds, in module order.
 
     kind: "ones" (norm weights), "normal", "linear" (a matrix real FP8 checkpoints quantize),
-    "mxfp4_blocks" / "mxfp4_scales". Names and shapes only, so no tensor is kept alive."""
+    "mxfp4_blocks" / "mxfp4_scales". Names and shapes only, so no tensor is kept alive.
+    Our fused projections are listed as HF's separate ones, as real checkpoints hold them
+    (each FP8-quantized on its own; tensor-parallel loaders slice each piece)."""
     from batchgen.models.gpt_oss import ExpertWeights
     from batchgen.models.moe import RoutedExperts
     from batchgen.models.mxfp4 import BLOCK
@@ -152,7 +157,9 @@ def checkpoint_specs(model: nn.Module) -> list[tuple[str, tuple[int, ...], str]]
                 continue
             seen.add(id(param))
             name = f"{mod_name}.{pname}" if mod_name else pname
-            specs.append((name, tuple(param.shape), _kind(name, module, pname)))
+            kind = _kind(name, module, pname)
+            for piece, rows in _fused_pieces(model, name, param.shape[0]):
+                specs.append((piece, (rows, *param.shape[1:]), kind))
     return specs
 
 
@@ -242,17 +249,24 @@ def hf_state_dict(model: nn.Module, wanted: set[str]) -> dict[str, torch.Tensor]
 
 
 def _unfused(model: nn.Module, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Llama's fused qkv_proj / gate_up_proj as HF's separate projections (row views)."""
+    """Our fused qkv_proj / gate_up_proj as HF's separate projections (row views)."""
+    pieces = _fused_pieces(model, name, tensor.shape[0])
+    if pieces == [(name, tensor.shape[0])]:
+        return {}  # ours only (none today): HF's meta check reports anything left unfilled
+    return dict(zip((n for n, _ in pieces), tensor.split([rows for _, rows in pieces])))
+
+
+def _fused_pieces(model: nn.Module, name: str, rows: int) -> list[tuple[str, int]]:
+    """(HF name, rows) of each projection our fused `name` holds (qkv_proj: q, k, v;
+    gate_up_proj: gate, up), or [(name, rows)] for a tensor that is not fused."""
     if ".qkv_proj." in name:
         attn = model.model.layers[0].self_attn
-        parts = zip(("q_proj", "k_proj", "v_proj"),
-                    tensor.split([attn.q_size, attn.kv_size, attn.kv_size]))
-        return {name.replace("qkv_proj", proj): t for proj, t in parts}
-    if ".gate_up_proj." in name:
-        gate, up = tensor.chunk(2)
-        return {name.replace("gate_up_proj", "gate_proj"): gate,
-                name.replace("gate_up_proj", "up_proj"): up}
-    return {}  # ours only (none today): HF's meta check reports anything left unfilled
+        sizes = (attn.q_size, attn.kv_size, attn.kv_size)
+        return [(name.replace("qkv_proj", p), n) for p, n in zip(("q_proj", "k_proj", "v_proj"),
+                                                                  sizes)]
+    if ".gate_up_proj." in name and ".experts." not in name:
+        return [(name.replace("gate_up_proj", p), rows // 2) for p in ("gate_proj", "up_proj")]
+    return [(name, rows)]
 
 
 def _rebuild_meta_buffers(hf: nn.Module, device: torch.device) -> None:

@@ -109,6 +109,9 @@ def bench(shape: str = typer.Option("smollm2-135m", help="Model shape: smollm2-1
           ep_offloading_ratio: float = typer.Option(
               0.0, help="Share (0-1) of routed experts offloaded (needs the flag above)."),
           tiny: bool = typer.Option(False, help="The shape at toy widths (CPU smoke runs)."),
+          tensor_parallel_size: int = typer.Option(
+              1, help="Split the model over this many GPUs (DeepSeek: experts too), one "
+              "process each; CPU processes over gloo without enough GPUs."),
           json_out: Optional[Path] = typer.Option(None, "--json", help="Write the report here.")):
     """Synthetic throughput benchmark on a random-init model of a real shape (EOS ignored)."""
     import json
@@ -127,7 +130,8 @@ def bench(shape: str = typer.Option("smollm2-135m", help="Model shape: smollm2-1
         decode_burst_steps=decode_burst_steps, fp8_weights=fp8_weights,
         pre_dequantize_weights=pre_dequantize_weights,
         enable_ep_with_offloading=enable_ep_with_offloading,
-        ep_offloading_ratio=ep_offloading_ratio, tiny=tiny)
+        ep_offloading_ratio=ep_offloading_ratio, tiny=tiny,
+        tensor_parallel_size=tensor_parallel_size)
     work = Workload(requests=requests, input_len=input_len, output_len=output_len,
                     output_dist=output_dist, max_output_len=max_output_len,
                     max_tokens_mode=max_tokens_mode)

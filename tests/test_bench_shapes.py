@@ -176,3 +176,33 @@ def test_bench_reports_offloaded_expert_copies():
     copies = report["engine_stats"]["expert_copies"]
     assert copies["experts"] > 0 and copies["bytes"] > 0
     assert "offloaded experts copied in" in format_table(report)
+
+
+@pytest.mark.parametrize("shape,extra", [
+    ("deepseek-v3-4l", {}),  # attention heads split, routed experts 8 + 8 (EP)
+    ("deepseek-v3-4l", dict(enable_ep_with_offloading=True, ep_offloading_ratio=0.5)),
+    ("qwen3-8b", {}),  # fused q/k/v and gate/up pieces sliced per rank
+])
+def test_tensor_parallel_bench_gives_the_one_rank_tokens(shape, extra):
+    """Two CPU ranks over gloo, each drawing the whole checkpoint and keeping its slice: in
+    float32 the group's greedy tokens are the one-rank run's."""
+    base = dict(shape=shape, tiny=True, device="cpu", dtype="float32", gpu_kv_cache_size=0.02,
+                host_kv_cache_size=0.05, max_decode_batch=4, **extra)
+    work = Workload(requests=5, input_len=20, output_len=12)
+    one = bench(BenchConfig(**base), work)
+    two = bench(BenchConfig(**base, tensor_parallel_size=2), work)
+    assert two["tokens_sha256"] == one["tokens_sha256"]
+    assert two["config"]["tensor_parallel_size"] == 2 and "2 x cpu (TP 2" in two["device"]
+    assert two["weights"]["device_bytes"] < 0.75 * one["weights"]["device_bytes"]  # a slice each
+
+
+def test_tensor_parallel_bench_refuses_what_the_group_cannot_run():
+    from batchgen.bench_tp import check_group
+
+    work = Workload(requests=2, input_len=8, output_len=2)
+    with pytest.raises(ValueError, match="--peer hf"):
+        check_group(BenchConfig(shape="llama3-8b", tiny=True, peer="hf", tensor_parallel_size=2),
+                    work)
+    with pytest.raises(ValueError, match="not divisible by the tensor-parallel size 3"):
+        check_group(BenchConfig(shape="llama3-8b", tiny=True, device="cpu",
+                                tensor_parallel_size=3), work)

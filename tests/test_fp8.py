@@ -103,6 +103,25 @@ def test_fp8_linear_on_cpu_is_the_dequantized_linear():
     assert torch.equal(fp8.dense_weight(layer, torch.float32), dense)
 
 
+@pytest.mark.parametrize("dim", [0, 1])
+def test_fp8_linear_keeps_a_compact_copy_of_a_tensor_parallel_slice(dim):
+    """A rank's slice is a view of the whole tensor; a column slice is not contiguous, which
+    the blockwise scaled GEMM refuses (seen at TP 2 on the H200), and any view would keep the
+    whole tensor's memory alive."""
+    from batchgen.parallel import TensorParallel
+
+    q, scale = quantize_blocks(random_weight(64, 128), (16, 16))
+    tp = TensorParallel(size=2, rank=1)
+    weight, scale_inv = tp.shard(q, dim), tp.shard(scale, dim)
+    layer = Fp8Linear(weight, scale_inv, (16, 16))
+    for kept, view in ((layer.weight, weight), (layer.weight_scale_inv, scale_inv)):
+        assert kept.is_contiguous() and torch.equal(kept, view)
+        assert kept.untyped_storage().nbytes() == kept.numel() * kept.element_size()
+    whole = quantize_blocks(random_weight(32, 64), (16, 16))
+    layer = Fp8Linear(*whole, (16, 16))
+    assert layer.weight.data_ptr() == whole[0].data_ptr()  # already compact: not copied
+
+
 def test_pair_scales_joins_weights_and_scales_in_any_order():
     w1, w2 = random_weight(32, 32, 1), random_weight(32, 32, 2)
     (q1, s1), (q2, s2) = quantize_blocks(w1, (16, 16)), quantize_blocks(w2, (16, 16))

@@ -195,6 +195,23 @@ def test_external_launcher_rule():
     assert external_rank(dist, {}) is None
 
 
+def test_the_reported_failure_is_the_cause_not_the_ranks_the_agent_stopped():
+    """Rank 1 SIGKILLed; the agent then SIGTERMs rank 0, which exits 75 or (on GPUs, seen on the
+    H200 pair) dies of the SIGTERM itself, stamped in the same whole second."""
+    from types import SimpleNamespace as Failure
+
+    from batchgen.runner.launch import root_failure
+
+    for survivor in (75, -signal.SIGTERM):
+        failures = {0: Failure(exitcode=survivor, timestamp=100),
+                    1: Failure(exitcode=-signal.SIGKILL, timestamp=100)}
+        assert root_failure(failures)[0] == 1
+    crashed_first = {0: Failure(exitcode=1, timestamp=99), 1: Failure(exitcode=-9, timestamp=100)}
+    assert root_failure(crashed_first)[0] == 0
+    everyone_stopped = {0: Failure(exitcode=75, timestamp=100), 1: Failure(exitcode=75, timestamp=100)}
+    assert root_failure(everyone_stopped)[0] == 0
+
+
 def test_adopt_takes_the_launchers_world(monkeypatch):
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                 *NCCL_SAFE_ENV):

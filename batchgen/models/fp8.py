@@ -243,8 +243,11 @@ class Fp8Linear(nn.Module):
     def __init__(self, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
                  reduce_over=None):
         super().__init__()
-        self.weight = nn.Parameter(weight, requires_grad=False)
-        self.weight_scale_inv = nn.Parameter(scale_inv.float(), requires_grad=False)
+        # A tensor-parallel slice arrives as a view of the whole checkpoint tensor: keep a
+        # compact copy (the blockwise scaled GEMM needs unit inner strides, and a view would
+        # hold the whole tensor's memory).
+        self.weight = nn.Parameter(compact(weight), requires_grad=False)
+        self.weight_scale_inv = nn.Parameter(compact(scale_inv.float()), requires_grad=False)
         self.block = tuple(block)
         self.reduce_over = reduce_over
         """The TensorParallel group summing a row-parallel layer's partial outputs, or None."""
@@ -259,6 +262,12 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = fp8_linear(x, self.weight, self.weight_scale_inv, self.block)
         return out if self.reduce_over is None else self.reduce_over.all_reduce(out)
+
+
+def compact(t: torch.Tensor) -> torch.Tensor:
+    """`t` if it is contiguous and alone in its storage, else a contiguous copy of it."""
+    alone = t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    return t if t.is_contiguous() and alone else t.clone(memory_format=torch.contiguous_format)
 
 
 def dense_weight(linear: nn.Module, dtype: torch.dtype) -> torch.Tensor:

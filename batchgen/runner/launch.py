@@ -107,10 +107,15 @@ def supported_launch_options(**options) -> dict:
 
 def root_failure(failures: dict) -> tuple:
     """(global rank, ProcessFailure) of the rank that brought the group down. When one rank dies
-    the agent stops the others, which then exit 75 (stopped) a moment later: those are effects,
-    not the cause. Then the first to fail, then the lowest rank."""
-    return min(failures.items(), key=lambda item: (item[1].exitcode == EXIT_REQUEUE,
-                                                   item[1].timestamp, item[0]))
+    the agent SIGTERMs the others, which exit 75 (stopped), or die of that SIGTERM when it
+    lands where Python cannot run its handler (seen on GPUs): those are effects, not the cause.
+    Then the first to fail (the agent stamps whole seconds, so ties are common), then the
+    lowest rank."""
+    def stopped_by_agent(failure) -> bool:
+        return failure.exitcode in (EXIT_REQUEUE, -signal.SIGTERM)
+
+    return min(failures.items(), key=lambda item: (stopped_by_agent(item[1]), item[1].timestamp,
+                                                   item[0]))
 
 
 def force_safe_env() -> None:
