@@ -18,19 +18,29 @@ import torch.nn.functional as F
 from batchgen_kernels import reference
 from triton.testing import do_bench
 
+from batchgen.engine.kv_cache import KVLayout
+
 PAGE = 64
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 BF16 = torch.bfloat16
 
 
-def paged_pool(batch: int, ctx: int, kv_dtype: torch.dtype, num_layers: int = 2):
-    """A pool whose layer-1 view holds `ctx` tokens for each of `batch` sequences."""
+def paged_pool(batch: int, ctx: int, kv_dtype: torch.dtype, num_layers: int = 2,
+               scale_layout: str = "pool"):
+    """A pool whose layer-1 view holds `ctx` tokens for each of `batch` sequences. fp8 scales
+    as the engine stores them ("pool": a page's slots innermost) or token-major ("token",
+    the layout before the fifth session: one strided 4-byte load per slot)."""
     pages = -(-ctx // PAGE)
     data = torch.randn(batch * pages, num_layers, PAGE, 2, KV_HEADS, HEAD_DIM, device="cuda")
     data = data.to(kv_dtype)
     scales = None
     if kv_dtype == torch.float8_e4m3fn:
-        scales = torch.rand(data.shape[:-1], device="cuda")[:, 1] * 0.01
+        layout = KVLayout(num_layers, (2, KV_HEADS, HEAD_DIM), kv_dtype, BF16)
+        storage = torch.rand(layout.scale_pages_shape(batch * pages), device="cuda") * 0.01
+        scales = storage.movedim(-1, 2)
+        if scale_layout == "token":
+            scales = scales.contiguous()
+        scales = scales[:, 1]
     table = torch.randperm(batch * pages, device="cuda").view(batch, pages).to(torch.int32)
     return data[:, 1], scales, table
 
@@ -48,8 +58,8 @@ def torch_paged_attention(q, kv, scales, table, ctx_lens, q_len):
     return F.scaled_dot_product_attention(qb, k, v, attn_mask=mask[:, None], enable_gqa=True)
 
 
-def bench_decode(batch: int, ctx: int, kv_dtype=BF16, num_splits=None):
-    kv, scales, table = paged_pool(batch, ctx, kv_dtype)
+def bench_decode(batch: int, ctx: int, kv_dtype=BF16, num_splits=None, scale_layout="pool"):
+    kv, scales, table = paged_pool(batch, ctx, kv_dtype, scale_layout=scale_layout)
     q = torch.randn(batch, HEADS, HEAD_DIM, device="cuda", dtype=BF16)
     ctx_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
     scale = HEAD_DIM ** -0.5
@@ -60,29 +70,31 @@ def bench_decode(batch: int, ctx: int, kv_dtype=BF16, num_splits=None):
     if scales is not None:
         moved += batch * ctx * 2 * KV_HEADS * 4
     name = f"decode {kv_dtype}".replace("torch.", "") + f" splits={num_splits or 'auto'}"
+    if scales is not None:
+        name += f" scales={scale_layout}"
     return name, f"B={batch} ctx={ctx}", ours, theirs, moved
 
 
 def sweep_decode_fp8() -> list:
-    """The fp8 decode kernel per launch setting (warps x stages) and dot dtype (float16, the
-    default, vs bfloat16, the old conversion-bound one), at B=256 ctx 1k and B=384 ctx 1.5k:
-    picks decode_attention.FP8_LAUNCH. The "torch ms" column repeats the bf16-KV kernel."""
+    """The fp8 decode kernel per launch setting (warps x stages) and scale layout (the pool's
+    slot-innermost one vs the old token-major one), at B=256 ctx 1k and B=384 ctx 1.5k: picks
+    decode_attention.FP8_LAUNCH. The "torch ms" column repeats the bf16-KV kernel."""
     from batchgen_kernels import decode_attention as DA
 
-    saved, rows = (dict(DA.FP8_LAUNCH), DA.dot_dtype), []
+    saved, rows = dict(DA.FP8_LAUNCH), []
     try:
         for batch, ctx in ((256, 1024), (384, 1500)):
             bf16_ms = bench_decode(batch, ctx)[2]
-            for dot_name, pick in (("f16", saved[1]), ("bf16", lambda q_dtype, fp8: q_dtype)):
-                DA.dot_dtype = pick
+            for layout in ("pool", "token"):
                 for warps in (2, 4, 8):
                     for stages in (1, 2, 3, 4):
                         DA.FP8_LAUNCH = {"num_warps": warps, "num_stages": stages}
-                        _, shape, ours, _, moved = bench_decode(batch, ctx, torch.float8_e4m3fn)
-                        rows.append((f"fp8 dot={dot_name} w={warps} s={stages}", shape, ours,
+                        _, shape, ours, _, moved = bench_decode(batch, ctx, torch.float8_e4m3fn,
+                                                                scale_layout=layout)
+                        rows.append((f"fp8 scales={layout} w={warps} s={stages}", shape, ours,
                                      bf16_ms, moved))
     finally:
-        DA.FP8_LAUNCH, DA.dot_dtype = saved
+        DA.FP8_LAUNCH = saved
     return rows
 
 
@@ -180,6 +192,7 @@ def bench_silu(tokens: int, inter: int):
 
 CASES = {
     "decode": lambda: [bench_decode(256, 1024), bench_decode(256, 1024, torch.float8_e4m3fn),
+                       bench_decode(256, 1024, torch.float8_e4m3fn, scale_layout="token"),
                        bench_decode(8, 16384, num_splits=1), bench_decode(8, 16384)],
     "prefill": lambda: [bench_prefill(4, 2048)],
     "store": lambda: [bench_store(16384), bench_store(16384, torch.float8_e4m3fn)],

@@ -5,7 +5,12 @@ layer's KV for 64 tokens in one contiguous block, so moving a page between tiers
 copy (DEVICE-NOTES: per-layer 32 KiB copies run ~25x slower than MiB-sized ones).
 `token_shape` comes from the model: (2, kv_heads, head_dim) for K and V of GQA attention,
 (1, latent + rope dims) for DeepSeek's MLA. fp8 pools keep one float32 scale per token and
-leading index (per token and head for GQA) in `scales`.
+leading index (per token and head for GQA). They are stored page-major too, with the page's 64
+slots innermost (`scale_pages[num_pages, num_layers, *token_shape[:-1], PAGE_SIZE]`), so the
+decode kernel reads a page's scales of one head as 256 contiguous bytes instead of 64 strided
+4-byte loads (a 32-byte memory sector each); `scales` is the same memory seen in the data's
+index order, `[num_pages, num_layers, PAGE_SIZE, *token_shape[:-1]]`, which the kernels take
+by strides.
 """
 
 from __future__ import annotations
@@ -56,21 +61,31 @@ class KVLayout:
     def pages_for_bytes(self, num_bytes: float) -> int:
         return int(num_bytes // self.bytes_per_page)
 
+    def scale_pages_shape(self, num_pages: int) -> tuple[int, ...]:
+        """Storage shape of an fp8 pool's scales: slots innermost (module docstring)."""
+        return (num_pages, self.num_layers, *self.token_shape[:-1], PAGE_SIZE)
+
 
 class KVPool:
     """A tier of KV pages (device or host). Owns tensors, knows nothing about sequences."""
 
     def __init__(self, layout: KVLayout, num_pages: int, device: torch.device | str,
-                 data: torch.Tensor | None = None, scales: torch.Tensor | None = None):
+                 data: torch.Tensor | None = None, scale_pages: torch.Tensor | None = None):
+        """`data` / `scale_pages`: storage to use (the host segment), else allocated here."""
         self.layout = layout
         self.num_pages = num_pages
         shape = (num_pages, layout.num_layers, PAGE_SIZE, *layout.token_shape)
         self.data = data if data is not None else torch.zeros(shape, dtype=layout.dtype, device=device)
-        assert tuple(self.data.shape) == shape, (tuple(self.data.shape), shape)
-        self.scales = scales
-        if layout.quantized and scales is None:
-            self.scales = torch.ones(shape[:-1], dtype=torch.float32, device=device)
-        assert self.data.is_contiguous() and (self.scales is None or self.scales.is_contiguous())
+        assert tuple(self.data.shape) == shape and self.data.is_contiguous(), tuple(self.data.shape)
+        self.scale_pages = scale_pages
+        self.scales = None
+        if layout.quantized:
+            if scale_pages is None:
+                self.scale_pages = torch.ones(layout.scale_pages_shape(num_pages),
+                                              dtype=torch.float32, device=device)
+            assert (tuple(self.scale_pages.shape) == layout.scale_pages_shape(num_pages)
+                    and self.scale_pages.is_contiguous()), tuple(self.scale_pages.shape)
+            self.scales = self.scale_pages.movedim(-1, 2)
         self._scratch: torch.Tensor | None = None
         """Reused output of `gather_heads` (see there)."""
 
@@ -141,7 +156,7 @@ class KVPool:
 
         One index_select of whole rows is several times faster on CPU than advanced indexing
         of the strided per-layer view."""
-        flat = source.flatten(0, 1)  # a view: pools are allocated contiguous
+        flat = source.flatten(0, 1)  # a view: pages and layers are the outer storage dims
         rows = pages.long() * self.layout.num_layers + layer
         if lead:
             flat = flat.movedim(tuple(range(2, 2 + lead)), tuple(range(lead)))
@@ -167,8 +182,8 @@ def copy_pages(src: KVPool, src_pages: list[int], dst: KVPool, dst_pages: list[i
     for src_first, dst_first, count in page_runs(src_pages, dst_pages):
         source, target = slice(src_first, src_first + count), slice(dst_first, dst_first + count)
         dst.data[target].copy_(src.data[source], non_blocking=asynchronous)
-        if src.scales is not None:
-            dst.scales[target].copy_(src.scales[source], non_blocking=asynchronous)
+        if src.scale_pages is not None:
+            dst.scale_pages[target].copy_(src.scale_pages[source], non_blocking=asynchronous)
 
 
 def page_runs(src_pages: list[int], dst_pages: list[int]) -> list[tuple[int, int, int]]:

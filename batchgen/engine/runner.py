@@ -64,14 +64,15 @@ class ModelRunner:
         layout = self.layout
         raw = self.host_segment.tensor
         data_bytes = host_pages * layout.bytes_per_page
-        scales = None
+        scale_pages = None
         if layout.quantized:
             data_bytes = host_pages * layout.num_layers * 64 * layout.values_per_token
-            scale_shape = (host_pages, layout.num_layers, 64, *layout.token_shape[:-1])
-            scales = raw[data_bytes:].view(torch.float32)[: math.prod(scale_shape)].view(scale_shape)
+            scale_shape = layout.scale_pages_shape(host_pages)
+            scale_pages = (raw[data_bytes:].view(torch.float32)[: math.prod(scale_shape)]
+                           .view(scale_shape))
         shape = (host_pages, layout.num_layers, 64, *layout.token_shape)
         data = raw[:data_bytes].view(layout.dtype).view(shape)
-        return KVPool(layout, host_pages, "cpu", data=data, scales=scales)
+        return KVPool(layout, host_pages, "cpu", data=data, scale_pages=scale_pages)
 
     @torch.inference_mode()
     def execute(self, out: ScheduleOutput, rows: list[SamplingRows],

@@ -6,6 +6,8 @@ import pytest
 import torch
 from batchgen_kernels._common import PAGE_SIZE, interpreting
 
+from batchgen.engine.kv_cache import KVLayout
+
 DEVICES = [
     pytest.param("cpu", marks=pytest.mark.skipif(
         not interpreting(), reason="CPU tensors need the Triton interpreter")),
@@ -45,7 +47,8 @@ def make_paged_pool(ctx_lens: list[int], token_shape: tuple[int, ...], kv_dtype:
     sequence's first ctx slots.
 
     Returns (kv, kv_scales, page_table): the layer view `data[:, layer]` (strided over pages,
-    like the engine's), its scales view [pages, 64, *token_shape[:-1]] for fp8 (else None),
+    like the engine's), its scales view [pages, 64, *token_shape[:-1]] for fp8 (else None;
+    strided like the engine's: slots innermost in memory),
     and an int32 page table of shuffled page ids.
     """
     pages_per_seq = [-(-c // PAGE_SIZE) for c in ctx_lens]
@@ -53,7 +56,11 @@ def make_paged_pool(ctx_lens: list[int], token_shape: tuple[int, ...], kv_dtype:
     fp8 = kv_dtype == torch.float8_e4m3fn
     shape = (num_pages, num_layers, PAGE_SIZE, *token_shape)
     data = poisoned(shape, torch.float32, device).to(kv_dtype)
-    scales = poisoned(shape[:-1], torch.float32, device) if fp8 else None
+    scales = None
+    if fp8:  # stored as the engine's pools store them: a page's slots innermost
+        storage = KVLayout(num_layers, token_shape, kv_dtype, torch.float32).scale_pages_shape(
+            num_pages)
+        scales = poisoned(storage, torch.float32, device).movedim(-1, 2)
     order = torch.randperm(num_pages)
     table = torch.zeros(len(ctx_lens), max(pages_per_seq), dtype=torch.int32)
     start = 0
