@@ -25,10 +25,12 @@
 # ~3,600 off (ratio 1.17) with 0.5 ms of host work per step, ~2,840 / ~2,320 (1.22) with 5 ms:
 # each run takes 35-60 min, the pair 1.2-1.8 h. Use the `on` / `off` halves (or a smaller
 # REQUESTS) where one command may only run for minutes; REQUESTS=1024 still takes ~10 min per
-# run. The same simulation reaches 1.31x only with --initial-gpu-page-buffer 4 (knob
-# INITIAL_GPU_PAGE_BUFFER): the 32-page (2,048-token) device buffer per sequence caps the "on"
-# batch. Measured at 160 requests (max 7,680 out): on 3,261 / off 3,055 = 1.07x with 32
-# (docs/performance.md); the simulator gives 1.13x there with 32 and 1.23x with 4.
+# run. Those figures predate the adaptive device buffer (default since the fifth session):
+# with a fixed 32-page (2,048-token) buffer per loaded sequence the "on" batch was capped;
+# the simulation reached 1.31x only with --initial-gpu-page-buffer 4 (knob
+# INITIAL_GPU_PAGE_BUFFER). Now, while sequences wait on the host, loads reserve one extension
+# instead: simulated 1.32x at 1,024 requests with the default flags. Measured at 160 requests
+# (max 7,680 out): 1.07x with a fixed 32, 1.34x with 4 (docs/performance.md).
 set -euo pipefail
 
 MODE=${1:-compare}

@@ -96,6 +96,8 @@ class FakeEngine:
         self.steps = 0
         self.most_packed = 0
         """Most prompts prefilled together in one step (prepacking)."""
+        self.most_running = 0
+        """Most sequences computed together in one step."""
 
     def add_wave(self, wave: int) -> None:
         for i, req in enumerate(self.sc.reqs):
@@ -142,6 +144,7 @@ class FakeEngine:
         assert prefill <= self.sc.cfg.max_prefill_tokens
         packed = sum(c.end - c.start > 1 for c in out.chunks)
         self.most_packed = max(self.most_packed, packed)
+        self.most_running = max(self.most_running, len(out.chunks))
         sampled = [self.forward(c.seq, c.start, c.end, c.sample) for c in out.chunks]
         for chunk, token in zip(out.chunks, sampled):
             chunk.seq.num_computed = chunk.end
@@ -209,6 +212,7 @@ def configs(draw, tight: bool) -> SchedulerConfig:
     chunk_min = draw(st.integers(1, 512))
     cfg = SchedulerConfig(
         initial_gpu_page_buffer=draw(st.integers(1, 4 if tight else 40)),
+        adaptive_gpu_page_buffer=draw(st.booleans()),
         extension_gpu_page_buffer=extension,
         decision_frequency_pages=draw(st.integers(1, extension)),
         host_kv_watermark=draw(st.floats(0, 100)),
@@ -304,6 +308,23 @@ def test_both_pools_tiny_exercise_everything():
     c = engine.sched.counters
     assert c.unloads > 0 and c.evictions > 0 and c.chunk_growths > 0
     assert engine.most_packed >= 2
+
+
+def test_adaptive_buffer_shrinks_only_while_sequences_wait_on_the_host():
+    """24 sequences of 100 + 100..682 tokens on a 60-page device pool, 16-page initial buffer:
+    once some wait on the host, (re)loads reserve one extension instead, so more sequences
+    run at once and the job takes fewer steps. With room for every buffer, nothing changes;
+    outputs are the reference's either way (run_scenario checks)."""
+    reqs = [Req(100, 800, 100 + 97 * (i % 7)) for i in range(24)]
+    flags = {"initial_gpu_page_buffer": 16, "extension_gpu_page_buffer": 2,
+             "decision_frequency_pages": 1}
+    tight = {a: run_with(reqs, 60, 2000, adaptive_gpu_page_buffer=a, **flags) for a in (True, False)}
+    assert all(e.sched.counters.loads > 0 for e in tight.values())  # some did wait on the host
+    assert tight[True].most_running > 2 * tight[False].most_running
+    assert tight[True].steps < 0.7 * tight[False].steps
+    roomy = {a: run_with(reqs, 24 * 30, 2000, adaptive_gpu_page_buffer=a, **flags) for a in (True, False)}
+    assert roomy[True].sched.counters.loads == 0
+    assert roomy[True].digest.digest() == roomy[False].digest.digest()  # the very same decisions
 
 
 def test_prompts_are_prepacked_into_one_prefill():
