@@ -1,6 +1,6 @@
 """`batchgen bench --tensor-parallel-size N`: the benchmark on a tensor-parallel group of N ranks,
 one process per rank, as a job's TP group runs (GPUs 0..N-1 over NCCL, or CPU processes over
-gloo where the machine has fewer GPUs than ranks).
+gloo with --device cpu or on a machine without GPUs).
 
 Every rank draws the whole random checkpoint with the same seed and keeps its slice, so the
 group holds the one-device model's weights: in float32 on CPU its greedy tokens equal a
@@ -52,7 +52,8 @@ def check_group(cfg: BenchConfig, work: Workload) -> None:
         raise ValueError(f"--device {cfg.device}: with --tensor-parallel-size the ranks take "
                          "GPUs 0..N-1 (auto or cuda) or the CPU (cpu)")
     gpus = torch.cuda.device_count()
-    if cfg.device == "cuda" and gpus < size:
+    wants_gpus = cfg.device == "cuda" or (cfg.device == "auto" and gpus > 0)
+    if wants_gpus and gpus < size:
         raise ValueError(f"--tensor-parallel-size {size} needs {size} GPUs; this machine has "
                          f"{gpus} (use --device cpu for a CPU run over gloo)")
     work.validate()
@@ -63,9 +64,10 @@ def check_group(cfg: BenchConfig, work: Workload) -> None:
         raise ValueError(f"--shape {cfg.shape}: {err}") from err
 
 
-def rank_device(cfg: BenchConfig, rank: int, size: int) -> torch.device:
-    """GPU `rank` when there is one per rank (and --device allows it), else the CPU."""
-    if cfg.device != "cpu" and torch.cuda.device_count() >= size:
+def rank_device(cfg: BenchConfig, rank: int) -> torch.device:
+    """GPU `rank`, or the CPU with --device cpu or on a machine without GPUs (check_group
+    refused a machine with some GPUs but fewer than ranks)."""
+    if cfg.device != "cpu" and torch.cuda.is_available():
         return torch.device("cuda", rank)
     return torch.device("cpu")
 
@@ -75,7 +77,7 @@ def _rank_main(rank: int, cfg: BenchConfig, work: Workload, port: int, report_pa
 
     size = cfg.tensor_parallel_size
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **NCCL_SAFE_ENV)
-    device = rank_device(cfg, rank, size)
+    device = rank_device(cfg, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     else:  # the ranks share the machine's cores

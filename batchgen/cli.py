@@ -111,7 +111,7 @@ def bench(shape: str = typer.Option("smollm2-135m", help="Model shape: smollm2-1
           tiny: bool = typer.Option(False, help="The shape at toy widths (CPU smoke runs)."),
           tensor_parallel_size: int = typer.Option(
               1, help="Split the model over this many GPUs (DeepSeek: experts too), one "
-              "process each; CPU processes over gloo without enough GPUs."),
+              "process each (--device cpu: CPU processes over gloo)."),
           json_out: Optional[Path] = typer.Option(None, "--json", help="Write the report here.")):
     """Synthetic throughput benchmark on a random-init model of a real shape (EOS ignored)."""
     import json

@@ -196,13 +196,17 @@ def test_tensor_parallel_bench_gives_the_one_rank_tokens(shape, extra):
     assert two["weights"]["device_bytes"] < 0.75 * one["weights"]["device_bytes"]  # a slice each
 
 
-def test_tensor_parallel_bench_refuses_what_the_group_cannot_run():
+def test_tensor_parallel_bench_refuses_what_the_group_cannot_run(monkeypatch):
     from batchgen.bench_tp import check_group
 
     work = Workload(requests=2, input_len=8, output_len=2)
     with pytest.raises(ValueError, match="--peer hf"):
         check_group(BenchConfig(shape="llama3-8b", tiny=True, peer="hf", tensor_parallel_size=2),
                     work)
+    with monkeypatch.context() as patch:  # one GPU for two ranks: refused, not run on the CPU
+        patch.setattr(torch.cuda, "device_count", lambda: 1)
+        with pytest.raises(ValueError, match="needs 2 GPUs; this machine has 1"):
+            check_group(BenchConfig(shape="llama3-8b", tiny=True, tensor_parallel_size=2), work)
     with pytest.raises(ValueError, match="not divisible by the tensor-parallel size 3"):
         check_group(BenchConfig(shape="llama3-8b", tiny=True, device="cpu",
                                 tensor_parallel_size=3), work)

@@ -107,8 +107,9 @@ def supported_launch_options(**options) -> dict:
 
 def root_failure(failures: dict) -> tuple:
     """(global rank, ProcessFailure) of the rank that brought the group down. When one rank dies
-    the agent SIGTERMs the others, which exit 75 (stopped), or die of that SIGTERM when it
-    lands where Python cannot run its handler (seen on GPUs): those are effects, not the cause.
+    the agent SIGTERMs the others, which exit 75 (stopped), or die of that SIGTERM where our
+    handler is not in place (seen on GPUs; likely a rank already exiting after its shard, when
+    Python has restored the default handlers): those are effects, not the cause.
     Then the first to fail (the agent stamps whole seconds, so ties are common), then the
     lowest rank."""
     def stopped_by_agent(failure) -> bool:

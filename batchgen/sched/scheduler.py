@@ -279,8 +279,9 @@ class Scheduler:
         the next decision) plus the initial buffer. While sequences wait on the host for
         device room, the device bounds the decode batch; a 2,048-token buffer per sequence,
         mostly unused by answers of ~2k tokens, then keeps a large share of the pool from
-        running sequences, so the adaptive buffer is one extension (`batchgen simulate`,
-        W2 on an H200: host tier on/off 1.11x -> 1.26x; nothing changes while nothing waits)."""
+        running sequences, so the adaptive buffer is one extension (benchmarks/w2_simulate.py,
+        W2-lite on an H200's cost model: host tier on/off 1.11x -> 1.26x). Nothing changes
+        while nothing waits on the host."""
         buffer = self.cfg.initial_gpu_page_buffer
         if self.cfg.adaptive_gpu_page_buffer and self.swapped:
             buffer = min(buffer, self.cfg.extension_gpu_page_buffer)
