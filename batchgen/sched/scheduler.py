@@ -265,7 +265,8 @@ class Scheduler:
     def _unload(self, seq: Sequence, out: ScheduleOutput) -> None:
         first = seq.num_on_host // PAGE_SIZE
         last = pages_for(seq.num_computed)
-        out.swap_out.append(PageCopy(seq.seq_id, seq.device_pages[first:last], seq.host_pages[first:last]))
+        out.swap_out.append(PageCopy(seq.seq_id, seq.device_pages[first:last],
+                                     seq.host_pages[first:last]))
         self.device.free(seq.device_pages)
         seq.device_pages = []
         seq.num_on_host = seq.num_computed
