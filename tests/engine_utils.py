@@ -6,9 +6,10 @@ from pathlib import Path
 
 import torch
 
-from batchgen.config import EngineConfig, MemoryConfig, SchedulerConfig
+from batchgen.config import EngineConfig, MemoryConfig, ModelConfig, SchedulerConfig
 from batchgen.core import Request, SamplingParams
-from batchgen.engine.engine import Engine
+from batchgen.engine.engine import KV_DTYPES, Engine
+from batchgen.engine.kv_cache import KVLayout
 from batchgen.models.loader import build_model, load_hf_config, read_safetensors
 
 
@@ -17,8 +18,10 @@ def load_ours(folder: Path, dtype=torch.float32):
     return build_model(cfg, read_safetensors(folder), dtype, torch.device("cpu"))
 
 
-def make_engine(model, tokenizer=None, eos=(), device_gb=0.05, host_gb=0.1, **sched) -> Engine:
-    cfg = EngineConfig(memory=MemoryConfig(gpu_kv_cache_size=device_gb, host_kv_cache_size=host_gb),
+def make_engine(model, tokenizer=None, eos=(), device_gb=0.05, host_gb=0.1, kv_dtype="auto",
+                **sched) -> Engine:
+    cfg = EngineConfig(model=ModelConfig(kv_dtype=kv_dtype),
+                       memory=MemoryConfig(gpu_kv_cache_size=device_gb, host_kv_cache_size=host_gb),
                        scheduler=SchedulerConfig(**sched)).validate()
     return Engine(model, cfg, tokenizer, eos)
 
@@ -36,17 +39,17 @@ def hf_greedy(hf_model, prompt: list[int], max_tokens: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-def page_bytes(model) -> int:
-    values = 1
-    for d in model.kv_token_shape:
-        values *= d
+def page_bytes(model, kv_dtype: str = "auto") -> int:
+    """Bytes of one KV page of `model` (fp8 scales included)."""
     dtype = next(model.parameters()).dtype
-    return model.config.num_hidden_layers * 64 * values * dtype.itemsize
+    stored = dtype if kv_dtype == "auto" else KV_DTYPES[kv_dtype]
+    return KVLayout(model.config.num_hidden_layers, tuple(model.kv_token_shape), stored,
+                    dtype).bytes_per_page
 
 
 def make_engine_pages(model, device_pages: int, host_pages: int, tokenizer=None, eos=(),
-                      **sched) -> Engine:
+                      kv_dtype: str = "auto", **sched) -> Engine:
     """An engine whose pools hold exactly the given numbers of pages."""
-    size = page_bytes(model)
+    size = page_bytes(model, kv_dtype)
     return make_engine(model, tokenizer, eos, device_gb=(device_pages + 0.5) * size / 1e9,
-                       host_gb=(host_pages + 0.5) * size / 1e9, **sched)
+                       host_gb=(host_pages + 0.5) * size / 1e9, kv_dtype=kv_dtype, **sched)

@@ -41,6 +41,21 @@ def test_tiny_pools_match_roomy_pools(tiny_llama, adaptive):
     assert stats["peak_device_pages"] <= 7 and stats["peak_host_pages"] <= 10
 
 
+def test_fp8_kv_comes_back_from_the_host_tier_bit_for_bit(tiny_llama):
+    """fp8 pages and their scales (stored with the slots innermost, carved from the host
+    segment) survive unload and reload exactly: a device pool of 7 pages gives the roomy
+    run's tokens. No eviction here: a re-prefill would requantize recomputed values."""
+    prompts = workload()
+    roomy, _ = run(make_engine(tiny_llama, kv_dtype="fp8_e4m3fn"), prompts, 200)
+    tight, stats = run(make_engine_pages(
+        tiny_llama, device_pages=7, host_pages=80, kv_dtype="fp8_e4m3fn",
+        initial_gpu_page_buffer=1, extension_gpu_page_buffer=1, decision_frequency_pages=1,
+        max_prefill_tokens=96), prompts, 200)
+    assert tight == roomy
+    assert stats["unloads"] > 0 and stats["loads"] > 0 and stats["evictions"] == 0
+    assert stats["peak_device_pages"] <= 7
+
+
 def test_prepack_packs_many_prompts_in_one_step(tiny_llama):
     engine = make_engine(tiny_llama, max_prefill_tokens=4096)
     for request in greedy_requests(workload(6, seed=1), 4):
