@@ -208,7 +208,7 @@ def test_the_reported_failure_is_the_cause_not_the_ranks_the_agent_stopped():
         assert root_failure(failures)[0] == 1
     crashed_first = {0: Failure(exitcode=1, timestamp=99), 1: Failure(exitcode=-9, timestamp=100)}
     assert root_failure(crashed_first)[0] == 0
-    everyone_stopped = {0: Failure(exitcode=75, timestamp=100), 1: Failure(exitcode=75, timestamp=100)}
+    everyone_stopped = {r: Failure(exitcode=75, timestamp=100) for r in (0, 1)}
     assert root_failure(everyone_stopped)[0] == 0
 
 

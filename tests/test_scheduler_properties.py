@@ -318,11 +318,13 @@ def test_adaptive_buffer_shrinks_only_while_sequences_wait_on_the_host():
     reqs = [Req(100, 800, 100 + 97 * (i % 7)) for i in range(24)]
     flags = {"initial_gpu_page_buffer": 16, "extension_gpu_page_buffer": 2,
              "decision_frequency_pages": 1}
-    tight = {a: run_with(reqs, 60, 2000, adaptive_gpu_page_buffer=a, **flags) for a in (True, False)}
+    tight = {a: run_with(reqs, 60, 2000, adaptive_gpu_page_buffer=a, **flags)
+             for a in (True, False)}
     assert all(e.sched.counters.loads > 0 for e in tight.values())  # some did wait on the host
     assert tight[True].most_running > 2 * tight[False].most_running
     assert tight[True].steps < 0.7 * tight[False].steps
-    roomy = {a: run_with(reqs, 24 * 30, 2000, adaptive_gpu_page_buffer=a, **flags) for a in (True, False)}
+    roomy = {a: run_with(reqs, 24 * 30, 2000, adaptive_gpu_page_buffer=a, **flags)
+             for a in (True, False)}
     assert roomy[True].sched.counters.loads == 0
     assert roomy[True].digest.digest() == roomy[False].digest.digest()  # the very same decisions
 
