@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 import tempfile
 from dataclasses import replace
 from pathlib import Path
@@ -22,7 +21,7 @@ from pathlib import Path
 import torch
 
 from batchgen.bench import BenchConfig, Workload, bench, hf_config_for
-from batchgen.parallel import ParallelError, Placement, TensorParallel, init_tensor_parallel
+from batchgen.parallel import ParallelError, TensorParallel, free_port, join_local_group
 
 
 def bench_tensor_parallel(cfg: BenchConfig, work: Workload) -> dict:
@@ -32,7 +31,7 @@ def bench_tensor_parallel(cfg: BenchConfig, work: Workload) -> dict:
     size = cfg.tensor_parallel_size
     with tempfile.TemporaryDirectory(prefix="batchgen-bench-tp-") as tmp:
         report_path = Path(tmp) / "report.pkl"
-        torch.multiprocessing.spawn(_rank_main, args=(cfg, work, _free_port(), str(report_path)),
+        torch.multiprocessing.spawn(_rank_main, args=(cfg, work, free_port(), str(report_path)),
                                     nprocs=size, join=True)
         report = pickle.loads(report_path.read_bytes())
     kind = report["device"].split(":")[0]
@@ -73,16 +72,13 @@ def rank_device(cfg: BenchConfig, rank: int) -> torch.device:
 
 
 def _rank_main(rank: int, cfg: BenchConfig, work: Workload, port: int, report_path: str) -> None:
-    from batchgen.runner.launch import NCCL_SAFE_ENV
-
     size = cfg.tensor_parallel_size
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **NCCL_SAFE_ENV)
     device = rank_device(cfg, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     else:  # the ranks share the machine's cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
-    tp = init_tensor_parallel(Placement(rank, size, rank, size, size), device)
+    tp = join_local_group(rank, size, port, device)
     try:
         report = bench(replace(cfg, device=str(device)), work, tp)
         if rank == 0:
@@ -90,8 +86,3 @@ def _rank_main(rank: int, cfg: BenchConfig, work: Workload, port: int, report_pa
     finally:
         torch.distributed.destroy_process_group()
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

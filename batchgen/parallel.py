@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
+import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -154,6 +156,23 @@ def init_tensor_parallel(place: Placement, device: torch.device) -> TensorParall
     log.info("rank %d: tensor-parallel rank %d of %d (%s), data-parallel replica %d of %d",
              place.rank, place.tp_rank, place.tp_size, backend, place.dp_rank, place.dp_size)
     return TensorParallel(place.tp_size, place.tp_rank, mine)
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now (the rendezvous of a group started here)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def join_local_group(rank: int, world: int, port: int, device: torch.device) -> TensorParallel:
+    """Join a one-node tensor-parallel group of `world` processes started by the caller (rank =
+    local rank; `bench --tensor-parallel-size`, the TP checks and tests), meeting at
+    127.0.0.1:`port`, NVLink multicast off as in every job."""
+    from batchgen.runner.launch import NCCL_SAFE_ENV
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **NCCL_SAFE_ENV)
+    return init_tensor_parallel(Placement(rank, world, rank, world, world), device)
 
 
 def default_tp_size(model_bytes: int, device_bytes: float, local_world: int) -> int:

@@ -8,7 +8,6 @@ at TP = number of GPUs must give the one-GPU greedy tokens. Run from the repo ro
 from __future__ import annotations
 
 import argparse
-import os
 import tempfile
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import torch.multiprocessing as mp
 from batchgen.config import EngineConfig, MemoryConfig, ModelConfig
 from batchgen.engine.engine import Engine
 from batchgen.models.loader import build_model, load_hf_config, read_safetensors
-from batchgen.parallel import Placement, TensorParallel, init_tensor_parallel
+from batchgen.parallel import TensorParallel, free_port, join_local_group
 
 
 def generate(folder: Path, device: torch.device, tp: TensorParallel, options=None):
@@ -36,13 +35,12 @@ def generate(folder: Path, device: torch.device, tp: TensorParallel, options=Non
 
 
 def worker(rank: int, world: int, port: int, cases, results):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0")
     device = device_of(rank, world)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     else:
         torch.set_num_threads(1)
-    tp = init_tensor_parallel(Placement(rank, world, rank, world, world), device)
+    tp = join_local_group(rank, world, port, device)
     for name, folder, options in cases:
         results[(name, rank)] = generate(folder, device, tp, options)
     torch.distributed.destroy_process_group()
@@ -70,7 +68,7 @@ def main() -> None:
               for name, folder, options in cases}
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(worker, args=(gpus, 29533, cases, results), nprocs=gpus, join=True)
+        mp.spawn(worker, args=(gpus, free_port(), cases, results), nprocs=gpus, join=True)
         results = dict(results)
     for name, _, _ in cases:
         same = [results[(name, r)] == single[name] for r in range(gpus)]

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,6 +27,7 @@ from test_reliability_support import (
 )
 
 from batchgen.config import ConfigError, DistConfig
+from batchgen.parallel import free_port
 from batchgen.runner.external import adopt, external_rank
 from batchgen.runner.group import (
     Group,
@@ -39,12 +39,6 @@ from batchgen.runner.group import (
 )
 from batchgen.runner.launch import NCCL_SAFE_ENV
 from batchgen.runner.lock import JobLock, member_lock
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def spawn(args, env=None, log: Path | None = None) -> subprocess.Popen:

@@ -2,27 +2,18 @@
 
 from __future__ import annotations
 
-import os
-import socket
 import traceback
 
 import torch
 import torch.multiprocessing as mp
 
-from batchgen.parallel import Placement, init_tensor_parallel
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from batchgen.parallel import free_port, join_local_group
 
 
 def _entry(rank: int, world: int, port: int, fn, args, results):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     try:
-        tp = init_tensor_parallel(Placement(rank, world, rank, world, world), torch.device("cpu"))
+        tp = join_local_group(rank, world, port, torch.device("cpu"))
         results[rank] = fn(tp, *args)
     except BaseException:
         results[rank] = RuntimeError(traceback.format_exc())
