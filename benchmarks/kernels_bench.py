@@ -58,14 +58,16 @@ def torch_paged_attention(q, kv, scales, table, ctx_lens, q_len):
     return F.scaled_dot_product_attention(qb, k, v, attn_mask=mask[:, None], enable_gqa=True)
 
 
-def bench_decode(batch: int, ctx: int, kv_dtype=BF16, num_splits=None, scale_layout="pool"):
+def bench_decode(batch: int, ctx: int, kv_dtype=BF16, num_splits=None, scale_layout="pool",
+                 with_torch: bool = True):
     kv, scales, table = paged_pool(batch, ctx, kv_dtype, scale_layout=scale_layout)
     q = torch.randn(batch, HEADS, HEAD_DIM, device="cuda", dtype=BF16)
     ctx_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
     scale = HEAD_DIM ** -0.5
     ours = do_bench(lambda: K.paged_decode_attention(q, kv, scales, table, ctx_lens, scale,
                                                      num_splits=num_splits))
-    theirs = do_bench(lambda: torch_paged_attention(q, kv, scales, table, ctx_lens, 1))
+    theirs = (do_bench(lambda: torch_paged_attention(q, kv, scales, table, ctx_lens, 1))
+              if with_torch else float("nan"))
     moved = batch * ctx * 2 * KV_HEADS * HEAD_DIM * kv.element_size() + 2 * q.nbytes
     if scales is not None:
         moved += batch * ctx * 2 * KV_HEADS * 4
@@ -75,27 +77,54 @@ def bench_decode(batch: int, ctx: int, kv_dtype=BF16, num_splits=None, scale_lay
     return name, f"B={batch} ctx={ctx}", ours, theirs, moved
 
 
-def sweep_decode_fp8() -> list:
-    """The fp8 decode kernel per launch setting (warps x stages) and scale layout (the pool's
-    slot-innermost one vs the old token-major one), at B=256 ctx 1k and B=384 ctx 1.5k: picks
-    decode_attention.FP8_LAUNCH. The "torch ms" column repeats the bf16-KV kernel."""
+def sweep_decode() -> list:
+    """The decode kernel per launch setting (warps x stages), for fp8 and bf16 KV at B=256
+    ctx 1k and B=512 ctx 1.5k: picks decode_attention.FP8_LAUNCH and BF16_LAUNCH. The "torch
+    ms" column holds the current setting's time (speed-up > 1: better than it). Walking two or
+    four pages per loop iteration was measured too (sixth session) and was slower throughout."""
     from batchgen_kernels import decode_attention as DA
 
-    saved, rows = dict(DA.FP8_LAUNCH), []
+    saved, rows = (dict(DA.FP8_LAUNCH), dict(DA.BF16_LAUNCH)), []
     try:
-        for batch, ctx in ((256, 1024), (384, 1500)):
-            bf16_ms = bench_decode(batch, ctx)[2]
-            for layout in ("pool", "token"):
+        for kv_dtype, name in ((torch.float8_e4m3fn, "FP8_LAUNCH"), (BF16, "BF16_LAUNCH")):
+            default = dict(getattr(DA, name))
+            for batch, ctx in ((256, 1024), (512, 1500)):
+                setattr(DA, name, default)
+                base = bench_decode(batch, ctx, kv_dtype, with_torch=False)[2]
                 for warps in (2, 4, 8):
                     for stages in (1, 2, 3, 4):
-                        DA.FP8_LAUNCH = {"num_warps": warps, "num_stages": stages}
-                        _, shape, ours, _, moved = bench_decode(batch, ctx, torch.float8_e4m3fn,
-                                                                scale_layout=layout)
-                        rows.append((f"fp8 scales={layout} w={warps} s={stages}", shape, ours,
-                                     bf16_ms, moved))
+                        setattr(DA, name, {"num_warps": warps, "num_stages": stages})
+                        _, shape, ours, _, moved = bench_decode(batch, ctx, kv_dtype,
+                                                                with_torch=False)
+                        rows.append((f"{name[:4]} w={warps} s={stages}", shape, ours, base,
+                                     moved))
     finally:
-        DA.FP8_LAUNCH = saved
+        DA.FP8_LAUNCH, DA.BF16_LAUNCH = saved
     return rows
+
+
+def bench_mixed(decodes: int, ctx: int, prompts: int, prompt_len: int):
+    """A mixed step's attention: `decodes` one-row sequences at context `ctx` packed before
+    `prompts` whole prompts. Ours: one-row sequences through the decode kernel (skip_one_row);
+    "torch" column: the prefill kernel over every row (before the sixth session)."""
+    kv, scales, table = paged_pool(decodes + prompts, max(ctx, prompt_len), BF16)
+    q_lens = [1] * decodes + [prompt_len] * prompts
+    q = torch.randn(sum(q_lens), HEADS, HEAD_DIM, device="cuda", dtype=BF16)
+    cu = torch.tensor([0] + q_lens, device="cuda").cumsum(0).to(torch.int32)
+    ctx_lens = torch.tensor([ctx] * decodes + [prompt_len] * prompts, dtype=torch.int32,
+                            device="cuda")
+    scale = HEAD_DIM ** -0.5
+
+    def split():
+        out = K.paged_prefill_attention(q, kv, scales, cu, ctx_lens, table, scale, prompt_len,
+                                        skip_one_row=True)
+        K.paged_decode_attention(q[:decodes], kv, scales, table[:decodes], ctx_lens[:decodes],
+                                 scale, out=out[:decodes])
+    ours = do_bench(split)
+    theirs = do_bench(lambda: K.paged_prefill_attention(q, kv, scales, cu, ctx_lens, table,
+                                                        scale, prompt_len))
+    return "mixed step (vs prefill kernel)", f"{decodes}x{ctx} + {prompts}x{prompt_len}", ours, \
+        theirs, None
 
 
 def bench_prefill(batch: int, q_len: int):
@@ -200,14 +229,15 @@ CASES = {
     "rmsnorm": lambda: [bench_rmsnorm(8192, 4096)],
     "rope": lambda: [bench_rope(8192)],
     "silu": lambda: [bench_silu(8192, 14336)],
-    "decode_sweep": sweep_decode_fp8,
+    "mixed": lambda: [bench_mixed(256, 1024, 8, 1000), bench_mixed(64, 1024, 8, 1000)],
+    "decode_sweep": sweep_decode,
 }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default=",".join(c for c in CASES if c != "decode_sweep"),
-                        help="comma-separated cases (decode_sweep: fp8 decode launch settings)")
+                        help="comma-separated cases (decode_sweep: decode launch settings)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("kernels_bench needs a CUDA device")

@@ -106,6 +106,9 @@ def main() -> None:
     vocab = model.config.vocab_size
     decode = batch_of(pool, [args.context] * args.batch, [args.context - 1] * args.batch, 0, vocab)
     prefill = batch_of(pool, [args.prompt_len] * prompts, [0] * prompts, decode_pages, vocab)
+    # Both at once, decode rows first as the scheduler packs them (the same pages again).
+    mixed = batch_of(pool, [args.context] * args.batch + [args.prompt_len] * prompts,
+                     [args.context - 1] * args.batch + [0] * prompts, 0, vocab)
     graph_ms = float("nan")
     with torch.inference_mode():
         eager_ms = timed(lambda: model(decode), 5)
@@ -114,6 +117,7 @@ def main() -> None:
             graphs.capture()
             graph_ms = timed(lambda: graphs.run(decode), 20)
         prefill_ms = timed(lambda: model(prefill), 3)
+        mixed_ms = timed(lambda: model(mixed), 3)
     kv_bytes = args.batch * args.context * layout.bytes_per_token
     decode_bound = (stats["device_bytes"] + kv_bytes) / bandwidth * 1e3
     tokens = prompts * args.prompt_len
@@ -129,6 +133,9 @@ def main() -> None:
     print(f"{f'prefill {prompts} x {args.prompt_len}':<34}{prefill_ms:>9.2f}"
           f"{prefill_bound:>10.2f}{prefill_bound / prefill_ms:>10.0%}"
           f"   ({tokens / prefill_ms * 1e3:,.0f} tok/s)")
+    mixed_bound = decode_bound + prefill_bound
+    print(f"{'mixed: both in one forward':<34}{mixed_ms:>9.2f}"
+          f"{mixed_bound:>10.2f}{mixed_bound / mixed_ms:>10.0%}")
     if args.kernels:
         with torch.inference_mode():
             print("-- decode (eager) kernels\n" + top_kernels(lambda: model(decode), args.kernels))

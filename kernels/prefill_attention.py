@@ -43,13 +43,14 @@ def _prefill_kernel(
         stride_s_page, stride_s_slot, stride_s_kv, stride_s_head, stride_pt,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_D: tl.constexpr, PAGE: tl.constexpr, HAS_WINDOW: tl.constexpr,
-        HAS_SINKS: tl.constexpr, FP8: tl.constexpr, F32_DOT: tl.constexpr):
+        HAS_SINKS: tl.constexpr, FP8: tl.constexpr, F32_DOT: tl.constexpr,
+        MIN_Q_LEN: tl.constexpr):
     block = tl.program_id(0)
     seq = tl.program_id(1)
     head = tl.program_id(2)
     q_start = tl.load(cu_seqlens_ptr + seq)
     q_len = tl.load(cu_seqlens_ptr + seq + 1) - q_start
-    if block * BLOCK_M >= q_len:
+    if (block * BLOCK_M >= q_len) | (q_len < MIN_Q_LEN):
         return
     ctx = tl.load(context_lens_ptr + seq)
     kv_head = head // GROUP
@@ -107,7 +108,8 @@ def paged_prefill_attention(q: torch.Tensor, kv: torch.Tensor, kv_scales: torch.
                             cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
                             page_table: torch.Tensor, sm_scale: float, max_q_len: int,
                             window: int | None = None, sinks: torch.Tensor | None = None,
-                            block_m: int = 64, out: torch.Tensor | None = None) -> torch.Tensor:
+                            block_m: int = 64, out: torch.Tensor | None = None,
+                            skip_one_row: bool = False) -> torch.Tensor:
     """Causal attention of packed query rows over their sequences' paged KV.
 
     q            [T, H, D] float32/float16/bfloat16, sequences packed back to back; last dim
@@ -125,6 +127,9 @@ def paged_prefill_attention(q: torch.Tensor, kv: torch.Tensor, kv_scales: torch.
     sinks        [H] per-head sink logits (not scaled by sm_scale), or None.
     block_m      query rows per program (a power of two >= 16).
     out          optional [T, H, D] output buffer of q's dtype.
+    skip_one_row leave the rows of one-row sequences unwritten: the caller attends them with
+                 paged_decode_attention, which reads each KV page once per group of query
+                 heads instead of once per head in a mostly empty BLOCK_M tile.
     Returns out  [T, H, D] in q's dtype. Head h reads KV head h // (H // KVH).
     """
     tokens, heads, head_dim = q.shape
@@ -172,5 +177,6 @@ def paged_prefill_attention(q: torch.Tensor, kv: torch.Tensor, kv_scales: torch.
         GROUP=heads // kv_heads, HEAD_DIM=head_dim, BLOCK_M=block_m,
         BLOCK_D=max(16, next_pow2(head_dim)), PAGE=PAGE_SIZE, HAS_WINDOW=window is not None,
         HAS_SINKS=sinks is not None, FP8=fp8, F32_DOT=use_f32_dot(q.dtype),
-        num_warps=4, num_stages=2)  # best of 4/8 warps x 2-4 stages x block_m 64/128 on H200
+        # num_warps/num_stages/block_m: the best of 4/8 x 2-4 x 64/128 on an H200.
+        MIN_Q_LEN=2 if skip_one_row else 1, num_warps=4, num_stages=2)
     return out

@@ -60,6 +60,20 @@ class ForwardBatch:
         return (torch.tensor(seqs, dtype=torch.long).to(device, non_blocking=True),
                 torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True))
 
+    @cached_property
+    def one_row_part(self) -> tuple[slice | torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(query rows, page table, context lengths) of a mixed batch's one-row sequences,
+        which attend as decode rows do; None if there are none. The scheduler puts decode
+        rows first, so usually they are a prefix and these are views, not copies."""
+        ones = [b for b, q_len in enumerate(self.q_lens) if q_len == 1]
+        if not ones:
+            return None
+        if ones[-1] == len(ones) - 1:  # sequences 0..n-1, which are rows 0..n-1
+            n = len(ones)
+            return slice(0, n), self.page_table[:n], self.context_lens[:n]
+        seqs, rows = self.decode_rows
+        return rows, self.page_table[seqs], self.context_lens[seqs]
+
     @staticmethod
     def build(token_ids: list[list[int]], starts: list[int], page_tables: list[list[int]],
               sample_mask: list[bool], kv_pool: KVPool, device: torch.device) -> "ForwardBatch":

@@ -147,6 +147,17 @@ def _triton_attention(q, k, v, layer, batch, scale, window, sinks):
     if batch.decode_only:
         return K.paged_decode_attention(q, kv, scales, batch.page_table, batch.context_lens,
                                         scale, window=window, sinks=sinks)
-    return K.paged_prefill_attention(q, kv, scales, batch.cu_seqlens_q, batch.context_lens,
-                                     batch.page_table, scale, max(batch.q_lens), window=window,
-                                     sinks=sinks)
+    # A mixed step's one-row sequences (decodes, mostly) go to the decode kernel: the prefill
+    # kernel would read their KV once per query head, in 64-row tiles holding one real row.
+    one_row = batch.one_row_part
+    out = K.paged_prefill_attention(q, kv, scales, batch.cu_seqlens_q, batch.context_lens,
+                                    batch.page_table, scale, max(batch.q_lens), window=window,
+                                    sinks=sinks, skip_one_row=one_row is not None)
+    if one_row is not None:
+        rows, table, ctx = one_row
+        decoded = K.paged_decode_attention(
+            q[rows], kv, scales, table, ctx, scale, window=window, sinks=sinks,
+            out=out[rows] if isinstance(rows, slice) else None)
+        if not isinstance(rows, slice):
+            out[rows] = decoded
+    return out

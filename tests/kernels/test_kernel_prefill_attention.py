@@ -52,3 +52,31 @@ def test_prefill_rejects_bad_block(device):
     cu = torch.tensor([0, 5], dtype=torch.int32, device=device)
     with pytest.raises(AssertionError):
         paged_prefill_attention(q, kv, None, cu, cu[1:], table, 1.0, 5, block_m=24)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fp8", [False, True], ids=["kv16", "kv8"])
+def test_prefill_skips_one_row_sequences_when_asked(device, fp8):
+    """skip_one_row: the rows of one-row sequences stay as they were (the caller attends them
+    with the decode kernel); every other row is attended as usual."""
+    q_lens = [q for _, q in SEQUENCES]
+    ctx_lens = [p + q for p, q in SEQUENCES]
+    kv_dtype = torch.float8_e4m3fn if fp8 else torch.float32
+    kv, kv_scales, table = make_paged_kv(ctx_lens, 1, 32, kv_dtype, device)
+    q = torch.randn(sum(q_lens), 2, 32, device=device)
+    cu = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).to(torch.int32).to(device)
+    context_lens = torch.tensor(ctx_lens, dtype=torch.int32, device=device)
+
+    out = poisoned(q.shape, torch.float32, device)
+    paged_prefill_attention(q, kv, kv_scales, cu, context_lens, table, 0.2, max(q_lens),
+                            block_m=32, out=out, skip_one_row=True)
+
+    ref = reference.paged_attention(q, kv, kv_scales, cu, context_lens, table, 0.2,
+                                    math_dtype=torch.float64)
+    one_row = torch.zeros(len(q), dtype=torch.bool)
+    for b, q_len in enumerate(q_lens):
+        if q_len == 1:
+            one_row[cu[b].item()] = True
+    assert one_row.any() and out[one_row.to(device)].isnan().all()
+    keep = (~one_row).to(device)
+    assert_rel_close(out[keep], ref.to(device)[keep], TOLERANCE[torch.float32], "prefill")
