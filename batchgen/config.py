@@ -127,10 +127,10 @@ class SchedulerConfig:
     initial_gpu_page_buffer: int = 32
     """Device pages (64 tokens each) reserved beyond the context when a sequence is loaded."""
     adaptive_gpu_page_buffer: bool = True
-    """While sequences wait on the host for device room, a sequence loaded or admitted
-    reserves only --extension-gpu-page-buffer pages beyond its context, so the pages an idle
-    initial buffer would hold run more sequences (--no-adaptive-gpu-page-buffer: always
-    --initial-gpu-page-buffer)."""
+    """While other sequences wait (to be admitted, or on the host), a sequence admitted or
+    loaded reserves only --extension-gpu-page-buffer pages beyond its context, so the pages
+    an idle initial buffer would hold run more sequences; alone, it gets the full
+    --initial-gpu-page-buffer (--no-adaptive-gpu-page-buffer: always the full one)."""
     extension_gpu_page_buffer: int = 4
     """Device pages added when a decoding sequence reaches its last page."""
     decision_frequency_pages: int = 2

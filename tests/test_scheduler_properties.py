@@ -310,11 +310,12 @@ def test_both_pools_tiny_exercise_everything():
     assert engine.most_packed >= 2
 
 
-def test_adaptive_buffer_shrinks_only_while_sequences_wait_on_the_host():
+def test_adaptive_buffer_shrinks_only_while_other_sequences_wait():
     """24 sequences of 100 + 100..682 tokens on a 60-page device pool, 16-page initial buffer:
-    once some wait on the host, (re)loads reserve one extension instead, so more sequences
-    run at once and the job takes fewer steps. With room for every buffer, nothing changes;
-    outputs are the reference's either way (run_scenario checks)."""
+    while others wait, a sequence admitted or (re)loaded reserves one extension instead, so
+    more sequences run at once and the job takes fewer steps. One sequence at a time (nothing
+    else waiting) keeps the full buffer: the very same decisions as without the adaptive
+    buffer. Outputs are the reference's either way (run_scenario checks)."""
     reqs = [Req(100, 800, 100 + 97 * (i % 7)) for i in range(24)]
     flags = {"initial_gpu_page_buffer": 16, "extension_gpu_page_buffer": 2,
              "decision_frequency_pages": 1}
@@ -323,10 +324,15 @@ def test_adaptive_buffer_shrinks_only_while_sequences_wait_on_the_host():
     assert all(e.sched.counters.loads > 0 for e in tight.values())  # some did wait on the host
     assert tight[True].most_running > 2 * tight[False].most_running
     assert tight[True].steps < 0.7 * tight[False].steps
-    roomy = {a: run_with(reqs, 24 * 30, 2000, adaptive_gpu_page_buffer=a, **flags)
+    # Others waiting to be admitted count too, whether or not the pool is short.
+    roomy = {a: run_with(reqs, 24 * 30, 2000, adaptive_gpu_page_buffer=a, **flags).sched
              for a in (True, False)}
-    assert roomy[True].sched.counters.loads == 0
-    assert roomy[True].digest.digest() == roomy[False].digest.digest()  # the very same decisions
+    assert roomy[False].counters.device_extensions == 0 < roomy[True].counters.device_extensions
+    longest = reqs[6:7]  # 100 + 682 tokens: 13 pages, within 2 prompt pages + 16 of buffer
+    alone = {a: run_with(longest, 60, 2000, adaptive_gpu_page_buffer=a, **flags)
+             for a in (True, False)}
+    assert alone[True].digest.digest() == alone[False].digest.digest()
+    assert alone[True].sched.counters.device_extensions == 0  # a 2-page buffer would extend
 
 
 def test_prompts_are_prepacked_into_one_prefill():
