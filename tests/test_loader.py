@@ -2,7 +2,6 @@
 HF transformers (greedy tokens and logits)."""
 
 import json
-import shutil
 
 import pytest
 import torch
