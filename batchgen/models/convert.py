@@ -166,7 +166,7 @@ def converted_for_gguf(gguf: Path, converted_dir: str | None) -> Path:
     folder = Path(converted_dir).expanduser() if converted_dir else default_cache_root() / (
         f"{gguf.stem}-{source_key(gguf)}")
     if (folder / MANIFEST).is_file():
-        log.info("using converted checkpoint %s (no GGUF dequantization)", folder)
+        log.debug("using converted checkpoint %s (no GGUF dequantization)", folder)
         return folder
     return convert_gguf(gguf, folder)
 

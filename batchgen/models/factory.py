@@ -39,7 +39,6 @@ def model_folder(cfg: ModelConfig, world_size: int = 1,
     converted = Path(cfg.converted_ckpt_dir).expanduser() if cfg.converted_ckpt_dir else None
     if converted is not None and (converted / MANIFEST).is_file():
         check_manifest(read_manifest(converted), converted, world_size, cfg.dtype, tp_size)
-        log.info("loading converted checkpoint %s", converted)
         return converted, cfg.model or EMBEDDED_NAME
     if cfg.model is None:
         return converted_for_gguf(embedded_gguf(), cfg.converted_ckpt_dir), EMBEDDED_NAME
@@ -48,7 +47,6 @@ def model_folder(cfg: ModelConfig, world_size: int = 1,
         return converted_for_gguf(source.path, cfg.converted_ckpt_dir), cfg.model
     if source.kind == "converted":
         check_manifest(read_manifest(source.path), source.path, world_size, cfg.dtype, tp_size)
-    log.info("loading %s from %s", cfg.model, source.path)
     return source.path, cfg.model
 
 
@@ -83,6 +81,8 @@ def load_model(cfg: ModelConfig, device: torch.device, world_size: int = 1,
     start = time.perf_counter()
     tp = tp or TensorParallel()
     folder, name = model_folder(cfg, world_size, tp.size)
+    # Said here, once: memory sizing resolves the folder too, before the load.
+    log.info("loading %s from %s", name, folder)
     hf_config = load_hf_config(folder)
     dtype = resolve_dtype(cfg.dtype, device)
     shard = rank_shard(folder, tp)  # converted per TP rank: read only ours, slice nothing
