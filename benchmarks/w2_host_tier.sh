@@ -25,12 +25,12 @@
 # ~3,600 off (ratio 1.17) with 0.5 ms of host work per step, ~2,840 / ~2,320 (1.22) with 5 ms:
 # each run takes 35-60 min, the pair 1.2-1.8 h. Use the `on` / `off` halves (or a smaller
 # REQUESTS) where one command may only run for minutes; REQUESTS=1024 still takes ~10 min per
-# run. Those figures predate the adaptive device buffer (default since the fifth session):
-# with a fixed 32-page (2,048-token) buffer per loaded sequence the "on" batch was capped;
-# the simulation reached 1.31x only with --initial-gpu-page-buffer 4 (knob
-# INITIAL_GPU_PAGE_BUFFER). Now, while sequences wait on the host, loads reserve one extension
-# instead: simulated 1.32x at 1,024 requests with the default flags. Measured at 160 requests
-# (max 7,680 out): 1.07x with a fixed 32, 1.34x with 4 (docs/performance.md).
+# run. Those figures predate the adaptive device buffer (default since the fifth session; its
+# rule since the sixth: while other sequences wait, to be admitted or on the host, a sequence
+# admitted or loaded reserves one extension instead of the 32-page initial buffer, knob
+# INITIAL_GPU_PAGE_BUFFER). Simulated with the default flags: 1.32x at 1,024 requests, 1.35x
+# at 4,096. Measured at 160 requests (max 7,680 out): 1.31x with the default flags, 1.07x
+# with the buffer always 32 pages, 1.33-1.34x always 4 (docs/performance.md).
 set -euo pipefail
 
 MODE=${1:-compare}
