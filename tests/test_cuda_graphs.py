@@ -8,9 +8,13 @@ import torch
 from engine_utils import greedy_requests
 from tiny_models import save_tiny_model
 
+from batchgen.bench_models import hf_config_for, random_model
 from batchgen.config import ConfigError, EngineConfig, MemoryConfig, RuntimeConfig
+from batchgen.core import PAGE_SIZE
 from batchgen.engine.engine import Engine
-from batchgen.engine.graphs import bucket_sizes
+from batchgen.engine.forward_batch import ForwardBatch
+from batchgen.engine.graphs import DecodeGraphs, bucket_sizes
+from batchgen.engine.kv_cache import KVLayout, KVPool
 from batchgen.models.loader import build_model, load_hf_config, read_safetensors
 
 
@@ -36,8 +40,61 @@ def test_cpu_decodes_eagerly(tmp_path):
     assert Engine(model, cfg.validate()).runner.graphs is None
 
 
+class ReplayedOnCpu:
+    """Stands in for a CUDA graph on the CPU: replaying re-runs the captured call and writes
+    into the tensor the capture returned, as a replayed graph writes its output buffer."""
+
+    def __init__(self, segment, x, batch):
+        self.call = lambda: segment(x, batch)
+        self.out = self.call()
+
+    def replay(self):
+        self.out.copy_(self.call())
+
+
+def capture_on_cpu(graphs, segment, x, batch):
+    graph = ReplayedOnCpu(segment, x, batch)
+    return graph, graph.out
+
+
+@pytest.mark.parametrize("shape", ["llama3-8b", "deepseek-v3-4l", "gpt-oss-20b"])
+@pytest.mark.parametrize("segmented", [False, True], ids=["whole", "segmented"])
+def test_graph_buffers_and_segment_chain_give_eager_logits(shape, segmented, monkeypatch):
+    """The graph plumbing on any machine (graphs replaced by re-runs): static inputs refreshed,
+    rows padded up to a bucket, and per segment each link reading the previous one's output
+    buffer give the eager forward's logits, step after step (tiny random-weight models)."""
+    monkeypatch.setattr(DecodeGraphs, "_capture_segment", capture_on_cpu)
+    model = random_model(hf_config_for(shape, tiny=True), torch.float32, torch.device("cpu"))
+    layers = model.config.num_hidden_layers
+    pool = KVPool(KVLayout(layers, tuple(model.kv_token_shape), torch.float32, torch.float32),
+                  32, "cpu")
+    lens = [5, 70, 12, 130, 3]
+    tables, first = [], 1  # page 0 is where padding rows look
+    for n in lens:
+        count = -(-(n + 8) // PAGE_SIZE)
+        tables.append(list(range(first, first + count)))
+        first += count
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in lens]
+    with torch.inference_mode():
+        model(ForwardBatch.build(prompts, [0] * len(lens), tables, [True] * len(lens), pool,
+                                 torch.device("cpu")))
+        graphs = DecodeGraphs(model, pool, 8, 3, 1024, segmented)  # 5 rows pad to 8
+        graphs.capture()
+        assert len(graphs.graphs[8]) == (layers + 3 if segmented else 1)
+        for step in range(3):
+            tokens = [[int(t)] for t in torch.randint(3, 500, (len(lens),), generator=g)]
+            batch = ForwardBatch.build(tokens, [n + step for n in lens], tables,
+                                       [True] * len(lens), pool, torch.device("cpu"))
+            assert graphs.can_run(batch)
+            torch.testing.assert_close(graphs.run(batch).clone(), model(batch))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_graphs_match_eager_on_cuda(tmp_path):
+@pytest.mark.parametrize("segmented", [False, True], ids=["whole", "segmented"])
+def test_graphs_match_eager_on_cuda(tmp_path, monkeypatch, segmented):
+    if segmented:
+        monkeypatch.setenv("BATCHGEN_SEGMENTED_GRAPH", "1")
     folder = save_tiny_model("llama", tmp_path / "m")
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (3, 17, 64, 65, 150, 7)]
@@ -51,6 +108,8 @@ def test_graphs_match_eager_on_cuda(tmp_path):
                                                                 host_kv_cache_size=0.2),
                                             runtime=runtime).validate())
         assert (engine.runner.graphs is None) == disable
+        if not disable:  # embedding, 3 layers, final norm, LM head
+            assert len(engine.runner.graphs.graphs[8]) == (6 if segmented else 1)
         done = engine.generate(greedy_requests(prompts, 40, ignore_eos=True))
         tokens[disable] = [d.completions[0].token_ids for d in done]
     assert tokens[False] == tokens[True]

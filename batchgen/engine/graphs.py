@@ -3,8 +3,13 @@ bucket size and replayed with the batch padded up to the nearest bucket.
 
 Static buffers hold the inputs; a replay copies the step's values into them. Padding rows write
 to slot -1 (the KV store skips negative slots) and attend to one key of page 0, so they cost a
-little compute and touch no real sequence. Batches above the largest bucket run eagerly. (The reference's per-segment mode,
-BATCHGEN_SEGMENTED_GRAPH=1, is not implemented: the whole model is one graph per bucket.)
+little compute and touch no real sequence. Batches above the largest bucket run eagerly.
+
+By default the whole forward is one graph per bucket. Per-segment mode
+(BATCHGEN_SEGMENTED_GRAPH=1, as in the reference) captures one graph per segment of the model's
+chain (embedding, each decoder layer, final norm, LM head: `PagedCausalLM.segments`), each
+reading the previous one's output buffer, and replays them in order; a capture that fails
+names its segment.
 """
 
 from __future__ import annotations
@@ -38,8 +43,9 @@ def bucket_sizes(max_bucket: int, num_buckets: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, pool: KVPool, max_bucket: int, num_buckets: int,
-                 max_context: int):
+                 max_context: int, segmented: bool = False):
         self.model = model
+        self.segmented = segmented
         self.pool = pool
         self.sizes = bucket_sizes(max_bucket, num_buckets)
         device = pool.device
@@ -50,7 +56,8 @@ class DecodeGraphs:
         self.slots = torch.full((largest,), -1, dtype=torch.long, device=device)
         self.context_lens = torch.ones(largest, dtype=torch.int32, device=device)
         self.page_table = torch.zeros(largest, self.max_pages, dtype=torch.int32, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        """Per bucket, the graphs replayed in order (one unless segmented)."""
         self.outputs: dict[int, torch.Tensor] = {}
         self.batches: dict[int, ForwardBatch] = {}
         """The captured inputs. A graph replays raw addresses: every tensor it reads must stay
@@ -67,18 +74,34 @@ class DecodeGraphs:
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every bucket, largest first so smaller graphs reuse its memory pool."""
+        segments = (self.model.segments() if self.segmented
+                    else [lambda _, batch: self.model(batch)])
         for size in reversed(self.sizes):
             batch = self.batches[size] = self._batch(size)
             for _ in range(2):  # warm up: Triton compiles and autotunes outside the capture
                 self.model(batch)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool_handle):
-                self.outputs[size] = self.model(batch)
-            if self._pool_handle is None:
-                self._pool_handle = graph.pool()
-            self.graphs[size] = graph
-        log.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
+            if self.pool.device.type == "cuda":
+                torch.cuda.synchronize()
+            x, graphs = None, []
+            for index, segment in enumerate(segments):
+                try:
+                    graph, x = self._capture_segment(segment, x, batch)
+                except Exception as err:
+                    where = f" (segment {index} of {len(segments)})" if self.segmented else ""
+                    raise RuntimeError(f"batch size {size}{where}: {err}") from err
+                graphs.append(graph)
+            self.graphs[size], self.outputs[size] = graphs, x
+        log.info("captured decode CUDA graphs for batch sizes %s%s", self.sizes,
+                 f", {len(segments)} segments each" if self.segmented else "")
+
+    def _capture_segment(self, segment, x: torch.Tensor | None, batch: ForwardBatch):
+        """One graph of `segment(x, batch)`; its output tensor stays the next one's input."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool_handle):
+            out = segment(x, batch)
+        if self._pool_handle is None:
+            self._pool_handle = graph.pool()
+        return graph, out
 
     def can_run(self, batch: ForwardBatch) -> bool:
         return (batch.decode_only and batch.num_seqs <= self.sizes[-1]
@@ -96,5 +119,6 @@ class DecodeGraphs:
         self.context_lens[n:size].fill_(1)
         width = batch.page_table.shape[1]
         self.page_table[:n, :width].copy_(batch.page_table)
-        self.graphs[size].replay()
+        for graph in self.graphs[size]:
+            graph.replay()
         return self.outputs[size][:n]

@@ -41,17 +41,14 @@ class ModelRunner:
     def _capture(self, runtime):
         from batchgen.engine.graphs import DecodeGraphs
 
-        if os.environ.get("BATCHGEN_SEGMENTED_GRAPH", "0") not in ("", "0"):
-            log.warning("BATCHGEN_SEGMENTED_GRAPH=1 (per-segment graphs) is not implemented: "
-                        "capturing the whole model per bucket instead")
-
         if getattr(self.model, "expert_stager", None) is not None:
             # Which offloaded experts to copy in is read on the host after routing, every MoE
             # layer of every step: nothing a replayed graph could do.
             log.info("expert offloading is on: decode runs eagerly (no CUDA graphs)")
             return None
+        segmented = os.environ.get("BATCHGEN_SEGMENTED_GRAPH", "0") not in ("", "0")
         graphs = DecodeGraphs(self.model, self.device_pool, runtime.cuda_graph_max_bucket_size,
-                              runtime.cuda_graph_num_buckets, self.model.max_context)
+                              runtime.cuda_graph_num_buckets, self.model.max_context, segmented)
         try:
             graphs.capture()
         except Exception as err:  # a model or kernel that cannot be captured still runs

@@ -4,14 +4,28 @@ PreNormDecoderLayer: x + attn(norm(x)), then x + mlp(norm(x)); a subclass builds
 input_layernorm and post_attention_layernorm. DecoderStack: embed_tokens -> layers -> norm.
 PagedCausalLM: the LM head over the rows that sample and tied embeddings; a subclass builds
 `config`, `model` (a DecoderStack) and `lm_head`, then sets `kv_token_shape` and `max_context`.
+
+Both run as a chain of segments, each `(x, batch) -> x` (the first ignores x): the forward is
+that chain, and per-segment CUDA graphs (BATCHGEN_SEGMENTED_GRAPH=1) capture one graph per link.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 from torch import nn
 
 from batchgen.engine.forward_batch import ForwardBatch
+
+Segment = Callable[[torch.Tensor | None, ForwardBatch], torch.Tensor]
+
+
+def run_segments(segments: list[Segment], batch: ForwardBatch) -> torch.Tensor:
+    x = None
+    for segment in segments:
+        x = segment(x, batch)
+    return x
 
 
 class PreNormDecoderLayer(nn.Module):
@@ -30,11 +44,13 @@ class DecoderStack(nn.Module):
     layers: nn.ModuleList
     norm: nn.Module
 
+    def segments(self) -> list[Segment]:
+        """The embedding, each decoder layer, the final norm."""
+        return [lambda _, batch: self.embed_tokens(batch.input_ids), *self.layers,
+                lambda x, _: self.norm(x)]
+
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        x = self.embed_tokens(batch.input_ids)
-        for layer in self.layers:
-            x = layer(x, batch)
-        return self.norm(x)
+        return run_segments(self.segments(), batch)
 
 
 class PagedCausalLM(nn.Module):
@@ -47,7 +63,11 @@ class PagedCausalLM(nn.Module):
         if getattr(self.config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    def segments(self) -> list[Segment]:
+        """The stack's segments, then the LM head."""
+        return [*self.model.segments(),
+                lambda hidden, batch: self.lm_head(hidden[batch.logits_indices]).float()]
+
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits `[S, vocab]` (float32) of the rows in `batch.logits_indices` only."""
-        hidden = self.model(batch)
-        return self.lm_head(hidden[batch.logits_indices]).float()
+        return run_segments(self.segments(), batch)
