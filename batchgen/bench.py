@@ -100,7 +100,8 @@ class Workload:
 
     def prompts(self, vocab: int) -> list[list[int]]:
         gen = torch.Generator().manual_seed(self.seed + 1)
-        return torch.randint(10, vocab - 10, (self.requests, self.input_len), generator=gen).tolist()
+        shape = (self.requests, self.input_len)
+        return torch.randint(10, vocab - 10, shape, generator=gen).tolist()
 
     def sampling(self, length: int) -> SamplingParams:
         """Greedy, EOS ignored; the budget the scheduler sees follows `max_tokens_mode`."""
@@ -142,7 +143,8 @@ def measure_hbm_bandwidth(device: torch.device) -> float:
 def roofline_seconds(stats: dict, layout, work: Workload, outputs: list[int], batch: int,
                      bandwidth: float, device: torch.device) -> float:
     """Lower bound on the job's time: prefill FLOPs at peak + decode bytes at HBM bandwidth."""
-    prefill = 2 * stats["active_params"] * work.input_len * work.requests / PEAK_BF16_FLOPS[device.type]
+    prefill_tokens = work.input_len * work.requests
+    prefill = 2 * stats["active_params"] * prefill_tokens / PEAK_BF16_FLOPS[device.type]
     steps = sum(outputs) / min(batch, work.requests)
     kv_read = sum(o * (work.input_len + o / 2) for o in outputs) * layout.bytes_per_token
     return prefill + (steps * stats["device_bytes"] + kv_read) / bandwidth
@@ -322,7 +324,8 @@ class BenchConfig:
 
     def model_config(self) -> ModelConfig:
         """The options the model is built with (validated like a job's)."""
-        cfg = ModelConfig(kv_dtype=self.kv_dtype, pre_dequantize_weights=self.pre_dequantize_weights,
+        cfg = ModelConfig(kv_dtype=self.kv_dtype,
+                          pre_dequantize_weights=self.pre_dequantize_weights,
                           enable_ep_with_offloading=self.enable_ep_with_offloading,
                           ep_offloading_ratio=self.ep_offloading_ratio)
         cfg.validate()
@@ -400,12 +403,14 @@ def _scalars(stats: dict) -> dict:
 
 def format_table(report: dict) -> str:
     w = report["weights"]
-    host = f", {w['host_bytes'] / 2**30:.1f} GiB of experts in host memory" if w["host_bytes"] else ""
+    host = (f", {w['host_bytes'] / 2**30:.1f} GiB of experts in host memory"
+            if w["host_bytes"] else "")
     header = (f"{report['config']['shape']} ({report['dtype']}): {_count(w['params'])} params "
               f"({_count(w['active_params'])} active per token), "
               f"{w['device_bytes'] / 2**30:.1f} GiB of weights on {report['device']}{host}")
     lines = [header,
-             f"{'runner':<14}{'output tok/s':>14}{'total tok/s':>14}{'seconds':>10}{'roofline':>10}"]
+             f"{'runner':<14}{'output tok/s':>14}{'total tok/s':>14}{'seconds':>10}"
+             f"{'roofline':>10}"]
     for name, row in report["results"].items():
         if not isinstance(row, dict):
             continue  # the HF ratio, printed below

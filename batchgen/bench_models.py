@@ -58,7 +58,8 @@ SHAPES = {
     "qwen3-8b": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936,
                      hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                      num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                     max_position_embeddings=40960, rope_theta=1000000.0, tie_word_embeddings=False),
+                     max_position_embeddings=40960, rope_theta=1000000.0,
+                     tie_word_embeddings=False),
     "deepseek-v3-4l": DEEPSEEK_V3_4L,
     "gpt-oss-20b": GPT_OSS_20B,
 }

@@ -85,7 +85,8 @@ class ModelConfig:
     layer. Needs --enable-ep-with-offloading when > 0."""
 
     def validate(self) -> None:
-        _require(self.dtype in DTYPE_CHOICES, "dtype", self.dtype, "one of " + ", ".join(DTYPE_CHOICES))
+        _require(self.dtype in DTYPE_CHOICES, "dtype", self.dtype,
+                 "one of " + ", ".join(DTYPE_CHOICES))
         _require(self.kv_dtype in set(KV_DTYPE_ALIASES.values()), "kv_dtype", self.kv_dtype,
                  "one of " + ", ".join(KV_DTYPE_ALIASES))
         _require(0.0 <= self.ep_offloading_ratio <= 1.0, "ep_offloading_ratio",
@@ -185,7 +186,8 @@ class SchedulerConfig:
             value = getattr(self, name)
             _require(0.0 <= value <= 100.0, name, value, "a percentage in [0, 100]")
         _require(self.adaptive_chunk_min <= self.adaptive_chunk_max, "adaptive_chunk_min",
-                 self.adaptive_chunk_min, f"must be <= --adaptive-chunk-max ({self.adaptive_chunk_max})")
+                 self.adaptive_chunk_min,
+                 f"must be <= --adaptive-chunk-max ({self.adaptive_chunk_max})")
         _require(0.0 < self.adaptive_chunk_ema_alpha <= 1.0, "adaptive_chunk_ema_alpha",
                  self.adaptive_chunk_ema_alpha, "a factor in (0, 1]")
         _require(self.adaptive_chunk_multiplier > 0, "adaptive_chunk_multiplier",
@@ -218,8 +220,9 @@ class RuntimeConfig:
         _require(self.decode_burst_steps >= 1, "decode_burst_steps", self.decode_burst_steps,
                  "an integer >= 1")
         if self.enable_cuda_graph and self.disable_cuda_graphs:
-            raise ConfigError("disable_cuda_graphs", True,
-                              "--enable-cuda-graph and --disable-cuda-graphs are mutually exclusive")
+            raise ConfigError(
+                "disable_cuda_graphs", True,
+                "--enable-cuda-graph and --disable-cuda-graphs are mutually exclusive")
         _require(self.cuda_graph_max_bucket_size >= 1, "cuda_graph_max_bucket_size",
                  self.cuda_graph_max_bucket_size, "an integer >= 1")
         _require(self.cuda_graph_num_buckets >= 1, "cuda_graph_num_buckets",
@@ -266,14 +269,16 @@ class StorageConfig:
     save_result: bool = False
     """Also keep {storage}/outputs/{batch_id}.jsonl when --output points elsewhere."""
     incremental_output_dir: str | None = None
-    """Folder of the incremental (fsynced, completion-order) results; default {storage}/incremental/."""
+    """Folder of the incremental (fsynced, completion-order) results; default
+    {storage}/incremental/."""
     no_incremental_save: bool = False
     """Do not write incremental results (a crash then loses all unfinished work)."""
 
     def validate(self) -> None:
         _require(bool(self.input), "input", self.input, "a path to a .jsonl or .parquet file")
         if self.batch_id is not None:
-            ok = self.batch_id.replace("-", "").replace("_", "").isalnum() and len(self.batch_id) <= 128
+            plain = self.batch_id.replace("-", "").replace("_", "")
+            ok = plain.isalnum() and len(self.batch_id) <= 128
             _require(ok, "batch_id", self.batch_id, "letters, digits, '-' and '_' (at most 128)")
 
 

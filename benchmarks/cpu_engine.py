@@ -32,7 +32,8 @@ def chat_prompts(tokenizer, count: int) -> list[list[int]]:
         # Mixed lengths, as real batches have (short questions next to pasted context):
         # from ~40 to ~450 tokens, which is where padding costs a static batch the most.
         detail = " Here is some background you may use in your answer." * ((i * 7) % 37)
-        messages = [{"role": "user", "content": f"Explain {TOPICS[i % len(TOPICS)]} to a child.{detail}"}]
+        topic = TOPICS[i % len(TOPICS)]
+        messages = [{"role": "user", "content": f"Explain {topic} to a child.{detail}"}]
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
     return prompts

@@ -4,7 +4,8 @@ against the bytes/FLOPs bound, with the top kernels of each from torch.profiler.
     python benchmarks/step_profile.py --shape llama3-8b --batch 384 --context 1500
     python benchmarks/step_profile.py --shape llama3-8b --fp8-weights --kv-dtype fp8_e4m3fn
 
-On CUDA (CPU with --tiny as a smoke run); random weights, no engine or scheduler: the model, the KV pool and the graphs).
+On CUDA (CPU with --tiny as a smoke run); random weights, no engine or scheduler: the model, the
+KV pool and the graphs.
 """
 
 from __future__ import annotations

@@ -39,6 +39,7 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
 def chat_rows(count: int, max_tokens: int = 24, temperature: float = 0.0) -> list[dict]:
     topics = ["the sea", "a mountain", "bread", "rain", "a library", "trains", "owls", "snow"]
     return [{"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions",
-             "body": {"messages": [{"role": "user", "content": f"Tell me about {topics[i % 8]} ({i})."}],
+             "body": {"messages": [{"role": "user",
+                                    "content": f"Tell me about {topics[i % 8]} ({i})."}],
                       "max_tokens": max_tokens + (i % 5) * 7, "temperature": temperature}}
             for i in range(count)]

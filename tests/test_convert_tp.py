@@ -27,7 +27,8 @@ SHARDS = ["model-tp00-of-02.safetensors", "model-tp01-of-02.safetensors"]
 def generate(tp: TensorParallel, model_cfg: ModelConfig, world: int, max_tokens: int):
     torch.manual_seed(0)
     model = load_model(model_cfg, torch.device("cpu"), world, tp).model
-    cfg = EngineConfig(memory=MemoryConfig(gpu_kv_cache_size=0.05, host_kv_cache_size=0.1)).validate()
+    cfg = EngineConfig(memory=MemoryConfig(gpu_kv_cache_size=0.05,
+                                           host_kv_cache_size=0.1)).validate()
     engine = Engine(model, cfg, tp=tp)
     done = engine.generate(greedy_requests(PROMPTS, max_tokens, ignore_eos=True))
     return [c.completions[0].token_ids for c in done]

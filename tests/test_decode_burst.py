@@ -37,7 +37,8 @@ def mixed_requests(tokenizer, seed=0, count=10, vocab=None):
     gen = torch.Generator().manual_seed(seed)
     vocab = vocab or len(tokenizer)
     word = int(torch.randint(3, vocab, (1,), generator=gen))
-    stops = dict(stop=(tokenizer.decode([word]), "e")) if tokenizer else dict(stop_token_ids=(word,))
+    stops = (dict(stop=(tokenizer.decode([word]), "e")) if tokenizer
+             else dict(stop_token_ids=(word,)))
     kinds = [
         dict(temperature=0.0, max_tokens=37),
         dict(temperature=0.0, max_tokens=5, logprobs=True, top_logprobs=3),
@@ -159,8 +160,9 @@ def test_burst_never_outruns_the_reserved_pages(chat, burst, decision_pages, see
 
     eng.runner.execute = checking
     gen = torch.Generator().manual_seed(seed)
-    requests = [Request(f"q{i}", torch.randint(3, 500, (int(torch.randint(2, 100, (1,), generator=gen)),),
-                                               generator=gen).tolist(),
+    requests = [Request(f"q{i}",
+                        torch.randint(3, 500, (int(torch.randint(2, 100, (1,), generator=gen)),),
+                                      generator=gen).tolist(),
                         SamplingParams(temperature=0.0, ignore_eos=True,
                                        max_tokens=int(torch.randint(32, 150, (1,), generator=gen))))
                 for i in range(5)]

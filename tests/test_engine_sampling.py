@@ -18,7 +18,8 @@ def tiny(tmp_path_factory):
 
 
 def choices(engine, requests, rid):
-    return [c.token_ids for c in {r.request_id: r for r in engine.generate(requests)}[rid].completions]
+    return [c.token_ids
+            for c in {r.request_id: r for r in engine.generate(requests)}[rid].completions]
 
 
 def test_n_choices_with_seed_are_reproducible_across_batches(tiny):
@@ -26,10 +27,12 @@ def test_n_choices_with_seed_are_reproducible_across_batches(tiny):
     params = SamplingParams(max_tokens=24, temperature=0.9, top_k=50, seed=1234, n=3)
     target = Request("t", list(range(5, 40)), params)
     alone = choices(make_engine(model), [target], "t")
-    others = [Request(f"o{i}", list(range(7, 7 + 13 * i)), SamplingParams(max_tokens=30, temperature=1.0))
+    others = [Request(f"o{i}", list(range(7, 7 + 13 * i)),
+                      SamplingParams(max_tokens=30, temperature=1.0))
               for i in range(1, 6)]
-    crowded = choices(make_engine(model), others[:2] + [Request("t", target.prompt_token_ids, params)]
-                      + others[2:], "t")
+    crowded = choices(make_engine(model),
+                      others[:2] + [Request("t", target.prompt_token_ids, params)] + others[2:],
+                      "t")
     assert alone == crowded
     assert len({tuple(c) for c in alone}) > 1  # the three choices differ from each other
 

@@ -90,7 +90,8 @@ def test_qwen2_biased_qkv_stays_dense(tmp_path, monkeypatch):
     layer = ours.model.layers[0]
     assert not isinstance(layer.self_attn.qkv_proj, Fp8Linear)
     assert isinstance(layer.self_attn.o_proj, Fp8Linear)
-    assert [t for t, _ in tokens(ours)] == [t for t, _ in tokens(load(tmp_path / "fp8" / "dequant"))]
+    assert ([t for t, _ in tokens(ours)]
+            == [t for t, _ in tokens(load(tmp_path / "fp8" / "dequant"))])
 
 
 def test_our_fused_layout_in_fp8_installs_whole(monkeypatch):

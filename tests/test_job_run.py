@@ -36,7 +36,8 @@ def test_run_writes_results_in_input_order(tmp_path, tiny_chat_model):
     assert [e["custom_id"] for e in errors] == ["bad"]
     assert errors[0]["response"]["status_code"] == 400
     body = results[0]["response"]["body"]
-    assert body["object"] == "chat.completion" and body["choices"][0]["message"]["role"] == "assistant"
+    assert (body["object"] == "chat.completion"
+            and body["choices"][0]["message"]["role"] == "assistant")
     assert body["usage"]["completion_tokens"] <= 24
     assert results[-1]["response"]["body"]["object"] == "text_completion"
     batch_file = [p for p in (tmp_path / "s" / "batches").glob("*.json") if p.name.count(".") == 1]
@@ -141,7 +142,8 @@ def test_response_format_is_enforced_and_bad_schemas_are_error_lines(tmp_path, t
               "properties": {"ok": {"type": "boolean"}}}
     rows = [{"custom_id": "json", "messages": [{"role": "user", "content": "Reply."}],
              "max_tokens": 40, "temperature": 0.8, "seed": 2,
-             "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}},
+             "response_format": {"type": "json_schema",
+                                 "json_schema": {"name": "s", "schema": schema}}},
             {"custom_id": "bad", "messages": [{"role": "user", "content": "Reply."}],
              "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {
                  "type": "object", "properties": {"a": {"not": {"type": "string"}}}}}}}]

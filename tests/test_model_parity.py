@@ -38,7 +38,8 @@ def test_greedy_tokens_match_hf_batched(family_models):
 def test_logits_match_hf(family_models):
     _, hf, ours = family_models
     prompt = prompts(1)[4]
-    layout = KVLayout(ours.config.num_hidden_layers, ours.kv_token_shape, torch.float32, torch.float32)
+    layout = KVLayout(ours.config.num_hidden_layers, ours.kv_token_shape,
+                      torch.float32, torch.float32)
     pool = KVPool(layout, 8, "cpu")
     batch = ForwardBatch.build([prompt], [0], [list(range(8))], [True], pool, torch.device("cpu"))
     with torch.inference_mode():
@@ -52,6 +53,7 @@ def test_batched_equals_one_at_a_time(family_models):
     ps = prompts(2)
     together = [r.completions[0].token_ids
                 for r in make_engine(ours).generate(greedy_requests(ps, 40, ignore_eos=True))]
-    alone = [make_engine(ours).generate(greedy_requests([p], 40, ignore_eos=True))[0].completions[0].token_ids
+    alone = [make_engine(ours).generate(greedy_requests([p], 40, ignore_eos=True))[0]
+             .completions[0].token_ids
              for p in ps]
     assert together == alone

@@ -122,7 +122,8 @@ def kill_worker(storage: Path, rank: int) -> int:
     """SIGKILL worker `rank` once it has written a result; its pid (from its stats file)."""
     stats = lambda: list((storage / "batches").glob(f"*.worker{rank}.json"))
     rank_file = lambda: list((storage / "incremental").glob(f"*.rank{rank}.jsonl"))
-    assert wait_for(lambda: rank_file() and rank_file()[0].stat().st_size > 0 and stats(), 180, 0.05)
+    assert wait_for(lambda: rank_file() and rank_file()[0].stat().st_size > 0 and stats(),
+                    180, 0.05)
     pid = json.loads(stats()[0].read_text())["pid"]
     os.kill(pid, signal.SIGKILL)
     return pid
@@ -207,8 +208,8 @@ def test_the_reported_failure_is_the_cause_not_the_ranks_the_agent_stopped():
 
 
 def test_adopt_takes_the_launchers_world(monkeypatch):
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                *NCCL_SAFE_ENV):
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                "MASTER_PORT", *NCCL_SAFE_ENV):
         monkeypatch.setenv(key, "")  # recorded, so adopt()'s values are undone after the test
         monkeypatch.delenv(key)
     monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")  # a caller's setting never wins

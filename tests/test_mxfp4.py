@@ -67,7 +67,8 @@ def random_blocks(gen: torch.Generator, rows: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("source", ["edge", "random"])
 def test_quantize_matches_float64_reference(source):
-    x = edge_case_blocks() if source == "edge" else random_blocks(torch.Generator().manual_seed(0), 64)
+    x = (edge_case_blocks() if source == "edge"
+         else random_blocks(torch.Generator().manual_seed(0), 64))
     blocks, scales = quantize_mxfp4(x)
     assert blocks.dtype == scales.dtype == torch.uint8
     assert blocks.shape == (x.shape[0], x.shape[1] // 32, 16) and scales.shape == blocks.shape[:-1]
@@ -77,7 +78,8 @@ def test_quantize_matches_float64_reference(source):
 
 
 def test_dequantize_round_trip_is_exact_in_float64():
-    x = torch.cat([edge_case_blocks(), random_blocks(torch.Generator().manual_seed(1), 32).reshape(-1, 32)])
+    x = torch.cat([edge_case_blocks(),
+                   random_blocks(torch.Generator().manual_seed(1), 32).reshape(-1, 32)])
     blocks, scales = quantize_mxfp4(x)
     codes, scale_bytes = reference_quantize(x)
     expected = torch.tensor([[E2M1_VALUES[c] * 2.0 ** (s - 127) for c in row]
@@ -140,7 +142,8 @@ def test_triton_kernel_on_expert_shaped_tensors(shape):
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(*shape[:-1], shape[-1] * 32, generator=gen)
     blocks, scales = quantize_mxfp4(x)
-    out = dequantize_mxfp4_triton(blocks.to(KERNEL_DEVICE), scales.to(KERNEL_DEVICE), torch.bfloat16)
+    out = dequantize_mxfp4_triton(blocks.to(KERNEL_DEVICE), scales.to(KERNEL_DEVICE),
+                                  torch.bfloat16)
     assert out.shape == x.shape
     assert torch.equal(out.cpu(), dequantize_mxfp4_torch(blocks, scales, torch.bfloat16))
 

@@ -140,7 +140,8 @@ def check_against_clean(storage: Path, model: Path, same_job: bool = False,
     final = Counter(r["custom_id"] for r in results + errors)
     expected = [r["custom_id"] for r in clean]
     lost = [cid for cid in expected if cid not in final]
-    duplicated = sorted({c for c, n in inc.items() if n > 1} | {c for c, n in final.items() if n > 1})
+    duplicated = sorted({c for c, n in inc.items() if n > 1}
+                        | {c for c, n in final.items() if n > 1})
     assert not lost and not duplicated, f"lost {lost}, duplicated {duplicated}"
     assert sorted(e["custom_id"] for e in errors) == sorted(allowed_errors)
     wanted = [r for r in clean if r["custom_id"] not in allowed_errors]

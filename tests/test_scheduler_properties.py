@@ -140,7 +140,8 @@ class FakeEngine:
         for copy in out.swap_in:
             self.device_kv[copy.dst] = self.host_kv[copy.src]
         assert len({c.seq.seq_id for c in out.chunks}) == len(out.chunks), "a sequence twice"
-        prefill = sum(c.end - c.start for c in out.chunks if not (c.sample and c.end - c.start == 1))
+        prefill = sum(c.end - c.start for c in out.chunks
+                      if not (c.sample and c.end - c.start == 1))
         assert prefill <= self.sc.cfg.max_prefill_tokens
         packed = sum(c.end - c.start > 1 for c in out.chunks)
         self.most_packed = max(self.most_packed, packed)
@@ -361,7 +362,8 @@ def test_waves_arrive_while_others_decode():
 
 
 def test_tight_and_roomy_pools_give_the_same_tokens():
-    tight = run_with(LONG, LONG_NEED + 1, LONG_NEED + 1, host_kv_eviction_watermark=5, **SMALL_STEPS)
+    tight = run_with(LONG, LONG_NEED + 1, LONG_NEED + 1, host_kv_eviction_watermark=5,
+                     **SMALL_STEPS)
     roomy = run_with(LONG, 100 * LONG_NEED, 100 * LONG_NEED)
     assert tight.sched.counters.unloads + tight.sched.counters.evictions > 0
     assert [s.token_ids for s in tight.seqs] == [s.token_ids for s in roomy.seqs]

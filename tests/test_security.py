@@ -29,7 +29,8 @@ def test_worker_spec_is_json_not_pickle(tmp_path, tiny_chat_model):
     batchgen("run", "--input", inp, "--model", tiny_chat_model, "--storage-path", tmp_path / "s",
              check=True)
     spec = next((tmp_path / "s" / "batches").glob("*.spec.json"))
-    assert json.loads(spec.read_text())["config"]["engine"]["model"]["model"] == str(tiny_chat_model)
+    assert (json.loads(spec.read_text())["config"]["engine"]["model"]["model"]
+            == str(tiny_chat_model))
 
 
 def test_host_segment_is_private_and_leaves_nothing_in_dev_shm():

@@ -52,7 +52,8 @@ def test_same_config_same_result():
 
 
 @pytest.mark.parametrize("sched", [SchedulerConfig(), TIGHT,
-                                   dataclasses.replace(TIGHT, adaptive_chunk=False, max_decode_batch=7)])
+                                   dataclasses.replace(TIGHT, adaptive_chunk=False,
+                                                       max_decode_batch=7)])
 def test_fast_forward_matches_step_by_step(sched):
     fast = run_simulation(SMALL, sched)
     slow = run_simulation(dataclasses.replace(SMALL, fast_forward=False), sched)

@@ -34,7 +34,8 @@ def validate(value, schema):
     kind = schema["type"]
     if kind == "object":
         return (isinstance(value, dict) and all(k in value for k in schema.get("required", []))
-                and all(validate(value[k], s) for k, s in schema["properties"].items() if k in value))
+                and all(validate(value[k], s)
+                        for k, s in schema["properties"].items() if k in value))
     if kind == "array":
         return isinstance(value, list) and all(validate(v, schema["items"]) for v in value)
     if kind == "string":
@@ -79,7 +80,8 @@ def test_json_schema_answers_validate(smol):
     requests = []
     for i in range(20):
         schema = SCHEMAS[i % len(SCHEMAS)]
-        grammar = compiler.compile({"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema}})
+        grammar = compiler.compile({"type": "json_schema",
+                                    "json_schema": {"name": f"s{i}", "schema": schema}})
         requests.append(Request(f"s{i}", prompt(smol.tokenizer, f"Answer in JSON (case {i})."),
                                 SamplingParams(max_tokens=160, temperature=0.7, seed=i), grammar))
     for request, result in zip(requests, engine.generate(requests)):

@@ -24,7 +24,8 @@ def generate(tp: TensorParallel, folder, max_tokens: int, options=None):
                         torch.device("cpu"), options, tp=tp)
     attn = model.model.layers[0].self_attn
     assert attn.heads * tp.size == model.config.num_attention_heads  # really split
-    cfg = EngineConfig(memory=MemoryConfig(gpu_kv_cache_size=0.05, host_kv_cache_size=0.1)).validate()
+    cfg = EngineConfig(memory=MemoryConfig(gpu_kv_cache_size=0.05,
+                                           host_kv_cache_size=0.1)).validate()
     engine = Engine(model, cfg, tp=tp)
     done = engine.generate(greedy_requests(PROMPTS, max_tokens, logprobs=True))
     return [(c.completions[0].token_ids, c.completions[0].logprobs) for c in done]

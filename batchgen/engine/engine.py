@@ -66,7 +66,8 @@ class Engine:
         budget (1 / workers per node)."""
         self.config = config
         if config.scheduler.enable_host_kv_eviction:
-            log.warning("--enable-host-kv-eviction is deprecated and ignored: eviction is always on")
+            log.warning("--enable-host-kv-eviction is deprecated and ignored: "
+                        "eviction is always on")
         self.model = model
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
@@ -110,7 +111,8 @@ class Engine:
         params = params.fit_context(room)
         if request.request_id in self._groups:
             raise ValueError(f"request id {request.request_id!r} is already in the engine")
-        base_seed = params.seed if params.seed is not None else self._derived_seed(request.request_id)
+        base_seed = (params.seed if params.seed is not None
+                     else self._derived_seed(request.request_id))
         seqs = [Sequence(self._next_seq + i, request.request_id, i, list(request.prompt_token_ids),
                          len(request.prompt_token_ids), params, (base_seed + i) % 2**63,
                          matcher=request.grammar.matcher() if request.grammar else None)

@@ -75,7 +75,9 @@ class KVPool:
         self.layout = layout
         self.num_pages = num_pages
         shape = (num_pages, layout.num_layers, PAGE_SIZE, *layout.token_shape)
-        self.data = data if data is not None else torch.zeros(shape, dtype=layout.dtype, device=device)
+        if data is None:
+            data = torch.zeros(shape, dtype=layout.dtype, device=device)
+        self.data = data
         assert tuple(self.data.shape) == shape and self.data.is_contiguous(), tuple(self.data.shape)
         self.scale_pages = scale_pages
         self.scales = None
@@ -142,7 +144,8 @@ class KVPool:
                 return picked.to(self.layout.compute_dtype)
             scale = self._rows(self.scales, layer, pages, lead)
             return (picked.float() * scale.unsqueeze(-1)).to(self.layout.compute_dtype)
-        shape = (*self.layout.token_shape[:-1], pages.numel(), PAGE_SIZE, self.layout.token_shape[-1])
+        token_shape = self.layout.token_shape
+        shape = (*token_shape[:-1], pages.numel(), PAGE_SIZE, token_shape[-1])
         numel = math.prod(shape)
         if self._scratch is None or self._scratch.numel() < numel:
             self._scratch = torch.empty(numel, dtype=self.layout.dtype, device=self.device)

@@ -55,7 +55,8 @@ def plan_pools(cfg: MemoryConfig, layout: KVLayout, model_bytes: int,
         host_bytes = auto_host_pool_bytes(model_bytes) * host_share
     sizes = PoolSizes(layout.pages_for_bytes(device_bytes), layout.pages_for_bytes(host_bytes))
     page_mb = layout.bytes_per_page / 1e6
-    for name, pages, flag in (("device", sizes.device_pages, "--gpu-kv-cache-size or --gpu-memory-frac"),
+    device_flags = "--gpu-kv-cache-size or --gpu-memory-frac"
+    for name, pages, flag in (("device", sizes.device_pages, device_flags),
                               ("host", sizes.host_pages, "--host-kv-cache-size")):
         if pages < 1:
             raise PoolTooSmall(f"the {name} KV pool holds no page: one 64-token page of this model "

@@ -170,6 +170,8 @@ def _truncate(logprobs: torch.Tensor, params: list[SamplingParams]) -> torch.Ten
         logprobs = torch.empty_like(logprobs).scatter_(-1, order, sorted_lp)
     if any(p.min_p > 0 for p in params):
         min_p = _upload([p.min_p for p in params], torch.float32, device)
-        threshold = logprobs.max(dim=-1, keepdim=True).values + torch.log(min_p[:, None].clamp_min(1e-30))
-        logprobs = logprobs.masked_fill((logprobs < threshold) & (min_p[:, None] > 0), float("-inf"))
+        floor = torch.log(min_p[:, None].clamp_min(1e-30))
+        threshold = logprobs.max(dim=-1, keepdim=True).values + floor
+        below = (logprobs < threshold) & (min_p[:, None] > 0)
+        logprobs = logprobs.masked_fill(below, float("-inf"))
     return logprobs

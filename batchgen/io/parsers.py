@@ -28,7 +28,8 @@ Tool-call formats (``parse_tool_calls``):
 - ``deepseek_v3`` (DeepSeek-V3/R1), one block per call inside
   ``<｜tool▁calls▁begin｜>...<｜tool▁calls▁end｜>`` (the bars are U+FF5C, the spaces U+2581):
   ``<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\n{...}\\n```<｜tool▁call▁end｜>``;
-  V3.1 drops the type and the fence: ``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>``.
+  V3.1 drops the type and the fence:
+  ``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>``.
 - ``llama3_json`` (Llama 3.x): the whole output is ``{"name": ..., "parameters": {...}}``,
   optionally after ``<|python_tag|>``, several separated by ``;``.
 - ``harmony`` (gpt-oss): see above; the body of a message to ``functions.NAME`` is the arguments.

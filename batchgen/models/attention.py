@@ -135,7 +135,8 @@ def _softmax_pages(scores, v, owner, seqs, sinks):
     probs = torch.exp(scores - top[:, owner, :, None])
     denom = torch.zeros(shape, device=device) if sink is None else torch.exp(sink - top)
     denom.index_add_(1, owner, probs.sum(-1))
-    out = torch.zeros(*shape, v.shape[-1], device=device).index_add_(1, owner, torch.matmul(probs, v))
+    out = torch.zeros(*shape, v.shape[-1], device=device)
+    out.index_add_(1, owner, torch.matmul(probs, v))
     return out / denom[..., None]
 
 

@@ -53,7 +53,8 @@ def default_cache_root() -> Path:
 
 def source_key(path: Path) -> str:
     stat = path.stat()
-    return hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:16]
+    key = f"{path.resolve()}:{stat.st_size}:{int(stat.st_mtime)}"
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
 def read_manifest(folder: Path) -> dict:
@@ -62,7 +63,8 @@ def read_manifest(folder: Path) -> dict:
     except (OSError, ValueError) as err:
         raise CheckpointError(f"{folder / MANIFEST} unreadable: {err}") from err
     if manifest.get("format") != FORMAT or manifest.get("version") != FORMAT_VERSION:
-        raise CheckpointError(f"{folder} is not a batchgen converted checkpoint of version {FORMAT_VERSION}")
+        raise CheckpointError(
+            f"{folder} is not a batchgen converted checkpoint of version {FORMAT_VERSION}")
     return manifest
 
 
@@ -76,7 +78,8 @@ def check_manifest(manifest: dict, folder: Path, world_size: int, dtype: str | N
             f"{world_size}: re-run `batchgen convert --world-size {world_size}` into a new folder")
     if dtype not in (None, "auto") and manifest.get("dtype") not in (dtype, None):
         raise CheckpointError(
-            f"{folder} was converted to {manifest.get('dtype')}, this run asks for --dtype {dtype}: "
+            f"{folder} was converted to {manifest.get('dtype')}, "
+            f"this run asks for --dtype {dtype}: "
             f"convert again with --dtype {dtype}, or drop --dtype")
     sharded = manifest.get("tensor_parallel_size", 1)
     if tp_size is not None and sharded > 1 and sharded != tp_size:

@@ -29,7 +29,8 @@ from batchgen.models.fp8 import (
     pair_scales,
     weight_block_size,
 )
-from batchgen.models.layers import SINGLE, GatedMLP, RMSNorm, RowParallelLinear, default_max_positions
+from batchgen.models.layers import (SINGLE, GatedMLP, RMSNorm, RowParallelLinear,
+                                    default_max_positions)
 from batchgen.models.mla import MlaRope, MLAttention
 from batchgen.models.moe import DeepseekMoE, ExpertStager, RoutedExperts
 from batchgen.parallel import TensorParallel

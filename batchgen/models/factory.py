@@ -71,9 +71,11 @@ def eos_token_ids(folder: Path, hf_config, tokenizer) -> tuple[int, ...]:
 def load_tokenizer(folder: Path):
     from transformers import AutoTokenizer
 
-    if not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    if not any((folder / f).is_file() for f in names):
         return None
-    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
+    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True,
+                                         trust_remote_code=False)
 
 
 def load_model(cfg: ModelConfig, device: torch.device, world_size: int = 1,

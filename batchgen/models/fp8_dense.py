@@ -67,7 +67,8 @@ class Fp8Projections:
         path = target[: -len(".weight")]
         old = self.model.get_submodule(path)
         weight = torch.cat([q.weight for q in ordered]) if len(ordered) > 1 else ordered[0].weight
-        scale = torch.cat([q.scale_inv for q in ordered]) if len(ordered) > 1 else ordered[0].scale_inv
+        scale = (torch.cat([q.scale_inv for q in ordered]) if len(ordered) > 1
+                 else ordered[0].scale_inv)
         if tuple(weight.shape) != tuple(old.weight.shape):
             raise ValueError(f"{target}: FP8 checkpoint shape {tuple(weight.shape)} != model "
                              f"shape {tuple(old.weight.shape)}")

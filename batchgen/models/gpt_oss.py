@@ -321,7 +321,8 @@ class GptOssModel(DecoderStack):
 def checkpoint_is_mxfp4(hf_config) -> bool:
     """Real gpt-oss checkpoints say `quantization_config: {"quant_method": "mxfp4"}`."""
     quant = getattr(hf_config, "quantization_config", None) or {}
-    method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+    method = (quant.get("quant_method") if isinstance(quant, dict)
+              else getattr(quant, "quant_method", None))
     return str(getattr(method, "value", method) or "").lower() == "mxfp4"
 
 

@@ -53,7 +53,8 @@ def rope_inv_freq(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
     if kind == "default":
         base = params["rope_theta"]
         rotary_dim = int(head_dim * getattr(hf_config, "partial_rotary_factor", 1.0))
-        inv = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64, device="cpu").float() / rotary_dim))
+        even = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device="cpu").float()
+        inv = 1.0 / (base ** (even / rotary_dim))
         return inv, 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 

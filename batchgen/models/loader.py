@@ -70,8 +70,10 @@ def resolve_model(model: str, cache_dir: str | None = None) -> ModelSource:
     candidates = [Path(model).expanduser()]
     if cache_dir:
         root = Path(cache_dir).expanduser()
-        candidates += [root, *_hub_snapshots(root, model), root / model, root / model.split("/")[-1]]
-    hub = Path(os.environ.get("HF_HUB_CACHE") or Path(os.environ.get("HF_HOME", "~/.cache/huggingface")).expanduser() / "hub")
+        candidates += [root, *_hub_snapshots(root, model), root / model,
+                       root / model.split("/")[-1]]
+    hf_home = Path(os.environ.get("HF_HOME", "~/.cache/huggingface")).expanduser()
+    hub = Path(os.environ.get("HF_HUB_CACHE") or hf_home / "hub")
     candidates += _hub_snapshots(hub.expanduser(), model)
     for path in candidates:
         found = _classify(path, model)
@@ -125,7 +127,8 @@ def load_hf_config(folder: Path):
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(str(folder), trust_remote_code=False, local_files_only=True)
+        return AutoConfig.from_pretrained(str(folder), trust_remote_code=False,
+                                          local_files_only=True)
     except Exception as err:
         raise CheckpointError(f"cannot read {folder / 'config.json'}: {err}") from err
 

@@ -27,7 +27,8 @@ class JobSpec:
     input_sha256: str
     total_records: int
     created: int
-    """Unix time of the job's first start; result lines use it so a resume writes identical lines."""
+    """Unix time of the job's first start; result lines use it so a resume writes identical
+    lines."""
 
     @property
     def paths(self) -> JobPaths:

@@ -267,7 +267,8 @@ def _follow(config: JobConfig, member: Member) -> int:
     group = member.group
     who = member.name
     lost: list[str] = []
-    group.start_beating(on_lost=lambda why: (lost.append(why), os.kill(os.getpid(), signal.SIGTERM)))
+    group.start_beating(
+        on_lost=lambda why: (lost.append(why), os.kill(os.getpid(), signal.SIGTERM)))
     plan = group.plan()
     if plan["action"] == "done":
         log.info("%s: the leader says nothing is left to run", who)
@@ -311,7 +312,8 @@ def _run_follower_ranks(spec: JobSpec, config: JobConfig, member: Member,
         code = _worker_exit_code(failure.exitcode)
         log.error("%s\n%s", failure.cause or f"worker rank {failure.rank} exited with code "
                   f"{failure.exitcode}", failure.log_tail)
-        return MemberEnd(m, code, failure.rank, failure.exitcode, failure.log_tail, failure.log_path)
+        return MemberEnd(m, code, failure.rank, failure.exitcode, failure.log_tail,
+                         failure.log_path)
     except BaseException as err:
         if not (is_stop_signal(err) or isinstance(err, Preempted)):
             raise
@@ -345,7 +347,8 @@ def _worker_failed(spec: JobSpec, batch_file: BatchFile, started: float,
 
 def _failure_cause(spec: JobSpec, failure: WorkerFailure) -> str:
     """One paragraph for the log and the batch file's health.last_failure."""
-    stats = {s.get("rank"): s for s in read_worker_stats(spec.paths.batch_file.parent, spec.batch_id)}
+    stats = {s.get("rank"): s
+             for s in read_worker_stats(spec.paths.batch_file.parent, spec.batch_id)}
     mine = stats.get(failure.rank, {})
     resume = "re-run the same command to resume (under Slurm: requeue)"
     if failure.cause:

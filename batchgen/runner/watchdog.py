@@ -61,7 +61,8 @@ class StatsFile:
             return True
         except OSError as err:
             if not self._warned:
-                log.warning("cannot write %s (%s); progress and health go unreported", self.path, err)
+                log.warning("cannot write %s (%s); progress and health go unreported",
+                            self.path, err)
                 self._warned = True
             return False
         finally:

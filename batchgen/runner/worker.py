@@ -72,12 +72,14 @@ def placement(spec: JobSpec, rank: RankInfo, device: torch.device) -> Placement:
         tp = 1
         if device.type == "cuda" and rank.world > 1:
             memory = spec.config.engine.memory
-            device_bytes = torch.cuda.get_device_properties(device).total_memory * memory.gpu_memory_frac
+            total = torch.cuda.get_device_properties(device).total_memory
+            device_bytes = total * memory.gpu_memory_frac
             model_bytes = weight_bytes(spec.config.engine.model, device, rank.world)
             tp = default_tp_size(model_bytes, device_bytes, rank.local_world)
             if rank.rank == 0:
                 log.info("tensor-parallel size %d: the smallest that fits %.1f GB of weights "
-                         "on one device (--tensor-parallel-size overrides it)", tp, model_bytes / 1e9)
+                         "on one device (--tensor-parallel-size overrides it)", tp,
+                         model_bytes / 1e9)
     return Placement(rank.rank, rank.world, rank.local_rank, rank.local_world, tp)
 
 
@@ -129,7 +131,8 @@ class Worker:
         self.loaded = load_model(cfg.engine.model, device, rank.world, self.tp)
         self.engine = Engine(self.loaded.model, cfg.engine, self.loaded.tokenizer,
                              self.loaded.eos_token_ids,
-                             skip_special_tokens=not cfg.output.detokenization_include_special_tokens,
+                             skip_special_tokens=(
+                                 not cfg.output.detokenization_include_special_tokens),
                              tp=self.tp, host_share=1.0 / rank.local_world)
         guard_decode_steps(self.engine, watchdog, cfg.watchdog.watchdog_test_stuck_time)
         self.formatter = OutputFormatter(spec, self.loaded)
@@ -202,7 +205,8 @@ class Worker:
             self._report()
             if stopping:
                 log.warning("rank %d: stop requested; finished results are on disk, %d in flight "
-                            "will be recomputed on resume", self.rank.rank, self.engine.num_requests)
+                            "will be recomputed on resume", self.rank.rank,
+                            self.engine.num_requests)
                 self._report(force=True)
                 return True
             if exhausted and not self.engine.has_unfinished():
@@ -221,7 +225,8 @@ class Worker:
             key = record_key(record)
             if key in self.done:
                 continue
-            item = intake(record, self.loaded.tokenizer, self.loaded.max_context, DEFAULT_MAX_TOKENS)
+            item = intake(record, self.loaded.tokenizer, self.loaded.max_context,
+                          DEFAULT_MAX_TOKENS)
             if isinstance(item, PendingRequest):
                 request = self.grammars.request(item)
                 if isinstance(request, IntakeError):

@@ -156,7 +156,8 @@ class CostModel:
         tp = hw.tensor_parallel
         self.kv_bytes_per_token = kv_bytes_per_token
         """One copy of one token's KV, all layers (what the host pool stores)."""
-        self.kv_bytes_per_token_gpu = self.kv_bytes_per_token / (tp if shape.kv_shards_over_tp else 1)
+        shards = tp if shape.kv_shards_over_tp else 1
+        self.kv_bytes_per_token_gpu = self.kv_bytes_per_token / shards
         """What each GPU keeps of one token's KV (all of it when the latent is replicated)."""
         self._pair_flops = shape.attn_flops_per_pair_layer * shape.num_layers
         per_token, fixed = allreduce_cost(hw, shape.hidden_size * 2)  # bf16 activations
@@ -240,7 +241,8 @@ def pool_pages(sim: SimulationConfig, cost: CostModel) -> tuple[int, int]:
     weights_per_gpu = cost.shape.weight_bytes / sim.tensor_parallel
     device_gb = sim.device_kv_gb
     if device_gb is None:
-        device_gb = sim.gpu_memory_gb * (sim.gpu_memory_frac - ACTIVATION_RESERVE) - weights_per_gpu / 1e9
+        usable = sim.gpu_memory_gb * (sim.gpu_memory_frac - ACTIVATION_RESERVE)
+        device_gb = usable - weights_per_gpu / 1e9
     device = int(device_gb * 1e9 // (PAGE_SIZE * cost.kv_bytes_per_token_gpu))
     host = int(sim.host_kv_gb * 1e9 // (PAGE_SIZE * cost.kv_bytes_per_token))
     if device < 1:

@@ -47,4 +47,5 @@ class PageAllocator:
         doubled = [p for p, n in seen.items() if n > 1]
         leaked = [p for p in range(self.num_pages) if p not in seen]
         if doubled or leaked:
-            raise AssertionError(f"{self.name}: pages owned twice {doubled[:8]}, leaked {leaked[:8]}")
+            raise AssertionError(
+                f"{self.name}: pages owned twice {doubled[:8]}, leaked {leaked[:8]}")

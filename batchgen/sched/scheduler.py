@@ -313,7 +313,8 @@ class Scheduler:
             seq.host_pages += self.host.allocate(need_host)
             seq.device_pages = self.device.allocate(need_dev)
             count = pages_for(seq.num_computed)
-            out.swap_in.append(PageCopy(seq.seq_id, seq.host_pages[:count], seq.device_pages[:count]))
+            out.swap_in.append(PageCopy(seq.seq_id, seq.host_pages[:count],
+                                        seq.device_pages[:count]))
             self.swapped.remove(seq)
             self.running.append(seq)
             seq.state = SeqState.RUNNING

@@ -241,7 +241,8 @@ class _Replica:
             pairs += (c.end * (c.end + 1) - c.start * (c.start + 1)) / 2  # token i sees i + 1
             kv_read += c.end
             decode += c.sample and c.end - c.start == 1
-        self.peak_admitted = max(self.peak_admitted, len(self.sched.running) + len(self.sched.swapped))
+        admitted = len(self.sched.running) + len(self.sched.swapped)
+        self.peak_admitted = max(self.peak_admitted, admitted)
         cost = self.cost.step(tokens, pairs, kv_read, sum(len(p.src) for p in out.swap_out),
                               sum(len(p.src) for p in out.swap_in))
         self.output_tokens += sum(c.sample for c in out.chunks)

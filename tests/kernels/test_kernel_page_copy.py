@@ -27,7 +27,8 @@ def test_copy_matches_reference(device, dtype, token_shape, block):
     src_scales = torch.rand(src.shape[:-1], device=device) if fp8 else None
     dst_scales = torch.rand(dst.shape[:-1], device=device) if fp8 else None
     want = reference.copy_pages(src, src_pages, dst, dst_pages)
-    want_scales = reference.copy_pages(src_scales, src_pages, dst_scales, dst_pages) if fp8 else None
+    want_scales = (reference.copy_pages(src_scales, src_pages, dst_scales, dst_pages)
+                   if fp8 else None)
 
     copy_pages(src, src_pages, dst, dst_pages, src_scales, dst_scales, block=block)
 

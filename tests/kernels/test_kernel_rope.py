@@ -31,7 +31,8 @@ def test_rope_matches_reference(device, dtype, rot_dim, inplace):
     outs = {}
     if not inplace:
         q, k = q.clone(), k.clone()  # checked untouched below
-        outs = {"q_out": poisoned(q.shape, dtype, device), "k_out": poisoned(k.shape, dtype, device)}
+        outs = {"q_out": poisoned(q.shape, dtype, device),
+                "k_out": poisoned(k.shape, dtype, device)}
 
     q_out, k_out = apply_rope(q, k, positions, cos, sin, **outs)
 
