@@ -200,7 +200,8 @@ class RuntimeConfig:
     """Where the model runs: auto (cuda if present), cuda, cuda:N, cpu."""
     enable_cuda_graph: bool = False
     """Capture decode in CUDA graphs (alias --enable-cuda-graphs). Graphs are already on by
-    default on CUDA; the flag only states it explicitly."""
+    default on CUDA; the flag only states it explicitly. One graph holds the whole forward;
+    BATCHGEN_SEGMENTED_GRAPH=1 in the environment captures one per model segment instead."""
     disable_cuda_graphs: bool = False
     """Run decode eagerly. Mutually exclusive with --enable-cuda-graph."""
     cuda_graph_max_bucket_size: int = 128
