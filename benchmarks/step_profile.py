@@ -107,7 +107,7 @@ def main() -> None:
     vocab = model.config.vocab_size
     decode = batch_of(pool, [args.context] * args.batch, [args.context - 1] * args.batch, 0, vocab)
     prefill = batch_of(pool, [args.prompt_len] * prompts, [0] * prompts, decode_pages, vocab)
-    # Both at once, decode rows first as the scheduler packs them (the same pages again).
+    # Both at once, decode rows first as the scheduler usually packs them (same pages again).
     mixed = batch_of(pool, [args.context] * args.batch + [args.prompt_len] * prompts,
                      [args.context - 1] * args.batch + [0] * prompts, 0, vocab)
     graph_ms = float("nan")

@@ -63,8 +63,9 @@ class ForwardBatch:
     @cached_property
     def one_row_part(self) -> tuple[slice | torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """(query rows, page table, context lengths) of a mixed batch's one-row sequences,
-        which attend as decode rows do; None if there are none. The scheduler puts decode
-        rows first, so usually they are a prefix and these are views, not copies."""
+        which attend as decode rows do; None if there are none. Sequences are packed in the
+        order they were admitted, so decode rows usually come first: then these are views,
+        not copies."""
         ones = [b for b, q_len in enumerate(self.q_lens) if q_len == 1]
         if not ones:
             return None

@@ -17,9 +17,10 @@ from batchgen.models.attention import _triton_attention
 
 LAYERS, KV_HEADS, GROUP, DIM = 2, 2, 3, 32
 
-# (cached prefix, query rows) per sequence. "decodes first" is the scheduler's order (one-row
-# sequences are then a prefix of the rows, attended through views); "interleaved" also has a
-# one-token prompt chunk after a prefix and takes the gather/scatter path.
+# (cached prefix, query rows) per sequence. "decodes first" is the usual packing (admission
+# order; one-row sequences are then a prefix of the rows, attended through views);
+# "interleaved" also has a one-token prompt chunk after a prefix and takes the gather/scatter
+# path.
 ORDERS = {
     "decodes_first": [(0, 1), (64, 1), (129, 1), (0, 70), (64, 40)],
     "interleaved": [(0, 37), (199, 1), (70, 20), (5, 1), (64, 18)],
