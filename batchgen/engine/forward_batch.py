@@ -46,34 +46,26 @@ class ForwardBatch:
         return all(q == 1 for q in self.q_lens)
 
     @cached_property
-    def decode_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(sequence indices, packed query rows) of the one-token sequences of a mixed batch,
-        built once per forward: a layer that asked for them as fresh tensors would copy them
-        from the host (a stream synchronisation) in every layer."""
-        seqs, rows, start = [], [], 0
-        for b, q_len in enumerate(self.q_lens):
-            if q_len == 1:
-                seqs.append(b)
-                rows.append(start)
-            start += q_len
-        device = self.cu_seqlens_q.device
-        return (torch.tensor(seqs, dtype=torch.long).to(device, non_blocking=True),
-                torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True))
-
-    @cached_property
     def one_row_part(self) -> tuple[slice | torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """(query rows, page table, context lengths) of a mixed batch's one-row sequences,
-        which attend as decode rows do; None if there are none. Sequences are packed in the
-        order they were admitted, so decode rows usually come first: then these are views,
-        not copies."""
-        ones = [b for b, q_len in enumerate(self.q_lens) if q_len == 1]
-        if not ones:
+        which attend as decode rows do; None if there are none. Built once per forward: a
+        layer that made the index tensors itself would copy them from the host (a stream
+        synchronisation) in every layer. Sequences are packed in the order they were
+        admitted, so decode rows usually come first: then these are views, not copies."""
+        seqs = [b for b, q_len in enumerate(self.q_lens) if q_len == 1]
+        if not seqs:
             return None
-        if ones[-1] == len(ones) - 1:  # sequences 0..n-1, which are rows 0..n-1
-            n = len(ones)
+        if seqs[-1] == len(seqs) - 1:  # sequences 0..n-1, which are rows 0..n-1
+            n = len(seqs)
             return slice(0, n), self.page_table[:n], self.context_lens[:n]
-        seqs, rows = self.decode_rows
-        return rows, self.page_table[seqs], self.context_lens[seqs]
+        starts = [0]
+        for q_len in self.q_lens[:-1]:
+            starts.append(starts[-1] + q_len)
+        device = self.cu_seqlens_q.device
+        index = torch.tensor(seqs, dtype=torch.long).to(device, non_blocking=True)
+        rows = torch.tensor([starts[b] for b in seqs], dtype=torch.long).to(device,
+                                                                         non_blocking=True)
+        return rows, self.page_table[index], self.context_lens[index]
 
     @staticmethod
     def build(token_ids: list[list[int]], starts: list[int], page_tables: list[list[int]],

@@ -156,9 +156,6 @@ def _triton_attention(q, k, v, layer, batch, scale, window, sinks):
                                     sinks=sinks, skip_one_row=one_row is not None)
     if one_row is not None:
         rows, table, ctx = one_row
-        decoded = K.paged_decode_attention(
-            q[rows], kv, scales, table, ctx, scale, window=window, sinks=sinks,
-            out=out[rows] if isinstance(rows, slice) else None)
-        if not isinstance(rows, slice):
-            out[rows] = decoded
+        out[rows] = K.paged_decode_attention(q[rows], kv, scales, table, ctx, scale,
+                                             window=window, sinks=sinks)
     return out

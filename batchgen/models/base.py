@@ -5,8 +5,9 @@ input_layernorm and post_attention_layernorm. DecoderStack: embed_tokens -> laye
 PagedCausalLM: the LM head over the rows that sample and tied embeddings; a subclass builds
 `config`, `model` (a DecoderStack) and `lm_head`, then sets `kv_token_shape` and `max_context`.
 
-Both run as a chain of segments, each `(x, batch) -> x` (the first ignores x): the forward is
-that chain, and per-segment CUDA graphs (BATCHGEN_SEGMENTED_GRAPH=1) capture one graph per link.
+The model runs as a chain of segments, each `(x, batch) -> x` (the first ignores x): the
+forward is that chain, and per-segment CUDA graphs (BATCHGEN_SEGMENTED_GRAPH=1) capture one
+graph per link.
 """
 
 from __future__ import annotations
@@ -19,13 +20,7 @@ from torch import nn
 from batchgen.engine.forward_batch import ForwardBatch
 
 Segment = Callable[[torch.Tensor | None, ForwardBatch], torch.Tensor]
-
-
-def run_segments(segments: list[Segment], batch: ForwardBatch) -> torch.Tensor:
-    x = None
-    for segment in segments:
-        x = segment(x, batch)
-    return x
+"""One link of a model's forward: `(x, batch) -> x`."""
 
 
 class PreNormDecoderLayer(nn.Module):
@@ -49,9 +44,6 @@ class DecoderStack(nn.Module):
         return [lambda _, batch: self.embed_tokens(batch.input_ids), *self.layers,
                 lambda x, _: self.norm(x)]
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        return run_segments(self.segments(), batch)
-
 
 class PagedCausalLM(nn.Module):
     config: object
@@ -70,4 +62,7 @@ class PagedCausalLM(nn.Module):
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits `[S, vocab]` (float32) of the rows in `batch.logits_indices` only."""
-        return run_segments(self.segments(), batch)
+        x = None
+        for segment in self.segments():
+            x = segment(x, batch)
+        return x

@@ -159,10 +159,10 @@ class MLAttention(nn.Module):
             return self._decode(q_nope, q_pe, batch.page_table, batch.context_lens, batch)
         out = q_nope.new_empty(q_nope.shape[0], self.heads, self.dv)
         # Decode rows of a mixed step go together, as in a decode-only step.
-        seqs, rows = batch.decode_rows
-        if seqs.numel():
-            out[rows] = self._decode(q_nope[rows], q_pe[rows], batch.page_table[seqs],
-                                     batch.context_lens[seqs], batch)
+        one_row = batch.one_row_part
+        if one_row is not None:
+            rows, table, ctx = one_row
+            out[rows] = self._decode(q_nope[rows], q_pe[rows], table, ctx, batch)
         pool = batch.kv_pool
         layout = pool.layout
         exact = not layout.quantized and layout.dtype == fresh.dtype == layout.compute_dtype
