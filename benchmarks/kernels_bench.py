@@ -118,8 +118,8 @@ def bench_mixed(decodes: int, ctx: int, prompts: int, prompt_len: int):
     def split():
         out = K.paged_prefill_attention(q, kv, scales, cu, ctx_lens, table, scale, prompt_len,
                                         skip_one_row=True)
-        K.paged_decode_attention(q[:decodes], kv, scales, table[:decodes], ctx_lens[:decodes],
-                                 scale, out=out[:decodes])
+        out[:decodes] = K.paged_decode_attention(q[:decodes], kv, scales, table[:decodes],
+                                                 ctx_lens[:decodes], scale)
     ours = do_bench(split)
     theirs = do_bench(lambda: K.paged_prefill_attention(q, kv, scales, cu, ctx_lens, table,
                                                         scale, prompt_len))
