@@ -154,6 +154,14 @@ def dot_dtype(q_dtype: torch.dtype, fp8_kv: bool) -> torch.dtype:
 
 # Warps/stages of the decode kernel: the best of 2/4/8 warps x 1-4 stages on an H200 for
 # bf16 KV, and again for fp8 KV with f16 dots (`kernels_bench.py --only decode_sweep`).
+# The fp8 kernel reaches ~3.1 TB/s to bf16's ~4.2: ncu shows it issue-bound (255 registers,
+# 4 programs per SM, issue slots 51% busy, DRAM 54%), since the upcast V tile is read from
+# shared memory a byte at a time (`benchmarks/sass_report.py`: 1,092 instructions per page
+# against bf16's 550). Measured slower on the H200 (seventh session, docs/performance.md):
+# one warp; 2-4 pages or 16-32-key chunks per iteration; register caps; prefetching the next
+# page into registers; evict-first loads; K loaded token-major; e4m3 tensor-core dots (also
+# 2.7% off the reference); upcasting before the layout change (690-775 instructions, 180-236
+# registers, but 7-28% slower).
 FP8_LAUNCH = {"num_warps": 2, "num_stages": 2}
 BF16_LAUNCH = {"num_warps": 2, "num_stages": 2}
 
