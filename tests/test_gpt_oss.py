@@ -144,6 +144,23 @@ def test_logits_match_hf(checkpoints, source):
     torch.testing.assert_close(last_token_logits(ours, prompt), expected, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("hidden,inter", [(48, 64), (64, 24)])
+def test_dense_checkpoint_of_widths_mxfp4_cannot_pack(tmp_path, hidden, inter):
+    """Widths that are not multiples of 32 only rule out MXFP4; a dense checkpoint loads."""
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config()
+    config.hidden_size, config.intermediate_size = hidden, inter
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    hf.save_pretrained(str(tmp_path), safe_serialization=True)
+    prompt = prompts(4)[3]
+    with torch.inference_mode():
+        expected = hf(torch.tensor([prompt])).logits[0, -1]
+    torch.testing.assert_close(last_token_logits(load_ours(tmp_path), prompt), expected,
+                               rtol=1e-4, atol=1e-4)
+
+
 def expert_storage(model) -> list[ExpertWeights]:
     return [m for m in model.modules() if isinstance(m, ExpertWeights)]
 

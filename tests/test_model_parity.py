@@ -17,6 +17,18 @@ def prompts(seed=0):
     return [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in lengths]
 
 
+def assert_last_logits_match(ours, hf, prompt):
+    """One prefill of `prompt` (up to 8 pages) in both models: last-position logits agree."""
+    layout = KVLayout(ours.config.num_hidden_layers, ours.kv_token_shape,
+                      torch.float32, torch.float32)
+    pool = KVPool(layout, 8, "cpu")
+    batch = ForwardBatch.build([prompt], [0], [list(range(8))], [True], pool, torch.device("cpu"))
+    with torch.inference_mode():
+        ours_logits = ours(batch)[0]
+        hf_logits = hf(torch.tensor([prompt])).logits[0, -1]
+    torch.testing.assert_close(ours_logits, hf_logits, rtol=1e-4, atol=1e-4)
+
+
 @pytest.fixture(scope="module", params=FAMILIES)
 def family_models(request, tmp_path_factory):
     from transformers import AutoModelForCausalLM
@@ -38,14 +50,7 @@ def test_greedy_tokens_match_hf_batched(family_models):
 def test_logits_match_hf(family_models):
     _, hf, ours = family_models
     prompt = prompts(1)[4]
-    layout = KVLayout(ours.config.num_hidden_layers, ours.kv_token_shape,
-                      torch.float32, torch.float32)
-    pool = KVPool(layout, 8, "cpu")
-    batch = ForwardBatch.build([prompt], [0], [list(range(8))], [True], pool, torch.device("cpu"))
-    with torch.inference_mode():
-        ours_logits = ours(batch)[0]
-        hf_logits = hf(torch.tensor([prompt])).logits[0, -1]
-    torch.testing.assert_close(ours_logits, hf_logits, rtol=1e-4, atol=1e-4)
+    assert_last_logits_match(ours, hf, prompt)
 
 
 def test_batched_equals_one_at_a_time(family_models):
@@ -57,3 +62,41 @@ def test_batched_equals_one_at_a_time(family_models):
              .completions[0].token_ids
              for p in ps]
     assert together == alone
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
+def test_bias_flags_read_as_each_family_does(family, tmp_path):
+    """`attention_bias` / `mlp_bias` set: Llama biases q/k/v/o and the MLP, Qwen3 its
+    attention only, Qwen2 q/k/v whatever the flags say, Mistral nothing. A mismatch either
+    fails to load (a tensor without a place, or one missing) or gives other logits."""
+    from transformers import AutoModelForCausalLM
+
+    folder = save_tiny_model(family, tmp_path, attention_bias=True, mlp_bias=True)
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    has_bias = {n for n, _ in hf.named_parameters() if n.endswith(".bias")}
+    expected = {"llama": {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                          "down_proj"},
+                "qwen3": {"q_proj", "k_proj", "v_proj", "o_proj"},
+                "qwen2": {"q_proj", "k_proj", "v_proj"}, "mistral": set()}[family]
+    assert {n.split(".")[-2] for n in has_bias} == expected  # what the checkpoint holds
+    ours = load_ours(folder)
+    prompt = prompts(3)[3]
+    assert_last_logits_match(ours, hf, prompt)
+
+
+def test_longrope_runs_exactly_up_to_its_original_length(tmp_path):
+    """HF moves a longrope model to its long factors once a sequence passes
+    original_max_position_embeddings; ours stops its context there (longer prompts become
+    per-line errors) and is exact up to it, the longest prompt included."""
+    from transformers import AutoModelForCausalLM
+
+    folder = save_tiny_model("llama", tmp_path, rope_parameters={
+        "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8,
+        "long_factor": [4.0] * 8, "original_max_position_embeddings": 100})
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    ours = load_ours(folder)
+    assert ours.max_context == 100
+    longest = torch.randint(3, VOCAB, (99,), generator=torch.Generator().manual_seed(5)).tolist()
+    assert_last_logits_match(ours, hf, longest)
+    result = make_engine(ours).generate(greedy_requests([longest[:60]], 40, ignore_eos=True))
+    assert result[0].completions[0].token_ids == hf_greedy(hf, longest[:60], 40)

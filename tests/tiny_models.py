@@ -31,11 +31,15 @@ def tiny_config(family: str):
     raise ValueError(family)
 
 
-def save_tiny_model(family: str, folder: Path, seed: int = 0) -> Path:
+def save_tiny_model(family: str, folder: Path, seed: int = 0, **overrides) -> Path:
+    """`overrides` set config attributes after the family's defaults."""
     from transformers import AutoModelForCausalLM
 
+    config = tiny_config(family)
+    for key, value in overrides.items():
+        setattr(config, key, value)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(family), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(str(folder), safe_serialization=True)
     return folder
 

@@ -144,6 +144,8 @@ class DeepseekV3ForCausalLM(PagedCausalLM):
     def _skipped(self, name: str) -> bool:
         if name.endswith("rotary_emb.inv_freq"):
             return True
+        if ".shared_experts." in name and not self.config.n_shared_experts:
+            return True  # HF saves n_shared_experts=0 as zero-sized shared-expert tensors
         match = LAYER_INDEX.match(name)  # the MTP layer(s) after the last decoder layer
         return match is not None and int(match.group(1)) >= self.config.num_hidden_layers
 

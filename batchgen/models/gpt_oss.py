@@ -120,7 +120,9 @@ class ExpertWeights(nn.Module):
 
     def __init__(self, experts: int, out_features: int, in_features: int, packed: bool):
         super().__init__()
-        assert in_features % BLOCK == 0, f"MXFP4 needs in_features % {BLOCK} == 0"
+        if packed and in_features % BLOCK:
+            raise ValueError(f"MXFP4 experts need in_features divisible by {BLOCK}, got "
+                             f"{in_features}: this checkpoint cannot be MXFP4-packed")
         self.shape = (experts, out_features, in_features)
         self._pending: dict[str, torch.Tensor] = {}
         self._loaded: set[str] = set()

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
 from torch import nn
 
 from batchgen.parallel import TensorParallel
+
+log = logging.getLogger("batchgen.models")
 
 SINGLE = TensorParallel()
 """No tensor parallelism: layers built without a group get this one (immutable)."""
@@ -172,7 +175,20 @@ class FusedGatedMLP(nn.Module):
 
 
 def default_max_positions(hf_config) -> int:
-    return int(getattr(hf_config, "max_position_embeddings", 0) or 32768)
+    """The longest context the model runs: `max_position_embeddings`, except for longrope.
+    HF switches a longrope model to its long factors in every forward whose sequence passes
+    `original_max_position_embeddings` (keys cached earlier keep their rotation), which a
+    static cos/sin table cannot follow; up to that length the short factors hold and results
+    are exact, so the context stops there: longer prompts become per-line errors naming it."""
+    limit = int(getattr(hf_config, "max_position_embeddings", 0) or 32768)
+    params = rope_parameters(hf_config)
+    original = params.get("original_max_position_embeddings") or getattr(
+        hf_config, "original_max_position_embeddings", None)
+    if params["rope_type"] == "longrope" and original and int(original) < limit:
+        log.warning("longrope: context limited to original_max_position_embeddings = %d "
+                    "tokens (of %d); its long factors are not implemented", original, limit)
+        limit = int(original)
+    return limit
 
 
 def softmax_scale(head_dim: int) -> float:

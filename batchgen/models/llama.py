@@ -4,7 +4,7 @@ weights load by name."""
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, NamedTuple
 
 import torch
 from torch import nn
@@ -25,15 +25,21 @@ FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_p
 """Checkpoint projection -> (our fused parameter, its slot among the fused pieces)."""
 
 
+class Biases(NamedTuple):
+    """Which projections carry a bias: each HF family decides, and not all read the config."""
+
+    qkv: bool
+    o: bool
+    mlp: bool
+
+
 class LlamaAttention(nn.Module):
     """Tensor parallel by heads: each rank holds its query heads and their KV heads (so its KV
     cache holds only those), and o_proj sums the ranks' partial outputs."""
 
-    def __init__(self, cfg, layer: int, rope: RotaryEmbedding, qkv_bias: bool, qk_norm: bool,
+    def __init__(self, cfg, layer: int, rope: RotaryEmbedding, biases: Biases, qk_norm: bool,
                  tp: TensorParallel = SINGLE):
         super().__init__()
-        # Qwen2 biases q/k/v only; the others follow `attention_bias` for all four projections.
-        o_bias = bool(getattr(cfg, "attention_bias", False))
         self.layer = layer
         heads = cfg.num_attention_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
@@ -43,8 +49,8 @@ class LlamaAttention(nn.Module):
         hidden = cfg.hidden_size
         # q, k and v in one matmul (one launch, better shapes); checkpoints load into its rows.
         self.q_size, self.kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = RowParallelLinear(heads * self.head_dim, hidden, bias=o_bias, tp=tp)
+        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=biases.qkv)
+        self.o_proj = RowParallelLinear(heads * self.head_dim, hidden, bias=biases.o, tp=tp)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.rope = rope
@@ -91,46 +97,49 @@ def _sliding_window(cfg, layer: int) -> int | None:
 
 
 class DecoderLayer(PreNormDecoderLayer):
-    def __init__(self, cfg, layer: int, rope: RotaryEmbedding, qkv_bias: bool, qk_norm: bool,
+    def __init__(self, cfg, layer: int, rope: RotaryEmbedding, biases: Biases, qk_norm: bool,
                  tp: TensorParallel):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, layer, rope, qkv_bias, qk_norm, tp)
-        self.mlp = FusedGatedMLP(cfg.hidden_size, cfg.intermediate_size,
-                                 bias=bool(getattr(cfg, "mlp_bias", False)), tp=tp)
+        self.self_attn = LlamaAttention(cfg, layer, rope, biases, qk_norm, tp)
+        self.mlp = FusedGatedMLP(cfg.hidden_size, cfg.intermediate_size, bias=biases.mlp, tp=tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class LlamaModel(DecoderStack):
-    def __init__(self, cfg, qkv_bias: bool, qk_norm: bool, tp: TensorParallel):
+    def __init__(self, cfg, biases: Biases, qk_norm: bool, tp: TensorParallel):
         super().__init__()
         heads = cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         inv_freq, scaling = rope_inv_freq(cfg, head_dim)
         rope = RotaryEmbedding(inv_freq, default_max_positions(cfg), scaling)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rope, qkv_bias, qk_norm, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rope, biases, qk_norm, tp)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class LlamaForCausalLM(PagedCausalLM):
-    """Also serves Mistral, Qwen2 and Qwen3 (the `qkv_bias` / `qk_norm` switches).
+    """Also serves Mistral, Qwen2 and Qwen3 (the `biases` / `qk_norm` switches).
 
     Under tensor parallelism the embedding and LM head stay whole on every rank (replicated
     logits: each replica samples the same tokens without another collective)."""
 
-    qkv_bias = False
     qk_norm = False
     supports_tensor_parallel = True
+
+    @staticmethod
+    def biases(hf_config) -> Biases:
+        """Llama: `attention_bias` for q/k/v/o, `mlp_bias` for the MLP."""
+        attention = bool(getattr(hf_config, "attention_bias", False))
+        return Biases(attention, attention, bool(getattr(hf_config, "mlp_bias", False)))
 
     def __init__(self, hf_config, options=None, tp: TensorParallel = SINGLE):
         super().__init__()
         self.config = hf_config
         self.options = options
         self.tp = tp
-        qkv_bias = self.qkv_bias or bool(getattr(hf_config, "attention_bias", False))
-        self.model = LlamaModel(hf_config, qkv_bias, self.qk_norm, tp)
+        self.model = LlamaModel(hf_config, self.biases(hf_config), self.qk_norm, tp)
         self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
         self.tie_weights()
         attn = self.model.layers[0].self_attn
@@ -266,12 +275,23 @@ def _fused_target(name: str) -> tuple[str, int]:
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
-    qkv_bias = True
+    @staticmethod
+    def biases(hf_config) -> Biases:
+        """q/k/v always, o_proj and the MLP never, whatever the config says (as HF's Qwen2)."""
+        return Biases(True, False, False)
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     qk_norm = True
 
+    @staticmethod
+    def biases(hf_config) -> Biases:
+        attention = bool(getattr(hf_config, "attention_bias", False))
+        return Biases(attention, attention, False)
+
 
 class MistralForCausalLM(LlamaForCausalLM):
-    pass
+    @staticmethod
+    def biases(hf_config) -> Biases:
+        """None: HF's Mistral ignores `attention_bias` and `mlp_bias`."""
+        return Biases(False, False, False)
