@@ -37,6 +37,7 @@ def _config(values: dict):
 def run(**flags) -> None:
     """Run a job: every request of --input through the model, results fsynced as they finish.
     Re-running the same command resumes: finished requests are never recomputed."""
+    _requeue_on_early_stop_signals()
     from batchgen.runner.supervisor import run_job
 
     _setup_logging()
@@ -47,6 +48,20 @@ def run(**flags) -> None:
 
 
 app.command("run")(with_config_options(run))
+
+
+def _requeue_on_early_stop_signals() -> None:
+    """Until the supervisor installs its handlers (importing it takes seconds: torch), a stop
+    signal exits 75 at once: nothing has started, so nothing is lost, and a wrapper that
+    requeues on 75 sees the code docs/reliability.md promises instead of a signal death."""
+    import os
+    import signal
+
+    from batchgen.runner.job import EXIT_REQUEUE
+    from batchgen.runner.launch import STOP_SIGNALS
+
+    for name in STOP_SIGNALS:
+        signal.signal(getattr(signal, name), lambda signum, frame: os._exit(EXIT_REQUEUE))
 
 
 @app.command()

@@ -148,6 +148,27 @@ def test_prompt_token_ids_accepted_and_checked(tok):
     assert err.code == "invalid_prompt" and "vocabulary" in err.message
 
 
+@pytest.mark.parametrize("stop_ids", [[10_000], [2**63]])
+def test_stop_token_ids_beyond_the_vocabulary_are_line_errors(tok, stop_ids):
+    """They index the logits (min_tokens masks them): past the vocabulary they would crash the
+    step of every sequence in the batch, not just this line's."""
+    err = run(tok, {"prompt": "hi", "stop_token_ids": [3, *stop_ids], "min_tokens": 2})
+    assert isinstance(err, IntakeError) and err.code == "invalid_sampling_param"
+    assert "stop_token_ids" in err.message and "vocabulary" in err.message
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "stop", "temperature", "messages"])
+def test_fields_nested_past_python_recursion_are_line_errors(tok, field):
+    """Valid JSON (orjson reads 1,000 levels) that the checks or an error message's repr()
+    cannot recurse through: an error line, never a crash of the job's intake."""
+    deep = 1
+    for _ in range(1010):
+        deep = [deep]
+    data = {"messages": USER, field: deep}
+    err = run(tok, data, line=4)
+    assert isinstance(err, IntakeError) and err.line == 4 and "line 4" in err.message
+
+
 BAD_LINES = [
     ({"method": "POST", "url": "/v1/chat/completions", "body": {"messages": USER}},
      "missing_custom_id", "custom_id"),
@@ -259,3 +280,19 @@ def test_real_tokenizer_chat_and_completion(smollm2):
     assert completion.prompt_token_ids == smollm2.encode("Hello")
     err = run(smollm2, {"prompt": "word " * 100}, 50)
     assert err.code == "context_length_exceeded"
+
+
+def test_response_format_nested_past_orjson_is_a_line_error(tok):
+    """orjson writes at most 254 levels: the grammar cache key of a deeper schema failed
+    outside the compile's error handling and stopped the job at every resume."""
+    from batchgen.runner.grammars import Grammars
+
+    schema = {"type": "string"}
+    for _ in range(300):
+        schema = {"type": "object", "properties": {"a": schema}}
+    item = run(tok, {"messages": USER, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "deep", "schema": schema}}}, line=9)
+    assert isinstance(item, PendingRequest), item
+    err = Grammars(tok, len(tok), []).request(item)
+    assert isinstance(err, IntakeError) and err.code == "unsupported_response_format"
+    assert "line 9" in err.message

@@ -42,3 +42,31 @@ def test_second_live_run_is_refused_and_only_the_first_writes(tmp_path, tiny_cha
     assert len(launches) == 1, "the refused run must not have started workers"
     figures = check_against_clean(storage, tiny_chat_model)
     record_figures("single_writer", refused_exit=4, refused_in_s=round(refused_in, 2), **figures)
+
+
+def test_finished_ids_are_read_once_the_results_lock_is_ours(tmp_path):
+    """A worker waits for a results file another live writer still holds; what that writer
+    finishes meanwhile must count as done (read before the lock, it was computed again)."""
+    import fcntl
+    import os
+    import threading
+
+    from batchgen.io.jobfiles import JobPaths
+    from batchgen.runner.worker import open_results
+
+    paths = JobPaths.for_job(tmp_path, "batch_x")
+    target = paths.incremental(0, 1)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(target, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # the other live writer, as IncrementalWriter locks
+    opened = {}
+    waiter = threading.Thread(target=lambda: opened.update(
+        zip(("writer", "done"), open_results(paths, 0, 1, wait_s=30))))
+    waiter.start()
+    time.sleep(0.5)  # the waiter retries the lock every 0.2 s
+    assert waiter.is_alive()
+    os.write(fd, b'{"custom_id": "finished-while-we-waited", "response": {}}\n')
+    os.close(fd)  # releases the lock
+    waiter.join(timeout=30)
+    assert "finished-while-we-waited" in opened["done"]
+    opened["writer"].close()

@@ -97,3 +97,20 @@ def test_second_signal_exits_at_once(tmp_path, tiny_chat_model):
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 75, err[-3000:]
     assert time.monotonic() - t0 < MARGIN
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGUSR1", "SIGINT", "SIGHUP", "SIGQUIT"])
+def test_stop_signal_before_the_supervisor_loads_requeues(sig):
+    """`batchgen run` spends seconds importing the supervisor (torch) before its handlers are
+    installed: the CLI's early handlers make a stop signal then exit 75 too, not a signal
+    death a requeueing wrapper would take for a failure."""
+    import subprocess
+    import sys
+
+    code = ("import os, signal, time\n"
+            "from batchgen.cli import _requeue_on_early_stop_signals\n"
+            "_requeue_on_early_stop_signals()\n"
+            f"os.kill(os.getpid(), signal.{sig})\n"
+            "time.sleep(30)\n")
+    done = subprocess.run([sys.executable, "-c", code], timeout=60)
+    assert done.returncode == 75

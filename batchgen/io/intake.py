@@ -94,6 +94,9 @@ def parse_record(record: RawRecord, default_max_tokens: int = 256) -> ParsedRequ
         return _parse(record.data, key, record.line, default_max_tokens)
     except _BadLine as bad:
         return IntakeError(key, record.line, bad.code, f"line {record.line}: {bad}")
+    except RecursionError:  # valid JSON nested past what repr() and the checks recurse into
+        return IntakeError(key, record.line, "invalid_request", f"line {record.line}: a field "
+                           "is nested too deeply to check: flatten it")
 
 
 def _parse(data: dict, key: str, line: int, default_max_tokens: int) -> ParsedRequest:
@@ -312,6 +315,7 @@ def tokenize_request(parsed: ParsedRequest, tokenizer: Any,
     """Render (chat template) and tokenize; refuse prompts that leave no room to generate."""
     try:
         ids = _prompt_ids(parsed, tokenizer)
+        _check_stop_ids(parsed.sampling.stop_token_ids, len(tokenizer))
     except _BadLine as bad:
         return IntakeError(parsed.custom_id, parsed.line, bad.code, f"line {parsed.line}: {bad}")
     if not ids:
@@ -326,6 +330,14 @@ def tokenize_request(parsed: ParsedRequest, tokenizer: Any,
     values = {f.name: getattr(parsed, f.name) for f in fields(ParsedRequest)}
     values["sampling"] = sampling
     return PendingRequest(**values, prompt_token_ids=ids)
+
+
+def _check_stop_ids(stop_token_ids: tuple[int, ...], vocab: int) -> None:
+    """Stop ids index the logits (min_tokens masks them): one past the vocabulary would stop
+    the whole batch's step, not just this line."""
+    if any(t >= vocab for t in stop_token_ids):
+        raise _BadLine("invalid_sampling_param", f"stop_token_ids must be < {vocab} (the "
+                                                 "tokenizer's vocabulary size)")
 
 
 def _prompt_ids(parsed: ParsedRequest, tokenizer: Any) -> list[int]:

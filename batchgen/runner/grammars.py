@@ -22,13 +22,14 @@ class Grammars:
         response_format = item.extra.get("response_format")
         if not response_format:
             return item.to_request()
-        key = orjson.dumps(response_format, option=orjson.OPT_SORT_KEYS)
-        if key not in self._cache:
-            try:
+        try:
+            # orjson refuses nesting past 254 levels (a TypeError), as the compiler would.
+            key = orjson.dumps(response_format, option=orjson.OPT_SORT_KEYS)
+            if key not in self._cache:
                 self._cache[key] = self._compile(response_format)
-            except (ValueError, TypeError) as err:  # StructuredOutputError is a ValueError
-                return IntakeError(item.custom_id, item.line, "unsupported_response_format",
-                                   f"line {item.line}: response_format: {err}")
+        except (ValueError, TypeError, RecursionError) as err:  # StructuredOutputError: ValueError
+            return IntakeError(item.custom_id, item.line, "unsupported_response_format",
+                               f"line {item.line}: response_format: {err}")
         request = item.to_request()
         request.grammar = self._cache[key]
         return request

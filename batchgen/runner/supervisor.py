@@ -52,7 +52,8 @@ from batchgen.runner.quarantine import mark_crashed
 from batchgen.runner.watchdog import health_from_stats
 
 log = logging.getLogger("batchgen")
-SUPERVISOR_STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
+SUPERVISOR_STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP,
+                           signal.SIGQUIT)
 SHARED_FS_RETRY_S = (2, 5, 10, 20, 30)
 """Waits before retrying a merge that misses results other nodes reported done (NFS caches)."""
 NOT_CRASHES = (EXIT_DISK, EXIT_LOCKED)

@@ -22,7 +22,9 @@ from batchgen.engine.engine import Engine, pick_device
 from batchgen.io.intake import IntakeError, PendingRequest, intake
 from batchgen.io.reader import read_records, record_key, shard
 from batchgen.io.results import dumps, error_line
-from batchgen.io.writer import IncrementalWriter, WriteFailed, WriterLocked, read_done_ids
+from batchgen.io.jobfiles import JobPaths
+from batchgen.io.writer import (IdSet, IncrementalWriter, WriteFailed, WriterLocked,
+                                read_done_ids)
 from batchgen.models.convert import read_manifest
 from batchgen.models.factory import load_model, model_folder, weight_bytes
 from batchgen.models.loader import MANIFEST
@@ -123,9 +125,9 @@ class Worker:
                                      cfg.watchdog.quarantine_after)
         self.writer = None
         if self.place.writes_results:
-            self.done = read_done_ids(paths.incremental_files())
             with disk_errors("open the results file and the crash journal"):
-                self.writer = open_writer(paths.incremental(self.place.dp_rank, self.place.dp_size))
+                self.writer, self.done = open_results(paths, self.place.dp_rank,
+                                                      self.place.dp_size)
                 self.quarantine.recover(self.done, rank.restarted)
         self.done = self.tp.broadcast(self.done if self.writer else None)
         self.loaded = load_model(cfg.engine.model, device, rank.world, self.tp)
@@ -302,6 +304,14 @@ class DiskFullAt(IncrementalWriter):
             super()._write_all(data[:max(room, 0)])
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.path))
         super()._write_all(data)
+
+
+def open_results(paths: JobPaths, dp_rank: int, dp_size: int,
+                 wait_s: float = ORPHAN_WAIT_S) -> tuple[IncrementalWriter, IdSet]:
+    """This rank's results file, locked, and the ids finished in any rank's file, read once
+    the lock is ours: a live writer we waited for may have added lines meanwhile."""
+    writer = open_writer(paths.incremental(dp_rank, dp_size), wait_s)
+    return writer, read_done_ids(paths.incremental_files())
 
 
 def open_writer(path, wait_s: float = ORPHAN_WAIT_S) -> IncrementalWriter:
