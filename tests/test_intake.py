@@ -296,3 +296,9 @@ def test_response_format_nested_past_orjson_is_a_line_error(tok):
     err = Grammars(tok, len(tok), []).request(item)
     assert isinstance(err, IntakeError) and err.code == "unsupported_response_format"
     assert "line 9" in err.message
+
+
+@pytest.mark.parametrize("stop", ["[]", "[1]", '["a", "b"]', "{}", "[END]"])
+def test_a_stop_string_that_looks_like_json_is_one_stop_string(tok, stop):
+    req = run(tok, {"prompt": "hi", "stop": stop})
+    assert isinstance(req, PendingRequest) and req.sampling.stop == (stop,)

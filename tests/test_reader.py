@@ -103,6 +103,36 @@ def test_truncated_parquet_is_a_file_error(tmp_path):
         list(read_records(path))
 
 
+def test_damaged_parquet_page_is_a_file_error(tmp_path):
+    """An intact footer over a corrupt data page (a bad copy): the scan stops with the path and
+    the fix before any weights load, not a traceback."""
+    path = tmp_path / "bad.parquet"
+    rows = 3000
+    pq.write_table(pa.table({"custom_id": [f"g{i}" for i in range(rows)],
+                             "prompt": [f"p{i}" for i in range(rows)]}), path,
+                   compression="snappy")
+    meta = pq.read_metadata(path).row_group(0).column(1)
+    start = meta.data_page_offset
+    data = bytearray(path.read_bytes())
+    data[start + 20:start + 220] = bytes(range(200))  # the page body, past its header
+    path.write_bytes(bytes(data))
+    with pytest.raises(InputFileError, match="damaged"):
+        scan_input(path)
+
+
+def test_parquet_float_ids_and_nan_in_structs(tmp_path):
+    """pandas writes an integer column with a gap as floats, and NaN for a missing number
+    inside a struct: whole-number ids keep their digits, NaN fields are "not given"."""
+    path = tmp_path / "p.parquet"
+    pq.write_table(pa.table({"custom_id": [1.0, None, 3.0],
+                             "body": [{"prompt": "a", "temperature": float("nan")},
+                                      {"prompt": "b", "temperature": 0.5},
+                                      {"prompt": "c", "temperature": 1.0}]}), path)
+    records = list(read_records(path))
+    assert [record_key(r) for r in records] == ["1", "line-2", "3"]
+    assert records[0].data["body"] == {"prompt": "a"}
+
+
 def test_scan_summary(tmp_path):
     summary = scan_input(MIXED)
     assert summary.sha256 == hashlib.sha256(MIXED.read_bytes()).hexdigest()

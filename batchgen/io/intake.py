@@ -236,7 +236,7 @@ def _get_number(body: dict, name: str) -> float | None:
 
 
 def _get_stop(body: dict) -> tuple[str, ...]:
-    value = _maybe_json(body.get("stop"))
+    value = body.get("stop")  # a string is one stop string, even one that looks like JSON
     if value is None:
         return ()
     items = [value] if isinstance(value, str) else value

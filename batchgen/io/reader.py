@@ -127,9 +127,13 @@ def _jsonl_lines(path: Path) -> Iterator[tuple[int, bytes]]:
 
 
 def _clean_value(value: object) -> object:
-    # pandas writes missing numbers as NaN; a NaN cell means "not given", like a null.
+    # pandas writes missing numbers as NaN; a NaN cell means "not given", like a null, in a
+    # struct column (an OpenAI `body`) too.
     if isinstance(value, float) and math.isnan(value):
         return None
+    if isinstance(value, dict):
+        cleaned = {k: _clean_value(v) for k, v in value.items()}
+        return {k: v for k, v in cleaned.items() if v is not None}
     return value
 
 
@@ -140,11 +144,18 @@ def _parquet_rows(path: Path) -> Iterator[tuple[int, dict]]:
         raise InputFileError(f"cannot open Parquet file {path}: {e}; check it was written "
                              "completely (pyarrow.parquet.read_metadata)") from None
     row = 0
-    for batch in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS):
+    batches = pf.iter_batches(batch_size=PARQUET_BATCH_ROWS)
+    while True:
+        try:  # pages are decoded here: a damaged one (bad copy, bit rot) fails mid-file
+            batch = next(batches, None)
+        except (pa.ArrowException, OSError) as e:
+            raise InputFileError(f"cannot read Parquet file {path} past row {row}: {e}; the "
+                                 "file is damaged: write it again from its source") from None
+        if batch is None:
+            return
         for item in batch.to_pylist():
             row += 1
-            cleaned = {k: _clean_value(v) for k, v in item.items()}
-            yield row, {k: v for k, v in cleaned.items() if v is not None}
+            yield row, _clean_value(item)
 
 
 def read_records(path: str | Path) -> Iterator[RawRecord]:
@@ -159,13 +170,16 @@ def read_records(path: str | Path) -> Iterator[RawRecord]:
 
 
 def custom_id_of(data: dict) -> str | None:
-    """The record's own custom_id: a non-empty string, or an integer (Parquet id columns) as
-    its decimal string; None when absent or unusable."""
+    """The record's own custom_id: a non-empty string, or an integer (Parquet id columns, and
+    pandas' float columns of whole numbers) as its decimal string; None when absent or
+    unusable."""
     cid = data.get("custom_id")
     if isinstance(cid, str) and cid:
         return cid
     if isinstance(cid, int) and not isinstance(cid, bool):
         return str(cid)
+    if isinstance(cid, float) and cid.is_integer():  # pandas: an int column with a gap
+        return str(int(cid))
     return None
 
 
