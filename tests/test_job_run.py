@@ -64,6 +64,35 @@ def test_resume_refuses_changed_settings(tmp_path, tiny_chat_model):
     assert proc.returncode == 3 and "kv_dtype" in proc.stderr
 
 
+def test_resume_refuses_other_weights_behind_the_same_model_path(tmp_path, tiny_chat_model):
+    """A new checkpoint written into the model folder mid-job must not mix two models'
+    answers in one job; the original bytes put back resume as before."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    model = shutil.copytree(tiny_chat_model, tmp_path / "model")
+    inp = write_jsonl(tmp_path / "in.jsonl", chat_rows(2))
+    batchgen(*run_args(inp, tmp_path / "s", model), check=True)
+    weights = next(model.glob("*.safetensors"))
+    original = weights.read_bytes()
+    tensors = load_file(weights)
+    save_file({k: v + 0.01 if v.is_floating_point() else v for k, v in tensors.items()},
+              str(weights), metadata={"format": "pt"})
+    proc = batchgen(*run_args(inp, tmp_path / "s", model))
+    assert proc.returncode == 3 and "model_weights" in proc.stderr, proc.stderr[-2000:]
+    weights.write_bytes(original)
+    proc = batchgen(*run_args(inp, tmp_path / "s", model))
+    assert proc.returncode == 0 and "already completed" in proc.stderr, proc.stderr[-2000:]
+    state_file = next(p for p in (tmp_path / "s" / "batches").glob("*.json")
+                      if p.name.count(".") == 1)  # batches/{batch_id}.json
+    state = json.loads(state_file.read_text())
+    del state["fingerprint"]["model_weights"]  # a job started before weights were counted
+    state_file.write_text(json.dumps(state))
+    proc = batchgen(*run_args(inp, tmp_path / "s", model))
+    assert proc.returncode == 0 and "already completed" in proc.stderr, proc.stderr[-2000:]
+
+
 @pytest.mark.parametrize("flag,value,needle", [
     ("--kv-dtype", "bf17", "--kv-dtype"),
     ("--decision-frequency-pages", "8", "--extension-gpu-page-buffer"),

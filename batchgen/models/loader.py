@@ -7,6 +7,7 @@ read with safetensors only (never pickle) and `trust_remote_code` is never set.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -86,6 +87,29 @@ def resolve_model(model: str, cache_dir: str | None = None) -> ModelSource:
         f"Point --model at a local folder or .gguf file, or --cache-dir at a folder holding "
         f"{model.split('/')[-1]}/ or {hub_name}/snapshots/<rev>/.")
 
+
+WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin", ".json")
+SAMPLES_PER_FILE, SAMPLE_BYTES = 8, 64 << 10
+
+
+def weights_signature(path: Path) -> str:
+    """A cheap content signature of a model file or folder: each weight/config file's name,
+    size and eight 64 KiB samples spread over it (plus its last bytes). Replacing the weights
+    behind an unchanged path changes it; copying the model elsewhere does not. A few hundred
+    KiB read per file, whatever its size."""
+    files = [path] if path.is_file() else sorted(
+        p for p in path.iterdir() if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES))
+    digest = hashlib.blake2b(digest_size=16)
+    for file in files:
+        size = file.stat().st_size
+        digest.update(f"{file.name}:{size};".encode())
+        offsets = {i * size // SAMPLES_PER_FILE for i in range(SAMPLES_PER_FILE)}
+        offsets.add(max(0, size - SAMPLE_BYTES))
+        with open(file, "rb") as f:
+            for offset in sorted(offsets):
+                f.seek(offset)
+                digest.update(f.read(SAMPLE_BYTES))
+    return digest.hexdigest()
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:

@@ -69,13 +69,15 @@ def _config_from_dict(cls, data: dict):
     return cls(**kwargs)
 
 
-def fingerprint(config: JobConfig, input_sha256: str, model_identity: str) -> dict:
+def fingerprint(config: JobConfig, input_sha256: str, model_identity: str,
+                model_weights: str) -> dict:
     """What decides the answers: a resume with any of it changed is refused."""
     m = config.engine.model
     out = config.output
     return make_fingerprint({
         "input_sha256": input_sha256,
         "model": model_identity,
+        "model_weights": model_weights,
         "dtype": m.dtype,
         "kv_dtype": m.kv_dtype,
         "seed": config.engine.runtime.seed,

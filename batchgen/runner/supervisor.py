@@ -32,6 +32,7 @@ from batchgen.io.jobfiles import (
 )
 from batchgen.io.reader import InputSummary, scan_input
 from batchgen.io.writer import IncompleteResults, finalize, read_done_ids
+from batchgen.models.loader import MANIFEST, resolve_model, weights_signature
 from batchgen.runner.errors import (
     EXIT_CODES,
     EXIT_CRASH,
@@ -91,6 +92,19 @@ def model_identity(config: JobConfig) -> str:
     return config.engine.model.model or "embedded:SmolLM2-135M-Instruct"
 
 
+def model_weights(config: JobConfig) -> str:
+    """The signature of the files the weights come from (`weights_signature`): a resume must
+    not mix answers of two models behind one --model path. The embedded model is pinned by
+    its package."""
+    m = config.engine.model
+    converted = Path(m.converted_ckpt_dir).expanduser() if m.converted_ckpt_dir else None
+    if converted is not None and (converted / MANIFEST).is_file():
+        return weights_signature(converted)
+    if m.model is None:
+        return "embedded"
+    return weights_signature(resolve_model(m.model, m.cache_dir).path)
+
+
 def identify(config: JobConfig) -> tuple[InputSummary, JobPaths]:
     """Scan the input and derive the job identity; creates the job's folders, nothing else."""
     summary = scan_input(Path(config.storage.input))
@@ -106,8 +120,10 @@ def prepare(config: JobConfig, summary: InputSummary, paths: JobPaths) -> tuple[
     batch_id, s = paths.batch_id, config.storage
     batch_file = BatchFile(paths.batch_file)
     state = batch_file.load()
-    fp = fingerprint(config, summary.sha256, model_identity(config))
+    fp = fingerprint(config, summary.sha256, model_identity(config), model_weights(config))
     if state is not None and state.fingerprint:
+        if "model_weights" not in state.fingerprint:  # a job started before weights counted
+            fp.pop("model_weights")
         check_fingerprint(state.fingerprint, fp)
     created = int(state.timings.get("created_at", now())) if state else now()
     spec = JobSpec(config, batch_id, summary.sha256, summary.records, created)
