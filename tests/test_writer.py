@@ -287,6 +287,20 @@ def test_job_paths_layout(tmp_path):
         JobPaths.for_job(tmp_path, "../escape")
 
 
+@pytest.mark.parametrize("content", [b"{not json", b"[1, 2]"])
+def test_damaged_batch_file_is_a_job_error_with_its_exit_code(tmp_path, content):
+    """Not a traceback and exit 1 ("a worker crashed"): exit 3 and the file to move aside."""
+    from batchgen.io.jobfiles import CorruptBatchFile
+    from batchgen.runner.errors import exit_code_of
+
+    paths = JobPaths.for_job(tmp_path, "batch_1")
+    paths.batch_file.parent.mkdir(parents=True)
+    paths.batch_file.write_bytes(content)
+    with pytest.raises(CorruptBatchFile, match="move it aside") as caught:
+        BatchFile(paths.batch_file).load()
+    assert exit_code_of(caught.value) == 3
+
+
 def test_batch_file_save_load_update(tmp_path):
     paths = JobPaths.for_job(tmp_path, "batch_1")
     bf = BatchFile(paths.batch_file)

@@ -136,6 +136,10 @@ class FingerprintMismatch(Exception):
     """A resume with settings that would change the answers."""
 
 
+class CorruptBatchFile(Exception):
+    """batches/{batch_id}.json does not parse: written atomically, so something else did it."""
+
+
 def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
     flat: dict[str, Any] = {}
     for key, value in d.items():
@@ -206,8 +210,11 @@ class BatchFile:
         except FileNotFoundError:
             return None
         except orjson.JSONDecodeError as e:
-            raise ValueError(f"batch file {self.path} is not valid JSON ({e}); it is written "
-                             "atomically, so something else changed it: move it aside") from None
+            raise CorruptBatchFile(f"batch file {self.path} is not valid JSON ({e}); it is "
+                                   "written atomically, so something else changed it: move it "
+                                   "aside") from None
+        if not isinstance(data, dict):
+            raise CorruptBatchFile(f"batch file {self.path} is not a JSON object: move it aside")
         known = BatchState.__dataclass_fields__
         return BatchState(**{k: v for k, v in data.items() if k in known})
 
