@@ -70,3 +70,19 @@ def test_finished_ids_are_read_once_the_results_lock_is_ours(tmp_path):
     waiter.join(timeout=30)
     assert "finished-while-we-waited" in opened["done"]
     opened["writer"].close()
+
+
+def test_a_worker_refused_by_the_results_lock_is_reported_as_such(tmp_path):
+    """Exit 4 from a worker is another live process, not a crash with retries in isolation."""
+    from types import SimpleNamespace
+
+    from batchgen.runner.errors import EXIT_LOCKED
+    from batchgen.runner.launch import WorkerFailure
+    from batchgen.runner.supervisor import _failure_cause
+
+    said = "/x/batch_1.jsonl is in use by another live batchgen process"
+    (tmp_path / "batch_1.worker0.json").write_text(f'{{"rank": 0, "failure": "{said}"}}')
+    spec = SimpleNamespace(batch_id="batch_1",
+                           paths=SimpleNamespace(batch_file=tmp_path / "batch_1.json"))
+    cause = _failure_cause(spec, WorkerFailure(0, EXIT_LOCKED, ""))
+    assert said in cause and "stop the other process" in cause and "crashed" not in cause

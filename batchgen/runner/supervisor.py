@@ -381,6 +381,10 @@ def _failure_cause(spec: JobSpec, failure: WorkerFailure) -> str:
     if failure.exitcode == EXIT_DEVICE_OOM:
         return (f"worker rank {failure.rank} ran out of device memory; {resume}: the requests "
                 "in flight are retried in smaller groups")
+    if failure.exitcode == EXIT_LOCKED:
+        said = mine.get("failure", "its results file is locked by another live batchgen process")
+        return (f"worker rank {failure.rank}: {said}; stop the other process (or wait for it) "
+                f"and {resume}")
     how = (f"killed by signal {-failure.exitcode}" if failure.exitcode < 0
            else f"exited with code {failure.exitcode}")
     return (f"worker rank {failure.rank} crashed ({how}). The requests in flight are retried "

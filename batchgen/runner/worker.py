@@ -360,6 +360,7 @@ def serve(spec: JobSpec, rank: RankInfo, stop: StopFlag, watchdog: Watchdog) -> 
         code = EXIT_DISK
     except WriterLocked as err:
         log.error("rank %d: %s", rank.rank, err)
+        watchdog.stats.update({"failure": str(err)})  # the supervisor's report names it
         return EXIT_LOCKED
     except torch.cuda.OutOfMemoryError as err:
         log.error("rank %d: device out of memory (%s); the requests in flight will be retried "
