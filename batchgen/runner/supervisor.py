@@ -32,7 +32,7 @@ from batchgen.io.jobfiles import (
 )
 from batchgen.io.reader import InputSummary, scan_input
 from batchgen.io.writer import IncompleteResults, finalize, read_done_ids
-from batchgen.models.loader import MANIFEST, resolve_model, weights_signature
+from batchgen.models.loader import resolve_model, weights_signature
 from batchgen.runner.errors import (
     EXIT_CODES,
     EXIT_CRASH,
@@ -93,13 +93,11 @@ def model_identity(config: JobConfig) -> str:
 
 
 def model_weights(config: JobConfig) -> str:
-    """The signature of the files the weights come from (`weights_signature`): a resume must
-    not mix answers of two models behind one --model path. The embedded model is pinned by
-    its package."""
+    """The signature of the weights --model names (`weights_signature`): a resume must not mix
+    answers of two models behind one path. What --model names, not what is read: a
+    --converted-ckpt-dir folder is derived from it, and written by the first run. The
+    embedded model is pinned by its package."""
     m = config.engine.model
-    converted = Path(m.converted_ckpt_dir).expanduser() if m.converted_ckpt_dir else None
-    if converted is not None and (converted / MANIFEST).is_file():
-        return weights_signature(converted)
     if m.model is None:
         return "embedded"
     return weights_signature(resolve_model(m.model, m.cache_dir).path)
