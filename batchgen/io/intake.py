@@ -315,7 +315,10 @@ def tokenize_request(parsed: ParsedRequest, tokenizer: Any,
     """Render (chat template) and tokenize; refuse prompts that leave no room to generate."""
     try:
         ids = _prompt_ids(parsed, tokenizer)
-        _check_stop_ids(parsed.sampling.stop_token_ids, len(tokenizer))
+        # Stop ids index the logits (min_tokens masks them): one past the vocabulary would
+        # stop the whole batch's step, not just this line.
+        _check_in_vocabulary("stop_token_ids", parsed.sampling.stop_token_ids, len(tokenizer),
+                             "invalid_sampling_param")
     except _BadLine as bad:
         return IntakeError(parsed.custom_id, parsed.line, bad.code, f"line {parsed.line}: {bad}")
     if not ids:
@@ -332,21 +335,16 @@ def tokenize_request(parsed: ParsedRequest, tokenizer: Any,
     return PendingRequest(**values, prompt_token_ids=ids)
 
 
-def _check_stop_ids(stop_token_ids: tuple[int, ...], vocab: int) -> None:
-    """Stop ids index the logits (min_tokens masks them): one past the vocabulary would stop
-    the whole batch's step, not just this line."""
-    if any(t >= vocab for t in stop_token_ids):
-        raise _BadLine("invalid_sampling_param", f"stop_token_ids must be < {vocab} (the "
-                                                 "tokenizer's vocabulary size)")
+def _check_in_vocabulary(what: str, token_ids, vocab: int, code: str) -> None:
+    if any(t >= vocab for t in token_ids):
+        raise _BadLine(code, f"{what} must be < {vocab} (the tokenizer's vocabulary size)")
 
 
 def _prompt_ids(parsed: ParsedRequest, tokenizer: Any) -> list[int]:
     if parsed.kind == "completion":
         if isinstance(parsed.prompt, list):
-            vocab = len(tokenizer)
-            if any(t >= vocab for t in parsed.prompt):
-                raise _BadLine("invalid_prompt", f"prompt token ids must be < {vocab} "
-                                                 "(the tokenizer's vocabulary size)")
+            _check_in_vocabulary("prompt token ids", parsed.prompt, len(tokenizer),
+                                 "invalid_prompt")
             return list(parsed.prompt)
         return list(tokenizer.encode(parsed.prompt))
     text = render_chat(parsed, tokenizer)
