@@ -79,27 +79,31 @@ def bench_decode(batch: int, ctx: int, kv_dtype=BF16, num_splits=None, scale_lay
 
 def sweep_decode() -> list:
     """The decode kernel per launch setting (warps x stages), for fp8 and bf16 KV at B=256
-    ctx 1k and B=512 ctx 1.5k: picks decode_attention.FP8_LAUNCH and BF16_LAUNCH. The "torch
-    ms" column holds the current setting's time (speed-up > 1: better than it). Walking two or
-    four pages per loop iteration was measured too (sixth session) and was slower throughout."""
+    ctx 1k and B=512 ctx 1.5k: picks decode_attention's FP8_LAUNCH / FP8_FULL_LAUNCH and
+    BF16_LAUNCH. The "torch ms" column holds the current setting's time (speed-up > 1: better
+    than it). Walking two or four pages per loop iteration was measured too (sixth session)
+    and was slower throughout."""
     from batchgen_kernels import decode_attention as DA
 
-    saved, rows = (dict(DA.FP8_LAUNCH), dict(DA.BF16_LAUNCH)), []
+    names = ("FP8_LAUNCH", "FP8_FULL_LAUNCH", "BF16_LAUNCH")
+    saved, rows = {name: getattr(DA, name) for name in names}, []
     try:
-        for kv_dtype, name in ((torch.float8_e4m3fn, "FP8_LAUNCH"), (BF16, "BF16_LAUNCH")):
-            default = dict(getattr(DA, name))
+        for kv_dtype, patched in ((torch.float8_e4m3fn, names[:2]), (BF16, names[2:])):
             for batch, ctx in ((256, 1024), (512, 1500)):
-                setattr(DA, name, default)
+                for name in names:
+                    setattr(DA, name, saved[name])
                 base = bench_decode(batch, ctx, kv_dtype, with_torch=False)[2]
-                for warps in (2, 4, 8):
+                for warps in (1, 2, 4, 8):
                     for stages in (1, 2, 3, 4):
-                        setattr(DA, name, {"num_warps": warps, "num_stages": stages})
+                        for name in patched:
+                            setattr(DA, name, {"num_warps": warps, "num_stages": stages})
                         _, shape, ours, _, moved = bench_decode(batch, ctx, kv_dtype,
                                                                 with_torch=False)
-                        rows.append((f"{name[:4]} w={warps} s={stages}", shape, ours, base,
-                                     moved))
+                        rows.append((f"{patched[0][:4]} w={warps} s={stages}", shape, ours,
+                                     base, moved))
     finally:
-        DA.FP8_LAUNCH, DA.BF16_LAUNCH = saved
+        for name in names:
+            setattr(DA, name, saved[name])
     return rows
 
 

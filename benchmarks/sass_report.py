@@ -7,9 +7,10 @@ instructions per page" and "does the V tile reach the tensor cores through ldmat
     PYTHONPATH=/tmp/t36 python benchmarks/sass_report.py [--warps 2 4] [--stages 2 3]
 
 The compile reproduces a launch's specialisation (pointers and ints divisible by 16, ints
-equal to 1 folded), so the numbers match the GPU's: fp8 KV with 2 warps, 2 stages reports 255
-registers and 23,040 bytes of shared memory, as `ncu` did on the H200 (sixth session). Counts
-are SASS instructions per thread; a loop body is the span a backward branch jumps over.
+equal to 1 folded), so the numbers match the GPU's: fp8 KV with 2 warps, 2 stages reported 255
+registers and 23,040 bytes of shared memory, as `ncu` did on the H200 (seventh session, before
+fp8 pools stored V transposed; 202 registers since). Counts are SASS instructions per thread;
+a loop body is the span a backward branch jumps over.
 """
 
 from __future__ import annotations
@@ -107,12 +108,16 @@ def report(fp8: bool, warps: int, stages: int) -> str:
     usage = cuobjdump(compiled.asm["cubin"], "--dump-resource-usage")
     regs = re.search(r"REG:(\d+)", usage)[1]
     stack = re.search(r"STACK:(\d+)", usage)[1]
-    bodies = loop_bodies(cuobjdump(compiled.asm["cubin"], "-sass"))
-    body = max(bodies, key=lambda c: sum(c.values())) if bodies else Counter()
-    mix = " ".join(f"{op}={body[op]}" for op in OPS if body[op])
+    # The page loops (edge pages masked, then full pages unmasked, then the tail page): the
+    # loops that reach the tensor cores, in code order.
+    bodies = [b for b in loop_bodies(cuobjdump(compiled.asm["cubin"], "-sass")) if b["HMMA"]]
     kv = "fp8 " if fp8 else "bf16"
-    return (f"{kv} w={warps} s={stages}  regs={regs:>3} stack={stack:>4} "
-            f"shared={compiled.metadata.shared:>6}  loop={sum(body.values()):>5}  {mix}")
+    lines = [f"{kv} w={warps} s={stages}  regs={regs:>3} stack={stack:>4} "
+             f"shared={compiled.metadata.shared:>6}"]
+    for body in bodies:
+        mix = " ".join(f"{op}={body[op]}" for op in OPS if body[op])
+        lines.append(f"    loop={sum(body.values()):>5}  {mix}")
+    return "\n".join(lines)
 
 
 def main() -> None:

@@ -81,7 +81,8 @@ def dot(a, b, F32: tl.constexpr):
 
 @triton.jit
 def round_to_e4m3(y):
-    """Round float32 `y` (|y| <= 448) to the nearest-even float8_e4m3fn value, kept in float32."""
+    """Round float32 `y` (|y| <= 448) to the nearest-even float8_e4m3fn value, kept in float32;
+    NaN becomes 0, so fp8 pools never hold NaN (`load_page_kv` relies on it)."""
     a = tl.abs(y)
     exponent = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
     # e4m3 has 3 mantissa bits and its smallest normal exponent is -6 (below: subnormal grid).
@@ -94,29 +95,61 @@ def round_to_e4m3(y):
     r = tl.minimum(r, 448.0)
     # Copy y's sign bit over (not `-r`: Triton lowers negation to 0 - r, which loses -0.0).
     sign = (y.to(tl.int32, bitcast=True) >> 31) << 31
-    return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+    rounded = (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+    return tl.where(y == y, rounded, 0.0)  # noqa: PLR0124 (false only for NaN)
+
+
+def fp8_v_stored(v: torch.Tensor) -> torch.Tensor:
+    """The storage order of fp8 V blocks (`load_page_kv`): v [..., 64, D] (one page of one
+    head, keys by dims) -> [..., 64, D] holding V transposed, i.e. the block's flat position
+    d * 64 + key holds v[key, d]. A copy."""
+    return v.transpose(-1, -2).reshape(v.shape)
+
+
+def fp8_v_logical(stored: torch.Tensor) -> torch.Tensor:
+    """Inverse of `fp8_v_stored`: a stored block [..., 64, D] -> V [..., 64, D] (keys by dims)."""
+    *lead, page, dim = stored.shape
+    return stored.reshape(*lead, dim, page).transpose(-1, -2)
 
 
 @triton.jit
 def load_page_kv(kv_ptr, scale_ptr, kv_off, scale_off, offs_n, offs_d, mask_n, mask_d,
                  stride_slot, stride_kv, stride_scale_slot, stride_scale_kv,
-                 DTYPE: tl.constexpr, FP8: tl.constexpr):
+                 DTYPE: tl.constexpr, FP8: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 PAGE: tl.constexpr):
     """One page-block of one KV head: K^T [BLOCK_D, N] and V [N, BLOCK_D] cast to DTYPE, and
     the per-key dequantisation scales k_scale/v_scale [N] (ones unless FP8).
 
-    `kv_off`/`scale_off` are the int64 element offsets of (page, slot 0, K, head); masked keys
-    load as zero so unwritten (possibly NaN) slots never reach the softmax or the PV product.
+    `kv_off`/`scale_off` are the int64 element offsets of (page, slot 0, K, head). Keys
+    outside `mask_n` get zero scales and (but for fp8 V) load as zero, so unwritten slots
+    never reach the softmax or the PV product.
+
+    fp8 pools store each page's V block transposed (`fp8_v_stored`): the PV product reduces
+    over keys, and the tensor cores take 8-bit operands only with the reduced dim contiguous
+    (a [keys, dims] fp8 tile is read from shared memory a byte per instruction, which made the
+    fp8 kernel issue-bound). A key mask would split that load along keys into bytes again, so
+    fp8 V loads whole pages: fp8 pools never hold NaN (they start zeroed and the stores write
+    NaN as 0), so a masked key's stale V is finite and its zero probability times zero scale
+    adds exactly nothing.
     """
     k_ptrs = kv_ptr + kv_off + offs_n[None, :] * stride_slot + offs_d[:, None]
-    mask_kt = mask_n[None, :] & mask_d[:, None]
-    k_t = tl.load(k_ptrs, mask=mask_kt, other=0.0).to(DTYPE)
-    v_ptrs = kv_ptr + kv_off + stride_kv + offs_n[:, None] * stride_slot + offs_d[None, :]
-    v = tl.load(v_ptrs, mask=mask_n[:, None] & mask_d[None, :], other=0.0).to(DTYPE)
+    k_t = tl.load(k_ptrs, mask=mask_n[None, :] & mask_d[:, None], other=0.0).to(DTYPE)
+    v_base = kv_ptr + kv_off + stride_kv
     if FP8:
+        if HEAD_DIM % PAGE == 0:  # key runs never cross a slot: offsets stay affine in keys
+            per_slot: tl.constexpr = HEAD_DIM // PAGE
+            v_ptrs = (v_base + ((offs_d // per_slot) * stride_slot
+                                + (offs_d % per_slot) * PAGE)[None, :] + offs_n[:, None])
+        else:
+            flat = offs_d[None, :] * PAGE + offs_n[:, None]
+            v_ptrs = v_base + (flat // HEAD_DIM) * stride_slot + flat % HEAD_DIM
+        v = tl.load(v_ptrs, mask=mask_d[None, :], other=0.0).to(DTYPE)
         s_ptrs = scale_ptr + scale_off + offs_n * stride_scale_slot
         k_scale = tl.load(s_ptrs, mask=mask_n, other=0.0)
         v_scale = tl.load(s_ptrs + stride_scale_kv, mask=mask_n, other=0.0)
     else:
+        v_ptrs = v_base + offs_n[:, None] * stride_slot + offs_d[None, :]
+        v = tl.load(v_ptrs, mask=mask_n[:, None] & mask_d[None, :], other=0.0).to(DTYPE)
         k_scale = tl.full(offs_n.shape, 1.0, tl.float32)
         v_scale = k_scale
     return k_t, v, k_scale, v_scale

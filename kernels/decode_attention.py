@@ -79,7 +79,8 @@ def _decode_kernel(
         k_t, v, k_scale, v_scale = load_page_kv(
             kv_ptr, scale_ptr, page * stride_page + kv_head * stride_head,
             page * stride_s_page + kv_head * stride_s_head, offs_n, offs_d, valid, mask_d,
-            stride_slot, stride_kv, stride_s_slot, stride_s_kv, DOT_DTYPE, FP8)
+            stride_slot, stride_kv, stride_s_slot, stride_s_kv, DOT_DTYPE, FP8,
+            HEAD_DIM, PAGE)
         s = dot(q, k_t, F32_DOT) * (k_scale * qk_scale)[None, :]
         s = tl.where(valid[None, :], s, float("-inf"))
         # Every walked page holds a visible key, so m_new is finite.
@@ -154,16 +155,31 @@ def dot_dtype(q_dtype: torch.dtype, fp8_kv: bool) -> torch.dtype:
 
 # Warps/stages of the decode kernel: the best of 2/4/8 warps x 1-4 stages on an H200 for
 # bf16 KV, and again for fp8 KV with f16 dots (`kernels_bench.py --only decode_sweep`).
-# The fp8 kernel reaches ~3.1 TB/s to bf16's ~4.2: ncu shows it issue-bound (255 registers,
-# 4 programs per SM, issue slots 51% busy, DRAM 54%), since the upcast V tile is read from
-# shared memory a byte at a time (`benchmarks/sass_report.py`: 1,092 instructions per page
-# against bf16's 550). Measured slower on the H200 (seventh session, docs/performance.md):
-# one warp; 2-4 pages or 16-32-key chunks per iteration; register caps; prefetching the next
-# page into registers; evict-first loads; K loaded token-major; e4m3 tensor-core dots (also
-# 2.7% off the reference); upcasting before the layout change (690-775 instructions, 180-236
-# registers, but 7-28% slower).
+# fp8 pools store V transposed (`load_page_kv`), which took the fp8 kernel's page loop from
+# 1,092 to ~800 instructions (`benchmarks/sass_report.py`) and 255 to 202 registers: 3.0 ->
+# 3.3 TB/s at batch 512 (eighth session). With that, one warp per program is faster still
+# (3.53-3.66 TB/s at batch 512) once there are programs enough to fill every SM several times
+# over, and slower below (batch 48-64 at ctx 1k: 1.09-1.52 against 1.16-1.58); between, the
+# two trade places within 10%. Measured slower before the transposed layout (seventh
+# session, docs/performance.md): 2-4 pages or 16-32-key chunks per iteration; register caps;
+# prefetching the next page into registers; evict-first loads; K loaded token-major; e4m3
+# tensor-core dots (also 2.7% off the reference).
 FP8_LAUNCH = {"num_warps": 2, "num_stages": 2}
+FP8_FULL_LAUNCH = {"num_warps": 1, "num_stages": 2}
+FP8_FULL_PROGRAMS_PER_SM = 5
+"""fp8 KV takes FP8_FULL_LAUNCH from this many programs per SM on."""
 BF16_LAUNCH = {"num_warps": 2, "num_stages": 2}
+
+
+def launch_config(fp8: bool, programs: int, device: torch.device) -> dict:
+    """num_warps/num_stages for a launch of `programs` decode programs."""
+    if not fp8:
+        return BF16_LAUNCH
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        if programs >= FP8_FULL_PROGRAMS_PER_SM * sms:
+            return FP8_FULL_LAUNCH
+    return FP8_LAUNCH
 
 
 def reduce_block(num_splits: int) -> int:
@@ -262,7 +278,8 @@ def paged_decode_attention(q: torch.Tensor, kv: torch.Tensor, kv_scales: torch.T
         GROUP=group, HEAD_DIM=head_dim, BLOCK_G=max(16, next_pow2(group)), BLOCK_D=block_d,
         PAGE=PAGE_SIZE, SPLIT=split, HAS_WINDOW=window is not None,
         HAS_SINKS=sinks is not None, FP8=fp8, DOT_DTYPE=_TL_DTYPES[dot_dtype(q.dtype, fp8)],
-        F32_DOT=use_f32_dot(q.dtype), **(FP8_LAUNCH if fp8 else BF16_LAUNCH))
+        F32_DOT=use_f32_dot(q.dtype),
+        **launch_config(fp8, batch * kv_heads * num_splits, device))
     if split:
         _reduce_kernel[(batch, heads)](
             part_out, part_lse, sinks if sinks is not None else q, out, num_splits,

@@ -5,7 +5,9 @@ One program per token copies its [KVH, D] K and V tiles to the slot `slot_mappin
 amax / 448 (amax clamped to 1e-8 so all-zero rows stay finite), and is stored as
 round-to-nearest-even(x / scale); the division is IEEE (`div_rn`) and the rounding explicit
 (`round_to_e4m3`), so the result is bit-identical to `(x.float() / scale).to(float8_e4m3fn)`,
-the engine's reference. Tokens whose slot is negative (padding) are skipped.
+the engine's reference, except that NaN is stored as 0 (fp8 pools never hold NaN). fp8 pools
+store V transposed per page and head (`load_page_kv`), so a token's V row lands in a column of
+its page's block. Tokens whose slot is negative (padding) are skipped.
 """
 
 from __future__ import annotations
@@ -29,14 +31,15 @@ from ._common import (
 
 
 @triton.jit
-def _store_rows(src_ptr, stride_t, stride_h, token, dst_ptr, dst_off, stride_head,
+def _store_rows(src_ptr, stride_t, stride_h, token, dst_ptr, dst_off, stride_head, dst_cols,
                 scale_ptr, scale_off, stride_s_head, offs_h, offs_d, mask_h, mask_d,
                 FP8: tl.constexpr):
-    """Write one token's [KVH, D] rows of K or V (and their fp8 scales)."""
+    """Write one token's [KVH, D] rows of K or V (and their fp8 scales); element d of a row
+    goes to dst_off + head * stride_head + dst_cols[d]."""
     mask = mask_h[:, None] & mask_d[None, :]
     x = tl.load(src_ptr + token * stride_t + offs_h[:, None] * stride_h + offs_d[None, :],
                 mask=mask, other=0.0)
-    dst = dst_ptr + dst_off + offs_h[:, None] * stride_head + offs_d[None, :]
+    dst = dst_ptr + dst_off + offs_h[:, None] * stride_head + dst_cols[None, :]
     if FP8:
         x = x.to(tl.float32)
         amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-8)
@@ -65,13 +68,18 @@ def _store_kernel(k_ptr, v_ptr, kv_ptr, scale_ptr, slot_ptr,
     offs_d = tl.arange(0, BLOCK_D)
     mask_h = offs_h < KV_HEADS
     mask_d = offs_d < HEAD_DIM
-    dst_off = page * stride_page + offset * stride_slot
+    page_off = page * stride_page
+    row_cols = offset * stride_slot + offs_d
+    v_cols = row_cols
+    if FP8:  # V blocks are stored transposed: v[offset, d] at flat position d * 64 + offset
+        flat = offs_d * PAGE + offset
+        v_cols = (flat // HEAD_DIM) * stride_slot + flat % HEAD_DIM
     scale_off = page * stride_s_page + offset * stride_s_slot
-    _store_rows(k_ptr, stride_kt, stride_kh, token, kv_ptr, dst_off, stride_head,
+    _store_rows(k_ptr, stride_kt, stride_kh, token, kv_ptr, page_off, stride_head, row_cols,
                 scale_ptr, scale_off, stride_s_head, offs_h, offs_d, mask_h, mask_d, FP8)
-    _store_rows(v_ptr, stride_vt, stride_vh, token, kv_ptr, dst_off + stride_kv, stride_head,
-                scale_ptr, scale_off + stride_s_kv, stride_s_head, offs_h, offs_d, mask_h, mask_d,
-                FP8)
+    _store_rows(v_ptr, stride_vt, stride_vh, token, kv_ptr, page_off + stride_kv, stride_head,
+                v_cols, scale_ptr, scale_off + stride_s_kv, stride_s_head, offs_h, offs_d,
+                mask_h, mask_d, FP8)
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, kv_scales: torch.Tensor | None,
@@ -85,7 +93,8 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, kv_scales: torc
     kv_scales    [num_pages, 64, 2, KVH] float32 (`pool.scales[:, layer]`) for fp8 pools,
                  which receive per-(token, K/V, head) scales amax / 448; None otherwise.
     slot_mapping [T] int64 (or int32) page * 64 + offset; negative entries are skipped.
-    Non-fp8 pools receive k/v cast to the pool dtype.
+    Non-fp8 pools receive k/v cast to the pool dtype; fp8 pools store each page's V block
+    of a head transposed (`fp8_v_stored`).
     """
     tokens, kv_heads, head_dim = k.shape
     num_pages = kv.shape[0]

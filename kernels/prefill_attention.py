@@ -79,7 +79,8 @@ def _prefill_kernel(
         k_t, v, k_scale, v_scale = load_page_kv(
             kv_ptr, scale_ptr, page * stride_page + kv_head * stride_head,
             page * stride_s_page + kv_head * stride_s_head, offs_n, offs_d, keys < hi, mask_d,
-            stride_slot, stride_kv, stride_s_slot, stride_s_kv, q_ptr.dtype.element_ty, FP8)
+            stride_slot, stride_kv, stride_s_slot, stride_s_kv, q_ptr.dtype.element_ty, FP8,
+            HEAD_DIM, PAGE)
         s = dot(q, k_t, F32_DOT) * (k_scale * qk_scale)[None, :]
         visible = keys[None, :] <= q_pos[:, None]
         if HAS_WINDOW:

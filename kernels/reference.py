@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import torch
 
-from ._common import FP8_DTYPE, FP8_MAX, PAGE_SIZE
+from ._common import FP8_DTYPE, FP8_MAX, PAGE_SIZE, fp8_v_logical, fp8_v_stored
 
 
 def dequantize_pages(kv: torch.Tensor, kv_scales: torch.Tensor | None, pages: torch.Tensor,
                      math_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """kv [num_pages, 64, 2, KVH, D] (+ scales) -> [len(pages) * 64, 2, KVH, D] in math_dtype."""
-    picked = kv[pages.long()].to(math_dtype)  # [P, 64, 2, KVH, D]
+    picked = kv[pages.long()]  # [P, 64, 2, KVH, D]
+    if kv.dtype == FP8_DTYPE:
+        picked = convert_v_blocks(picked, fp8_v_logical)
+    picked = picked.to(math_dtype)
     if kv_scales is not None:
         picked = picked * kv_scales[pages.long()].to(math_dtype).unsqueeze(-1)
     return picked.reshape(-1, *picked.shape[2:])
@@ -66,14 +69,29 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """
     amax = x.float().abs().amax(dim=-1).clamp_min(1e-8)
     scale = amax / torch.full_like(amax, FP8_MAX)
-    return (x.float() / scale.unsqueeze(-1)).to(FP8_DTYPE), scale
+    # NaN is stored as 0: fp8 pools never hold NaN (the attention kernels rely on it).
+    return torch.nan_to_num(x.float() / scale.unsqueeze(-1), nan=0.0).to(FP8_DTYPE), scale
 
 
 def store_kv(kv: torch.Tensor, kv_scales: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Copies of kv [num_pages, 64, 2, KVH, D] (and scales) with k/v [T, KVH, D] written at
-    slot_mapping [T] (page * 64 + offset; negative slots are skipped)."""
-    return _store_tokens(kv, kv_scales, torch.stack([k, v], dim=1), slot_mapping)
+    slot_mapping [T] (page * 64 + offset; negative slots are skipped). fp8 pools hold each
+    page's V block of a head transposed (`fp8_v_stored`)."""
+    if kv.dtype != FP8_DTYPE:
+        return _store_tokens(kv, kv_scales, torch.stack([k, v], dim=1), slot_mapping)
+    logical = convert_v_blocks(kv, fp8_v_logical)
+    logical, kv_scales = _store_tokens(logical, kv_scales, torch.stack([k, v], dim=1),
+                                       slot_mapping)
+    return convert_v_blocks(logical, fp8_v_stored), kv_scales
+
+
+def convert_v_blocks(kv: torch.Tensor, convert) -> torch.Tensor:
+    """A copy of kv [P, 64, 2, KVH, D] with each (page, head) V block [64, D] passed through
+    `convert` (fp8_v_stored or fp8_v_logical)."""
+    out = kv.clone()
+    out[:, :, 1] = convert(kv[:, :, 1].movedim(1, 2)).movedim(2, 1)
+    return out
 
 
 def _store_tokens(kv, kv_scales, new, slot_mapping):

@@ -10,7 +10,12 @@ slots innermost (`scale_pages[num_pages, num_layers, *token_shape[:-1], PAGE_SIZ
 decode kernel reads a page's scales of one head as 256 contiguous bytes instead of 64 strided
 4-byte loads (a 32-byte memory sector each); `scales` is the same memory seen in the data's
 index order, `[num_pages, num_layers, PAGE_SIZE, *token_shape[:-1]]`, which the kernels take
-by strides.
+by strides. fp8 GQA pools also store each (page, layer, head) block of V transposed: its flat
+position d * 64 + key holds V[key, d], so the decode kernel reads V along keys, the only order
+in which the tensor cores take 8-bit operands for the PV product (batchgen_kernels'
+`load_page_kv`). K, scales and every other pool keep token order. fp8 pools never hold NaN:
+they start zeroed (the host segment is fresh memory) and every store writes NaN as 0, because
+the kernels read whole V pages, a masked key's stale V included (times an exact zero).
 """
 
 from __future__ import annotations
@@ -39,6 +44,11 @@ class KVLayout:
     @property
     def quantized(self) -> bool:
         return self.dtype == torch.float8_e4m3fn
+
+    @property
+    def transposed_v(self) -> bool:
+        """Whether V blocks are stored transposed (fp8 GQA pools: module docstring)."""
+        return self.quantized and len(self.token_shape) == 3 and self.token_shape[0] == 2
 
     @property
     def values_per_token(self) -> int:
@@ -111,9 +121,24 @@ class KVPool:
         # The layer view is strided over pages, so index (page, offset) instead of a flat slot.
         page, offset = slots // PAGE_SIZE, slots % PAGE_SIZE
         if self.layout.quantized:
-            scale = kv.float().abs().amax(dim=-1).clamp_min(1e-8) / FP8_MAX
-            data[page, offset] = (kv.float() / scale.unsqueeze(-1)).to(self.layout.dtype)
+            amax = kv.float().abs().amax(dim=-1).clamp_min(1e-8)
+            # tensor / tensor: IEEE on CUDA too, where a Python divisor becomes a reciprocal
+            # multiply (an ulp off the kernels' store at times).
+            scale = amax / torch.full_like(amax, FP8_MAX)
+            # NaN is stored as 0: the GPU kernels read fp8 V unmasked (module docstring).
+            values = torch.nan_to_num(kv.float() / scale.unsqueeze(-1), nan=0.0).to(
+                self.layout.dtype)
             scales[page, offset] = scale
+            if not self.layout.transposed_v:
+                data[page, offset] = values
+                return
+            data[page, offset, 0] = values[:, 0]
+            # V[offset, d] sits at flat position d * 64 + offset of its page's block.
+            heads, dim = values.shape[-2:]
+            flat = torch.arange(dim, device=slots.device) * PAGE_SIZE + offset[:, None]
+            head = torch.arange(heads, device=slots.device)[None, :, None]
+            data[page[:, None, None], (flat // dim)[:, None], 1, head,
+                 (flat % dim)[:, None]] = values[:, 1]
         else:
             data[page, offset] = kv.to(self.layout.dtype)
 
@@ -121,6 +146,8 @@ class KVPool:
         """KV of `pages[..., P]` as `[..., P * PAGE_SIZE, *token_shape]` in the compute dtype."""
         lead = pages.shape[:-1]
         picked = self._rows(self.data, layer, pages.reshape(-1), 0)
+        if self.layout.transposed_v:  # [N, 64, 2, KVH, D]: V back in token order
+            picked[:, :, 1] = v_logical(picked[:, :, 1].movedim(1, 2)).movedim(2, 1)
         picked = picked.reshape(*lead, -1, *self.layout.token_shape)
         if not self.layout.quantized:
             return picked.to(self.layout.compute_dtype)
@@ -140,6 +167,8 @@ class KVPool:
         lead = len(self.layout.token_shape) - 1
         if self.layout.quantized or self.layout.dtype != self.layout.compute_dtype:
             picked = self._rows(self.data, layer, pages, lead)
+            if self.layout.transposed_v:  # [2, KVH, N, 64, D]: V back in token order
+                picked[1] = v_logical(picked[1])
             if not self.layout.quantized:
                 return picked.to(self.layout.compute_dtype)
             scale = self._rows(self.scales, layer, pages, lead)
@@ -166,6 +195,14 @@ class KVPool:
         if out is None:
             return flat.index_select(lead, rows)
         return torch.index_select(flat, lead, rows, out=out)
+
+
+def v_logical(stored: torch.Tensor) -> torch.Tensor:
+    """Stored fp8 V blocks [..., 64, D] (flat position d * 64 + key holds V[key, d]) -> a
+    new tensor V [..., 64, D] in token order; batchgen_kernels' `fp8_v_logical`, restated so
+    the engine's CPU path imports no Triton."""
+    *lead, page, dim = stored.shape
+    return stored.reshape(*lead, dim, page).transpose(-1, -2).contiguous()
 
 
 def copy_pages(src: KVPool, src_pages: list[int], dst: KVPool, dst_pages: list[int]) -> None:

@@ -15,6 +15,7 @@ CASES = [
     (6, 2, 24, None, True, 3),  # head_dim 24 is padded to the 32-wide block
     (4, 1, 32, 70, False, 2),
     (6, 2, 32, 100, True, 2),
+    (4, 2, 64, 90, False, 2),  # head_dim % 64 == 0: fp8 V read along keys, vectorised
 ]
 
 

@@ -84,3 +84,56 @@ def test_e4m3_rounding_matches_torch_cast(device):
     y = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=device)
     _cast_e4m3[(triton.cdiv(x.numel(), 1024),)](x, y, x.numel(), BLOCK=1024)
     assert torch.equal(y.view(torch.uint8), x.to(torch.float8_e4m3fn).view(torch.uint8))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("pool_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("kv_heads,head_dim", [(2, 64), (3, 24)])
+def test_engine_pool_layout_matches_kernels(device, pool_dtype, kv_heads, head_dim):
+    """The engine's own store and gather (its CPU path) agree with the kernels on the layout,
+    fp8's transposed V blocks included: same bits stored, and gather reads back what the
+    reference reads."""
+    from batchgen.engine.kv_cache import KVLayout, KVPool
+
+    layout = KVLayout(3, (2, kv_heads, head_dim), pool_dtype, torch.float32)
+    by_engine, by_kernel = KVPool(layout, 4, device), KVPool(layout, 4, device)
+    tokens = 150
+    # bf16-exact inputs: the interpreter truncates float32 -> bf16 where torch rounds.
+    k, v = torch.randn(2, tokens, kv_heads, head_dim, device=device).bfloat16().float()
+    slots = torch.randperm(4 * PAGE_SIZE)[:tokens].to(device)
+    by_engine.store(1, slots, torch.stack([k, v], dim=1))
+    store_kv(k, v, *by_kernel.layer(1), slots)
+
+    assert _same_bits(by_engine.data, by_kernel.data)
+    if pool_dtype == torch.float8_e4m3fn:
+        assert _same_bits(by_engine.scale_pages, by_kernel.scale_pages)
+    pages = torch.tensor([2, 0, 3], device=device)
+    want = reference.dequantize_pages(*by_kernel.layer(1), pages)
+    got = by_engine.gather(1, pages)
+    assert torch.equal(got, want.to(got.dtype))
+    heads_first = by_engine.gather_heads(1, pages)
+    assert torch.equal(heads_first, want.view(3, PAGE_SIZE, 2, kv_heads, head_dim).permute(
+        2, 3, 0, 1, 4).to(heads_first.dtype))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp8_stores_write_nan_as_zero(device):
+    """fp8 pools never hold NaN (the attention kernels read whole fp8 V pages): both the
+    kernel and the engine's CPU store write a NaN input as 0 and its row's finite values
+    stay as quantised."""
+    from batchgen.engine.kv_cache import KVLayout, KVPool
+
+    layout = KVLayout(1, (2, 2, 64), torch.float8_e4m3fn, torch.float32)
+    by_engine, by_kernel = KVPool(layout, 1, device), KVPool(layout, 1, device)
+    k, v = torch.randn(2, 5, 2, 64, device=device)
+    k[1, 0, 3] = v[2, 1, 10] = float("nan")
+    slots = torch.arange(5, device=device)
+    by_engine.store(0, slots, torch.stack([k, v], dim=1))
+    store_kv(k, v, *by_kernel.layer(0), slots)
+    for pool in (by_engine, by_kernel):
+        assert not pool.data.float().isnan().any()
+        # k[1, 0, 3] at slot 1; v[2, 1, 10] at flat position 10 * 64 + 2 of head 1's V block.
+        assert pool.data[0, 0, 1, 0, 0, 3] == 0 and pool.data[0, 0, 10, 1, 1, 2] == 0
+        back = pool.gather(0, torch.tensor([0], device=device))
+        torch.testing.assert_close(back[[0, 3, 4]], torch.stack([k, v], 1)[[0, 3, 4]],
+                                   rtol=0.07, atol=1e-3)  # rows without NaN: as quantised

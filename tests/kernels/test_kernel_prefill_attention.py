@@ -17,6 +17,7 @@ CASES = [
     (4, 1, 32, 24, True),
     (6, 2, 24, None, True),
     (4, 2, 32, 50, False),
+    (2, 1, 64, None, False),  # head_dim % 64 == 0: the fp8 V fast path
 ]
 
 
