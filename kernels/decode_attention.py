@@ -209,7 +209,8 @@ def paged_decode_attention(q: torch.Tensor, kv: torch.Tensor, kv_scales: torch.T
     q            [B, H, D] float32/float16/bfloat16; row b is sequence b's token at position
                  context_lens[b] - 1. Last dim contiguous.
     kv           [num_pages, 64, 2, KVH, D]: one layer's view `pool.data[:, layer]` (index 0 of
-                 the third dim is K, 1 is V); float32/float16/bfloat16, or float8_e4m3fn.
+                 the third dim is K, 1 is V); float32/float16/bfloat16, or float8_e4m3fn
+                 (whose V blocks are stored transposed: `_common.fp8_v_stored`).
     kv_scales    [num_pages, 64, 2, KVH] float32 (`pool.scales[:, layer]`), fp8 pools only:
                  value = fp8 * scale.
     page_table   [B, max_pages] int32 page ids; entries past a sequence's pages are not read.

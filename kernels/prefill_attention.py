@@ -117,7 +117,8 @@ def paged_prefill_attention(q: torch.Tensor, kv: torch.Tensor, kv_scales: torch.
                  contiguous.
     kv           [num_pages, 64, 2, KVH, D]: one layer's view `pool.data[:, layer]` (index 0 of
                  the third dim is K, 1 is V), holding every key up to context_lens (this
-                 step's too); float32/float16/bfloat16 or float8_e4m3fn.
+                 step's too); float32/float16/bfloat16 or float8_e4m3fn (whose V blocks
+                 are stored transposed: `_common.fp8_v_stored`).
     kv_scales    [num_pages, 64, 2, KVH] float32 for fp8 pools (value = fp8 * scale), else None.
     cu_seqlens_q [B+1] int32 prefix sums of query lengths (q_len >= 1 each).
     context_lens [B] int32 KV length of each sequence including its query rows.

@@ -45,8 +45,9 @@ def make_paged_kv(ctx_lens: list[int], kv_heads: int, head_dim: int, kv_dtype: t
 def make_paged_pool(ctx_lens: list[int], token_shape: tuple[int, ...], kv_dtype: torch.dtype,
                     device: str, num_layers: int = 2, layer: int = 1, spare_pages: int = 3):
     """A NaN-poisoned pool [pages, layers, 64, *token_shape] with random values in each
-    sequence's first ctx slots. fp8 pools are poisoned with 448 instead (they never hold NaN)
-    and GQA ones store V blocks transposed, as the kernels read them.
+    sequence's first ctx slots. fp8 GQA pools are poisoned with 448 instead (fp8 pools never
+    hold NaN, and the kernels read whole fp8 V pages) and store V blocks transposed, as the
+    kernels read them.
 
     Returns (kv, kv_scales, page_table): the layer view `data[:, layer]` (strided over pages,
     like the engine's), its scales view [pages, 64, *token_shape[:-1]] for fp8 (else None;
@@ -58,7 +59,8 @@ def make_paged_pool(ctx_lens: list[int], token_shape: tuple[int, ...], kv_dtype:
     fp8 = kv_dtype == torch.float8_e4m3fn
     shape = (num_pages, num_layers, PAGE_SIZE, *token_shape)
     data = poisoned(shape, torch.float32, device).to(kv_dtype)
-    if fp8:  # fp8 pools never hold NaN (the kernels rely on it): poison with the largest value
+    gqa_fp8 = fp8 and len(token_shape) == 3
+    if gqa_fp8:  # fp8 pools never hold NaN, and GQA kernels read whole fp8 V pages
         data.fill_(448.0)
     scales = None
     if fp8:  # stored as the engine's pools store them: a page's slots innermost
@@ -79,7 +81,7 @@ def make_paged_pool(ctx_lens: list[int], token_shape: tuple[int, ...], kv_dtype:
             scales[page, layer, offset] = torch.rand(ctx, *token_shape[:-1], device=device) * 0.02
         else:
             data[page, layer, offset] = values.to(kv_dtype)
-    if fp8 and len(token_shape) == 3:  # GQA pools store V blocks transposed
+    if gqa_fp8:  # stored with V blocks transposed
         data[:, layer] = reference.convert_v_blocks(data[:, layer], fp8_v_stored)
     kv_scales = scales[:, layer] if fp8 else None
     return data[:, layer], kv_scales, table.to(device)
