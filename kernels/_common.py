@@ -14,6 +14,7 @@ globals, hence LOG2E and FP8_MAX_C.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -39,6 +40,12 @@ def interpreting() -> bool:
 
 def next_pow2(n: int) -> int:
     return triton.next_power_of_2(max(1, int(n)))
+
+
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (asked once: launchers size grids by it)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def check_device(*tensors: torch.Tensor | None) -> torch.device:

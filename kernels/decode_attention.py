@@ -31,6 +31,7 @@ from ._common import (
     finish_softmax,
     load_page_kv,
     next_pow2,
+    sm_count,
     use_f32_dot,
 )
 
@@ -175,10 +176,8 @@ def launch_config(fp8: bool, programs: int, device: torch.device) -> dict:
     """num_warps/num_stages for a launch of `programs` decode programs."""
     if not fp8:
         return BF16_LAUNCH
-    if device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        if programs >= FP8_FULL_PROGRAMS_PER_SM * sms:
-            return FP8_FULL_LAUNCH
+    if device.type == "cuda" and programs >= FP8_FULL_PROGRAMS_PER_SM * sm_count(device):
+        return FP8_FULL_LAUNCH
     return FP8_LAUNCH
 
 
@@ -192,7 +191,7 @@ def default_num_splits(batch: int, kv_heads: int, max_pages: int, device: torch.
     """Enough splits to give every SM about two programs, keeping >= 2 pages per split."""
     if device.type != "cuda":
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = sm_count(device)
     programs = batch * kv_heads
     if programs >= 2 * sms:
         return 1

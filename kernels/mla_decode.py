@@ -36,6 +36,7 @@ from ._common import (
     dot,
     finish_softmax,
     next_pow2,
+    sm_count,
     use_f32_dot,
 )
 
@@ -129,7 +130,7 @@ def default_num_splits(batch: int, head_blocks: int, max_tiles: int,
     """Enough splits to give every SM about two programs, at most MAX_SPLITS."""
     if device.type != "cuda":
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = sm_count(device)
     programs = batch * head_blocks
     if programs >= 2 * sms:
         return 1
