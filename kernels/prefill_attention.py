@@ -4,9 +4,10 @@ One program owns (BLOCK_M query rows of one sequence, one query head). Its rows 
 of the sequence's context (the prefix, cached earlier, comes first), so row i of a sequence
 with q_len rows and ctx keys is at position ctx - q_len + i and sees keys 0..position (and
 only the last `window` of them with a sliding window). The program walks only the pages
-that block could see, a page (64 keys) at a time, with an online softmax in base 2; the
-causal and window masks matter only on the pages that straddle a boundary. K/V come from the
-pages, so this step's tokens must be stored first (kv_store).
+that block could see, a page (64 keys) at a time, with an online softmax in base 2: first the
+pages every row sees whole (no masks computed), then those straddling the causal boundary
+(or, with a window, every page). K/V come from the pages, so this step's tokens must be
+stored first (kv_store).
 
 The grid is sized by the longest query; programs past their sequence's end return at once.
 """
@@ -32,6 +33,44 @@ from ._common import (
     next_pow2,
     use_f32_dot,
 )
+
+
+@triton.jit
+def _attend_page(acc, m_i, l_i, q, p, hi, q_pos, window, kv_ptr, scale_ptr, page_table_ptr,
+                 kv_base, scale_base, offs_n, offs_d, mask_d, qk_scale,
+                 stride_page, stride_slot, stride_kv, stride_s_page, stride_s_slot, stride_s_kv,
+                 HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr,
+                 F32_DOT: tl.constexpr, MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """One page of the online softmax. Unless MASKED, every key of page p is visible to every
+    row (the caller checked), so no key bound, causal or window mask is computed."""
+    page = tl.load(page_table_ptr + p).to(tl.int64)
+    keys = p * PAGE + offs_n
+    mask_n = keys < hi if MASKED else offs_n < PAGE
+    k_t, v, k_scale, v_scale = load_page_kv(
+        kv_ptr, scale_ptr, page * stride_page + kv_base, page * stride_s_page + scale_base,
+        offs_n, offs_d, mask_n, mask_d, stride_slot, stride_kv, stride_s_slot, stride_s_kv,
+        q.dtype, FP8, HEAD_DIM, PAGE)
+    s = dot(q, k_t, F32_DOT)
+    if FP8:
+        s = s * (k_scale * qk_scale)[None, :]
+    else:
+        s = s * qk_scale
+    if MASKED:
+        visible = keys[None, :] <= q_pos[:, None]
+        if HAS_WINDOW:
+            visible &= keys[None, :] > q_pos[:, None] - window
+        s = tl.where(visible, s, float("-inf"))
+    # A row may see nothing on this page yet (window); keep its running max at 0 then,
+    # so exp2(-inf - m) stays 0 instead of NaN.
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    prob = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(prob, axis=1)
+    if FP8:
+        prob = prob * v_scale[None, :]
+    acc = acc * alpha[:, None] + dot(prob.to(v.dtype), v, F32_DOT)
+    return acc, m_new, l_i
 
 
 @triton.jit(do_not_specialize=["stride_pt"])  # one variant for any page table width
@@ -68,34 +107,29 @@ def _prefill_kernel(
     first_pos = ctx - q_len + block * BLOCK_M
     hi = tl.minimum(first_pos + BLOCK_M, ctx)  # one past the block's last visible key
     lo = 0
+    # Pages below `full_end` hold only keys every row of the block sees: the first row sits
+    # at first_pos. A window hides early keys from late rows, so with one every page is masked.
+    full_end = 0 if HAS_WINDOW else (first_pos + 1) // PAGE
     if HAS_WINDOW:
         lo = tl.maximum(first_pos - window + 1, 0)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for p in range(lo // PAGE, tl.cdiv(hi, PAGE)):
-        page = tl.load(page_table_ptr + seq * stride_pt + p).to(tl.int64)
-        keys = p * PAGE + offs_n
-        k_t, v, k_scale, v_scale = load_page_kv(
-            kv_ptr, scale_ptr, page * stride_page + kv_head * stride_head,
-            page * stride_s_page + kv_head * stride_s_head, offs_n, offs_d, keys < hi, mask_d,
-            stride_slot, stride_kv, stride_s_slot, stride_s_kv, q_ptr.dtype.element_ty, FP8,
-            HEAD_DIM, PAGE)
-        s = dot(q, k_t, F32_DOT) * (k_scale * qk_scale)[None, :]
-        visible = keys[None, :] <= q_pos[:, None]
-        if HAS_WINDOW:
-            visible &= keys[None, :] > q_pos[:, None] - window
-        s = tl.where(visible, s, float("-inf"))
-        # A row may see nothing on this page yet (window); keep its running max at 0 then,
-        # so exp2(-inf - m) stays 0 instead of NaN.
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        prob = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(prob, axis=1)
-        prob = prob * v_scale[None, :]
-        acc = acc * alpha[:, None] + dot(prob.to(v.dtype), v, F32_DOT)
-        m_i = m_new
+    table = page_table_ptr + seq * stride_pt
+    kv_base = kv_head * stride_head
+    scale_base = kv_head * stride_s_head
+    for p in range(full_end):
+        acc, m_i, l_i = _attend_page(
+            acc, m_i, l_i, q, p, hi, q_pos, window, kv_ptr, scale_ptr, table, kv_base,
+            scale_base, offs_n, offs_d, mask_d, qk_scale, stride_page, stride_slot, stride_kv,
+            stride_s_page, stride_s_slot, stride_s_kv, HEAD_DIM, PAGE, FP8, F32_DOT,
+            False, HAS_WINDOW)
+    for p in range(tl.maximum(lo // PAGE, full_end), tl.cdiv(hi, PAGE)):
+        acc, m_i, l_i = _attend_page(
+            acc, m_i, l_i, q, p, hi, q_pos, window, kv_ptr, scale_ptr, table, kv_base,
+            scale_base, offs_n, offs_d, mask_d, qk_scale, stride_page, stride_slot, stride_kv,
+            stride_s_page, stride_s_slot, stride_s_kv, HEAD_DIM, PAGE, FP8, F32_DOT,
+            True, HAS_WINDOW)
 
     sink = 0.0
     if HAS_SINKS:

@@ -7,9 +7,10 @@ import torch
 from batchgen_kernels import paged_prefill_attention, reference
 from kernel_testing import DEVICES, TOLERANCE, assert_rel_close, make_paged_kv, poisoned
 
-# (cached prefix, query length) per sequence: a fresh prompt spanning query blocks, a chunk
-# after a prefix that ends mid-page, a decode token and a chunk that starts on a page boundary.
-SEQUENCES = [(0, 37), (70, 20), (5, 1), (64, 18)]
+# (cached prefix, query length) per sequence: a fresh prompt within one query block, a chunk
+# after a prefix that ends mid-page, a decode token, a chunk that starts on a page boundary,
+# and a prompt over three query blocks (its later blocks see whole pages unmasked first).
+SEQUENCES = [(0, 37), (70, 20), (5, 1), (64, 18), (0, 150)]
 
 # (heads, kv_heads, head_dim, window, sinks)
 CASES = [
