@@ -48,7 +48,14 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from batchgen.bench_models import SHAPES, hf_config_for, hf_twin, random_model, weight_stats
+from batchgen.bench_models import (
+    FP8_SCALES,
+    SHAPES,
+    hf_config_for,
+    hf_twin,
+    random_model,
+    weight_stats,
+)
 from batchgen.config import EngineConfig, MemoryConfig, ModelConfig, RuntimeConfig, SchedulerConfig
 from batchgen.core import FinishReason, Request, SamplingParams
 from batchgen.engine.engine import Engine
@@ -308,8 +315,11 @@ class BenchConfig:
     decode_burst_steps: int = 8
     """Decode steps run back to back per host sync (1: sync every token)."""
     fp8_weights: bool = False
-    """FP8 e4m3 block-quantized linears (and DeepSeek's experts), as FP8 checkpoints ship them
-    (kept FP8 on CUDA: block-scaled GEMMs; dequantized on CPU). Not for gpt-oss (MXFP4)."""
+    """FP8 e4m3 quantized linears (and DeepSeek's experts), as FP8 checkpoints ship them
+    (kept FP8 on CUDA; dequantized on CPU). Not for gpt-oss (MXFP4)."""
+    fp8_scales: str = "block"
+    """How --fp8-weights scales them: "block" (128x128 blocks, as DeepSeek; blockwise GEMMs)
+    or "tensor" (one scale per matrix, as AutoFP8 checkpoints of Llama; row-scaled GEMMs)."""
     pre_dequantize_weights: bool = False
     """Dequantize MXFP4 (gpt-oss) or FP8 weights once at load instead of on the fly."""
     enable_ep_with_offloading: bool = False
@@ -331,6 +341,17 @@ class BenchConfig:
         cfg.validate()
         return cfg
 
+    def hf_config(self):
+        """The HF config of the benchmarked model (the shape, shrunk with --tiny, with its FP8
+        quantization_config under --fp8-weights)."""
+        if self.fp8_scales not in FP8_SCALES:
+            raise ValueError(f"--fp8-scales {self.fp8_scales!r}: one of {', '.join(FP8_SCALES)}")
+        if self.fp8_scales != "block" and not self.fp8_weights:
+            raise ValueError(f"--fp8-scales {self.fp8_scales} describes FP8 weights: add "
+                             "--fp8-weights")
+        fp8 = self.fp8_scales if self.fp8_weights else None
+        return hf_config_for(self.shape, self.tiny, fp8)
+
 
 def bench(cfg: BenchConfig, work: Workload, tp: TensorParallel | None = None) -> dict:
     """The report of one benchmark. `tp`: this rank's group, inside a tensor-parallel run
@@ -346,7 +367,7 @@ def bench(cfg: BenchConfig, work: Workload, tp: TensorParallel | None = None) ->
     work.validate()
     device = pick_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
-    hf_config = hf_config_for(cfg.shape, cfg.tiny, cfg.fp8_weights)
+    hf_config = cfg.hf_config()
     options = cfg.model_config()
     model = random_model(hf_config, dtype, device, options, tp=tp)
     stats = weight_stats(model)

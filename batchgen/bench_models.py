@@ -78,11 +78,15 @@ TINY = {
 """Per-shape overrides of `--tiny`: the same layer pattern and options at toy widths."""
 FP8_BLOCK = {False: (128, 128), True: (32, 32)}
 """DeepSeek's FP8 weight block (full shapes, tiny shapes: the tiny experts are 32 wide)."""
+FP8_SCALES = ("block", "tensor")
+"""Scales of random FP8 checkpoints: 128x128 blocks (DeepSeek's, in `weight_scale_inv`) or
+one per matrix (AutoFP8's for Llama, in `weight_scale`, with no weight_block_size)."""
 
 
-def hf_config_for(shape: str, tiny: bool = False, fp8_weights: bool = False):
-    """The HF config of a bench shape; `fp8_weights` adds an FP8 block quantization_config
-    (DeepSeek's; dense shapes load it through models/fp8_dense.py)."""
+def hf_config_for(shape: str, tiny: bool = False, fp8_weights: bool | str = False):
+    """The HF config of a bench shape; `fp8_weights` (True or one of FP8_SCALES; True is
+    "block") adds an FP8 quantization_config: DeepSeek's block one, or AutoFP8's per-tensor
+    one (dense shapes load both through models/fp8_dense.py)."""
     from transformers import AutoConfig
 
     if shape not in SHAPES:
@@ -95,9 +99,12 @@ def hf_config_for(shape: str, tiny: bool = False, fp8_weights: bool = False):
     if fp8_weights:
         if spec["model_type"] == "gpt_oss":
             raise ValueError("--fp8-weights: gpt-oss ships MXFP4 experts, not FP8 block weights")
-        spec["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
-                                       "activation_scheme": "dynamic",
-                                       "weight_block_size": list(FP8_BLOCK[tiny])}
+        quant = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
+        if fp8_weights in (True, "block"):
+            quant["weight_block_size"] = list(FP8_BLOCK[tiny])
+        elif fp8_weights != "tensor":
+            raise ValueError(f"FP8 scales {fp8_weights!r}: one of {', '.join(FP8_SCALES)}")
+        spec["quantization_config"] = quant
     return AutoConfig.for_model(spec.pop("model_type"), **spec)
 
 
@@ -108,14 +115,12 @@ def random_model(hf_config, dtype: torch.dtype, device: torch.device, options=No
     through its own `load_weights`; N(0, 0.02) matrices, ones for norms. With `tp` (a
     TensorParallel of size > 1) each rank draws the whole checkpoint with the same seed and
     keeps its slice, so the group holds exactly the one-device model's weights."""
-    from batchgen.models.fp8 import weight_block_size
-    from batchgen.models.fp8_dense import is_fp8_checkpoint
     from batchgen.models.loader import materialize, meta_model
 
     model = materialize(meta_model(hf_config, options, tp).to(dtype), device)
     whole = model if tp is None or tp.size == 1 else meta_model(hf_config)
-    fp8_block = weight_block_size(hf_config) if is_fp8_checkpoint(hf_config) else None
-    model.load_weights(random_checkpoint(checkpoint_specs(whole), dtype, device, fp8_block, seed))
+    model.load_weights(random_checkpoint(checkpoint_specs(whole), dtype, device,
+                                         fp8_checkpoint_scales(hf_config), seed))
     if device.type == "cuda":
         torch.cuda.empty_cache()  # FP8 swaps free the bf16 placeholders: return them
     return model.eval()
@@ -172,12 +177,27 @@ def _kind(name: str, module: nn.Module, pname: str) -> str:
     return "linear" if is_matrix and in_block and ".mlp.gate." not in name else "normal"
 
 
+def fp8_checkpoint_scales(hf_config) -> tuple[int, int] | str | None:
+    """How a random checkpoint of `hf_config` quantizes its linears: a block size, "tensor"
+    (an FP8 config without weight_block_size, as AutoFP8's), or None (not FP8)."""
+    from batchgen.models.fp8 import weight_block_size
+    from batchgen.models.fp8_dense import is_fp8_checkpoint
+
+    if not is_fp8_checkpoint(hf_config):
+        return None
+    quant = hf_config.quantization_config
+    has_block = (quant.get("weight_block_size") if isinstance(quant, dict)
+                 else getattr(quant, "weight_block_size", None))
+    return weight_block_size(hf_config) if has_block else "tensor"
+
+
 def random_checkpoint(specs, dtype: torch.dtype, device: torch.device,
-                      fp8_block: tuple[int, int] | None = None,
+                      fp8_scales: tuple[int, int] | str | None = None,
                       seed: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
-    """Draw the tensors of `specs` on `device`, one at a time. With `fp8_block`, "linear"
-    matrices come as e4m3 `weight` + `weight_scale_inv`, as DeepSeek's FP8 checkpoints."""
-    from batchgen.models.fp8 import quantize_blocks
+    """Draw the tensors of `specs` on `device`, one at a time. With `fp8_scales`, "linear"
+    matrices come as e4m3 `weight` + `weight_scale_inv` (a block size: as DeepSeek's FP8
+    checkpoints) or + one `weight_scale` ("tensor": as AutoFP8's)."""
+    from batchgen.models.fp8 import FP8, FP8_MAX, quantize_blocks
 
     gen = torch.Generator(device=device).manual_seed(seed)
     for name, shape, kind in specs:
@@ -191,8 +211,14 @@ def random_checkpoint(specs, dtype: torch.dtype, device: torch.device,
                                       generator=gen)
         else:
             w = torch.empty(shape, dtype=dtype, device=device).normal_(0.0, 0.02, generator=gen)
-            if kind == "linear" and fp8_block is not None:
-                wq, scale = quantize_blocks(w, fp8_block)
+            if kind == "linear" and fp8_scales == "tensor":
+                scale = w.abs().amax().float() / FP8_MAX
+                wq = (w.float() / scale).to(FP8)
+                del w
+                yield name, wq
+                yield name + "_scale", scale
+            elif kind == "linear" and fp8_scales is not None:
+                wq, scale = quantize_blocks(w, fp8_scales)
                 del w
                 yield name, wq
                 yield name + "_scale_inv", scale

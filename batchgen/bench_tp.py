@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from batchgen.bench import BenchConfig, Workload, bench, hf_config_for
+from batchgen.bench import BenchConfig, Workload, bench
 from batchgen.parallel import ParallelError, TensorParallel, free_port, join_local_group
 
 
@@ -56,7 +56,7 @@ def check_group(cfg: BenchConfig, work: Workload) -> None:
         raise ValueError(f"--tensor-parallel-size {size} needs {size} GPUs; this machine has "
                          f"{gpus} (use --device cpu for a CPU run over gloo)")
     work.validate()
-    hf_config = hf_config_for(cfg.shape, cfg.tiny, cfg.fp8_weights)
+    hf_config = cfg.hf_config()
     try:  # heads, MLP columns or experts not divisible by the group: say which
         meta_model(hf_config, cfg.model_config(), TensorParallel(size, 0, None))
     except ParallelError as err:

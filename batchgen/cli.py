@@ -116,7 +116,10 @@ def bench(shape: str = typer.Option("smollm2-135m", help="Model shape: smollm2-1
               16, help="Captured decode batch sizes (fewer capture faster)."),
           decode_burst_steps: int = typer.Option(
               8, help="Decode steps per host sync while the running set is fixed."),
-          fp8_weights: bool = typer.Option(False, help="FP8 block weights (not gpt-oss)."),
+          fp8_weights: bool = typer.Option(False, help="FP8 weights (not gpt-oss)."),
+          fp8_scales: str = typer.Option(
+              "block", help="--fp8-weights scales: block (128x128, as DeepSeek) or tensor "
+              "(one per matrix, as AutoFP8 Llama checkpoints: row-scaled GEMMs)."),
           pre_dequantize_weights: bool = typer.Option(
               False, help="Dequantize MXFP4/FP8 weights at load, not on the fly."),
           enable_ep_with_offloading: bool = typer.Option(
@@ -142,7 +145,7 @@ def bench(shape: str = typer.Option("smollm2-135m", help="Model shape: smollm2-1
         gpu_kv_cache_size=gpu_kv_cache_size, host_kv_cache_size=host_kv_cache_size,
         gpu_memory_frac=gpu_memory_frac, compare_host_tier=compare_host_tier, device=device,
         disable_cuda_graphs=disable_cuda_graphs, cuda_graph_num_buckets=cuda_graph_num_buckets,
-        decode_burst_steps=decode_burst_steps, fp8_weights=fp8_weights,
+        decode_burst_steps=decode_burst_steps, fp8_weights=fp8_weights, fp8_scales=fp8_scales,
         pre_dequantize_weights=pre_dequantize_weights,
         enable_ep_with_offloading=enable_ep_with_offloading,
         ep_offloading_ratio=ep_offloading_ratio, tiny=tiny,

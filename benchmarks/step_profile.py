@@ -3,6 +3,7 @@ against the bytes/FLOPs bound, with the top kernels of each from torch.profiler.
 
     python benchmarks/step_profile.py --shape llama3-8b --batch 384 --context 1500
     python benchmarks/step_profile.py --shape llama3-8b --fp8-weights --kv-dtype fp8_e4m3fn
+    python benchmarks/step_profile.py --shape llama3-8b --fp8-weights --fp8-scales tensor
 
 On CUDA (CPU with --tiny as a smoke run); random weights, no engine or scheduler: the model, the
 KV pool and the graphs.
@@ -15,7 +16,7 @@ import argparse
 import torch
 
 from batchgen.bench import measure_hbm_bandwidth
-from batchgen.bench_models import hf_config_for, random_model, weight_stats
+from batchgen.bench_models import FP8_SCALES, hf_config_for, random_model, weight_stats
 from batchgen.config import ModelConfig
 from batchgen.core import PAGE_SIZE
 from batchgen.engine.engine import KV_DTYPES
@@ -82,6 +83,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", default="llama3-8b")
     parser.add_argument("--fp8-weights", action="store_true")
+    parser.add_argument("--fp8-scales", default="block", choices=FP8_SCALES)
     parser.add_argument("--kv-dtype", default="auto", choices=["auto", *KV_DTYPES])
     parser.add_argument("--batch", type=int, default=384)
     parser.add_argument("--context", type=int, default=1500)
@@ -93,7 +95,8 @@ def main() -> None:
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = random_model(hf_config_for(args.shape, args.tiny, args.fp8_weights), dtype, device,
+    fp8 = args.fp8_scales if args.fp8_weights else False
+    model = random_model(hf_config_for(args.shape, args.tiny, fp8), dtype, device,
                          ModelConfig(kv_dtype=args.kv_dtype))
     kv_dtype = dtype if args.kv_dtype == "auto" else KV_DTYPES[args.kv_dtype]
     layout = KVLayout(model.config.num_hidden_layers, tuple(model.kv_token_shape), kv_dtype, dtype)
@@ -123,7 +126,7 @@ def main() -> None:
     decode_bound = (stats["device_bytes"] + kv_bytes) / bandwidth * 1e3
     tokens = prompts * args.prompt_len
     prefill_bound = 2 * stats["active_params"] * tokens / PEAK_BF16_FLOPS * 1e3
-    print(f"shape {args.shape}  weights {'fp8' if args.fp8_weights else 'bf16'} "
+    print(f"shape {args.shape}  weights {f'fp8 ({args.fp8_scales})' if fp8 else 'bf16'} "
           f"({stats['device_bytes'] / 1e9:.1f} GB)  kv {str(kv_dtype).removeprefix('torch.')}  "
           f"HBM {bandwidth / 1e12:.2f} TB/s")
     print(f"{'step':<34}{'ms':>9}{'bound ms':>10}{'of bound':>10}")

@@ -6,6 +6,7 @@ tested against. On a machine without a GPU they run under TRITON_INTERPRET=1.
 """
 
 from .decode_attention import paged_decode_attention
+from .fp8_rows import quantize_fp8_rows
 from .kv_store import store_kv
 from .mla_decode import mla_decode_attention
 from .mla_kv_store import store_mla_kv
@@ -13,9 +14,9 @@ from .moe_gemm import grouped_gemm, grouped_gemm_fp8, quantize_fp8_groups
 from .moe_routing import deepseek_route
 from .page_copy import copy_pages
 from .prefill_attention import paged_prefill_attention
-from .rmsnorm import fused_add_rmsnorm, rmsnorm
+from .rmsnorm import fused_add_rmsnorm, rmsnorm, rmsnorm_fp8
 from .rope import apply_rope
-from .silu_mul import silu_and_mul
+from .silu_mul import silu_and_mul, silu_and_mul_fp8
 
 __all__ = [
     "apply_rope",
@@ -28,8 +29,11 @@ __all__ = [
     "paged_decode_attention",
     "paged_prefill_attention",
     "quantize_fp8_groups",
+    "quantize_fp8_rows",
     "rmsnorm",
+    "rmsnorm_fp8",
     "silu_and_mul",
+    "silu_and_mul_fp8",
     "store_kv",
     "store_mla_kv",
 ]

@@ -31,6 +31,10 @@ LOG2E = tl.constexpr(1.4426950408889634)
 """log2(e): the online softmaxes run in base 2 (exp2 is the hardware instruction)."""
 FP8_MAX_C = tl.constexpr(FP8_MAX)
 """FP8_MAX as a constexpr: jit code may only read constexpr globals."""
+ACT_SCALE_FLOOR = 1e-12
+"""Activation quantizers clamp a row's (or group's) amax here first (as
+fp8.quantize_activations), so all-zero rows get a finite scale."""
+ACT_SCALE_FLOOR_C = tl.constexpr(ACT_SCALE_FLOOR)
 
 
 def interpreting() -> bool:
@@ -104,6 +108,21 @@ def round_to_e4m3(y):
     sign = (y.to(tl.int32, bitcast=True) >> 31) << 31
     rounded = (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
     return tl.where(y == y, rounded, 0.0)  # noqa: PLR0124 (false only for NaN)
+
+
+@triton.jit
+def e4m3_scale(amax):
+    """The per-row activation scale of a row whose largest |value| is `amax`: max(amax,
+    floor) / 448, an IEEE division as the reference's."""
+    return tl.math.div_rn(tl.maximum(amax, ACT_SCALE_FLOOR_C), FP8_MAX_C)
+
+
+@triton.jit
+def quantize_row_e4m3(y):
+    """One row `y` [N] float32 (masked-off elements 0) -> (its values on the e4m3 grid, kept
+    in float32, and their scale `e4m3_scale`): value = round-to-nearest-even(y / scale)."""
+    scale = e4m3_scale(tl.max(tl.abs(y), axis=0))
+    return round_to_e4m3(tl.math.div_rn(y, scale)), scale
 
 
 def fp8_v_stored(v: torch.Tensor) -> torch.Tensor:

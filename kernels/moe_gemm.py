@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from ._common import (
+    ACT_SCALE_FLOOR_C,
     FLOAT_DTYPES,
     FP8_DTYPE,
     FP8_MAX_C,
@@ -46,12 +47,6 @@ from ._common import (
     round_to_e4m3,
     use_f32_dot,
 )
-
-ACT_SCALE_FLOOR = 1e-12
-"""Activation groups' amax is clamped here first (as fp8.quantize_activations), so all-zero
-rows get a finite scale."""
-ACT_SCALE_FLOOR_C = tl.constexpr(ACT_SCALE_FLOOR)
-
 
 @triton.jit
 def _find_tile(offs_ptr, num_groups, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr):

@@ -207,6 +207,12 @@ def quantize_fp8_groups(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor
     return q.reshape(x.shape), scale
 
 
+def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3 [M, K], float32 scales [M, 1]): quantize_fp8_groups with one group
+    per row."""
+    return quantize_fp8_groups(x, x.shape[1])
+
+
 def dequantize_fp8_blocks(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
                           math_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """q [..., N, K] times its block scales [..., N / bn, K / bk], in math_dtype."""

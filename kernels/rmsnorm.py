@@ -4,7 +4,8 @@ h = x + residual is rounded to the activation dtype (it is the residual stream t
 adds to), then out = weight * (h / rms(h)), with the normalised value cast to the activation
 dtype before the weight multiply, as HF Llama and batchgen's RMSNorm do, so bf16 results
 match the unfused path up to the reduction order. The whole row sits in registers; rows up
-to 64K features fit.
+to 64K features fit. `rmsnorm_fp8` quantizes that row per row to e4m3 (fp8_rows.py) instead of
+writing it, for a row-scaled FP8 projection that reads it next.
 """
 
 from __future__ import annotations
@@ -13,27 +14,39 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import FLOAT_DTYPES, check_device, check_dtype, check_shape, next_pow2
+from ._common import (
+    FLOAT_DTYPES,
+    check_device,
+    check_dtype,
+    check_shape,
+    next_pow2,
+    quantize_row_e4m3,
+)
+from .fp8_rows import fp8_row_outputs, row_warps
 
 
 @triton.jit
-def _rmsnorm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, eps, n_cols,
-                    stride_x, stride_r, stride_o, stride_ro,
-                    BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+def _rmsnorm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, scale_ptr, eps,
+                    n_cols, stride_x, stride_r, stride_o, stride_ro,
+                    BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, FP8_OUT: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
+    act = x_ptr.dtype.element_ty
     h = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(residual_ptr + row * stride_r + offs, mask=mask, other=0.0)
-        h = (h.to(tl.float32) + r.to(tl.float32)).to(residual_out_ptr.dtype.element_ty)
+        h = (h.to(tl.float32) + r.to(tl.float32)).to(act)
         tl.store(residual_out_ptr + row * stride_ro + offs, h, mask=mask)
     hf = h.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(hf * hf, axis=0) / n_cols + eps)
-    normed = (hf * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
+    normed = (hf * rstd).to(act).to(tl.float32)
     w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + offs, (normed * w).to(out_ptr.dtype.element_ty),
-             mask=mask)
+    y = (normed * w).to(act)
+    if FP8_OUT:  # quantize the activation-dtype row the unfused path would have written
+        y, scale = quantize_row_e4m3(y.to(tl.float32))
+        tl.store(scale_ptr + row, scale)
+    tl.store(out_ptr + row * stride_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _check_rows(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> None:
@@ -70,18 +83,49 @@ def fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: to
         _check_rows("residual_out", residual_out, (rows, cols), x.dtype)
     else:
         assert residual_out is None, "residual_out without residual"
+    _launch(x, residual, weight, out, residual_out, None, eps)
+    return out, residual_out
+
+
+def _launch(x, residual, weight, out, residual_out, scales, eps) -> None:
+    rows, cols = x.shape
     if rows == 0:
-        return out, residual_out
+        return
     block = next_pow2(cols)
     r, ro = (residual, residual_out) if residual is not None else (x, out)
     _rmsnorm_kernel[(rows,)](
-        x, r, weight, out, ro, eps, cols,
+        x, r, weight, out, ro, scales if scales is not None else weight, eps, cols,
         x.stride(0), r.stride(0), out.stride(0), ro.stride(0),
-        BLOCK=block, HAS_RESIDUAL=residual is not None, num_warps=min(16, max(1, block // 512)))
-    return out, residual_out
+        BLOCK=block, HAS_RESIDUAL=residual is not None, FP8_OUT=scales is not None,
+        num_warps=row_warps(block))
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
             out: torch.Tensor | None = None) -> torch.Tensor:
     """weight * rmsnorm(x) for x [T, N]; see fused_add_rmsnorm."""
     return fused_add_rmsnorm(x, None, weight, eps, out=out)[0]
+
+
+def rmsnorm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                out: torch.Tensor | None = None, scales: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """rmsnorm(x, weight, eps) quantized per row to e4m3 (`fp8_rows.quantize_fp8_rows`) in
+    the same pass: the input of a row-scaled FP8 projection, without the activation-dtype row
+    written and read back. Bit-identical to quantizing `rmsnorm`'s output.
+
+    x       [T, N] float32/float16/bfloat16, last dim contiguous, N <= 65536.
+    weight  [N] any float dtype.
+    out     optional [T, N] float8_e4m3fn; scales optional [T, 1] float32.
+    Returns (out, scales).
+    """
+    check_device(x, weight, out, scales)
+    check_dtype("x", x, FLOAT_DTYPES)
+    assert x.dim() == 2, "x is [T, N]"
+    rows, cols = x.shape
+    assert 1 <= cols <= 65536, f"N = {cols}: 1..65536 features"
+    _check_rows("x", x, (rows, cols), x.dtype)
+    check_shape("weight", weight, (cols,))
+    assert weight.stride(0) == 1, "weight must be contiguous"
+    out, scales = fp8_row_outputs(rows, cols, x.device, out, scales)
+    _launch(x, None, weight, out, None, scales, eps)
+    return out, scales

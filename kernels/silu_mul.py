@@ -2,7 +2,9 @@
 
 The gate and up projections come out of one fused matmul as the two halves of each row; this
 reads both halves once and writes the product, computing in float32 and rounding once.
-Program (t, j) handles BLOCK columns of row t.
+Program (t, j) handles BLOCK columns of row t. `silu_and_mul_fp8` instead quantizes each row
+per row to e4m3 (fp8_rows.py) for a row-scaled FP8 down projection; a program owns a row,
+since the scale needs the row's amax.
 """
 
 from __future__ import annotations
@@ -11,19 +13,54 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import FLOAT_DTYPES, check_device, check_dtype, check_shape, next_pow2
+from ._common import (
+    FLOAT_DTYPES,
+    check_device,
+    check_dtype,
+    check_shape,
+    e4m3_scale,
+    next_pow2,
+    round_to_e4m3,
+)
+from .fp8_rows import fp8_row_outputs
+
+
+@triton.jit
+def _silu_mul(x_row, offs, n_cols):
+    """silu(gate) * up at columns `offs` of one row, rounded to the row's dtype, in float32."""
+    mask = offs < n_cols
+    gate = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_row + n_cols + offs, mask=mask, other=0.0).to(tl.float32)
+    silu = gate / (1.0 + tl.exp(-gate))
+    return (silu * up).to(x_row.dtype.element_ty).to(tl.float32)
 
 
 @triton.jit
 def _silu_mul_kernel(x_ptr, out_ptr, n_cols, stride_x, stride_o, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n_cols
-    gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + row * stride_x + n_cols + offs, mask=mask, other=0.0).to(tl.float32)
-    silu = gate / (1.0 + tl.exp(-gate))
-    tl.store(out_ptr + row * stride_o + offs, (silu * up).to(out_ptr.dtype.element_ty),
-             mask=mask)
+    y = _silu_mul(x_ptr + row * stride_x, offs, n_cols)
+    tl.store(out_ptr + row * stride_o + offs, y.to(out_ptr.dtype.element_ty), mask=offs < n_cols)
+
+
+@triton.jit
+def _silu_mul_fp8_kernel(x_ptr, q_ptr, scale_ptr, n_cols, stride_x, stride_q,
+                         CHUNK: tl.constexpr):
+    """One row in two passes over CHUNK-wide pieces: the amax, then the values quantized (the
+    second pass re-reads the row from L2; a whole row in registers spilled at 14336 columns)."""
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    cols = tl.arange(0, CHUNK)
+    amax = tl.zeros([CHUNK], tl.float32)
+    for start in range(0, n_cols, CHUNK):
+        amax = tl.maximum(amax, tl.abs(_silu_mul(x_row, start + cols, n_cols)))
+    scale = e4m3_scale(tl.max(amax, axis=0))
+    for start in range(0, n_cols, CHUNK):
+        y = _silu_mul(x_row, start + cols, n_cols)
+        q = round_to_e4m3(tl.math.div_rn(y, scale))
+        tl.store(q_ptr + row * stride_q + start + cols, q.to(q_ptr.dtype.element_ty),
+                 mask=start + cols < n_cols)
+    tl.store(scale_ptr + row, scale)
 
 
 def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None,
@@ -50,3 +87,29 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None,
     _silu_mul_kernel[grid](x, out, inter, x.stride(0), out.stride(0), BLOCK=block,
                            num_warps=max(1, min(8, block // 256)))
     return out
+
+
+def silu_and_mul_fp8(x: torch.Tensor, out: torch.Tensor | None = None,
+                     scales: torch.Tensor | None = None,
+                     chunk: int = 2048) -> tuple[torch.Tensor, torch.Tensor]:
+    """silu(gate) * up quantized per row to e4m3 in the same kernel; bit-identical to
+    quantizing `silu_and_mul`'s output with `quantize_fp8_rows`.
+
+    x       [T, 2I] float32/float16/bfloat16, last dim contiguous.
+    out     optional [T, I] float8_e4m3fn; scales optional [T, 1] float32.
+    chunk   columns per step of a program's two passes over its row (a power of two).
+    Returns (out, scales).
+    """
+    check_device(x, out, scales)
+    check_dtype("x", x, FLOAT_DTYPES)
+    assert x.dim() == 2 and x.shape[1] % 2 == 0, "x is [T, 2I]"
+    assert x.stride(1) == 1, "x: last dim must be contiguous"
+    rows, inter = x.shape[0], x.shape[1] // 2
+    assert inter >= 1, "x has no columns"
+    out, scales = fp8_row_outputs(rows, inter, x.device, out, scales)
+    if rows == 0:
+        return out, scales
+    chunk = min(next_pow2(chunk), next_pow2(inter))
+    _silu_mul_fp8_kernel[(rows,)](x, out, scales, inter, x.stride(0), out.stride(0),
+                                  CHUNK=chunk, num_warps=max(1, min(8, chunk // 256)))
+    return out, scales

@@ -210,3 +210,19 @@ def test_tensor_parallel_bench_refuses_what_the_group_cannot_run(monkeypatch):
     with pytest.raises(ValueError, match="not divisible by the tensor-parallel size 3"):
         check_group(BenchConfig(shape="llama3-8b", tiny=True, device="cpu",
                                 tensor_parallel_size=3), work)
+
+
+def test_bench_fp8_scales_flag():
+    """--fp8-scales tensor runs (row-scaled FP8 weights, dequantized on CPU); it needs
+    --fp8-weights and a known kind, and says so."""
+    from batchgen.cli import app
+
+    base = ["bench", "--shape", "llama3-8b", "--tiny", "--device", "cpu", "--requests", "2",
+            "--input-len", "8", "--output-len", "2", "--gpu-kv-cache-size", "0.02",
+            "--host-kv-cache-size", "0.05"]
+    result = CliRunner().invoke(app, [*base, "--fp8-weights", "--fp8-scales", "tensor"])
+    assert result.exit_code == 0, result.output
+    for extra, message in ((["--fp8-scales", "tensor"], "add --fp8-weights"),
+                           (["--fp8-weights", "--fp8-scales", "rows"], "one of block, tensor")):
+        refused = CliRunner().invoke(app, [*base, *extra])
+        assert refused.exit_code == 2 and message in refused.output, refused.output

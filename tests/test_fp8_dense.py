@@ -1,5 +1,6 @@
 """FP8 checkpoints of dense (Llama-family) models: e4m3 projections with block scales
-(`weight_scale_inv`) or one per-tensor scale (`weight_scale`), as our own quantizer writes them.
+(`weight_scale_inv`) or one scale per tensor or output channel (`weight_scale`), as our own
+quantizer writes them.
 On CPU they are dequantized at load; the FP8 modules CUDA keeps are exercised here too (their
 matmul dequantizes on CPU), so both must give the logits of the dequantized weights."""
 
@@ -21,7 +22,7 @@ from engine_utils import greedy_requests, make_engine
 BLOCK = (16, 16)
 
 
-def write_fp8(src, dst, per_tensor: bool):
+def write_fp8(src, dst, scales: str):
     """Quantize every projection of `src` into `dst` (and `dst/dequant`: the values it holds)."""
     dst.mkdir()
     (dst / "dequant").mkdir()
@@ -29,8 +30,9 @@ def write_fp8(src, dst, per_tensor: bool):
     quantized, dense = {}, {}
     for name, w in state.items():
         if name.endswith("proj.weight"):
-            if per_tensor:
-                scale = w.abs().max().float() / 448.0
+            if scales in ("tensor", "channel"):
+                amax = w.abs().max() if scales == "tensor" else w.abs().amax(1, keepdim=True)
+                scale = amax.float() / 448.0
                 q = (w / scale).to(torch.float8_e4m3fn)
                 quantized[name], quantized[name[:-len("weight")] + "weight_scale"] = q, scale
                 quantized[name[:-len("weight")] + "input_scale"] = torch.tensor(1.0)
@@ -65,17 +67,18 @@ def tokens(model, n=24):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-@pytest.mark.parametrize("per_tensor", [False, True], ids=["block", "per-tensor"])
+@pytest.mark.parametrize("scales", ["block", "tensor", "channel"])
 @pytest.mark.parametrize("keep_fp8", [False, True], ids=["dequantized", "fp8-modules"])
 def test_fp8_checkpoint_equals_its_dequantized_weights(tmp_path, monkeypatch, family,
-                                                       per_tensor, keep_fp8):
+                                                       scales, keep_fp8):
     src = save_tiny_model(family, tmp_path / "src")
-    write_fp8(src, tmp_path / "fp8", per_tensor)
+    write_fp8(src, tmp_path / "fp8", scales)
     ours = load(tmp_path / "fp8", keep_fp8, monkeypatch)
     reference = load(tmp_path / "fp8" / "dequant")
     fp8_modules = [m for m in ours.modules() if isinstance(m, Fp8Linear)]
     # q|k|v and gate|up fused: 4 FP8 projections per layer when kept
     assert len(fp8_modules) == (4 * ours.config.num_hidden_layers if keep_fp8 else 0)
+    assert all(m.row_scaled == (scales != "block") for m in fp8_modules)
     got, want = tokens(ours), tokens(reference)
     for (t, lp), (rt, rlp) in zip(got, want):
         assert t == rt
@@ -85,7 +88,7 @@ def test_fp8_checkpoint_equals_its_dequantized_weights(tmp_path, monkeypatch, fa
 def test_qwen2_biased_qkv_stays_dense(tmp_path, monkeypatch):
     """Fp8Linear has no bias: q/k/v with a bias are dequantized, the rest stays FP8."""
     src = save_tiny_model("qwen2", tmp_path / "src")
-    write_fp8(src, tmp_path / "fp8", per_tensor=False)
+    write_fp8(src, tmp_path / "fp8", "block")
     ours = load(tmp_path / "fp8", True, monkeypatch)
     layer = ours.model.layers[0]
     assert not isinstance(layer.self_attn.qkv_proj, Fp8Linear)
@@ -94,14 +97,19 @@ def test_qwen2_biased_qkv_stays_dense(tmp_path, monkeypatch):
             == [t for t, _ in tokens(load(tmp_path / "fp8" / "dequant"))])
 
 
-def test_our_fused_layout_in_fp8_installs_whole(monkeypatch):
-    """`batchgen bench --fp8-weights` on a dense shape: our fused q|k|v and gate|up come as one
-    FP8 tensor each (no pieces to join) and must become Fp8Linear modules directly."""
+@pytest.mark.parametrize("scales", ["block", "tensor"])
+def test_our_fused_layout_in_fp8_installs_whole(monkeypatch, scales):
+    """`batchgen bench --fp8-weights [--fp8-scales tensor]` on a dense shape: our fused q|k|v
+    and gate|up come as one FP8 tensor each (no pieces to join) and must become Fp8Linear
+    modules directly; row-scaled ones get their input quantized by the norms before them."""
     from batchgen.bench_models import hf_config_for, random_model
 
     monkeypatch.setattr(LlamaForCausalLM, "_keep_fp8", lambda self: True)
-    model = random_model(hf_config_for("llama3-8b", tiny=True, fp8_weights=True), torch.float32,
-                         torch.device("cpu"))
-    kept = [n for n, m in model.named_modules() if isinstance(m, Fp8Linear)]
+    model = random_model(hf_config_for("llama3-8b", tiny=True, fp8_weights=scales),
+                         torch.float32, torch.device("cpu"))
+    kept = [m for m in model.modules() if isinstance(m, Fp8Linear)]
     assert len(kept) == 4 * model.config.num_hidden_layers
+    assert all(m.row_scaled == (scales == "tensor") for m in kept)
+    norms = [layer.input_layernorm.fp8_rows for layer in model.model.layers]
+    assert norms == [scales == "tensor"] * model.config.num_hidden_layers
     assert all(t for t, _ in tokens(model, 4))

@@ -24,6 +24,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from batchgen.models.fp8_rowwise import (
+    QuantizedRows,
+    is_row_scaled,
+    quantize_rows,
+    row_scaled_matmul,
+)
+
 try:
     import triton
     import triton.language as tl
@@ -60,9 +67,9 @@ def pair_scales(weights: Iterable[tuple[str, torch.Tensor]], block: tuple[int, i
                 keep_fp8: bool, dtype: torch.dtype) -> Iterator[tuple[str, object]]:
     """Join each e4m3 `X.weight` with its `X.weight_scale_inv` / `X.weight_scale` (in either
     order) and yield (X.weight, QuantizedWeight) when `keep_fp8`, else the weight dequantized
-    to `dtype`. A per-tensor scale becomes a uniform block grid; a per-channel one is always
-    dequantized. Static activation scales (`input_scale`) are dropped: activations are
-    quantized dynamically. Every other tensor passes through unchanged."""
+    to `dtype`. A per-tensor or per-channel scale becomes one scale per row (block (1, K): the
+    row-scaled GEMM of fp8_rowwise.py). Static activation scales (`input_scale`) are dropped:
+    activations are quantized dynamically. Every other tensor passes through unchanged."""
     weights_waiting: dict[str, torch.Tensor] = {}
     scales_waiting: dict[str, torch.Tensor] = {}
     for name, tensor in weights:
@@ -82,13 +89,11 @@ def pair_scales(weights: Iterable[tuple[str, torch.Tensor]], block: tuple[int, i
         else:
             yield name, tensor
             continue
-        scale, per_channel = block_grid(scale.float(), tuple(weight.shape), block)
-        if keep_fp8 and not per_channel:
-            yield base, QuantizedWeight(weight, scale, block)
-        elif per_channel:
-            yield base, (weight.float() * scale).to(dtype)
+        scale, weight_block = block_grid(scale.float(), tuple(weight.shape), block)
+        if keep_fp8:
+            yield base, QuantizedWeight(weight, scale, weight_block)
         else:
-            yield base, dequantize_blocks(weight, scale, block, dtype)
+            yield base, dequantize_blocks(weight, scale, weight_block, dtype)
     unpaired = sorted(weights_waiting) + sorted(scales_waiting)
     if unpaired:
         raise ValueError("FP8 weights without their weight_scale_inv (or the reverse): "
@@ -96,16 +101,15 @@ def pair_scales(weights: Iterable[tuple[str, torch.Tensor]], block: tuple[int, i
 
 
 def block_grid(scale: torch.Tensor, shape: tuple[int, int],
-               block: tuple[int, int]) -> tuple[torch.Tensor, bool]:
-    """(scales on the [ceil(N/bn), ceil(K/bk)] grid, False), or for per-channel scales
-    ([N] / [N, 1]) the (broadcastable [N, 1] scales, True)."""
+               block: tuple[int, int]) -> tuple[torch.Tensor, tuple[int, int]]:
+    """(scales, block) of a weight [N, K]: block scales on their [ceil(N/bn), ceil(K/bk)]
+    grid as given; a per-tensor (one value) or per-channel ([N] / [N, 1]) scale as [N, 1] with
+    block (1, K), one scale per row."""
     grid = (-(-shape[0] // block[0]), -(-shape[1] // block[1]))
-    if scale.numel() == 1:
-        return scale.reshape(1, 1).expand(grid).contiguous(), False
     if scale.dim() == 2 and tuple(scale.shape) == grid:
-        return scale, False
-    if scale.numel() == shape[0]:
-        return scale.reshape(shape[0], 1), True
+        return scale, block
+    if scale.numel() in (1, shape[0]):
+        return scale.reshape(-1, 1).expand(shape[0], 1).contiguous(), (1, shape[1])
     raise ValueError(f"FP8 scale of shape {tuple(scale.shape)} fits neither the {grid} block grid "
                      f"nor one value per row of a {shape} weight")
 
@@ -113,13 +117,31 @@ def block_grid(scale: torch.Tensor, shape: tuple[int, int],
 def narrow_quantized(value: QuantizedWeight, dim: int, start: int, length: int,
                      dtype: torch.dtype) -> QuantizedWeight | torch.Tensor:
     """Rows (dim 0) or columns (dim 1) [start, start + length) of a block-quantized matrix:
-    still FP8 when the cut falls on scale-block edges, else dequantized to `dtype`."""
+    still FP8 when the cut falls on scale-block edges (or within a row-scaled matrix's rows),
+    else dequantized to `dtype`."""
+    if dim == 1 and is_row_scaled(value.block, value.weight.shape[1]):
+        return QuantizedWeight(value.weight.narrow(1, start, length), value.scale_inv, (1, length))
     edge = value.block[dim]
     if start % edge or (length % edge and start + length != value.weight.shape[dim]):
         return dequantize_blocks(value.weight, value.scale_inv, value.block,
                                  dtype).narrow(dim, start, length)
     scales = value.scale_inv.narrow(dim, start // edge, -(-length // edge))
     return QuantizedWeight(value.weight.narrow(dim, start, length), scales, value.block)
+
+
+def on_block_grid(value: QuantizedWeight, block: tuple[int, int]) -> QuantizedWeight | None:
+    """A row-scaled weight restated on `block`'s scale grid (for kernels that take only block
+    scales), or None when its rows' scales differ within a block (a per-channel scale)."""
+    if not is_row_scaled(value.block, value.weight.shape[1]):
+        return value
+    n, k = value.weight.shape
+    bn = block[0]
+    scales = value.scale_inv.reshape(-1)
+    rows = torch.cat([scales, scales[-1:].expand(-n % bn)]).view(-1, bn)  # last block padded
+    if not bool((rows == rows[:, :1]).all()):
+        return None
+    grid = rows[:, :1].expand(-1, -(-k // block[1])).contiguous()
+    return QuantizedWeight(value.weight, grid, tuple(block))
 
 
 def quantize_blocks(w: torch.Tensor, block: tuple[int, int] = (128, 128)):
@@ -175,6 +197,8 @@ def fp8_linear(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor,
         out = F.linear(x2, dequantize_blocks(wq, ws, block, x.dtype))
     elif x2.shape[0] == 0:
         out = x2.new_zeros(0, wq.shape[0])
+    elif is_row_scaled(block, k):
+        out = row_scaled_matmul(quantize_rows(x2), wq, ws, x.dtype)
     else:
         xq, xs = _quantize_on_device(x2, block[1])
         out = block_matmul(xq, xs, wq, ws, block, x.dtype)
@@ -238,10 +262,11 @@ def _scaled_mm_works(device: torch.device, n: int, k: int) -> bool:
 
 
 class Fp8Linear(nn.Module):
-    """A bias-free linear layer whose weight stays e4m3 with per-block scales (CUDA only)."""
+    """A bias-free linear layer whose weight stays e4m3 with per-block or per-row scales (CUDA
+    only)."""
 
     def __init__(self, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
-                 reduce_over=None):
+                 reduce_over=None, output_dtype: torch.dtype = torch.bfloat16):
         super().__init__()
         # A tensor-parallel slice arrives as a view of the whole checkpoint tensor: keep a
         # compact copy (the blockwise scaled GEMM needs unit inner strides, and a view would
@@ -251,6 +276,8 @@ class Fp8Linear(nn.Module):
         self.block = tuple(block)
         self.reduce_over = reduce_over
         """The TensorParallel group summing a row-parallel layer's partial outputs, or None."""
+        self.output_dtype = output_dtype
+        """The model's dtype: outputs computed from QuantizedRows (a tensor input's dtype wins)."""
 
     @property
     def out_features(self) -> int:
@@ -259,8 +286,17 @@ class Fp8Linear(nn.Module):
     def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
         return dequantize_blocks(self.weight, self.weight_scale_inv, self.block, dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = fp8_linear(x, self.weight, self.weight_scale_inv, self.block)
+    @property
+    def row_scaled(self) -> bool:
+        """One scale per weight row: the input may come as QuantizedRows (fp8_rowwise.py)."""
+        return is_row_scaled(self.block, self.weight.shape[1])
+
+    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
+        if isinstance(x, QuantizedRows):
+            assert self.row_scaled, "QuantizedRows feed only row-scaled FP8 projections"
+            out = row_scaled_matmul(x, self.weight, self.weight_scale_inv, self.output_dtype)
+        else:
+            out = fp8_linear(x, self.weight, self.weight_scale_inv, self.block)
         return out if self.reduce_over is None else self.reduce_over.all_reduce(out)
 
 

@@ -1,7 +1,10 @@
 """FP8 checkpoints of dense models (the Llama family): e4m3 projection weights with 128x128
-block scales (`weight_scale_inv`) or one per-tensor scale (`weight_scale`); fp8.py reads both.
+block scales (`weight_scale_inv`), or one scale per tensor or per output channel
+(`weight_scale`); fp8.py reads them all.
 
-On CUDA a projection stays FP8 and runs the block-scaled GEMM of fp8.py (`Fp8Linear`); fused
+On CUDA a projection stays FP8 and runs the block- or row-scaled GEMM of fp8.py (`Fp8Linear`);
+a row-scaled q|k|v or gate|up then takes its input quantized by the RMSNorm before it, and a
+row-scaled down_proj by the SiLU-and-mul (`feed_quantized_rows`: fused kernels). Fused
 projections (q|k|v, gate|up) are joined along their rows once every piece has arrived, which
 needs each piece to end on a scale-block edge. Whatever cannot stay FP8 (a misaligned piece, a
 biased projection) is dequantized and loaded as a dense tensor, so the model is always whole.
@@ -75,4 +78,18 @@ class Fp8Projections:
         reduce = (isinstance(old, RowParallelLinear) and old.reduce_output and old.tp.size > 1)
         device = old.weight.device
         self.model.set_submodule(path, Fp8Linear(weight.to(device), scale.to(device),
-                                                 ordered[0].block, old.tp if reduce else None))
+                                                 ordered[0].block, old.tp if reduce else None,
+                                                 self.dtype))
+
+
+def feed_quantized_rows(layers) -> None:
+    """Have each decoder layer's norms hand a row-scaled FP8 q|k|v and gate|up their input as
+    QuantizedRows (one fused kernel instead of a norm and a quantizer): each norm's output
+    feeds only that projection. FusedGatedMLP does the same for its down_proj by itself."""
+    for layer in layers:
+        layer.input_layernorm.fp8_rows = _row_scaled(layer.self_attn.qkv_proj)
+        layer.post_attention_layernorm.fp8_rows = _row_scaled(layer.mlp.gate_up_proj)
+
+
+def _row_scaled(module: nn.Module) -> bool:
+    return isinstance(module, Fp8Linear) and module.row_scaled

@@ -8,6 +8,7 @@ import math
 import torch
 from torch import nn
 
+from batchgen.models.fp8_rowwise import QuantizedRows
 from batchgen.parallel import TensorParallel
 
 log = logging.getLogger("batchgen.models")
@@ -21,11 +22,15 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.fp8_rows = False
+        """Return QuantizedRows on CUDA: the output feeds only a row-scaled FP8 projection."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor | QuantizedRows:
         if x.is_cuda and x.dim() == 2:
-            from batchgen_kernels import rmsnorm
+            from batchgen_kernels import rmsnorm, rmsnorm_fp8
 
+            if self.fp8_rows:
+                return QuantizedRows(*rmsnorm_fp8(x, self.weight, self.eps))
             return rmsnorm(x, self.weight, self.eps)
         # Normalise in float32 and cast back before the weight, as HF Llama does: bitwise
         # agreement with the reference matters more than a fused cast here.
@@ -164,11 +169,13 @@ class FusedGatedMLP(nn.Module):
         self.gate_up_proj = nn.Linear(hidden, 2 * self.local_intermediate, bias=bias)
         self.down_proj = RowParallelLinear(intermediate, hidden, bias=bias, tp=tp)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if gate_up.is_cuda:
-            from batchgen_kernels import silu_and_mul
+            from batchgen_kernels import silu_and_mul, silu_and_mul_fp8
 
+            if getattr(self.down_proj, "row_scaled", False):  # an FP8 down_proj takes rows
+                return self.down_proj(QuantizedRows(*silu_and_mul_fp8(gate_up)))
             return self.down_proj(silu_and_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(nn.functional.silu(gate) * up)

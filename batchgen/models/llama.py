@@ -14,7 +14,7 @@ from batchgen.models.base import DecoderStack, PagedCausalLM, PreNormDecoderLaye
 from batchgen.models.attention import paged_attention
 from batchgen.models.fp8 import (QuantizedWeight, dequantize_blocks, narrow_quantized,
                                  pair_scales, weight_block_size)
-from batchgen.models.fp8_dense import Fp8Projections, is_fp8_checkpoint
+from batchgen.models.fp8_dense import Fp8Projections, feed_quantized_rows, is_fp8_checkpoint
 from batchgen.models.layers import (SINGLE, FusedGatedMLP, RMSNorm, RotaryEmbedding,
                                     RowParallelLinear, default_max_positions, rope_inv_freq,
                                     softmax_scale)
@@ -169,6 +169,7 @@ class LlamaForCausalLM(PagedCausalLM):
             seen.add((target, slot))
         if fp8 is not None:
             fp8.check_done()
+            feed_quantized_rows(self.model.layers)
         self._check_complete(params, seen)
 
     def _fp8_reader(self, weights):

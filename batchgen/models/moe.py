@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batchgen.models.fp8 import QuantizedWeight, fp8_linear
+from batchgen.models.fp8 import QuantizedWeight, dequantize_blocks, fp8_linear, on_block_grid
 from batchgen.models.layers import SINGLE, GatedMLP
 from batchgen.parallel import TensorParallel
 
@@ -211,6 +211,8 @@ class RoutedExperts(nn.Module):
         expert -= self.first_expert
         if not 0 <= expert < self.num_experts:
             return
+        if isinstance(value, QuantizedWeight):
+            value = self._on_expert_grid(value)
         quantized = isinstance(value, QuantizedWeight)
         if quantized and self.block is None:
             self._switch_to_fp8(value.block)
@@ -227,6 +229,15 @@ class RoutedExperts(nn.Module):
                 scale_rows = slice(rows.start // bn, rows.stop // bn) if rows.stop else slice(None)
                 scale_target[row, scale_rows].copy_(scale)
         self.loaded.add((expert, proj))
+
+    def _on_expert_grid(self, value: QuantizedWeight) -> QuantizedWeight | torch.Tensor:
+        """The grouped FP8 GEMM takes block scales only: a per-tensor scale is restated on
+        the experts' block grid, a per-channel one dequantized."""
+        block = self.block or (128, 128)
+        fitted = on_block_grid(value, block)
+        if fitted is not None:
+            return fitted
+        return dequantize_blocks(value.weight, value.scale_inv, value.block, self.gate_up_proj.dtype)
 
     def missing(self) -> list[tuple[int, str]]:
         """(global expert, projection) of this rank's experts not loaded yet."""
