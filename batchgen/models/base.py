@@ -30,8 +30,14 @@ class PreNormDecoderLayer(nn.Module):
     post_attention_layernorm: nn.Module
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attn = self.self_attn(self.input_layernorm(x), batch)
+        add_and_norm = getattr(self.post_attention_layernorm, "add_and_norm", None)
+        if add_and_norm is not None:  # one fused kernel on CUDA
+            normed, x = add_and_norm(attn, x)
+        else:
+            x = x + attn
+            normed = self.post_attention_layernorm(x)
+        return x + self.mlp(normed)
 
 
 class DecoderStack(nn.Module):

@@ -32,6 +32,23 @@ class RMSNorm(nn.Module):
             if self.fp8_rows:
                 return QuantizedRows(*rmsnorm_fp8(x, self.weight, self.eps))
             return rmsnorm(x, self.weight, self.eps)
+        return self._reference(x)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor
+                     ) -> tuple[torch.Tensor | QuantizedRows, torch.Tensor]:
+        """(norm(residual + x), residual + x), the sum rounded to x's dtype first: one kernel
+        on CUDA instead of an add and a norm."""
+        if x.is_cuda and x.dim() == 2:
+            from batchgen_kernels import fused_add_rmsnorm, rmsnorm_fp8
+
+            if self.fp8_rows:
+                q, scales, h = rmsnorm_fp8(x, self.weight, self.eps, residual=residual)
+                return QuantizedRows(q, scales), h
+            return fused_add_rmsnorm(x, residual, self.weight, self.eps)
+        h = residual + x
+        return self._reference(h), h
+
+    def _reference(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in float32 and cast back before the weight, as HF Llama does: bitwise
         # agreement with the reference matters more than a fused cast here.
         dtype = x.dtype

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from batchgen_kernels import (
+    fused_add_rmsnorm,
     quantize_fp8_rows,
     reference,
     rmsnorm,
@@ -70,6 +71,18 @@ def test_rmsnorm_fp8_is_rmsnorm_then_quantize(device, dtype, cols):
     assert_same_fp8((q, scales), quantize_fp8_rows(rmsnorm(x, weight, 1e-6)))
     ref, _ = reference.add_rmsnorm(x, None, weight, 1e-6, torch.float64)
     assert_rel_close(q.double() * scales.double(), ref, E4M3_ROUNDING, "dequantized")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rmsnorm_fp8_adds_the_residual_first(device):
+    x, residual = hard_rows(4, 96, torch.bfloat16, device), hard_rows(4, 96, torch.bfloat16, device)
+    weight = torch.rand(96, device=device) + 0.5
+    q, scales, h = rmsnorm_fp8(x, weight, 1e-6, residual=residual)
+    want_normed, want_h = fused_add_rmsnorm(x, residual, weight, 1e-6)
+    assert torch.equal(h, want_h)
+    if device == "cuda":  # the interpreter truncates float32 -> bfloat16 instead of rounding
+        assert torch.equal(h, x + residual)
+    assert_same_fp8((q, scales), quantize_fp8_rows(want_normed))
 
 
 @pytest.mark.parametrize("device", DEVICES)
