@@ -3,8 +3,8 @@
 The gate and up projections come out of one fused matmul as the two halves of each row; this
 reads both halves once and writes the product, computing in float32 and rounding once.
 Program (t, j) handles BLOCK columns of row t. `silu_and_mul_fp8` instead quantizes each row
-per row to e4m3 (fp8_rows.py) for a row-scaled FP8 down projection; a program owns a row,
-since the scale needs the row's amax.
+per row to e4m3 (fp8_rows.py) for a row-scaled FP8 down projection; a program owns a whole
+row, since the scale needs the row's amax.
 """
 
 from __future__ import annotations
@@ -18,11 +18,10 @@ from ._common import (
     check_device,
     check_dtype,
     check_shape,
-    e4m3_scale,
     next_pow2,
-    round_to_e4m3,
+    quantize_row_e4m3,
 )
-from .fp8_rows import fp8_row_outputs
+from .fp8_rows import fp8_row_outputs, row_warps
 
 
 @triton.jit
@@ -45,21 +44,14 @@ def _silu_mul_kernel(x_ptr, out_ptr, n_cols, stride_x, stride_o, BLOCK: tl.const
 
 @triton.jit
 def _silu_mul_fp8_kernel(x_ptr, q_ptr, scale_ptr, n_cols, stride_x, stride_q,
-                         CHUNK: tl.constexpr):
-    """One row in two passes over CHUNK-wide pieces: the amax, then the values quantized (the
-    second pass re-reads the row from L2; a whole row in registers spilled at 14336 columns)."""
+                         BLOCK: tl.constexpr):
+    """One whole row (its scale needs the row's amax). Measured on an H200 (Llama-3-8B,
+    14336 columns) against two passes over 2048-column chunks, the second re-reading the row:
+    26 vs 27 us per call at 512 rows (in a decode step), 281 vs 296 us at 8192."""
     row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * stride_x
-    cols = tl.arange(0, CHUNK)
-    amax = tl.zeros([CHUNK], tl.float32)
-    for start in range(0, n_cols, CHUNK):
-        amax = tl.maximum(amax, tl.abs(_silu_mul(x_row, start + cols, n_cols)))
-    scale = e4m3_scale(tl.max(amax, axis=0))
-    for start in range(0, n_cols, CHUNK):
-        y = _silu_mul(x_row, start + cols, n_cols)
-        q = round_to_e4m3(tl.math.div_rn(y, scale))
-        tl.store(q_ptr + row * stride_q + start + cols, q.to(q_ptr.dtype.element_ty),
-                 mask=start + cols < n_cols)
+    cols = tl.arange(0, BLOCK)
+    y, scale = quantize_row_e4m3(_silu_mul(x_ptr + row * stride_x, cols, n_cols))
+    tl.store(q_ptr + row * stride_q + cols, y.to(q_ptr.dtype.element_ty), mask=cols < n_cols)
     tl.store(scale_ptr + row, scale)
 
 
@@ -90,14 +82,12 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None,
 
 
 def silu_and_mul_fp8(x: torch.Tensor, out: torch.Tensor | None = None,
-                     scales: torch.Tensor | None = None,
-                     chunk: int = 2048) -> tuple[torch.Tensor, torch.Tensor]:
+                     scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """silu(gate) * up quantized per row to e4m3 in the same kernel; bit-identical to
     quantizing `silu_and_mul`'s output with `quantize_fp8_rows`.
 
-    x       [T, 2I] float32/float16/bfloat16, last dim contiguous.
+    x       [T, 2I] float32/float16/bfloat16, last dim contiguous, I <= 65536.
     out     optional [T, I] float8_e4m3fn; scales optional [T, 1] float32.
-    chunk   columns per step of a program's two passes over its row (a power of two).
     Returns (out, scales).
     """
     check_device(x, out, scales)
@@ -105,11 +95,11 @@ def silu_and_mul_fp8(x: torch.Tensor, out: torch.Tensor | None = None,
     assert x.dim() == 2 and x.shape[1] % 2 == 0, "x is [T, 2I]"
     assert x.stride(1) == 1, "x: last dim must be contiguous"
     rows, inter = x.shape[0], x.shape[1] // 2
-    assert inter >= 1, "x has no columns"
+    assert 1 <= inter <= 65536, f"I = {inter}: 1..65536 features"
     out, scales = fp8_row_outputs(rows, inter, x.device, out, scales)
     if rows == 0:
         return out, scales
-    chunk = min(next_pow2(chunk), next_pow2(inter))
+    block = next_pow2(inter)
     _silu_mul_fp8_kernel[(rows,)](x, out, scales, inter, x.stride(0), out.stride(0),
-                                  CHUNK=chunk, num_warps=max(1, min(8, chunk // 256)))
+                                  BLOCK=block, num_warps=row_warps(block))
     return out, scales
