@@ -182,7 +182,8 @@ def run_ours(model, tokenizer, engine_cfg: EngineConfig, work: Workload,
         sync(model)
     elapsed = time.perf_counter() - start
     stats = engine.stats()
-    stats["triton_variants_in_timed_run"] = variants[0] if variants else None
+    stats["triton_variants_in_timed_run"] = len(variants) if variants is not None else None
+    stats["triton_variants_first_launched"] = variants[:8] if variants else []
     stager = getattr(model, "expert_stager", None)
     if stager is not None:  # offloaded experts copied in during the timed run (and warm-up)
         stats["expert_copies"] = {"fetches": stager.fetches, "experts": stager.copied_experts,
@@ -199,9 +200,10 @@ def run_ours(model, tokenizer, engine_cfg: EngineConfig, work: Workload,
 
 @contextmanager
 def triton_variants_first_used():
-    """Count the Triton kernel variants first launched in this process inside the block (each
-    is compiled then, or read from Triton's disk cache). Yields a one-item list, or None
-    where Triton has no runtime hooks (triton.knobs, 3.4+)."""
+    """Name the Triton kernel variants first launched in this process inside the block (each
+    is compiled then, or read from Triton's disk cache): yields the list they are appended to
+    (kernel name and specialization, as Triton states it), or None where Triton has no
+    runtime hooks (triton.knobs, 3.4+)."""
     try:
         from triton import knobs
 
@@ -210,10 +212,10 @@ def triton_variants_first_used():
     except (ImportError, AttributeError):
         yield None
         return
-    seen = [0]
+    seen: list[str] = []
 
     def count(*args, **kwargs):
-        seen[0] += 1
+        seen.append(str(kwargs.get("repr", "?"))[:400])
         return previous(*args, **kwargs) if previous else False  # False: compile as usual
 
     runtime.jit_cache_hook = count
@@ -452,7 +454,9 @@ def format_table(report: dict) -> str:
     if variants:
         lines.append(f"note: {variants} Triton kernel variants were first launched inside the "
                      "timed run (JIT compiles on a fresh machine: a rerun reads them from "
-                     "Triton's cache)")
+                     "Triton's cache): " + "; ".join(
+                         name.split("(")[0] for name in
+                         report["engine_stats"].get("triton_variants_first_launched", [])))
     copies = report["engine_stats"].get("expert_copies")
     if copies:
         lines.append(f"offloaded experts copied in (warm-up included): {copies['experts']:,} in "
