@@ -183,7 +183,8 @@ def run_ours(model, tokenizer, engine_cfg: EngineConfig, work: Workload,
     elapsed = time.perf_counter() - start
     stats = engine.stats()
     stats["triton_variants_in_timed_run"] = len(variants) if variants is not None else None
-    stats["triton_variants_first_launched"] = variants[:8] if variants else []
+    # One string: the report keeps scalars only.
+    stats["triton_variants_first_launched"] = " | ".join(variants[:8]) if variants else ""
     stager = getattr(model, "expert_stager", None)
     if stager is not None:  # offloaded experts copied in during the timed run (and warm-up)
         stats["expert_copies"] = {"fetches": stager.fetches, "experts": stager.copied_experts,
@@ -456,7 +457,8 @@ def format_table(report: dict) -> str:
                      "timed run (JIT compiles on a fresh machine: a rerun reads them from "
                      "Triton's cache): " + "; ".join(
                          name.split("(")[0] for name in
-                         report["engine_stats"].get("triton_variants_first_launched", [])))
+                         report["engine_stats"].get("triton_variants_first_launched",
+                                                    "").split(" | ")))
     copies = report["engine_stats"].get("expert_copies")
     if copies:
         lines.append(f"offloaded experts copied in (warm-up included): {copies['experts']:,} in "

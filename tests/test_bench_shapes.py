@@ -140,8 +140,12 @@ def test_bench_measures_after_an_untimed_warm_up_and_splits_the_time():
     # The CPU runs no compiled Triton kernel, so none is first launched in the timed run.
     assert stats["triton_variants_in_timed_run"] in (0, None)
     assert "Triton kernel variants" not in format_table(report)
-    jit = dict(report, engine_stats={**stats, "triton_variants_in_timed_run": 3})
-    assert "note: 3 Triton kernel variants were first launched" in format_table(jit)
+    jit = dict(report, engine_stats={**stats, "triton_variants_in_timed_run": 2,
+                                     "triton_variants_first_launched":
+                                         "_decode_kernel[num_warps=1](q, kv) | _store_kernel[](k)"})
+    note = format_table(jit)
+    assert "note: 2 Triton kernel variants were first launched" in note
+    assert "_decode_kernel[num_warps=1]; _store_kernel[]" in note
 
 
 def test_triton_variant_counter_counts_compiles_and_restores_the_hook():
