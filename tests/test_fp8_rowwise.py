@@ -85,6 +85,13 @@ def test_row_scaled_linear_on_cpu_equals_its_dequantized_weight(m):
     torch.testing.assert_close(layer(rows), want)  # pre-quantized rows: the fallback GEMM
 
 
+def test_row_scaled_linear_takes_no_rows():
+    q, scale = per_row_quantized(24, 40, per_tensor=True)
+    layer = Fp8Linear(q, scale.reshape(1, 1).expand(24, 1), (1, 40))
+    out = layer(QuantizedRows(torch.zeros(0, 40, dtype=FP8), torch.ones(0, 1)))
+    assert out.shape == (0, 24) and out.dtype == torch.bfloat16
+
+
 def test_block_scaled_linear_refuses_quantized_rows():
     layer = Fp8Linear(*per_row_quantized(32, 32, False)[:1], torch.ones(2, 2), (16, 16))
     with pytest.raises(AssertionError, match="row-scaled"):

@@ -47,7 +47,7 @@ def quantize_rows(x: torch.Tensor) -> QuantizedRows:
     if x.is_cuda and 1 <= x.shape[1] <= 65536:
         import batchgen_kernels as K
 
-        return QuantizedRows(*K.quantize_fp8_rows(x))
+        return QuantizedRows(*K.quantize_fp8_rows(x if x.stride(-1) == 1 else x.contiguous()))
     from batchgen.models.fp8 import quantize_activations
 
     return QuantizedRows(*quantize_activations(x, max(1, x.shape[1])))
@@ -57,6 +57,8 @@ def row_scaled_matmul(x: QuantizedRows, wq: torch.Tensor, ws: torch.Tensor,
                       out_dtype: torch.dtype) -> torch.Tensor:
     """(x.data * x.scale) @ (wq * ws).T for wq [N, K] e4m3 and ws [N, 1] float32 -> [M, N]."""
     n, k = wq.shape
+    if x.data.shape[0] == 0:
+        return x.data.new_zeros(0, n, dtype=out_dtype)
     if x.data.is_cuda and _scaled_mm_rowwise_works(x.data.device, n % 16 == 0 and k % 16 == 0):
         out = _scaled_mm_rowwise(x.data, x.scale, wq, ws)
         return out if out_dtype == torch.bfloat16 else out.to(out_dtype)
