@@ -47,9 +47,22 @@ def write_fp8(src, dst, scales: str):
     (dst / "dequant" / "config.json").write_text(json.dumps(config))
     config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
                                      "weight_block_size": list(BLOCK)}
+    if scales == "channel":  # as llm-compressor's FP8_DYNAMIC scheme writes it
+        config["quantization_config"] = compressed_tensors_config("float", 8)
     (dst / "config.json").write_text(json.dumps(config))
     save_file(quantized, str(dst / "model.safetensors"))
     save_file(dense, str(dst / "dequant" / "model.safetensors"))
+
+
+def compressed_tensors_config(kind: str, bits: int) -> dict:
+    return {"quant_method": "compressed-tensors", "format": "float-quantized",
+            "ignore": ["lm_head"],
+            "config_groups": {"group_0": {
+                "targets": ["Linear"],
+                "weights": {"num_bits": bits, "type": kind, "strategy": "channel",
+                            "symmetric": True, "dynamic": False},
+                "input_activations": {"num_bits": bits, "type": kind, "strategy": "token",
+                                      "dynamic": True}}}}
 
 
 def load(folder, keep_fp8=False, monkeypatch=None):
@@ -113,3 +126,13 @@ def test_our_fused_layout_in_fp8_installs_whole(monkeypatch, scales):
     norms = [layer.input_layernorm.fp8_rows for layer in model.model.layers]
     assert norms == [scales == "tensor"] * model.config.num_hidden_layers
     assert all(t for t, _ in tokens(model, 4))
+
+
+def test_compressed_tensors_schemes_other_than_fp8_are_refused(tmp_path):
+    src = save_tiny_model("llama", tmp_path / "src")
+    write_fp8(src, tmp_path / "fp8", "channel")
+    config = json.loads((tmp_path / "fp8" / "config.json").read_text())
+    config["quantization_config"] = compressed_tensors_config("int", 4)
+    (tmp_path / "fp8" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="compressed-tensors checkpoint with int4 weights"):
+        load(tmp_path / "fp8")

@@ -21,11 +21,30 @@ from batchgen.models.layers import RowParallelLinear
 
 
 def is_fp8_checkpoint(hf_config) -> bool:
+    """quant_method "fp8" (DeepSeek's blocks, AutoFP8's per-tensor scales), or
+    "compressed-tensors" whose weights are 8-bit floats (llm-compressor's FP8 and FP8_DYNAMIC
+    schemes: per-tensor or per-channel `weight_scale`). Other compressed-tensors schemes are
+    refused by name rather than loaded wrong."""
     quant = getattr(hf_config, "quantization_config", None)
     if quant is None:
         return False
-    method = quant.get("quant_method") if isinstance(quant, dict) else quant.quant_method
-    return str(getattr(method, "value", method) or "").lower() == "fp8"
+    if not isinstance(quant, dict):
+        quant = quant.to_dict() if hasattr(quant, "to_dict") else vars(quant)
+    method = quant.get("quant_method")
+    method = str(getattr(method, "value", method) or "").lower()
+    if method == "compressed-tensors":
+        return _compressed_fp8(quant)
+    return method == "fp8"
+
+
+def _compressed_fp8(quant: dict) -> bool:
+    groups = quant.get("config_groups") or {}
+    weights = [group.get("weights") or {} for group in groups.values()]
+    if weights and all(w.get("type") == "float" and w.get("num_bits") == 8 for w in weights):
+        return True
+    schemes = [f"{w.get('type')}{w.get('num_bits')}" for w in weights] or ["none"]
+    raise ValueError(f"compressed-tensors checkpoint with {', '.join(schemes)} weights: batchgen "
+                     "reads its FP8 (float8) schemes only; use an FP8 or unquantized checkpoint")
 
 
 class Fp8Projections:
