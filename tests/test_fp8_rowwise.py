@@ -34,7 +34,8 @@ def per_row_quantized(n, k, per_tensor: bool, seed=0, device="cpu"):
 @pytest.mark.parametrize("per_tensor", [True, False], ids=["tensor", "channel"])
 def test_pair_scales_keeps_per_tensor_and_per_channel_weights_row_scaled(per_tensor):
     q, scale = per_row_quantized(48, 40, per_tensor)
-    stream = [("a.weight_scale", scale), ("a.input_scale", torch.tensor(1.0)), ("a.weight", q)]
+    stream = [("a.weight_scale", scale), ("a.input_scale", torch.tensor(1.0)), ("a.weight", q),
+              ("attn.k_scale", torch.tensor(0.1)), ("attn.v_scale", torch.tensor(0.1))]
     (name, kept), = pair_scales(stream, (16, 16), keep_fp8=True, dtype=torch.float32)
     assert name == "a.weight" and kept.block == (1, 40) and kept.scale_inv.shape == (48, 1)
     want = q.float() * scale

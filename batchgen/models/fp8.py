@@ -63,17 +63,23 @@ SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale")
 checkpoints: `weight_scale`, one value); both multiply the e4m3 values back."""
 
 
+STATIC_SCALES = (".input_scale", ".output_scale", ".k_scale", ".v_scale")
+"""Calibrated scales FP8 checkpoints may carry (AutoFP8's static activations, llm-compressor's
+kv_cache_scheme), which batchgen has no use for."""
+
+
 def pair_scales(weights: Iterable[tuple[str, torch.Tensor]], block: tuple[int, int],
                 keep_fp8: bool, dtype: torch.dtype) -> Iterator[tuple[str, object]]:
     """Join each e4m3 `X.weight` with its `X.weight_scale_inv` / `X.weight_scale` (in either
     order) and yield (X.weight, QuantizedWeight) when `keep_fp8`, else the weight dequantized
     to `dtype`. A per-tensor or per-channel scale becomes one scale per row (block (1, K): the
-    row-scaled GEMM of fp8_rowwise.py). Static activation scales (`input_scale`) are dropped:
-    activations are quantized dynamically. Every other tensor passes through unchanged."""
+    row-scaled GEMM of fp8_rowwise.py). Static activation and KV-cache scales (STATIC_SCALES)
+    are dropped: activations are quantized dynamically, and fp8 KV pools scale each token as
+    it is stored. Every other tensor passes through unchanged."""
     weights_waiting: dict[str, torch.Tensor] = {}
     scales_waiting: dict[str, torch.Tensor] = {}
     for name, tensor in weights:
-        if name.endswith(".input_scale"):
+        if name.endswith(STATIC_SCALES):
             continue
         if name.endswith(SCALE_SUFFIXES):
             base = name[: name.rindex(".weight_scale")] + ".weight"
