@@ -223,6 +223,21 @@ def bench_silu(tokens: int, inter: int):
     return "silu_and_mul", f"T={tokens} I={inter}", ours, theirs, x.nbytes * 3 // 2
 
 
+def bench_fp8_rows(tokens: int, hidden: int, inter: int):
+    """The fused per-row e4m3 quantizers against the unfused kernel + `quantize_fp8_rows`."""
+    x = torch.randn(tokens, hidden, device="cuda", dtype=BF16)
+    w = torch.rand(hidden, device="cuda", dtype=BF16)
+    gate_up = torch.randn(tokens, 2 * inter, device="cuda", dtype=BF16)
+    norm = do_bench(lambda: K.rmsnorm_fp8(x, w, 1e-6))
+    norm_then = do_bench(lambda: K.quantize_fp8_rows(K.rmsnorm(x, w, 1e-6)))
+    silu = do_bench(lambda: K.silu_and_mul_fp8(gate_up))
+    silu_then = do_bench(lambda: K.quantize_fp8_rows(K.silu_and_mul(gate_up)))
+    return [("rmsnorm_fp8 (vs rmsnorm + quantize)", f"T={tokens} N={hidden}", norm, norm_then,
+             x.nbytes * 3 // 2),
+            ("silu_and_mul_fp8 (vs silu + quantize)", f"T={tokens} I={inter}", silu, silu_then,
+             gate_up.nbytes * 5 // 4)]
+
+
 CASES = {
     "decode": lambda: [bench_decode(256, 1024), bench_decode(256, 1024, torch.float8_e4m3fn),
                        bench_decode(256, 1024, torch.float8_e4m3fn, scale_layout="token"),
@@ -233,6 +248,7 @@ CASES = {
     "rmsnorm": lambda: [bench_rmsnorm(8192, 4096)],
     "rope": lambda: [bench_rope(8192)],
     "silu": lambda: [bench_silu(8192, 14336)],
+    "fp8_rows": lambda: [*bench_fp8_rows(512, 4096, 14336), *bench_fp8_rows(8192, 4096, 14336)],
     "mixed": lambda: [bench_mixed(256, 1024, 8, 1000), bench_mixed(64, 1024, 8, 1000)],
     "decode_sweep": sweep_decode,
 }
