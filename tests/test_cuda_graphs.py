@@ -57,6 +57,26 @@ def capture_on_cpu(graphs, segment, x, batch):
     return graph, graph.out
 
 
+def test_capture_also_runs_the_powers_of_two_between_buckets(monkeypatch):
+    """Launch settings follow the batch size, so the sizes eager decode rows take between the
+    buckets are run once before capture (their Triton variants compile then, not mid-job)."""
+    from batchgen.engine.graphs import bucket_sizes, eager_warmup_sizes
+
+    assert bucket_sizes(512, 6) == [1, 2, 4, 8, 16, 512]
+    assert eager_warmup_sizes([1, 2, 4, 8, 16, 512]) == [32, 64, 128, 256]
+    assert eager_warmup_sizes(bucket_sizes(384, 12)) == []
+    monkeypatch.setattr(DecodeGraphs, "_capture_segment", capture_on_cpu)
+    model = random_model(hf_config_for("smollm2-135m", tiny=True), torch.float32,
+                         torch.device("cpu"))
+    seen = []
+    model.register_forward_pre_hook(lambda _, args: seen.append(args[0].num_seqs))
+    pool = KVPool(KVLayout(model.config.num_hidden_layers, tuple(model.kv_token_shape),
+                           torch.float32, torch.float32), 8, "cpu")
+    with torch.inference_mode():
+        DecodeGraphs(model, pool, 16, 3, 256).capture()  # buckets [1, 2, 16]
+    assert seen[:2] == [4, 8] and sorted(set(seen)) == [1, 2, 4, 8, 16]
+
+
 @pytest.mark.parametrize("shape", ["llama3-8b", "deepseek-v3-4l", "gpt-oss-20b"])
 @pytest.mark.parametrize("segmented", [False, True], ids=["whole", "segmented"])
 def test_graph_buffers_and_segment_chain_give_eager_logits(shape, segmented, monkeypatch):
