@@ -14,7 +14,7 @@ from .moe_gemm import grouped_gemm, grouped_gemm_fp8, quantize_fp8_groups
 from .moe_routing import deepseek_route
 from .page_copy import copy_pages
 from .prefill_attention import paged_prefill_attention
-from .rmsnorm import fused_add_rmsnorm, rmsnorm, rmsnorm_fp8
+from .rmsnorm import fused_add_rmsnorm, fused_add_rmsnorm_fp8, rmsnorm, rmsnorm_fp8
 from .rope import apply_rope
 from .silu_mul import silu_and_mul, silu_and_mul_fp8
 
@@ -23,6 +23,7 @@ __all__ = [
     "copy_pages",
     "deepseek_route",
     "fused_add_rmsnorm",
+    "fused_add_rmsnorm_fp8",
     "grouped_gemm",
     "grouped_gemm_fp8",
     "mla_decode_attention",

@@ -107,19 +107,32 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 def rmsnorm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                out: torch.Tensor | None = None, scales: torch.Tensor | None = None,
-                residual: torch.Tensor | None = None):
+                out: torch.Tensor | None = None, scales: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """rmsnorm(x, weight, eps) quantized per row to e4m3 (`fp8_rows.quantize_fp8_rows`) in
     the same pass: the input of a row-scaled FP8 projection, without the activation-dtype row
-    written and read back. Bit-identical to quantizing `rmsnorm`'s (or with `residual`,
-    `fused_add_rmsnorm`'s) output.
+    written and read back. Bit-identical to quantizing `rmsnorm`'s output.
 
-    x        [T, N] float32/float16/bfloat16, last dim contiguous, N <= 65536.
-    weight   [N] any float dtype.
-    out      optional [T, N] float8_e4m3fn; scales optional [T, 1] float32.
-    residual optional [T, N] of x's dtype: normalise h = x + residual instead, and return h.
-    Returns (out, scales), or (out, scales, h) with a residual.
+    x       [T, N] float32/float16/bfloat16, last dim contiguous, N <= 65536.
+    weight  [N] any float dtype.
+    out     optional [T, N] float8_e4m3fn; scales optional [T, 1] float32.
+    Returns (out, scales).
     """
+    out, scales, _ = _rmsnorm_fp8(x, None, weight, eps, out, scales)
+    return out, scales
+
+
+def fused_add_rmsnorm_fp8(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                          eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`rmsnorm_fp8` of h = x + residual (rounded to x's dtype, as `fused_add_rmsnorm`).
+
+    x, residual  [T, N] of one float dtype, last dim contiguous.
+    Returns (e4m3 [T, N], scales [T, 1] float32, h [T, N]).
+    """
+    return _rmsnorm_fp8(x, residual, weight, eps, None, None)
+
+
+def _rmsnorm_fp8(x, residual, weight, eps, out, scales):
     check_device(x, weight, out, scales, residual)
     check_dtype("x", x, FLOAT_DTYPES)
     assert x.dim() == 2, "x is [T, N]"
@@ -129,10 +142,9 @@ def rmsnorm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float,
     check_shape("weight", weight, (cols,))
     assert weight.stride(0) == 1, "weight must be contiguous"
     out, scales = fp8_row_outputs(rows, cols, x.device, out, scales)
-    if residual is None:
-        _launch(x, None, weight, out, None, scales, eps)
-        return out, scales
-    _check_rows("residual", residual, (rows, cols), x.dtype)
-    h = torch.empty_like(x)
+    h = None
+    if residual is not None:
+        _check_rows("residual", residual, (rows, cols), x.dtype)
+        h = torch.empty_like(x)
     _launch(x, residual, weight, out, h, scales, eps)
     return out, scales, h

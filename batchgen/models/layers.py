@@ -39,10 +39,10 @@ class RMSNorm(nn.Module):
         """(norm(residual + x), residual + x), the sum rounded to x's dtype first: one kernel
         on CUDA instead of an add and a norm."""
         if x.is_cuda and x.dim() == 2:
-            from batchgen_kernels import fused_add_rmsnorm, rmsnorm_fp8
+            from batchgen_kernels import fused_add_rmsnorm, fused_add_rmsnorm_fp8
 
             if self.fp8_rows:
-                q, scales, h = rmsnorm_fp8(x, self.weight, self.eps, residual=residual)
+                q, scales, h = fused_add_rmsnorm_fp8(x, residual, self.weight, self.eps)
                 return QuantizedRows(q, scales), h
             return fused_add_rmsnorm(x, residual, self.weight, self.eps)
         h = residual + x

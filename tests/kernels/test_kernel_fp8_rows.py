@@ -7,6 +7,7 @@ import pytest
 import torch
 from batchgen_kernels import (
     fused_add_rmsnorm,
+    fused_add_rmsnorm_fp8,
     quantize_fp8_rows,
     reference,
     rmsnorm,
@@ -74,10 +75,10 @@ def test_rmsnorm_fp8_is_rmsnorm_then_quantize(device, dtype, cols):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_rmsnorm_fp8_adds_the_residual_first(device):
+def test_fused_add_rmsnorm_fp8_adds_the_residual_first(device):
     x, residual = hard_rows(4, 96, torch.bfloat16, device), hard_rows(4, 96, torch.bfloat16, device)
     weight = torch.rand(96, device=device) + 0.5
-    q, scales, h = rmsnorm_fp8(x, weight, 1e-6, residual=residual)
+    q, scales, h = fused_add_rmsnorm_fp8(x, residual, weight, 1e-6)
     want_normed, want_h = fused_add_rmsnorm(x, residual, weight, 1e-6)
     assert torch.equal(h, want_h)
     if device == "cuda":  # the interpreter truncates float32 -> bfloat16 instead of rounding
