@@ -175,3 +175,27 @@ def test_sync_free_path_matches_dispatch_path(first, local):
         expected = routed.finish(routed.dispatch(x, ids), weights)
         torch.testing.assert_close(routed.forward_on_device(x, ids, weights), expected,
                                    rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("per_tensor", [True, False], ids=["tensor", "channel"])
+def test_row_scaled_experts_load_on_a_block_grid_or_dense(per_tensor):
+    """The grouped FP8 GEMM takes block scales only: a per-tensor expert scale is restated on
+    the largest square block (<= 128) dividing both expert widths, values unchanged; a
+    per-channel one is dequantized (then the bank stays dense)."""
+    from batchgen.models.fp8 import FP8, QuantizedWeight, dequantize_blocks
+
+    routed = RoutedExperts(2, 64, 32, 0, None)
+    for expert in range(2):
+        for proj, (n, k) in (("gate_proj", (32, 64)), ("up_proj", (32, 64)),
+                             ("down_proj", (64, 32))):
+            w = torch.randn(n, k)
+            amax = w.abs().amax() if per_tensor else w.abs().amax(1, keepdim=True)
+            scale = (amax / 448.0).reshape(-1, 1).expand(n, 1).contiguous()
+            q = (w / scale).to(FP8)
+            routed.load(expert, proj, QuantizedWeight(q, scale, (1, k)))
+            want = q.float() * scale
+            if proj == "down_proj":
+                got = (dequantize_blocks(routed.down_proj[expert], routed.down_scale[expert],
+                                         routed.block) if per_tensor else routed.down_proj[expert])
+                torch.testing.assert_close(got.float(), want)
+    assert routed.block == ((32, 32) if per_tensor else None)

@@ -30,6 +30,8 @@ vs 17.8 ms for the copies alone at 54 GB/s and 6.0 ms with no offloading.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -232,9 +234,11 @@ class RoutedExperts(nn.Module):
 
     def _on_expert_grid(self, value: QuantizedWeight) -> QuantizedWeight | torch.Tensor:
         """The grouped FP8 GEMM takes block scales only: a per-tensor scale is restated on
-        the experts' block grid, a per-channel one dequantized."""
-        block = self.block or (128, 128)
-        fitted = on_block_grid(value, block)
+        the experts' block grid (the square block, at most 128, that divides both expert
+        widths), a per-channel one dequantized."""
+        side = math.gcd(128, self.inter, self.hidden)
+        block = self.block or (side, side)
+        fitted = on_block_grid(value, block) if min(block) >= 16 else None
         if fitted is not None:
             return fitted
         return dequantize_blocks(value.weight, value.scale_inv, value.block, self.gate_up_proj.dtype)
