@@ -180,14 +180,12 @@ def _kind(name: str, module: nn.Module, pname: str) -> str:
 def fp8_checkpoint_scales(hf_config) -> tuple[int, int] | str | None:
     """How a random checkpoint of `hf_config` quantizes its linears: a block size, "tensor"
     (an FP8 config without weight_block_size, as AutoFP8's), or None (not FP8)."""
-    from batchgen.models.fp8 import weight_block_size
+    from batchgen.models.fp8 import quantization_config, weight_block_size
     from batchgen.models.fp8_dense import is_fp8_checkpoint
 
     if not is_fp8_checkpoint(hf_config):
         return None
-    quant = hf_config.quantization_config
-    has_block = (quant.get("weight_block_size") if isinstance(quant, dict)
-                 else getattr(quant, "weight_block_size", None))
+    has_block = quantization_config(hf_config).get("weight_block_size")
     return weight_block_size(hf_config) if has_block else "tensor"
 
 

@@ -55,6 +55,18 @@ def _check_rows(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch
     assert t.stride(-1) == 1, f"{name}: last dim must be contiguous"
 
 
+def _check_inputs(x: torch.Tensor, weight: torch.Tensor) -> tuple[int, int]:
+    """(rows, features) of x [T, N] after checking it and weight [N]."""
+    check_dtype("x", x, FLOAT_DTYPES)
+    assert x.dim() == 2, "x is [T, N]"
+    rows, cols = x.shape
+    assert cols <= 65536, f"N = {cols}: a row of over 64K features does not fit a program"
+    _check_rows("x", x, (rows, cols), x.dtype)
+    check_shape("weight", weight, (cols,))
+    assert weight.stride(0) == 1, "weight must be contiguous"
+    return rows, cols
+
+
 def fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                       eps: float, out: torch.Tensor | None = None,
                       residual_out: torch.Tensor | None = None
@@ -69,12 +81,7 @@ def fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: to
     Returns (out [T, N], residual_out [T, N] or None), both in x's dtype.
     """
     check_device(x, residual, weight, out, residual_out)
-    check_dtype("x", x, FLOAT_DTYPES)
-    assert x.dim() == 2, "x is [T, N]"
-    rows, cols = x.shape
-    _check_rows("x", x, (rows, cols), x.dtype)
-    check_shape("weight", weight, (cols,))
-    assert weight.stride(0) == 1, "weight must be contiguous"
+    rows, cols = _check_inputs(x, weight)
     out = torch.empty_like(x) if out is None else out
     _check_rows("out", out, (rows, cols), x.dtype)
     if residual is not None:
@@ -134,13 +141,8 @@ def fused_add_rmsnorm_fp8(x: torch.Tensor, residual: torch.Tensor, weight: torch
 
 def _rmsnorm_fp8(x, residual, weight, eps, out, scales):
     check_device(x, weight, out, scales, residual)
-    check_dtype("x", x, FLOAT_DTYPES)
-    assert x.dim() == 2, "x is [T, N]"
-    rows, cols = x.shape
-    assert 1 <= cols <= 65536, f"N = {cols}: 1..65536 features"
-    _check_rows("x", x, (rows, cols), x.dtype)
-    check_shape("weight", weight, (cols,))
-    assert weight.stride(0) == 1, "weight must be contiguous"
+    rows, cols = _check_inputs(x, weight)
+    assert cols >= 1, "x has no features"
     out, scales = fp8_row_outputs(rows, cols, x.device, out, scales)
     h = None
     if residual is not None:

@@ -49,12 +49,24 @@ class QuantizedWeight(NamedTuple):
     block: tuple[int, int]
 
 
+def quantization_config(hf_config) -> dict:
+    """A config's quantization_config as a dict ({} when absent): configs read from disk keep
+    the dict, transformers' quantizer classes turn it into an object."""
+    quant = getattr(hf_config, "quantization_config", None) or {}
+    if isinstance(quant, dict):
+        return quant
+    return quant.to_dict() if hasattr(quant, "to_dict") else vars(quant)
+
+
+def quant_method(hf_config) -> str:
+    """quantization_config.quant_method in lower case ("" when absent)."""
+    method = quantization_config(hf_config).get("quant_method")
+    return str(getattr(method, "value", method) or "").lower()
+
+
 def weight_block_size(hf_config) -> tuple[int, int]:
     """quantization_config.weight_block_size, 128x128 when absent."""
-    quant = getattr(hf_config, "quantization_config", None) or {}
-    if not isinstance(quant, dict):
-        quant = quant.to_dict()
-    bn, bk = quant.get("weight_block_size") or (128, 128)
+    bn, bk = quantization_config(hf_config).get("weight_block_size") or (128, 128)
     return int(bn), int(bk)
 
 

@@ -16,7 +16,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from batchgen.models.fp8 import Fp8Linear, QuantizedWeight, dequantize_blocks
+from batchgen.models.fp8 import (
+    Fp8Linear,
+    QuantizedWeight,
+    dequantize_blocks,
+    quant_method,
+    quantization_config,
+)
 from batchgen.models.layers import RowParallelLinear
 
 
@@ -25,15 +31,9 @@ def is_fp8_checkpoint(hf_config) -> bool:
     "compressed-tensors" whose weights are 8-bit floats (llm-compressor's FP8 and FP8_DYNAMIC
     schemes: per-tensor or per-channel `weight_scale`). Other compressed-tensors schemes are
     refused by name rather than loaded wrong."""
-    quant = getattr(hf_config, "quantization_config", None)
-    if quant is None:
-        return False
-    if not isinstance(quant, dict):
-        quant = quant.to_dict() if hasattr(quant, "to_dict") else vars(quant)
-    method = quant.get("quant_method")
-    method = str(getattr(method, "value", method) or "").lower()
+    method = quant_method(hf_config)
     if method == "compressed-tensors":
-        return _compressed_fp8(quant)
+        return _compressed_fp8(quantization_config(hf_config))
     return method == "fp8"
 
 

@@ -34,6 +34,7 @@ from torch.nn import functional as F
 from batchgen.engine.forward_batch import ForwardBatch
 from batchgen.models.attention import paged_attention
 from batchgen.models.base import DecoderStack, PagedCausalLM, PreNormDecoderLayer
+from batchgen.models.fp8 import quant_method
 from batchgen.models.layers import (
     RotaryEmbedding,
     default_max_positions,
@@ -322,10 +323,7 @@ class GptOssModel(DecoderStack):
 
 def checkpoint_is_mxfp4(hf_config) -> bool:
     """Real gpt-oss checkpoints say `quantization_config: {"quant_method": "mxfp4"}`."""
-    quant = getattr(hf_config, "quantization_config", None) or {}
-    method = (quant.get("quant_method") if isinstance(quant, dict)
-              else getattr(quant, "quant_method", None))
-    return str(getattr(method, "value", method) or "").lower() == "mxfp4"
+    return quant_method(hf_config) == "mxfp4"
 
 
 class GptOssForCausalLM(PagedCausalLM):
