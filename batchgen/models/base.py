@@ -1,7 +1,9 @@
 """What every model family shares.
 
 PreNormDecoderLayer: x + attn(norm(x)), then x + mlp(norm(x)); a subclass builds self_attn, mlp,
-input_layernorm and post_attention_layernorm. DecoderStack: embed_tokens -> layers -> norm.
+input_layernorm and post_attention_layernorm. Each residual add happens inside the next norm
+(`add_then_norm`), so a layer hands on (residual, its MLP output). DecoderStack: embed_tokens
+-> layers -> norm.
 PagedCausalLM: the LM head over the rows that sample and tied embeddings; a subclass builds
 `config`, `model` (a DecoderStack) and `lm_head`, then sets `kv_token_shape` and `max_context`.
 
@@ -19,8 +21,26 @@ from torch import nn
 
 from batchgen.engine.forward_batch import ForwardBatch
 
-Segment = Callable[[torch.Tensor | None, ForwardBatch], torch.Tensor]
-"""One link of a model's forward: `(x, batch) -> x`."""
+Segment = Callable[[object, ForwardBatch], object]
+"""One link of a model's forward: `(x, batch) -> x`, where x is whatever the link before
+returned (a tensor, or a decoder layer's (residual, pending) pair)."""
+
+
+Stream = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+"""What a decoder layer passes on: the residual stream, or (residual, pending) where pending
+is the previous layer's MLP output that the next norm adds in (one fused kernel on CUDA)."""
+
+
+def add_then_norm(norm: nn.Module, x: Stream) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(stream), stream) with a pending output added to the residual stream first."""
+    if not isinstance(x, tuple):
+        return norm(x), x
+    residual, pending = x
+    add_and_norm = getattr(norm, "add_and_norm", None)
+    if add_and_norm is not None:
+        return add_and_norm(pending, residual)
+    summed = residual + pending
+    return norm(summed), summed
 
 
 class PreNormDecoderLayer(nn.Module):
@@ -29,15 +49,13 @@ class PreNormDecoderLayer(nn.Module):
     input_layernorm: nn.Module
     post_attention_layernorm: nn.Module
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(x), batch)
-        add_and_norm = getattr(self.post_attention_layernorm, "add_and_norm", None)
-        if add_and_norm is not None:  # one fused kernel on CUDA
-            normed, x = add_and_norm(attn, x)
-        else:
-            x = x + attn
-            normed = self.post_attention_layernorm(x)
-        return x + self.mlp(normed)
+    def forward(self, x: Stream, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """x + attn(norm(x)), then that + mlp(norm(that)); the last add is left pending:
+        -> (residual, mlp output) for the next layer's input norm or the final norm."""
+        normed, residual = add_then_norm(self.input_layernorm, x)
+        attn = self.self_attn(normed, batch)
+        normed, residual = add_then_norm(self.post_attention_layernorm, (residual, attn))
+        return residual, self.mlp(normed)
 
 
 class DecoderStack(nn.Module):
@@ -48,7 +66,7 @@ class DecoderStack(nn.Module):
     def segments(self) -> list[Segment]:
         """The embedding, each decoder layer, the final norm."""
         return [lambda _, batch: self.embed_tokens(batch.input_ids), *self.layers,
-                lambda x, _: self.norm(x)]
+                lambda x, _: add_then_norm(self.norm, x)[0]]
 
 
 class PagedCausalLM(nn.Module):
