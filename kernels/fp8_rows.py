@@ -19,6 +19,7 @@ from ._common import (
     check_device,
     check_dtype,
     check_shape,
+    hardware_fp8_cast,
     next_pow2,
     quantize_row_e4m3,
 )
@@ -26,12 +27,12 @@ from ._common import (
 
 @triton.jit
 def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, n_cols, stride_x, stride_q,
-                          BLOCK: tl.constexpr):
+                          BLOCK: tl.constexpr, HW_CAST: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    q, scale = quantize_row_e4m3(x)
+    q, scale = quantize_row_e4m3(x, HW_CAST)
     tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + row, scale)
 
@@ -58,7 +59,8 @@ def row_warps(block: int) -> int:
 
 def quantize_fp8_rows(x: torch.Tensor, out: torch.Tensor | None = None,
                       scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row e4m3 quantization: scale = max(amax, 1e-12) / 448, q = rne(x / scale).
+    """Per-row e4m3 quantization: scale = max(amax, 1e-12) / 448, q = rne(x * (1 / scale))
+    with the reciprocal an IEEE division (`reference.quantize_fp8_rows`).
 
     x       [M, K] float32/float16/bfloat16, last dim contiguous, 1 <= K <= 65536.
     out     optional [M, K] float8_e4m3fn, last dim contiguous.
@@ -75,5 +77,6 @@ def quantize_fp8_rows(x: torch.Tensor, out: torch.Tensor | None = None,
         return out, scales
     block = next_pow2(cols)
     _quantize_rows_kernel[(rows,)](x, out, scales, cols, x.stride(0), out.stride(0),
-                                   BLOCK=block, num_warps=row_warps(block))
+                                   BLOCK=block, HW_CAST=hardware_fp8_cast(x.device),
+                                   num_warps=row_warps(block))
     return out, scales

@@ -208,9 +208,14 @@ def quantize_fp8_groups(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor
 
 
 def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (e4m3 [M, K], float32 scales [M, 1]): quantize_fp8_groups with one group
-    per row."""
-    return quantize_fp8_groups(x, x.shape[1])
+    """x [M, K] -> (e4m3 [M, K], float32 scales [M, 1]): scale = max(amax, 1e-12) / 448 per
+    row, values x * (1 / scale) rounded to nearest even, the reciprocal an IEEE division (the
+    row kernels divide once per row, not once per value; the result differs from x / scale
+    only where a value sits within a float32 ulp of an e4m3 rounding tie)."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12)
+    scale = amax / torch.full_like(amax, FP8_MAX)  # tensor / tensor: IEEE on every device
+    return (xf * (torch.ones_like(scale) / scale)).to(FP8_DTYPE), scale
 
 
 def dequantize_fp8_blocks(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],

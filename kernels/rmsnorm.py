@@ -19,6 +19,7 @@ from ._common import (
     check_device,
     check_dtype,
     check_shape,
+    hardware_fp8_cast,
     next_pow2,
     quantize_row_e4m3,
 )
@@ -28,7 +29,8 @@ from .fp8_rows import fp8_row_outputs, row_warps
 @triton.jit
 def _rmsnorm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, scale_ptr, eps,
                     n_cols, stride_x, stride_r, stride_o, stride_ro,
-                    BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, FP8_OUT: tl.constexpr):
+                    BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, FP8_OUT: tl.constexpr,
+                    HW_CAST: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
@@ -44,7 +46,7 @@ def _rmsnorm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, 
     w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     y = (normed * w).to(act)
     if FP8_OUT:  # quantize the activation-dtype row the unfused path would have written
-        y, scale = quantize_row_e4m3(y.to(tl.float32))
+        y, scale = quantize_row_e4m3(y.to(tl.float32), HW_CAST)
         tl.store(scale_ptr + row, scale)
     tl.store(out_ptr + row * stride_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -104,7 +106,7 @@ def _launch(x, residual, weight, out, residual_out, scales, eps) -> None:
         x, r, weight, out, ro, scales if scales is not None else weight, eps, cols,
         x.stride(0), r.stride(0), out.stride(0), ro.stride(0),
         BLOCK=block, HAS_RESIDUAL=residual is not None, FP8_OUT=scales is not None,
-        num_warps=row_warps(block))
+        HW_CAST=scales is not None and hardware_fp8_cast(x.device), num_warps=row_warps(block))
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -48,9 +48,9 @@ def quantize_rows(x: torch.Tensor) -> QuantizedRows:
         import batchgen_kernels as K
 
         return QuantizedRows(*K.quantize_fp8_rows(x if x.stride(-1) == 1 else x.contiguous()))
-    from batchgen.models.fp8 import quantize_activations
+    from batchgen_kernels.reference import quantize_fp8_rows
 
-    return QuantizedRows(*quantize_activations(x, max(1, x.shape[1])))
+    return QuantizedRows(*quantize_fp8_rows(x))
 
 
 def row_scaled_matmul(x: QuantizedRows, wq: torch.Tensor, ws: torch.Tensor,
