@@ -5,6 +5,7 @@ instructions per page" and "does the V tile reach the tensor cores through ldmat
 
     pip install triton==3.6.0 --target /tmp/t36     # the GPU machine's Triton (any works)
     PYTHONPATH=/tmp/t36 python benchmarks/sass_report.py [--warps 2 4] [--stages 2 3]
+    PYTHONPATH=/tmp/t36 python benchmarks/sass_report.py --quantizers
 
 The compile reproduces a launch's specialisation (pointers and ints divisible by 16, ints
 equal to 1 folded), so the numbers match the GPU's: fp8 KV with 2 warps, 2 stages reported 255
@@ -120,11 +121,57 @@ def report(fp8: bool, warps: int, stages: int) -> str:
     return "\n".join(lines)
 
 
+def quantizer_launches() -> list[tuple[str, object, dict, dict, int]]:
+    """(name, kernel, args, constexprs, values per program) of the per-row e4m3 quantizers at
+    Llama-3-8B widths (bf16 in: hidden 4096, SiLU-and-mul over 2 x 14336)."""
+    import importlib
+
+    def module(name):  # the package re-exports functions under the modules' names
+        return importlib.import_module(f"batchgen_kernels.{name}")
+
+    hidden = {"n_cols": 4096, "stride_x": 4096}
+    return [
+        ("silu_and_mul_fp8", module("silu_mul")._silu_mul_fp8_kernel,
+         {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "n_cols": 14336,
+          "stride_x": 28672, "stride_q": 14336}, {"BLOCK": 16384}, 16384),
+        ("fused_add_rmsnorm_fp8", module("rmsnorm")._rmsnorm_kernel,
+         {"x_ptr": "*bf16", "residual_ptr": "*bf16", "weight_ptr": "*bf16",
+          "out_ptr": "*fp8e4nv", "residual_out_ptr": "*bf16", "scale_ptr": "*fp32",
+          "eps": "fp32", **hidden, "stride_r": 4096, "stride_o": 4096, "stride_ro": 4096},
+         {"BLOCK": 4096, "HAS_RESIDUAL": True, "FP8_OUT": True}, 4096),
+        ("quantize_fp8_rows", module("fp8_rows")._quantize_rows_kernel,
+         {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", **hidden,
+          "stride_q": 4096}, {"BLOCK": 4096}, 4096),
+    ]
+
+
+def quantizer_report() -> str:
+    """SASS instructions per quantized value, with the GPU's cast rounding (HW_CAST, what
+    sm_89+ runs) and with the explicit rounding the interpreter needs."""
+    from batchgen_kernels.fp8_rows import row_warps
+
+    lines = []
+    for name, kernel, args, consts, values in quantizer_launches():
+        warps = row_warps(consts["BLOCK"])
+        for hw_cast in (True, False):
+            compiled = compile_sm90(kernel, args, {**consts, "HW_CAST": hw_cast}, warps, 1)
+            sass = cuobjdump(compiled.asm["cubin"], "-sass")
+            count = len(re.findall(r"/\*[0-9a-f]{4,}\*/\s+[^;]*;", sass))
+            lines.append(f"{name:22} HW_CAST={hw_cast!s:5} warps={warps:2} "
+                         f"{count * warps * 32 / values:5.1f} instructions per value")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--warps", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--stages", type=int, nargs="+", default=[2])
+    parser.add_argument("--quantizers", action="store_true",
+                        help="Report the per-row e4m3 quantizers instead of the decode kernel.")
     args = parser.parse_args()
+    if args.quantizers:
+        print(quantizer_report())
+        return
     for fp8 in (True, False):
         for warps in args.warps:
             for stages in args.stages:
