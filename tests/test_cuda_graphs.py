@@ -115,7 +115,7 @@ def test_graph_buffers_and_segment_chain_give_eager_logits(shape, segmented, mon
             torch.testing.assert_close(graphs.run(batch).clone(), model(batch))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 @pytest.mark.parametrize("segmented", [False, True], ids=["whole", "segmented"])
 def test_graphs_match_eager_on_cuda(tmp_path, monkeypatch, segmented):
     if segmented:

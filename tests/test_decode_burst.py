@@ -173,7 +173,7 @@ def test_burst_never_outruns_the_reserved_pages(chat, burst, decision_pages, see
     assert burst == 1 or checked
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 def test_bursts_replay_cuda_graphs_like_single_steps(tmp_path):
     """On CUDA a burst replays the decode graphs back to back with no host sync between its
     steps; its output equals syncing after every token."""

@@ -158,7 +158,7 @@ def test_fp8_kv_logits_stay_close(tiny_llama):
     assert (fp8 - ref).norm() / ref.norm() < 0.25
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 def test_tiny_pools_match_roomy_pools_on_cuda(tmp_path):
     """Unloads copy device -> pinned host pages and loads copy them back on the GPU path."""
     from batchgen.models.loader import build_model, load_hf_config, read_safetensors

@@ -101,7 +101,7 @@ def test_route_rejects_bad_settings(device):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 def test_topk_router_routes_with_the_kernel_on_cuda():
     cfg = SimpleNamespace(n_routed_experts=64, num_experts_per_tok=8, n_group=8, topk_group=4,
                           norm_topk_prob=True, routed_scaling_factor=2.5, hidden_size=128)

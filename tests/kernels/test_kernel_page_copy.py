@@ -38,7 +38,7 @@ def test_copy_matches_reference(device, dtype, token_shape, block):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 @pytest.mark.parametrize("direction", ["to_host", "to_device"])
 def test_copy_through_pinned_host_memory(direction):
     device_pool = _random_pool(6, 2, (2, 2, 16), torch.bfloat16, "cuda")
