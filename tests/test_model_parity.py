@@ -1,5 +1,7 @@
 """Our models vs HF transformers on the same random weights: greedy tokens and logits."""
 
+import json
+
 import pytest
 import torch
 
@@ -100,3 +102,48 @@ def test_longrope_runs_exactly_up_to_its_original_length(tmp_path):
     assert_last_logits_match(ours, hf, longest)
     result = make_engine(ours).generate(greedy_requests([longest[:60]], 40, ignore_eos=True))
     assert result[0].completions[0].token_ids == hf_greedy(hf, longest[:60], 40)
+
+
+WINDOWED = {
+    # A sliding layer below max_window_layers: layer_types, when listed, is what HF applies.
+    "qwen2_layer_types": ("qwen2", dict(use_sliding_window=True, sliding_window=16,
+                                        max_window_layers=2, layer_types=[
+                                            "sliding_attention", "full_attention",
+                                            "sliding_attention"])),
+    "qwen3_layer_types": ("qwen3", dict(use_sliding_window=True, sliding_window=16,
+                                        max_window_layers=2, layer_types=[
+                                            "sliding_attention", "full_attention",
+                                            "full_attention"])),
+    # A config.json without layer_types (older writers): derived from max_window_layers, here
+    # sliding from layer 1 on (the test removes the list after saving).
+    "qwen2_max_window_layers": ("qwen2", dict(use_sliding_window=True, sliding_window=16,
+                                              max_window_layers=1, layer_types=[
+                                                  "full_attention", "sliding_attention",
+                                                  "sliding_attention"])),
+    # Mistral windows every layer; a Mistral config listing layer_types loads as Ministral,
+    # which follows them.
+    "mistral": ("mistral", dict(sliding_window=16)),
+    "mistral_layer_types": ("mistral", dict(sliding_window=16, layer_types=[
+        "full_attention"] * 3)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(WINDOWED))
+def test_sliding_windows_follow_hf(case, tmp_path):
+    """Windows of 16 keys against prompts of up to 150 tokens: greedy tokens and last logits
+    as HF computes them, per family and per way a config states which layers slide."""
+    from transformers import AutoModelForCausalLM
+
+    family, overrides = WINDOWED[case]
+    folder = save_tiny_model(family, tmp_path, **overrides)
+    if case.endswith("max_window_layers"):
+        config = json.loads((folder / "config.json").read_text())
+        del config["layer_types"]
+        (folder / "config.json").write_text(json.dumps(config))
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    ours = load_ours(folder)
+    ps = prompts(3)[1:]
+    results = make_engine(ours).generate(greedy_requests(ps, 24, ignore_eos=True))
+    for prompt, result in zip(ps, results):
+        assert result.completions[0].token_ids == hf_greedy(hf, prompt, 24)
+    assert_last_logits_match(ours, hf, ps[-1])

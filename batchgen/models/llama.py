@@ -82,15 +82,19 @@ def kv_head_share(kv_heads: int, tp: TensorParallel) -> tuple[int, int]:
 
 
 def _sliding_window(cfg, layer: int) -> int | None:
+    """`layer`'s attention window as HF applies it: on the layers layer_types marks sliding, on
+    all of them without layer_types. Qwen2/Qwen3 configs derive layer_types (sliding from
+    max_window_layers on) only when a checkpoint lists none, and use_sliding_window off
+    disables the window altogether."""
     window = getattr(cfg, "sliding_window", None)
     if not window:
         return None
+    layer_types = getattr(cfg, "layer_types", None)
     if getattr(cfg, "model_type", "") in ("qwen2", "qwen3"):
         if not getattr(cfg, "use_sliding_window", False):
             return None
-        if layer < getattr(cfg, "max_window_layers", 0):
-            return None
-    layer_types = getattr(cfg, "layer_types", None)
+        if not layer_types:
+            return int(window) if layer >= getattr(cfg, "max_window_layers", 0) else None
     if layer_types and layer_types[layer] != "sliding_attention":
         return None
     return int(window)
