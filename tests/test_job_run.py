@@ -157,6 +157,35 @@ def test_sigkill_at_random_moments_then_resume(tmp_path, tiny_chat_model):
                    for l in p.read_text().splitlines()]
     ids = [r["custom_id"] for r in incremental]
     assert len(ids) == len(set(ids)) == len(rows)
+    # Usage is the output's, however many runs were killed before recording theirs.
+    assert batch_record(storage)["usage"] == usage_of(resumed)
+
+
+def batch_record(storage) -> dict:
+    return json.loads(next(p for p in (storage / "batches").glob("*.json")
+                           if p.name.count(".") == 1).read_text())
+
+
+def usage_of(results: list[dict]) -> dict:
+    prompt = sum(r["response"]["body"]["usage"]["prompt_tokens"] for r in results)
+    completion = sum(r["response"]["body"]["usage"]["completion_tokens"] for r in results)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
+
+
+def test_no_incremental_save_removes_its_files_only_once_completed(tmp_path, tiny_chat_model):
+    """--no-incremental-save deletes the incremental files after the job is on record as
+    completed; files left by a kill between the two go at the next (no-op) run."""
+    inp = write_jsonl(tmp_path / "in.jsonl", chat_rows(3))
+    storage = tmp_path / "s"
+    batchgen(*run_args(inp, storage, tiny_chat_model), check=True)  # keeps its files
+    assert list((storage / "incremental").glob("*.jsonl"))
+    proc = batchgen(*run_args(inp, storage, tiny_chat_model, "--no-incremental-save"),
+                    check=True)
+    assert "already completed" in proc.stderr
+    assert not list((storage / "incremental").glob("*.jsonl"))
+    results, _ = outputs(storage)
+    assert batch_record(storage)["usage"] == usage_of(results)
 
 
 def test_validate_command(tmp_path):
@@ -183,3 +212,38 @@ def test_response_format_is_enforced_and_bad_schemas_are_error_lines(tmp_path, t
     assert json.loads(message) in ({"ok": True}, {"ok": False})
     assert errors[0]["custom_id"] == "bad"
     assert errors[0]["response"]["body"]["error"]["code"] == "unsupported_response_format"
+
+
+def test_input_edited_during_the_run_is_not_published(tmp_path, tiny_chat_model):
+    """Workers read the input as they go: a line appended mid-run would be answered under the
+    original input's identity. The job refuses to publish (exit 3) and says how to start over;
+    touching the file without changing it is fine."""
+    from batchgen.runner.job import JobSpec, check_input_unchanged, file_version
+
+    rows = chat_rows(30, max_tokens=40)
+    inp = write_jsonl(tmp_path / "in.jsonl", rows)
+    storage = tmp_path / "s"
+    proc = start(*run_args(inp, storage, tiny_chat_model))
+    deadline = time.time() + 120
+    while not any(p.stat().st_size for p in (storage / "incremental").glob("*.jsonl")):
+        assert proc.poll() is None and time.time() < deadline, "the job ended before any result"
+        time.sleep(0.05)
+    with open(inp, "a") as f:
+        f.write(json.dumps({"custom_id": "late", "messages": [
+            {"role": "user", "content": "added mid-run"}]}) + "\n")
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 3, err[-2000:]
+    assert "changed while job" in err and "Nothing was published" in err
+    assert not list((storage / "outputs").glob("*.jsonl"))
+
+    # The version check alone: a touched but identical input passes, an edited one does not.
+    spec = JobSpec.from_bytes(next((storage / "batches").glob("*.spec.json")).read_bytes())
+    original = tmp_path / "original.jsonl"
+    write_jsonl(original, rows)
+    inp.write_bytes(original.read_bytes())
+    version = file_version(inp)
+    os.utime(inp)
+    check_input_unchanged(spec, version)
+    write_jsonl(inp, rows[:-1])
+    with pytest.raises(Exception, match="changed while job"):
+        check_input_unchanged(spec, version)

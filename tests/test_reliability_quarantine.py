@@ -60,6 +60,28 @@ def test_finished_requests_and_crash_before_admission_change_nothing(tmp_path):
     assert q.book.strikes == {"b": 1}
 
 
+def test_a_crash_is_counted_once_even_if_the_recovery_is_killed(tmp_path, monkeypatch):
+    """A kill after the book is saved but before the next journal starts leaves the crashed
+    run's journal in place: the recovery after that must not count the same crash again."""
+    q = Quarantine(tmp_path, "b", 0, 3)
+    q.recover(set(), restarted=False)
+    q.admitted(["a"])
+    mark_crashed(tmp_path, "b", -9)
+    for _ in range(3):  # each recovery dies right after saving the book
+        q = Quarantine(tmp_path, "b", 0, 3)
+        monkeypatch.setattr(q.journal, "start", lambda: None)
+        q.recover(set(), restarted=False)
+    assert q.book.strikes == {"a": 1}
+
+
+def test_journals_without_a_run_id_still_count(tmp_path):
+    """A journal written before journals carried a run id (an older batchgen's crash)."""
+    (tmp_path / "b.inflight.rank0").write_bytes(b'"a"\n{"crash": -9}\n')
+    q = Quarantine(tmp_path, "b", 0, 3)
+    q.recover(set(), restarted=False)
+    assert q.book.strikes == {"a": 1}
+
+
 def test_torn_journal_line_is_ignored(tmp_path):
     q = Quarantine(tmp_path, "b", 0, 3)
     q.recover(set(), restarted=False)

@@ -260,6 +260,10 @@ class FinalizeReport:
     """Error lines written to the errors file."""
     ignored: int
     """Incremental lines not used: duplicates of an id already taken, or ids not in the input."""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    """Token usage summed over the success lines written: what the job's output holds,
+    however many runs it took (a result recomputed after a crash counts once)."""
 
 
 class IncompleteResults(Exception):
@@ -324,7 +328,7 @@ def finalize(incremental_paths: list[Path], input_order: Path | Iterable[str],
         target.parent.mkdir(parents=True, exist_ok=True)
     index = _Index([Path(p) for p in incremental_paths])
     fds = [os.open(p, os.O_RDONLY) for p in incremental_paths]
-    completed = failed = 0
+    completed = failed = prompt_tokens = completion_tokens = 0
     missing: list[str] = []
     try:
         with atomic_file(Path(output_path)) as out, atomic_file(errors_path) as err:
@@ -338,6 +342,9 @@ def finalize(incremental_paths: list[Path], input_order: Path | Iterable[str],
                     elif is_success(found[1]):
                         out.write(found[0])
                         completed += 1
+                        usage = _usage_of(found[1])
+                        prompt_tokens += usage.get("prompt_tokens", 0)
+                        completion_tokens += usage.get("completion_tokens", 0)
                     else:
                         err.write(found[0])
                         failed += 1
@@ -348,7 +355,14 @@ def finalize(incremental_paths: list[Path], input_order: Path | Iterable[str],
     finally:
         for fd in fds:
             os.close(fd)
-    return FinalizeReport(completed, failed, int((~index.used).sum()))
+    return FinalizeReport(completed, failed, int((~index.used).sum()), prompt_tokens,
+                          completion_tokens)
+
+
+def _usage_of(line: dict) -> dict:
+    body = line["response"].get("body")
+    usage = body.get("usage") if isinstance(body, dict) else None
+    return usage if isinstance(usage, dict) else {}
 
 
 def salvage(path: Path) -> tuple[int, int]:

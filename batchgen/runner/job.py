@@ -90,3 +90,34 @@ def fingerprint(config: JobConfig, input_sha256: str, model_identity: str,
 
 def now() -> int:
     return int(time.time())
+
+
+def file_version(path: Path) -> tuple[int, ...]:
+    """What changes when a file is edited or replaced: size, mtime, inode, device (() when
+    it cannot be read; reading it then fails with the reader's own error)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return ()
+    return st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev
+
+
+def check_input_unchanged(spec: JobSpec, version: tuple[int, ...]) -> None:
+    """Refuse to publish results when the input was edited or replaced after the job read its
+    identity (`version` was taken before): workers read the input as they go, so answers to
+    edited lines would go out under the original input's identity. Re-hashes only when the
+    file's version moved."""
+    from batchgen.io.jobfiles import FingerprintMismatch
+    from batchgen.io.reader import scan_input
+
+    path = Path(spec.config.storage.input)
+    if file_version(path) == version:
+        return
+    now_sha = scan_input(path).sha256
+    if now_sha != spec.input_sha256:
+        raise FingerprintMismatch(
+            f"the input {path} changed while job {spec.batch_id} ran (sha256 "
+            f"{spec.input_sha256[:16]}... -> {now_sha[:16]}...): some results may answer the "
+            "edited lines. Nothing was published. Start the job over from the input you want "
+            f"(a new --batch-id, or delete {spec.paths.incremental_dir} and the job's files "
+            "under batches/), rather than restoring the old input.")

@@ -2,9 +2,10 @@
 job becomes an error line, so one bad request cannot crash-loop a job.
 
 Files, per rank, beside the batch file:
-  {batch_id}.inflight.rank{R}       journal: custom_ids this run admitted (one JSON string per
-                                    line, one write per admission wave), plus a {"crash": code}
-                                    line the supervisor appends when it saw the worker crash
+  {batch_id}.inflight.rank{R}       journal: a {"run": id} line, then the custom_ids this run
+                                    admitted (one JSON string per line, one write per admission
+                                    wave), plus a {"crash": code} line the supervisor appends
+                                    when it saw the worker crash
   {batch_id}.suspects.rank{R}.json  strikes: custom_id -> consecutive crashes it was in flight at
 
 The journal is written without fsync: it must survive the death of the process (the page cache
@@ -14,7 +15,8 @@ only when it is confirmed (the supervisor saw the worker fail, or torchrun resta
 kill -9 of the whole job is no evidence against the requests in flight.
 
 Counting: each confirmed crash adds a strike to every request in flight and clears the others
-(consecutive). The next run first serves the suspects in isolation, in at most ISOLATION_GROUPS
+(consecutive). The book records which run it counted, so a kill between saving the book and
+starting the next journal does not count the same crash twice. The next run first serves the suspects in isolation, in at most ISOLATION_GROUPS
 groups run one after the other, so each crash narrows the set in flight. A request is
 quarantined once it has K strikes AND was alone in flight at the last crash: an innocent request
 never pays for a neighbour.
@@ -59,6 +61,8 @@ def mark_crashed(batch_dir: Path, batch_id: str, exitcode: int) -> int:
 class LastRun:
     admitted: list[str]
     crashed: bool
+    run_id: str | None = None
+    """The run's journal identity (None in journals written before it had one)."""
 
 
 class CrashJournal:
@@ -72,7 +76,7 @@ class CrashJournal:
             raw = self.path.read_bytes()
         except FileNotFoundError:
             return None
-        admitted, seen, crashed = [], set(), False
+        admitted, seen, crashed, run_id = [], set(), False, None
         for line in raw.splitlines():
             try:
                 item = orjson.loads(line)
@@ -83,13 +87,19 @@ class CrashJournal:
                 admitted.append(item)
             elif isinstance(item, dict) and "crash" in item:
                 crashed = True
-        return LastRun(admitted, crashed)
+            elif isinstance(item, dict) and "run" in item:
+                run_id = str(item["run"])
+        return LastRun(admitted, crashed, run_id)
 
     def start(self) -> None:
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
+        self._write(orjson.dumps({"run": os.urandom(8).hex()}) + b"\n")
 
     def append(self, custom_ids: list[str]) -> None:
-        data = memoryview(b"".join(orjson.dumps(c) + b"\n" for c in custom_ids))
+        self._write(b"".join(orjson.dumps(c) + b"\n" for c in custom_ids))
+
+    def _write(self, payload: bytes) -> None:
+        data = memoryview(payload)
         while data:
             data = data[os.write(self._fd, data):]
 
@@ -105,6 +115,8 @@ class SuspectBook:
     strikes: dict[str, int] = field(default_factory=dict)
     last_crash_in_flight: int = 0
     quarantined: list[str] = field(default_factory=list)
+    counted_run: str | None = None
+    """The journal identity of the last crash counted."""
 
     @staticmethod
     def load(path: Path) -> SuspectBook:
@@ -134,10 +146,13 @@ class Quarantine:
         done: custom_ids with a result (container); restarted: torchrun restarted this worker."""
         self.book = SuspectBook.load(self.book_path)
         last = self.journal.read()
-        if last is not None and (last.crashed or restarted):
+        counted = last is not None and last.run_id is not None and (
+            last.run_id == self.book.counted_run)
+        if last is not None and (last.crashed or restarted) and not counted:
             in_flight = [cid for cid in last.admitted if cid not in done]
             if in_flight:  # a crash before any admission says nothing about requests
                 self.book.record_crash(in_flight)
+                self.book.counted_run = last.run_id
         self.book.strikes = {c: n for c, n in self.book.strikes.items() if c not in done}
         if self.book.strikes or self.book_path.exists():
             self._save()
@@ -188,4 +203,5 @@ class Quarantine:
     def _save(self) -> None:
         write_json_atomic(self.book_path, {"strikes": self.book.strikes,
                                            "last_crash_in_flight": self.book.last_crash_in_flight,
-                                           "quarantined": self.book.quarantined})
+                                           "quarantined": self.book.quarantined,
+                                           "counted_run": self.book.counted_run})

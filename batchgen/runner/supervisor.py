@@ -44,7 +44,8 @@ from batchgen.runner.errors import (
     exit_code_of,
 )
 from batchgen.runner.group import Group, GroupError, MemberEnd, PlanRefused
-from batchgen.runner.job import EXIT_REQUEUE, EXIT_WATCHDOG, JobSpec, fingerprint, now
+from batchgen.runner.job import (EXIT_REQUEUE, EXIT_WATCHDOG, JobSpec, check_input_unchanged,
+                                 file_version, fingerprint, now)
 from batchgen.runner.launch import WorkerFailure, is_stop_signal
 from batchgen.runner.members import Member, check_plan, member_failure, member_for
 from batchgen.runner.preflight import preflight
@@ -161,6 +162,7 @@ def _run(config: JobConfig, stops: StopSignals, member: Member) -> int:
 
     group = member.group
     with _abort_followers(group):
+        input_version = file_version(Path(config.storage.input))  # before it is read
         summary, paths = identify(config)
         lock = member.lock(paths.batch_file)
         lock.acquire()  # before anything is written: a second live run changes nothing
@@ -169,6 +171,8 @@ def _run(config: JobConfig, stops: StopSignals, member: Member) -> int:
             spec, batch_file = prepare(config, summary, paths)
             if batch_file.load().status == "completed" and paths.output.exists():
                 log.info("job %s already completed: %s", spec.batch_id, paths.output)
+                if config.storage.no_incremental_save:  # a kill came before their removal
+                    _remove_incremental(paths)
                 if group is not None:
                     group.publish_final("done")
                 return 0
@@ -178,7 +182,7 @@ def _run(config: JobConfig, stops: StopSignals, member: Member) -> int:
             model_folder(config.engine.model, config.dist.world_size,
                          config.dist.tensor_parallel_size)  # not found / convert: here
         return _run_locked(spec, batch_file, already, stops, member,
-                           {"input_bytes": summary.size_bytes, "left": left})
+                           {"input_bytes": summary.size_bytes, "left": left}, input_version)
     finally:
         lock.release()
 
@@ -210,7 +214,7 @@ def _code_of(err: BaseException) -> int:
 
 
 def _run_locked(spec: JobSpec, batch_file: BatchFile, already: int, stops: StopSignals,
-                member: Member, sizes: dict) -> int:
+                member: Member, sizes: dict, input_version: tuple[int, ...]) -> int:
     paths, group = spec.paths, member.group
     log.info("job %s: %d requests, %d already done; results -> %s", spec.batch_id,
              spec.total_records, already, paths.output)
@@ -252,6 +256,7 @@ def _run_locked(spec: JobSpec, batch_file: BatchFile, already: int, stops: StopS
     finally:
         progress.stop()
         stops.install()  # the launcher (or the in-process worker) replaced our handlers
+    check_input_unchanged(spec, input_version)
     return _finish(spec, batch_file, started, patient=group is not None)
 
 
@@ -417,15 +422,20 @@ def _finish(spec: JobSpec, batch_file: BatchFile, started: float, patient: bool 
     if s.save_result and s.output:
         default = JobPaths.for_job(s.storage_path, spec.batch_id).output
         shutil.copyfile(paths.output, default)
-    if s.no_incremental_save:
-        for path in paths.incremental_files():
-            path.unlink()
     _record_end(spec, batch_file, started, "completed", {},
                 counts={"total": spec.total_records, "completed": report.completed,
-                        "failed": report.failed})
+                        "failed": report.failed},
+                usage=_usage_total(report.prompt_tokens, report.completion_tokens))
+    if s.no_incremental_save:  # only once "completed" is on record: a rerun skips the job
+        _remove_incremental(paths)
     log.info("done: %d results -> %s, %d errors -> %s", report.completed, paths.output,
              report.failed, paths.errors_output)
     return 0
+
+
+def _remove_incremental(paths: JobPaths) -> None:
+    for path in paths.incremental_files():
+        path.unlink(missing_ok=True)
 
 
 def _remove_output_temps(paths: JobPaths) -> None:
@@ -443,9 +453,10 @@ def _try_record_end(*args, **kwargs) -> None:
 
 
 def _record_end(spec: JobSpec, batch_file: BatchFile, started: float, status: str,
-                health: dict, counts: dict | None = None) -> None:
+                health: dict, counts: dict | None = None, usage: dict | None = None) -> None:
     """Status, health, counters, usage and throughput of the run that ends, from the workers'
-    stats files."""
+    stats files. `usage`: the job's total (a completed job's, summed over its output lines)
+    instead of the previous total plus this run's."""
     stats = read_worker_stats(spec.paths.batch_file.parent, spec.batch_id)
     elapsed = max(time.time() - started, 1e-9)
     completion = sum(s.get("completion_tokens", 0) for s in stats)
@@ -457,7 +468,7 @@ def _record_end(spec: JobSpec, batch_file: BatchFile, started: float, status: st
         "throughput": {"output_tokens_per_s": round(completion / elapsed, 2),
                        "total_tokens_per_s": round((completion + prompt) / elapsed, 2)},
         "output_file": str(spec.paths.output), "errors_file": str(spec.paths.errors_output),
-        "usage": _usage_after(batch_file, prompt, completion)}
+        "usage": usage or _usage_after(batch_file, prompt, completion)}
     if counts:
         changes["request_counts"] = counts
     batch_file.update(spec.batch_id, **changes)
@@ -478,7 +489,10 @@ def _usage_after(batch_file: BatchFile, prompt: int, completion: int) -> dict:
     """Token usage of every run so far (each run adds its own)."""
     state = batch_file.load()
     usage = dict(state.usage) if state else {}
-    usage["prompt_tokens"] = usage.get("prompt_tokens", 0) + prompt
-    usage["completion_tokens"] = usage.get("completion_tokens", 0) + completion
-    usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-    return usage
+    return _usage_total(usage.get("prompt_tokens", 0) + prompt,
+                        usage.get("completion_tokens", 0) + completion)
+
+
+def _usage_total(prompt: int, completion: int) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
