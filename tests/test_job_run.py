@@ -247,3 +247,20 @@ def test_input_edited_during_the_run_is_not_published(tmp_path, tiny_chat_model)
     write_jsonl(inp, rows[:-1])
     with pytest.raises(Exception, match="changed while job"):
         check_input_unchanged(spec, version)
+
+
+def test_a_rerun_clears_temp_files_of_killed_atomic_writes(tmp_path, tiny_chat_model):
+    inp = write_jsonl(tmp_path / "in.jsonl", chat_rows(2))
+    storage = tmp_path / "s"
+    batchgen(*run_args(inp, storage, tiny_chat_model), check=True)
+    batch_id = next((storage / "uploads").glob("*.json")).stem
+    leftovers = [storage / "batches" / f".{batch_id}.json.tmp-1234",
+                 storage / "batches" / f".{batch_id}.worker0.json.tmp-99",
+                 storage / "batches" / f"{batch_id}.spec.json.tmp-77",
+                 storage / "uploads" / f".{batch_id}.json.tmp-5"]
+    for path in leftovers:
+        path.write_text("{")
+    record = storage / "batches" / f"{batch_id}.json"  # as if killed before "completed"
+    record.write_text(json.dumps({**json.loads(record.read_text()), "status": "in_progress"}))
+    batchgen(*run_args(inp, storage, tiny_chat_model), check=True)
+    assert not [p for p in leftovers if p.exists()]

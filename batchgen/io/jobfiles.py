@@ -85,6 +85,24 @@ class JobPaths:
                   self.output.parent):
             d.mkdir(parents=True, exist_ok=True)
 
+    def remove_write_temps(self) -> None:
+        """Temp files of atomic writes (batch, upload, stats, spec files) a kill left behind.
+        Only under the job lock, before any worker starts: none is being written then."""
+        for folder in (self.batch_file.parent, self.upload_file.parent):
+            for pattern in (f".{self.batch_id}.*tmp-*", f"{self.batch_id}.*.tmp-*"):
+                for stale in folder.glob(pattern):
+                    stale.unlink(missing_ok=True)
+
+    def remove_output_temps(self) -> None:
+        """Temp files of a final merge that was killed (or whose close failed)."""
+        for target in (self.output, self.errors_output):
+            for stale in target.parent.glob(f".{target.name}.tmp-*"):
+                stale.unlink(missing_ok=True)
+
+    def remove_incremental(self) -> None:
+        for path in self.incremental_files():
+            path.unlink(missing_ok=True)
+
 
 def fsync_dir(path: Path) -> None:
     """Make a rename in `path` durable."""

@@ -172,7 +172,7 @@ def _run(config: JobConfig, stops: StopSignals, member: Member) -> int:
             if batch_file.load().status == "completed" and paths.output.exists():
                 log.info("job %s already completed: %s", spec.batch_id, paths.output)
                 if config.storage.no_incremental_save:  # a kill came before their removal
-                    _remove_incremental(paths)
+                    paths.remove_incremental()
                 if group is not None:
                     group.publish_final("done")
                 return 0
@@ -222,6 +222,7 @@ def _run_locked(spec: JobSpec, batch_file: BatchFile, already: int, stops: StopS
     batch_file.update(spec.batch_id, status="in_progress", timings={"started_at": int(started)})
     for stale in paths.batch_file.parent.glob(f"{spec.batch_id}.worker*.json"):
         stale.unlink()
+    paths.remove_write_temps()
     spec_file = spec.save()
     progress = ProgressReporter(paths.batch_file.parent, spec.batch_id, spec.total_records, already)
     progress.start()
@@ -401,7 +402,7 @@ def _finish(spec: JobSpec, batch_file: BatchFile, started: float, patient: bool 
     give a shared filesystem's caches a minute to show their last lines before giving up."""
     paths = spec.paths
     batch_file.update(spec.batch_id, status="finalizing")
-    _remove_output_temps(paths)  # left by a finalize that was killed
+    paths.remove_output_temps()  # left by a finalize that was killed
     waits = list(SHARED_FS_RETRY_S) if patient else []
     while True:
         try:
@@ -410,13 +411,13 @@ def _finish(spec: JobSpec, batch_file: BatchFile, started: float, patient: bool 
                                   paths.output, paths.errors_output)
             break
         except IncompleteResults as err:
-            _remove_output_temps(paths)
+            paths.remove_output_temps()
             if not waits:
                 raise
             log.warning("%s; waiting %d s for the shared filesystem", err, waits[0])
             time.sleep(waits.pop(0))
         except BaseException:
-            _remove_output_temps(paths)  # a temp file whose close failed on a full disk stays
+            paths.remove_output_temps()  # a temp file whose close failed on a full disk stays
             raise
     s = spec.config.storage
     if s.save_result and s.output:
@@ -427,21 +428,10 @@ def _finish(spec: JobSpec, batch_file: BatchFile, started: float, patient: bool 
                         "failed": report.failed},
                 usage=_usage_total(report.prompt_tokens, report.completion_tokens))
     if s.no_incremental_save:  # only once "completed" is on record: a rerun skips the job
-        _remove_incremental(paths)
+        paths.remove_incremental()
     log.info("done: %d results -> %s, %d errors -> %s", report.completed, paths.output,
              report.failed, paths.errors_output)
     return 0
-
-
-def _remove_incremental(paths: JobPaths) -> None:
-    for path in paths.incremental_files():
-        path.unlink(missing_ok=True)
-
-
-def _remove_output_temps(paths: JobPaths) -> None:
-    for target in (paths.output, paths.errors_output):
-        for stale in target.parent.glob(f".{target.name}.tmp-*"):
-            stale.unlink(missing_ok=True)
 
 
 def _try_record_end(*args, **kwargs) -> None:
