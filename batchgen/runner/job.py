@@ -119,5 +119,5 @@ def check_input_unchanged(spec: JobSpec, version: tuple[int, ...]) -> None:
             f"the input {path} changed while job {spec.batch_id} ran (sha256 "
             f"{spec.input_sha256[:16]}... -> {now_sha[:16]}...): some results may answer the "
             "edited lines. Nothing was published. Start the job over from the input you want "
-            f"(a new --batch-id, or delete {spec.paths.incremental_dir} and the job's files "
-            "under batches/), rather than restoring the old input.")
+            f"(a new --batch-id, or delete {spec.paths.incremental_dir}/{spec.batch_id}*.jsonl "
+            f"and batches/{spec.batch_id}*), rather than restoring the old input.")
