@@ -12,7 +12,8 @@ from pathlib import Path
 import orjson
 
 from batchgen.config import JobConfig
-from batchgen.io.jobfiles import JobPaths, make_fingerprint
+from batchgen.io.jobfiles import FingerprintMismatch, JobPaths, make_fingerprint
+from batchgen.io.reader import scan_input
 
 EXIT_REQUEUE = 75
 """Exit code meaning "preempted: requeue me" (EX_TEMPFAIL); Slurm jobs requeue on it."""
@@ -107,9 +108,6 @@ def check_input_unchanged(spec: JobSpec, version: tuple[int, ...]) -> None:
     identity (`version` was taken before): workers read the input as they go, so answers to
     edited lines would go out under the original input's identity. Re-hashes only when the
     file's version moved."""
-    from batchgen.io.jobfiles import FingerprintMismatch
-    from batchgen.io.reader import scan_input
-
     path = Path(spec.config.storage.input)
     if file_version(path) == version:
         return
