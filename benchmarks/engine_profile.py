@@ -73,6 +73,29 @@ class StepWindow:
         for e in sorted(events, key=lambda e: -getattr(e, own))[:self.rows]:
             print(f"  {getattr(e, own) / 1e3 / steps:8.3f} ms/step  "
                   f"{e.count / steps:6.1f} calls/step  {e.key[:90]}")
+        if torch.cuda.is_available():
+            print_gaps(self.profiler.events(), steps)
+
+
+def print_gaps(events, steps: int, largest: int = 8) -> None:
+    """Where the device sat idle inside the window: the gaps between consecutive kernels (and
+    copies) by size class, per step, and the largest few with the kernels around them. Many
+    small gaps point at kernel boundaries (launch and tail), a few large ones at the host."""
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    gaps, end, before = [], None, None
+    for start, stop, name in spans:
+        if end is not None and start > end:
+            gaps.append((start - end, before, name))
+        if end is None or stop > end:
+            end, before = stop, name
+    classes = ((0, 2), (2, 10), (10, 100), (100, float("inf")))
+    print("device idle between kernels (us per step by gap size):  " + "  ".join(
+        f"{lo}-{hi if hi != float('inf') else ''}us: "
+        f"{sum(g for g, *_ in gaps if lo <= g < hi) / steps:.0f} "
+        f"({sum(1 for g, *_ in gaps if lo <= g < hi) / steps:.0f})" for lo, hi in classes))
+    for gap, before, after in sorted(gaps, reverse=True)[:largest]:
+        print(f"  {gap:9.1f} us after {before[:50]!r} before {after[:50]!r}")
 
 
 def main() -> None:

@@ -81,6 +81,27 @@ def use_f32_dot(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or interpreting()
 
 
+_TL_FLOAT = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+def dot_dtype(q_dtype: torch.dtype, fp8_kv: bool) -> torch.dtype:
+    """The dtype attention kernels cast q and K/V to for their two dots. fp8 KV goes to
+    float16 when q is 16-bit: e4m3 -> f16 is one instruction per two values, e4m3 -> bf16
+    takes a detour through f32 that made the fp8 kernels conversion-bound (no faster than
+    bf16 on half the bytes). The e4m3 values (|v| <= 448) are exact in f16; q is cast too
+    (bf16 q beyond f16's 65504 range does not occur in attention), probabilities times
+    per-token V scales stay far above f16's subnormals where they matter, and both dots
+    accumulate in float32."""
+    if fp8_kv and q_dtype in (torch.float16, torch.bfloat16):
+        return torch.float16
+    return q_dtype
+
+
+def tl_dot_dtype(q_dtype: torch.dtype, fp8_kv: bool):
+    """`dot_dtype` as the Triton dtype a kernel's DOT_DTYPE constexpr takes."""
+    return _TL_FLOAT[dot_dtype(q_dtype, fp8_kv)]
+
+
 @triton.jit
 def dot(a, b, F32: tl.constexpr):
     """a @ b with float32 accumulation; F32 upcasts the operands and uses IEEE precision."""
