@@ -1,4 +1,5 @@
-"""Engine: add requests, `step()` until done. step() = schedule -> run -> postprocess."""
+"""Engine: add requests, `step()` until done. step() = schedule -> run -> postprocess; a decode
+burst postprocesses each step's tokens while its later steps still run on the device."""
 
 from __future__ import annotations
 
@@ -42,7 +43,8 @@ def pick_device(name: str) -> torch.device:
 @dataclass
 class StepTimes:
     """Wall seconds by phase of step(). The forward ends with reading the samples back, so
-    `forward_*` is device time plus whatever host work the device waited for."""
+    `forward_*` is device time plus whatever host work the device waited for, less the
+    postprocessing a burst overlaps with its own later steps (counted in `postprocess_s`)."""
 
     schedule_s: float = 0.0
     forward_decode_s: float = 0.0
@@ -140,13 +142,26 @@ class Engine:
         steps = self._burst_steps(out) if decode else 1
         if steps > 1:
             self.scheduler.extend_decode(steps - 1)
-        rows = [self._sampling_rows(out, ahead) for ahead in range(steps)]
+        rows = self._sampling_rows(out, steps)
         scheduled = time.perf_counter()
-        results = self.runner.execute(out, rows, self._grammar_masks(out))
+        sampling = [c for c in out.chunks if c.sample]
+        finished: list[FinishedRequest] = []
+        accepting = 0.0  # host time in accept(), which a burst overlaps with its later steps
+
+        def accept(step: int, result) -> None:
+            nonlocal accepting
+            start = time.perf_counter()
+            finished.extend(self._accept_step(sampling, step, result))
+            accepting += time.perf_counter() - start
+
+        self.runner.execute(out, rows, self._grammar_masks(out), accept)
         ran = time.perf_counter()
         self.steps += steps
-        finished = self._postprocess(out, results)
-        self._time(decode, steps, scheduled - begin, ran - scheduled, time.perf_counter() - ran)
+        for chunk in out.chunks:
+            if not chunk.sample:
+                chunk.seq.num_computed = chunk.end
+        self._time(decode, steps, scheduled - begin, ran - scheduled - accepting,
+                   accepting + time.perf_counter() - ran)
         return finished
 
     def generate(self, requests: Iterable[Request]) -> list[FinishedRequest]:
@@ -222,30 +237,33 @@ class Engine:
         longest = max(c.seq.sampling.max_tokens - c.seq.num_decoded for c in out.chunks)
         return max(1, min(limit, self.scheduler.decode_steps_covered, longest))
 
-    def _sampling_rows(self, out: ScheduleOutput, ahead: int = 0) -> SamplingRows:
-        """The sampled rows of `out` as they stand `ahead` steps into a burst."""
+    def _sampling_rows(self, out: ScheduleOutput, steps: int) -> list[SamplingRows]:
+        """The sampled rows of `out` as they stand at each of `steps` steps of a burst."""
         seqs = [c.seq for c in out.chunks if c.sample]
-        banned = []
-        for seq in seqs:
-            params = seq.sampling
-            # A grammar decides when EOS is allowed; banning it too could leave no token at all.
-            early = seq.num_decoded + ahead < params.min_tokens and seq.matcher is None
-            ids = (() if params.ignore_eos else tuple(self.eos_ids)) + params.stop_token_ids
-            banned.append(ids if early else ())
-        return SamplingRows([s.sampling for s in seqs], [s.seed for s in seqs],
-                            [s.num_decoded + ahead for s in seqs], banned)
+        params = [s.sampling for s in seqs]
+        seeds = [s.seed for s in seqs]
+        decoded = [s.num_decoded for s in seqs]
+        # EOS and stop ids are banned for a row's first min_tokens tokens, unless a grammar
+        # decides when EOS is allowed (banning it too could leave no token at all).
+        bans = [((() if p.ignore_eos else tuple(self.eos_ids)) + p.stop_token_ids,
+                 p.min_tokens - n) if n < p.min_tokens and s.matcher is None else None
+                for s, p, n in zip(seqs, params, decoded)]
+        unbanned = [()] * len(seqs)
+        rows = []
+        for ahead in range(steps):
+            banned = unbanned
+            if any(bans):
+                banned = [() if b is None or ahead >= b[1] else b[0] for b in bans]
+            rows.append(SamplingRows(params, seeds, [n + ahead for n in decoded], banned))
+        return rows
 
-    def _postprocess(self, out: ScheduleOutput, results) -> list[FinishedRequest]:
+    def _accept_step(self, sampling, step: int, result) -> list[FinishedRequest]:
+        """Take one step's samples for the sampled chunks; the requests this finishes."""
         finished = []
-        for chunk in out.chunks:
-            if not chunk.sample:
-                chunk.seq.num_computed = chunk.end
-        sampling = [c for c in out.chunks if c.sample]
-        for step, result in enumerate(results):
-            for chunk, token, logprob in zip(sampling, result.token_ids, result.logprobs):
-                done = self._accept(chunk.seq, chunk.end + step, token, logprob)
-                if done is not None:
-                    finished.append(done)
+        for chunk, token, logprob in zip(sampling, result.token_ids, result.logprobs):
+            done = self._accept(chunk.seq, chunk.end + step, token, logprob)
+            if done is not None:
+                finished.append(done)
         return finished
 
     def _accept(self, seq: Sequence, computed: int, token: int, logprob) -> FinishedRequest | None:

@@ -15,7 +15,7 @@ import torch
 from batchgen.engine.burst import DecodeBurst
 from batchgen.engine.forward_batch import ForwardBatch
 from batchgen.engine.kv_cache import KVLayout, KVPool, copy_pages
-from batchgen.engine.sampler import SampleResult, SamplingRows, sample, sample_on_device, to_host
+from batchgen.engine.sampler import HostSample, SamplingRows, sample, sample_on_device
 from batchgen.sched.host_pool import HostSegment
 from batchgen.sched.scheduler import ScheduleOutput
 
@@ -72,20 +72,24 @@ class ModelRunner:
         return KVPool(layout, host_pages, "cpu", data=data, scale_pages=scale_pages)
 
     @torch.inference_mode()
-    def execute(self, out: ScheduleOutput, rows: list[SamplingRows],
-                logits_processor=None) -> list[SampleResult]:
+    def execute(self, out: ScheduleOutput, rows: list[SamplingRows], logits_processor=None,
+                on_result=None) -> None:
         """Copies, then forward and sampling of `len(rows)` steps: one step of any batch, or
         a burst of back-to-back decode steps (every chunk decodes; `rows[i]` samples step i).
-        `logits_processor(logits)` may mask the sampled rows' logits in place first
-        (structured outputs; single steps only)."""
+        `on_result(step, result)` receives each step's samples in order, as soon as they are
+        on the host: in a burst, while its later steps still run on the device. Returns after
+        the last of them (a step that samples nothing is only queued). `logits_processor(logits)`
+        may mask the sampled rows' logits in place first (structured outputs; single steps
+        only)."""
         for copy in out.swap_out:
             copy_pages(self.device_pool, copy.src, self.host_pool, copy.dst)
         for copy in out.swap_in:
             copy_pages(self.host_pool, copy.src, self.device_pool, copy.dst)
         if not out.chunks:
-            return []
+            return
         if len(rows) > 1:
-            return self._burst(out, rows)
+            self._burst(out, rows, on_result)
+            return
         batch = ForwardBatch.build(
             token_ids=[c.seq.token_ids[c.start:c.end] for c in out.chunks],
             starts=[c.start for c in out.chunks],
@@ -96,19 +100,28 @@ class ModelRunner:
         )
         logits = self._forward(batch)
         if not rows[0].params:
-            return [SampleResult([], [])]
+            return
         if logits_processor is not None:
             logits_processor(logits)
-        return [sample(logits, rows[0])]
+        result = sample(logits, rows[0])
+        if on_result is not None:
+            on_result(0, result)
 
-    def _burst(self, out: ScheduleOutput, rows: list[SamplingRows]) -> list[SampleResult]:
+    def _burst(self, out: ScheduleOutput, rows: list[SamplingRows], on_result) -> None:
+        """Queue every step (each takes its input ids from the previous step's samples on the
+        device), then hand the samples over step by step: the host's per-token work for step
+        i overlaps the device's steps i+1.. instead of leaving the device idle after the burst."""
         burst = DecodeBurst.build([c.seq for c in out.chunks], len(rows), self.device_pool,
                                   self.device)
-        input_ids, drawn = burst.first_ids, []
+        input_ids, pending = burst.first_ids, []
         for step, step_rows in enumerate(rows):
-            drawn.append(sample_on_device(self._forward(burst.batch(step, input_ids)), step_rows))
-            input_ids = drawn[-1].tokens
-        return to_host(drawn, rows)
+            drawn = sample_on_device(self._forward(burst.batch(step, input_ids)), step_rows)
+            pending.append(HostSample(drawn))
+            input_ids = drawn.tokens
+        for step, (host, step_rows) in enumerate(zip(pending, rows)):
+            result = host.result(step_rows)
+            if on_result is not None:
+                on_result(step, result)
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         if self.graphs is not None and self.graphs.can_run(batch):

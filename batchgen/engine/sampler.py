@@ -71,7 +71,7 @@ def sample(logits: torch.Tensor, rows: SamplingRows,
            allowed: torch.Tensor | None = None) -> SampleResult:
     """logits `[S, V]` -> one token per row. `allowed` is an optional bool `[S, V]` mask
     (structured outputs)."""
-    return to_host([sample_on_device(logits, rows, allowed)], [rows])[0]
+    return HostSample(sample_on_device(logits, rows, allowed)).result(rows)
 
 
 def sample_on_device(logits: torch.Tensor, rows: SamplingRows,
@@ -92,31 +92,36 @@ def sample_on_device(logits: torch.Tensor, rows: SamplingRows,
     return DeviceSample(chosen, raw_logprobs.gather(1, chosen[:, None])[:, 0], top_ids, top_vals)
 
 
-def to_host(samples: list[DeviceSample], rows: list[SamplingRows]) -> list[SampleResult]:
-    """Results of several steps (same rows), read back with one device sync."""
-    if not samples:
-        return []
-    tokens = torch.stack([s.tokens for s in samples]).tolist()
-    chosen = top_ids = top_vals = None
-    if samples[0].chosen_logprobs is not None:
-        chosen = torch.stack([s.chosen_logprobs for s in samples]).tolist()
-        if samples[0].top_ids is not None:
-            top_ids = torch.stack([s.top_ids for s in samples]).tolist()
-            top_vals = torch.stack([s.top_logprobs for s in samples]).tolist()
-    results = []
-    for step, step_rows in enumerate(rows):
-        logprobs: list[TokenLogprob | None] = [None] * len(tokens[step])
+class HostSample:
+    """A DeviceSample on its way to the host: the copies are queued behind the step that
+    drew it (into pinned memory on a GPU), so a burst can hand each step's tokens to the
+    host while its later steps still run."""
+
+    def __init__(self, sample: DeviceSample):
+        self._fields = [None if t is None else t.to("cpu", non_blocking=True)
+                        for t in (sample.tokens, sample.chosen_logprobs, sample.top_ids,
+                                  sample.top_logprobs)]
+        self._ready = None
+        if sample.tokens.device.type == "cuda":
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+
+    def result(self, rows: SamplingRows) -> SampleResult:
+        """The samples as host values; waits for the step (only) that drew them."""
+        if self._ready is not None:
+            self._ready.synchronize()
+        tokens, chosen, top_ids, top_vals = (None if t is None else t.tolist()
+                                             for t in self._fields)
+        logprobs: list[TokenLogprob | None] = [None] * len(tokens)
         if chosen is not None:
-            for row, p in enumerate(step_rows.params):
+            for row, p in enumerate(rows.params):
                 if not p.logprobs:
                     continue
                 top = []
                 if top_ids is not None and p.top_logprobs:
-                    top = list(zip(top_ids[step][row][: p.top_logprobs],
-                                   top_vals[step][row][: p.top_logprobs]))
-                logprobs[row] = TokenLogprob(tokens[step][row], chosen[step][row], top)
-        results.append(SampleResult(tokens[step], logprobs))
-    return results
+                    top = list(zip(top_ids[row][: p.top_logprobs], top_vals[row][: p.top_logprobs]))
+                logprobs[row] = TokenLogprob(tokens[row], chosen[row], top)
+        return SampleResult(tokens, logprobs)
 
 
 def _upload(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
