@@ -3,9 +3,11 @@
 One program per token copies its [KVH, D] K and V tiles to the slot `slot_mapping[t]`
 (page * 64 + offset). For fp8 pools each (token, K/V, head) row gets its own scale,
 amax / 448 (amax clamped to 1e-8 so all-zero rows stay finite), and is stored as
-round-to-nearest-even(x / scale); the division is IEEE (`div_rn`) and the rounding explicit
-(`round_to_e4m3`), so the result is bit-identical to `(x.float() / scale).to(float8_e4m3fn)`,
-the engine's reference, except that NaN is stored as 0 (fp8 pools never hold NaN). fp8 pools
+round-to-nearest-even(x * (1 / scale)), the reciprocal an IEEE division (`div_rn`) once per
+row; the GPU's cast rounds where it can (`hardware_fp8_cast`), the interpreter's values are
+rounded explicitly (`round_to_e4m3`). Either way the result is bit-identical to the engine's
+reference `(x.float() * (1 / scale)).to(float8_e4m3fn)`, except that NaN is stored as 0
+(fp8 pools never hold NaN). fp8 pools
 store V transposed per page and head (`load_page_kv`), so a token's V row lands in a column of
 its page's block. Tokens whose slot is negative (padding) are skipped.
 """
@@ -25,6 +27,7 @@ from ._common import (
     check_dtype,
     check_last_dim_contiguous,
     check_shape,
+    hardware_fp8_cast,
     next_pow2,
     round_to_e4m3,
 )
@@ -33,7 +36,7 @@ from ._common import (
 @triton.jit
 def _store_rows(src_ptr, stride_t, stride_h, token, dst_ptr, dst_off, stride_head, dst_cols,
                 scale_ptr, scale_off, stride_s_head, offs_h, offs_d, mask_h, mask_d,
-                FP8: tl.constexpr):
+                FP8: tl.constexpr, HW_CAST: tl.constexpr):
     """Write one token's [KVH, D] rows of K or V (and their fp8 scales); element d of a row
     goes to dst_off + head * stride_head + dst_cols[d]."""
     mask = mask_h[:, None] & mask_d[None, :]
@@ -44,7 +47,11 @@ def _store_rows(src_ptr, stride_t, stride_h, token, dst_ptr, dst_off, stride_hea
         x = x.to(tl.float32)
         amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-8)
         scale = tl.math.div_rn(amax, FP8_MAX_C)
-        y = round_to_e4m3(tl.math.div_rn(x, scale[:, None]))
+        y = x * tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)[:, None]
+        if HW_CAST:
+            y = tl.where(y == y, y, 0.0)  # NaN -> 0, as round_to_e4m3 does
+        else:
+            y = round_to_e4m3(y)
         tl.store(dst, y.to(dst_ptr.dtype.element_ty), mask=mask)
         tl.store(scale_ptr + scale_off + offs_h * stride_s_head, scale, mask=mask_h)
     else:
@@ -57,7 +64,8 @@ def _store_kernel(k_ptr, v_ptr, kv_ptr, scale_ptr, slot_ptr,
                   stride_page, stride_slot, stride_kv, stride_head,
                   stride_s_page, stride_s_slot, stride_s_kv, stride_s_head,
                   KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
-                  BLOCK_D: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr):
+                  BLOCK_D: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr,
+                  HW_CAST: tl.constexpr):
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot < 0:
@@ -76,10 +84,11 @@ def _store_kernel(k_ptr, v_ptr, kv_ptr, scale_ptr, slot_ptr,
         v_cols = (flat // HEAD_DIM) * stride_slot + flat % HEAD_DIM
     scale_off = page * stride_s_page + offset * stride_s_slot
     _store_rows(k_ptr, stride_kt, stride_kh, token, kv_ptr, page_off, stride_head, row_cols,
-                scale_ptr, scale_off, stride_s_head, offs_h, offs_d, mask_h, mask_d, FP8)
+                scale_ptr, scale_off, stride_s_head, offs_h, offs_d, mask_h, mask_d, FP8,
+                HW_CAST)
     _store_rows(v_ptr, stride_vt, stride_vh, token, kv_ptr, page_off + stride_kv, stride_head,
                 v_cols, scale_ptr, scale_off + stride_s_kv, stride_s_head, offs_h, offs_d,
-                mask_h, mask_d, FP8)
+                mask_h, mask_d, FP8, HW_CAST)
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, kv_scales: torch.Tensor | None,
@@ -122,4 +131,5 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, kv_scales: torc
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), *s_strides,
         KV_HEADS=kv_heads, HEAD_DIM=head_dim, BLOCK_H=next_pow2(kv_heads),
-        BLOCK_D=next_pow2(head_dim), PAGE=PAGE_SIZE, FP8=fp8, num_warps=4)
+        BLOCK_D=next_pow2(head_dim), PAGE=PAGE_SIZE, FP8=fp8,
+        HW_CAST=fp8 and hardware_fp8_cast(kv.device), num_warps=4)

@@ -62,15 +62,17 @@ def paged_attention(q: torch.Tensor, kv: torch.Tensor, kv_scales: torch.Tensor |
 
 
 def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., D] -> (float8_e4m3fn values, float32 scales [...]) with scale = amax / 448.
+    """x [..., D] -> (float8_e4m3fn values, float32 scales [...]) with scale = amax / 448 and
+    values x * (1 / scale) rounded to nearest even (the store kernel divides once per row).
 
     Both divisions are tensor / tensor, IEEE-rounded on every device: CUDA torch turns a
     division by a Python scalar into a multiplication by its reciprocal (1 ulp off at times).
     """
     amax = x.float().abs().amax(dim=-1).clamp_min(1e-8)
     scale = amax / torch.full_like(amax, FP8_MAX)
+    inverse = torch.ones_like(scale) / scale
     # NaN is stored as 0: fp8 pools never hold NaN (the attention kernels rely on it).
-    return torch.nan_to_num(x.float() / scale.unsqueeze(-1), nan=0.0).to(FP8_DTYPE), scale
+    return torch.nan_to_num(x.float() * inverse.unsqueeze(-1), nan=0.0).to(FP8_DTYPE), scale
 
 
 def store_kv(kv: torch.Tensor, kv_scales: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor,

@@ -74,3 +74,21 @@ def test_bans_apply_to_their_own_row_only():
     banned = [(5,), (), (5, 2)]
     out = sample(logits, SamplingRows(params, [0, 0, 0], [0, 0, 0], banned))
     assert out.token_ids == [2, 5, 7]
+
+
+def test_bf16_logits_sample_as_their_float32_copy():
+    """Models hand over logits in their own dtype; greedy-only steps take the argmax of those
+    directly, every other step samples from a float32 copy: both as if given float32."""
+    torch.manual_seed(3)
+    logits = (torch.randn(16, 700) * 4).to(torch.bfloat16)
+    logits[3, 10] = logits[3, 20] = logits[3].max() + 1  # a tie: the first index wins
+    exact = logits.float()
+    greedy = rows([SamplingParams(temperature=0.0)] * 16, list(range(16)))
+    assert sample(logits, greedy).token_ids == sample(exact, greedy).token_ids
+    assert sample(logits, greedy).token_ids[3] == 10
+    mixed = rows([SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=5),
+                  SamplingParams(temperature=0.0, logprobs=True, top_logprobs=2)] * 5
+                 + [SamplingParams(temperature=0.7, top_k=50, seed=1)], list(range(16)))
+    ours, reference = sample(logits, mixed), sample(exact, mixed)
+    assert ours.token_ids == reference.token_ids
+    assert ours.logprobs == reference.logprobs

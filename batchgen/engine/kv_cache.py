@@ -125,8 +125,9 @@ class KVPool:
             # tensor / tensor: IEEE on CUDA too, where a Python divisor becomes a reciprocal
             # multiply (an ulp off the kernels' store at times).
             scale = amax / torch.full_like(amax, FP8_MAX)
+            inverse = torch.ones_like(scale) / scale  # one division per row, as the kernel
             # NaN is stored as 0: the GPU kernels read fp8 V unmasked (module docstring).
-            values = torch.nan_to_num(kv.float() / scale.unsqueeze(-1), nan=0.0).to(
+            values = torch.nan_to_num(kv.float() * inverse.unsqueeze(-1), nan=0.0).to(
                 self.layout.dtype)
             scales[page, offset] = scale
             if not self.layout.transposed_v:

@@ -77,8 +77,12 @@ def sample(logits: torch.Tensor, rows: SamplingRows,
 def sample_on_device(logits: torch.Tensor, rows: SamplingRows,
                      allowed: torch.Tensor | None = None) -> DeviceSample:
     """Sample without waiting for the device: every branch is decided from host values."""
-    logits = logits.float()
     want_logprobs = any(p.logprobs for p in rows.params)
+    if (allowed is None and not want_logprobs and not any(rows.banned)
+            and all(p.greedy for p in rows.params)):
+        # A float32 copy of bf16 logits would be exact, so its argmax is this one.
+        return DeviceSample(logits.argmax(dim=-1))
+    logits = logits.float()
     raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
     logits = _apply_bans(logits, rows.banned, allowed)
     chosen = logits.argmax(dim=-1)

@@ -82,10 +82,11 @@ class PagedCausalLM(nn.Module):
     def segments(self) -> list[Segment]:
         """The stack's segments, then the LM head."""
         return [*self.model.segments(),
-                lambda hidden, batch: self.lm_head(hidden[batch.logits_indices]).float()]
+                lambda hidden, batch: self.lm_head(hidden[batch.logits_indices])]
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits `[S, vocab]` (float32) of the rows in `batch.logits_indices` only."""
+        """Logits `[S, vocab]` of the rows in `batch.logits_indices` only, in the model's
+        dtype: the sampler casts them to float32 unless an argmax is all it needs."""
         x = None
         for segment in self.segments():
             x = segment(x, batch)
