@@ -211,9 +211,10 @@ class RuntimeConfig:
     seed: int = 0
     """Job-level seed: requests without a seed get one derived from it and their custom_id."""
     decode_burst_steps: int = 8
-    """Decode steps run back to back between host syncs while the running set is fixed: the
-    sampled tokens stay on the device and are read (and stop conditions checked) once per
-    burst. A sequence that stops inside a burst discards the rest of its burst's tokens
+    """Decode steps queued back to back while the running set is fixed: each step takes its
+    input from the previous step's samples on the device, and each step's tokens are read (and
+    stop conditions checked) as soon as that step ends, while the burst's later steps run. A
+    sequence that stops inside a burst discards the rest of its burst's tokens
     (wasted compute, never wrong output), so bursts shrink to 1/16 of the mean length of the
     sequences finished so far. 1 syncs after every token."""
 
