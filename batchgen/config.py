@@ -210,7 +210,7 @@ class RuntimeConfig:
     """Number of captured batch sizes between 1 and the max bucket."""
     seed: int = 0
     """Job-level seed: requests without a seed get one derived from it and their custom_id."""
-    decode_burst_steps: int = 8
+    decode_burst_steps: int = 32
     """Decode steps queued back to back while the running set is fixed: each step takes its
     input from the previous step's samples on the device, and each step's tokens are read (and
     stop conditions checked) as soon as that step ends, while the burst's later steps run. A

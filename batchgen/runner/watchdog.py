@@ -188,8 +188,8 @@ def guard_decode_steps(engine, watchdog: Watchdog, stuck_time: float = 0.0) -> N
     def guarded(out, rows, *args, **kwargs):
         if not out.decode_only:
             return execute(out, rows, *args, **kwargs)
-        # A burst of K decode iterations is timed as one (it syncs once, so a hang anywhere in
-        # it shows only at its end); the test sleep stays per iteration.
+        # A burst of K decode iterations is timed as one, with the postprocessing it overlaps
+        # (all K are queued before the first is read); the test sleep stays per iteration.
         with watchdog.deadline("decode_step"):
             if stuck_time:
                 time.sleep(stuck_time * len(rows))
