@@ -264,3 +264,24 @@ def test_a_rerun_clears_temp_files_of_killed_atomic_writes(tmp_path, tiny_chat_m
     record.write_text(json.dumps({**json.loads(record.read_text()), "status": "in_progress"}))
     batchgen(*run_args(inp, storage, tiny_chat_model), check=True)
     assert not [p for p in leftovers if p.exists()]
+
+
+def test_save_result_keeps_an_atomic_copy_at_the_default_path(tmp_path, tiny_chat_model):
+    """--output elsewhere + --save-result: the job folder's default output holds the same
+    bytes; a copy killed halfway left only a temp file, which the next run removes."""
+    inp = write_jsonl(tmp_path / "in.jsonl", chat_rows(3))
+    storage, elsewhere = tmp_path / "s", tmp_path / "mine" / "results.jsonl"
+    batchgen(*run_args(inp, storage, tiny_chat_model, "--output", elsewhere, "--save-result"),
+             check=True)
+    batch_id = next((storage / "uploads").glob("*.json")).stem
+    default = storage / "outputs" / f"{batch_id}.jsonl"
+    assert default.read_bytes() == elsewhere.read_bytes()
+    assert len(read_jsonl(default)) == 3
+    default.unlink()  # as if killed while copying, before "completed" was recorded
+    killed_copy = default.with_name(f".{default.name}.tmp-4321")
+    killed_copy.write_text('{"custom_id": "req-0"')
+    record = storage / "batches" / f"{batch_id}.json"
+    record.write_text(json.dumps({**json.loads(record.read_text()), "status": "in_progress"}))
+    batchgen(*run_args(inp, storage, tiny_chat_model, "--output", elsewhere, "--save-result"),
+             check=True)
+    assert default.read_bytes() == elsewhere.read_bytes() and not killed_copy.exists()

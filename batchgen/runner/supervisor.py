@@ -26,6 +26,7 @@ from batchgen.config import ConfigError, JobConfig
 from batchgen.io.jobfiles import (
     BatchFile,
     JobPaths,
+    atomic_file,
     check_fingerprint,
     derive_batch_id,
     record_upload,
@@ -421,8 +422,7 @@ def _finish(spec: JobSpec, batch_file: BatchFile, started: float, patient: bool 
             raise
     s = spec.config.storage
     if s.save_result and s.output:
-        default = JobPaths.for_job(s.storage_path, spec.batch_id).output
-        shutil.copyfile(paths.output, default)
+        _keep_default_copy(paths.output, JobPaths.for_job(s.storage_path, spec.batch_id))
     _record_end(spec, batch_file, started, "completed", {},
                 counts={"total": spec.total_records, "completed": report.completed,
                         "failed": report.failed},
@@ -432,6 +432,16 @@ def _finish(spec: JobSpec, batch_file: BatchFile, started: float, patient: bool 
     log.info("done: %d results -> %s, %d errors -> %s", report.completed, paths.output,
              report.failed, paths.errors_output)
     return 0
+
+
+def _keep_default_copy(output: Path, default: JobPaths) -> None:
+    """--save-result: the results also at the job folder's default output path, all or
+    nothing (a copy killed halfway leaves only a temp file, which the rerun removes)."""
+    default.output.parent.mkdir(parents=True, exist_ok=True)
+    default.remove_output_temps()
+    with disk_errors("keep a copy of the results (--save-result)"), \
+            open(output, "rb") as src, atomic_file(default.output) as dst:
+        shutil.copyfileobj(src, dst, 1 << 20)
 
 
 def _try_record_end(*args, **kwargs) -> None:
