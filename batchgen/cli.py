@@ -11,6 +11,7 @@ import typer
 
 from batchgen.cli_options import build_config, with_config_options
 from batchgen.config import ConfigError
+from batchgen.runner.exits import requeue_on_stop_signals
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Offline batch LLM inference: a file of requests in, a file of results out.")
@@ -37,7 +38,7 @@ def _config(values: dict):
 def run(**flags) -> None:
     """Run a job: every request of --input through the model, results fsynced as they finish.
     Re-running the same command resumes: finished requests are never recomputed."""
-    _requeue_on_early_stop_signals()
+    requeue_on_stop_signals()  # already done by the entry point, not under `-m batchgen.cli`
     from batchgen.runner.supervisor import run_job
 
     _setup_logging()
@@ -48,20 +49,6 @@ def run(**flags) -> None:
 
 
 app.command("run")(with_config_options(run))
-
-
-def _requeue_on_early_stop_signals() -> None:
-    """Until the supervisor installs its handlers (importing it takes seconds: torch), a stop
-    signal exits 75 at once: nothing has started, so nothing is lost, and a wrapper that
-    requeues on 75 sees the code docs/reliability.md promises instead of a signal death."""
-    import os
-    import signal
-
-    from batchgen.runner.job import EXIT_REQUEUE
-    from batchgen.runner.launch import STOP_SIGNALS
-
-    for name in STOP_SIGNALS:
-        signal.signal(getattr(signal, name), lambda signum, frame: os._exit(EXIT_REQUEUE))
 
 
 @app.command()

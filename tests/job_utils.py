@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-BATCHGEN = [sys.executable, "-c", "from batchgen.cli import main; main()"]
+BATCHGEN = [sys.executable, "-c", "from batchgen.__main__ import main; main()"]
 
 
 def batchgen(*args, check=False, timeout=300, env=None, **kw) -> subprocess.CompletedProcess:

@@ -109,7 +109,7 @@ def test_under_torchrun(tmp_path, tiny_chat_model):
     """A real torchrun: the ranks talk through its agent's store (TORCHELASTIC_USE_AGENT_STORE)."""
     inp, storage = clean_input(tiny_chat_model), tmp_path / "s"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", "-m", "batchgen.cli",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", "-m", "batchgen",
            *map(str, run_args(inp, storage, tiny_chat_model))]
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=240, cwd="/",
                           env={**os.environ, "PYTHONUNBUFFERED": "1"})

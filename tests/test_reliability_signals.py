@@ -102,15 +102,59 @@ def test_second_signal_exits_at_once(tmp_path, tiny_chat_model):
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGUSR1", "SIGINT", "SIGHUP", "SIGQUIT"])
 def test_stop_signal_before_the_supervisor_loads_requeues(sig):
     """`batchgen run` spends seconds importing the supervisor (torch) before its handlers are
-    installed: the CLI's early handlers make a stop signal then exit 75 too, not a signal
-    death a requeueing wrapper would take for a failure."""
+    installed: the early handlers make a stop signal then exit 75 too, not a signal death a
+    requeueing wrapper would take for a failure."""
     import subprocess
     import sys
 
     code = ("import os, signal, time\n"
-            "from batchgen.cli import _requeue_on_early_stop_signals\n"
-            "_requeue_on_early_stop_signals()\n"
+            "from batchgen.runner.exits import requeue_on_stop_signals\n"
+            "requeue_on_stop_signals()\n"
             f"os.kill(os.getpid(), signal.{sig})\n"
             "time.sleep(30)\n")
     done = subprocess.run([sys.executable, "-c", code], timeout=60)
     assert done.returncode == 75
+
+
+def test_entry_point_catches_stop_signals_before_loading_the_command_line():
+    """The `batchgen` entry point installs the early handlers for `run` before it imports the
+    command line (~0.5 s of imports), and only for `run`."""
+    import subprocess
+    import sys
+
+    code = ("import builtins, signal, sys\n"
+            "sys.argv = ['batchgen', *sys.argv[1:]]\n"
+            "real_import = builtins.__import__\n"
+            "def spy(name, *args, **kwargs):\n"
+            "    if name == 'batchgen.cli':\n"
+            "        print('caught' if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL\n"
+            "              else 'default', flush=True)\n"
+            "    return real_import(name, *args, **kwargs)\n"
+            "builtins.__import__ = spy\n"
+            "from batchgen.__main__ import main\n"
+            "main()\n")
+    run_help = subprocess.run([sys.executable, "-c", code, "run", "--help"], timeout=120,
+                              capture_output=True, text=True)
+    assert run_help.returncode == 0 and run_help.stdout.startswith("caught"), run_help.stdout
+    status = subprocess.run([sys.executable, "-c", code, "status", "--help"], timeout=120,
+                            capture_output=True, text=True)
+    assert status.returncode == 0 and status.stdout.startswith("default"), status.stdout
+
+
+def test_stop_signal_after_the_job_completed_keeps_exit_zero():
+    """Once "completed" is on record a stop signal no longer turns the exit into 75 (a
+    requeue would only find the job done); before that it raises Preempted (exit 75)."""
+    from batchgen.runner.supervisor import Preempted, StopSignals
+
+    stops = StopSignals()
+    stops.install()
+    try:
+        with pytest.raises(Preempted):
+            os.kill(os.getpid(), signal.SIGUSR1)
+            time.sleep(1)
+        stops.stopping, stops.completed = False, True
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.2)
+        assert stops.stopping  # seen, and nothing raised
+    finally:
+        stops.restore()

@@ -62,3 +62,23 @@ def test_chat_templates_render_sandboxed():
 
     compiled = chat_template_utils._compile_jinja_template("{{ messages[0]['content'] }}")
     assert isinstance(compiled.environment, SandboxedEnvironment)
+
+
+def test_segment_files_of_dead_processes_are_removed(tmp_path):
+    """A kill between creating the segment's file and unlinking it leaves an empty file in
+    /dev/shm; the next segment removes those of dead processes, and only those."""
+    import subprocess
+    import sys
+
+    from batchgen.sched.host_pool import remove_orphans
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    dead_pid = int(dead.stdout)
+    orphan = tmp_path / f"batchgen-kv-{dead_pid}-0011223344aa"
+    live = tmp_path / f"batchgen-kv-{os.getpid()}-5566778899bb"
+    other = tmp_path / "someone-elses-file"
+    for path in (orphan, live, other):
+        path.write_bytes(b"")
+    remove_orphans(str(tmp_path), "batchgen-kv-")
+    assert not orphan.exists() and live.exists() and other.exists()

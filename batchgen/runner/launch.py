@@ -24,15 +24,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from batchgen.config import DistConfig
-from batchgen.runner.job import EXIT_REQUEUE
+from batchgen.runner.exits import EXIT_REQUEUE, STOP_SIGNALS  # the signals the agent forwards
 
 NCCL_SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                  "NVSHMEM_DISABLE_NVLS": "1"}
 """NVLink multicast stays off in NCCL, PyTorch symmetric memory and NVSHMEM on every machine we
 run on, whatever the caller's environment says: on shared hosts a program using it can put the
 host's GPUs out of service (/work/.library/device/KINDS.md)."""
-STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1")
-"""Signals the launcher's agent forwards to the workers (SIGUSR1: Slurm --signal, spot notices)."""
 WORKER_STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
 WORKER_GRACE_SHARE = 0.75
 AGENT_GRACE_SHARE = 0.9

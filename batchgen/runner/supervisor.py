@@ -45,8 +45,9 @@ from batchgen.runner.errors import (
     exit_code_of,
 )
 from batchgen.runner.group import Group, GroupError, MemberEnd, PlanRefused
-from batchgen.runner.job import (EXIT_REQUEUE, EXIT_WATCHDOG, JobSpec, check_input_unchanged,
-                                 file_version, fingerprint, now)
+from batchgen.runner.exits import EXIT_REQUEUE
+from batchgen.runner.job import (EXIT_WATCHDOG, JobSpec, check_input_unchanged, file_version,
+                                 fingerprint, now)
 from batchgen.runner.launch import WorkerFailure, is_stop_signal
 from batchgen.runner.members import Member, check_plan, member_failure, member_for
 from batchgen.runner.preflight import preflight
@@ -72,6 +73,7 @@ class StopSignals:
 
     def __init__(self) -> None:
         self.stopping = False
+        self.completed = False  # on record as completed: a stop signal changes nothing now
         self._previous: dict = {}
 
     def install(self) -> None:
@@ -84,6 +86,11 @@ class StopSignals:
             signal.signal(sig, previous)
 
     def _handle(self, signum, frame) -> None:
+        if self.completed:  # the exit stays 0: a requeue would only find the job done
+            if self.stopping:
+                os._exit(0)
+            self.stopping = True
+            return
         if self.stopping:
             os._exit(EXIT_REQUEUE)  # a second signal: leave now; finished lines are durable
         self.stopping = True
@@ -172,6 +179,7 @@ def _run(config: JobConfig, stops: StopSignals, member: Member) -> int:
             spec, batch_file = prepare(config, summary, paths)
             if batch_file.load().status == "completed" and paths.output.exists():
                 log.info("job %s already completed: %s", spec.batch_id, paths.output)
+                stops.completed = True
                 if config.storage.no_incremental_save:  # a kill came before their removal
                     paths.remove_incremental()
                 if group is not None:
@@ -259,7 +267,7 @@ def _run_locked(spec: JobSpec, batch_file: BatchFile, already: int, stops: StopS
         progress.stop()
         stops.install()  # the launcher (or the in-process worker) replaced our handlers
     check_input_unchanged(spec, input_version)
-    return _finish(spec, batch_file, started, patient=group is not None)
+    return _finish(spec, batch_file, started, stops, patient=group is not None)
 
 
 def _lead_ranks(spec: JobSpec, spec_file: Path, member: Member, sizes: dict,
@@ -398,7 +406,8 @@ def _failure_cause(spec: JobSpec, failure: WorkerFailure) -> str:
             f"error line; {resume}")
 
 
-def _finish(spec: JobSpec, batch_file: BatchFile, started: float, patient: bool = False) -> int:
+def _finish(spec: JobSpec, batch_file: BatchFile, started: float, stops: StopSignals,
+            patient: bool = False) -> int:
     """Merge the incremental files into the outputs. `patient`: other nodes wrote some of them;
     give a shared filesystem's caches a minute to show their last lines before giving up."""
     paths = spec.paths
@@ -427,6 +436,7 @@ def _finish(spec: JobSpec, batch_file: BatchFile, started: float, patient: bool 
                 counts={"total": spec.total_records, "completed": report.completed,
                         "failed": report.failed},
                 usage=_usage_total(report.prompt_tokens, report.completion_tokens))
+    stops.completed = True
     if s.no_incremental_save:  # only once "completed" is on record: a rerun skips the job
         paths.remove_incremental()
     log.info("done: %d results -> %s, %d errors -> %s", report.completed, paths.output,

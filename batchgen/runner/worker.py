@@ -31,7 +31,8 @@ from batchgen.models.loader import MANIFEST
 from batchgen.parallel import Placement, default_tp_size, init_tensor_parallel
 from batchgen.runner.errors import EXIT_DEVICE_OOM, EXIT_DISK, EXIT_LOCKED, DiskError, disk_errors
 from batchgen.runner.grammars import Grammars
-from batchgen.runner.job import EXIT_REQUEUE, JobSpec
+from batchgen.runner.exits import EXIT_REQUEUE
+from batchgen.runner.job import JobSpec
 from batchgen.runner.launch import StopFlag, die_with_supervisor, launched_at
 from batchgen.runner.outputs import OutputFormatter
 from batchgen.runner.quarantine import Quarantine

@@ -44,6 +44,33 @@ def auto_host_pool_bytes(model_bytes: int) -> int:
     return max(0, min(budget, free))
 
 
+def remove_orphans(folder: str, prefix: str) -> None:
+    """Delete `prefix<pid>-*` files of processes that no longer exist: a kill between creating
+    a segment's file and unlinking it (microseconds apart) leaves an empty one behind."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    for name in names:
+        pid = name[len(prefix):].split("-", 1)[0] if name.startswith(prefix) else ""
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        try:
+            os.unlink(os.path.join(folder, name))
+        except OSError:
+            pass  # another user's file, or gone already
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
+
+
 class HostSegment:
     """A shared-memory mapping viewed as a uint8 tensor; closed on `close()`."""
 
@@ -67,12 +94,14 @@ class HostSegment:
             if os.geteuid() != 0:
                 raise PermissionError("--enable-hugetlbfs needs root (and reserved huge pages: "
                                       "echo N > /proc/sys/vm/nr_hugepages)")
+            remove_orphans(HUGETLBFS_DIR, "batchgen-")
             path = os.path.join(HUGETLBFS_DIR, f"batchgen-{os.getpid()}-{secrets.token_hex(4)}")
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
             os.unlink(path)
             return fd
         if fast_init and hasattr(os, "memfd_create"):
             return os.memfd_create("batchgen-kv", 0)
+        remove_orphans(SHM_DIR, "batchgen-kv-")
         path = os.path.join(SHM_DIR, f"batchgen-kv-{os.getpid()}-{secrets.token_hex(6)}")
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         os.unlink(path)  # the mapping keeps the memory; nothing is left behind by a crash
