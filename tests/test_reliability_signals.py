@@ -144,7 +144,7 @@ def test_entry_point_catches_stop_signals_before_loading_the_command_line():
 def test_stop_signal_after_the_job_completed_keeps_exit_zero():
     """Once "completed" is on record a stop signal no longer turns the exit into 75 (a
     requeue would only find the job done); before that it raises Preempted (exit 75)."""
-    from batchgen.runner.supervisor import Preempted, StopSignals
+    from batchgen.runner.exits import Preempted, StopSignals
 
     stops = StopSignals()
     stops.install()

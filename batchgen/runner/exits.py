@@ -1,5 +1,6 @@
 """The requeue exit code and the stop signals, in a module that imports nothing heavy: the
-`batchgen` entry point catches stop signals with it before the command line loads."""
+`batchgen` entry point catches stop signals with it before the command line loads, and the
+supervisor's own handlers (`StopSignals`) live here too."""
 
 from __future__ import annotations
 
@@ -24,3 +25,36 @@ def requeue_on_stop_signals() -> None:
 
 def _requeue(signum, frame) -> None:
     os._exit(EXIT_REQUEUE)
+
+
+class Preempted(BaseException):
+    """A stop signal: leave with EXIT_REQUEUE (BaseException: no `except Exception` eats it)."""
+
+
+class StopSignals:
+    """The supervisor's own stop handlers (the launcher replaces them while it runs)."""
+
+    def __init__(self) -> None:
+        self.stopping = False
+        self.completed = False  # on record as completed: a stop signal changes nothing now
+        self._previous: dict = {}
+
+    def install(self) -> None:
+        for sig in (getattr(signal, name) for name in STOP_SIGNALS):
+            previous = signal.signal(sig, self._handle)
+            self._previous.setdefault(sig, previous)
+
+    def restore(self) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+
+    def _handle(self, signum, frame) -> None:
+        if self.completed:  # the exit stays 0: a requeue would only find the job done
+            if self.stopping:
+                os._exit(0)
+            self.stopping = True
+            return
+        if self.stopping:
+            os._exit(EXIT_REQUEUE)  # a second signal: leave now; finished lines are durable
+        self.stopping = True
+        raise Preempted(signal.Signals(signum).name)

@@ -45,7 +45,7 @@ from batchgen.runner.errors import (
     exit_code_of,
 )
 from batchgen.runner.group import Group, GroupError, MemberEnd, PlanRefused
-from batchgen.runner.exits import EXIT_REQUEUE
+from batchgen.runner.exits import EXIT_REQUEUE, Preempted, StopSignals
 from batchgen.runner.job import (EXIT_WATCHDOG, JobSpec, check_input_unchanged, file_version,
                                  fingerprint, now)
 from batchgen.runner.launch import WorkerFailure, is_stop_signal
@@ -56,45 +56,10 @@ from batchgen.runner.quarantine import mark_crashed
 from batchgen.runner.watchdog import health_from_stats
 
 log = logging.getLogger("batchgen")
-SUPERVISOR_STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP,
-                           signal.SIGQUIT)
 SHARED_FS_RETRY_S = (2, 5, 10, 20, 30)
 """Waits before retrying a merge that misses results other nodes reported done (NFS caches)."""
 NOT_CRASHES = (EXIT_DISK, EXIT_LOCKED)
 """Worker exit codes that are no evidence against the requests in flight (no quarantine strike)."""
-
-
-class Preempted(BaseException):
-    """A stop signal: leave with EXIT_REQUEUE (BaseException: no `except Exception` eats it)."""
-
-
-class StopSignals:
-    """The supervisor's own stop handlers (the launcher replaces them while it runs)."""
-
-    def __init__(self) -> None:
-        self.stopping = False
-        self.completed = False  # on record as completed: a stop signal changes nothing now
-        self._previous: dict = {}
-
-    def install(self) -> None:
-        for sig in SUPERVISOR_STOP_SIGNALS:
-            previous = signal.signal(sig, self._handle)
-            self._previous.setdefault(sig, previous)
-
-    def restore(self) -> None:
-        for sig, previous in self._previous.items():
-            signal.signal(sig, previous)
-
-    def _handle(self, signum, frame) -> None:
-        if self.completed:  # the exit stays 0: a requeue would only find the job done
-            if self.stopping:
-                os._exit(0)
-            self.stopping = True
-            return
-        if self.stopping:
-            os._exit(EXIT_REQUEUE)  # a second signal: leave now; finished lines are durable
-        self.stopping = True
-        raise Preempted(signal.Signals(signum).name)
 
 
 def model_identity(config: JobConfig) -> str:
