@@ -315,7 +315,7 @@ class BenchConfig:
     """Decode eagerly (graphs are on by default on CUDA)."""
     cuda_graph_num_buckets: int = 16
     """Captured decode batch sizes up to max_decode_batch."""
-    decode_burst_steps: int = 32
+    decode_burst_steps: int = 8
     """Decode steps queued back to back while the running set is fixed (1: one at a time)."""
     fp8_weights: bool = False
     """FP8 e4m3 quantized linears (and DeepSeek's experts), as FP8 checkpoints ship them

@@ -102,7 +102,7 @@ def bench(shape: str = typer.Option("smollm2-135m", help="Model shape: smollm2-1
           cuda_graph_num_buckets: int = typer.Option(
               16, help="Captured decode batch sizes (fewer capture faster)."),
           decode_burst_steps: int = typer.Option(
-              32, help="Decode steps queued back to back while the running set is fixed."),
+              8, help="Decode steps queued back to back while the running set is fixed."),
           fp8_weights: bool = typer.Option(False, help="FP8 weights (not gpt-oss)."),
           fp8_scales: str = typer.Option(
               "block", help="--fp8-weights scales: block (128x128, as DeepSeek) or tensor "

@@ -106,7 +106,7 @@ def main() -> None:
     parser.add_argument("--kv-dtype", default="auto")
     parser.add_argument("--max-decode-batch", type=int, default=384)
     parser.add_argument("--cuda-graph-num-buckets", type=int, default=12)
-    parser.add_argument("--decode-burst-steps", type=int, default=32)
+    parser.add_argument("--decode-burst-steps", type=int, default=8)
     parser.add_argument("--requests", type=int, default=384)
     parser.add_argument("--input-len", type=int, default=1000)
     parser.add_argument("--output-len", type=int, default=200)

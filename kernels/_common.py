@@ -154,6 +154,20 @@ def quantize_row_e4m3(y, HW_CAST: tl.constexpr):
     return scaled, scale
 
 
+@triton.jit
+def kv_values_e4m3(x, scale, HW_CAST: tl.constexpr):
+    """KV values `x` (float32) times the IEEE reciprocal of their row's `scale` (broadcast by
+    the caller), ready for the cast to e4m3: rounded by the GPU's cast with HW_CAST (NaN
+    turned into 0 here), else onto the e4m3 grid here (which maps NaN to 0 too). fp8 pools
+    never hold NaN: the attention kernels read fp8 V unmasked (`load_page_kv`)."""
+    y = x * tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+    if HW_CAST:
+        y = tl.where(y == y, y, 0.0)
+    else:
+        y = round_to_e4m3(y)
+    return y
+
+
 @functools.cache
 def _native_fp8_cast(index: int) -> bool:
     return torch.cuda.get_device_capability(index) >= (8, 9)

@@ -28,8 +28,8 @@ from ._common import (
     check_last_dim_contiguous,
     check_shape,
     hardware_fp8_cast,
+    kv_values_e4m3,
     next_pow2,
-    round_to_e4m3,
 )
 
 
@@ -47,11 +47,7 @@ def _store_rows(src_ptr, stride_t, stride_h, token, dst_ptr, dst_off, stride_hea
         x = x.to(tl.float32)
         amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-8)
         scale = tl.math.div_rn(amax, FP8_MAX_C)
-        y = x * tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)[:, None]
-        if HW_CAST:
-            y = tl.where(y == y, y, 0.0)  # NaN -> 0, as round_to_e4m3 does
-        else:
-            y = round_to_e4m3(y)
+        y = kv_values_e4m3(x, scale[:, None], HW_CAST)
         tl.store(dst, y.to(dst_ptr.dtype.element_ty), mask=mask)
         tl.store(scale_ptr + scale_off + offs_h * stride_s_head, scale, mask=mask_h)
     else:

@@ -2,7 +2,7 @@
 
 One program per token copies its C + R values to slot `slot_mapping[t]` (page * 64 + offset).
 fp8 pools get one scale per token, amax / 448 (amax clamped to 1e-8), and store
-round-to-nearest-even(x / scale) with IEEE divisions, bit-identical to
+round-to-nearest-even(x * (1 / scale)) (`kv_values_e4m3`), bit-identical to
 `reference.quantize_fp8` (the same recipe as the GQA store, with the whole row as one group).
 Tokens whose slot is negative (CUDA-graph padding rows) are skipped: indexing the pool with
 slot -1 from PyTorch would write into the last page instead.
@@ -23,15 +23,16 @@ from ._common import (
     check_dtype,
     check_last_dim_contiguous,
     check_shape,
+    hardware_fp8_cast,
+    kv_values_e4m3,
     next_pow2,
-    round_to_e4m3,
 )
 
 
 @triton.jit
 def _mla_store_kernel(src_ptr, kv_ptr, scale_ptr, slot_ptr, stride_t, stride_page, stride_slot,
                       stride_s_page, stride_s_slot, WIDTH: tl.constexpr, BLOCK_W: tl.constexpr,
-                      PAGE: tl.constexpr, FP8: tl.constexpr):
+                      PAGE: tl.constexpr, FP8: tl.constexpr, HW_CAST: tl.constexpr):
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot < 0:
@@ -46,7 +47,7 @@ def _mla_store_kernel(src_ptr, kv_ptr, scale_ptr, slot_ptr, stride_t, stride_pag
         x = x.to(tl.float32)
         amax = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-8)
         scale = tl.math.div_rn(amax, FP8_MAX_C)
-        y = round_to_e4m3(tl.math.div_rn(x, scale))
+        y = kv_values_e4m3(x, scale, HW_CAST)
         tl.store(dst, y.to(kv_ptr.dtype.element_ty), mask=mask)
         tl.store(scale_ptr + page * stride_s_page + offset * stride_s_slot, scale)
     else:
@@ -87,4 +88,5 @@ def store_mla_kv(rows: torch.Tensor, kv: torch.Tensor, kv_scales: torch.Tensor |
     s_strides = (scales.stride(0), scales.stride(1)) if fp8 else (0, 0)
     _mla_store_kernel[(tokens,)](
         rows, kv, scales, slot_mapping, rows.stride(0), kv.stride(0), kv.stride(1), *s_strides,
-        WIDTH=width, BLOCK_W=next_pow2(width), PAGE=PAGE_SIZE, FP8=fp8, num_warps=4)
+        WIDTH=width, BLOCK_W=next_pow2(width), PAGE=PAGE_SIZE, FP8=fp8,
+        HW_CAST=fp8 and hardware_fp8_cast(kv.device), num_warps=4)
