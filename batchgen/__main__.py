@@ -1,20 +1,27 @@
 """`batchgen ...` (the console script) and `python -m batchgen ...`. For `run`, stop signals
 exit 75 from the first instant: loading the command line takes ~0.5 s, and a signal death in
-that window would look like a failure to a wrapper that requeues on 75."""
+that window would look like a failure to a wrapper that requeues on 75. Once the command has
+decided its exit code, they are ignored: Python restores the default handlers (death by
+signal) while it tears down, but keeps ignored ones ignored."""
 
 from __future__ import annotations
 
 import sys
 
-from batchgen.runner.exits import requeue_on_stop_signals
+from batchgen.runner.exits import ignore_stop_signals, requeue_on_stop_signals
 
 
 def main() -> None:
-    if sys.argv[1:2] == ["run"]:
+    run = sys.argv[1:2] == ["run"]
+    if run:
         requeue_on_stop_signals()
     from batchgen.cli import main as cli_main
 
-    cli_main()
+    try:
+        cli_main()
+    finally:
+        if run:  # the exit code is decided; teardown (torch: up to a second) must keep it
+            ignore_stop_signals()
 
 
 if __name__ == "__main__":

@@ -158,3 +158,26 @@ def test_stop_signal_after_the_job_completed_keeps_exit_zero():
         assert stops.stopping  # seen, and nothing raised
     finally:
         stops.restore()
+
+
+def test_entry_point_keeps_the_exit_code_through_teardown():
+    """Once `batchgen run` has decided its exit code, a stop signal during interpreter
+    teardown (Python restores default handlers there) must not turn it into a signal death."""
+    import subprocess
+    import sys
+
+    code = ("import os, signal, sys, time\n"
+            "sys.argv = ['batchgen', 'run', '--help']\n"
+            "from batchgen.__main__ import main\n"
+            "try:\n"
+            "    main()\n"
+            "except SystemExit:\n"
+            "    pass\n"
+            "os.kill(os.getpid(), signal.SIGTERM)\n"
+            "time.sleep(0.3)\n"
+            "print('alive', flush=True)\n"
+            "sys.exit(0)\n")
+    done = subprocess.run([sys.executable, "-c", code], timeout=120, capture_output=True,
+                          text=True)
+    assert done.returncode == 0 and done.stdout.endswith("alive\n"), (done.returncode,
+                                                                      done.stdout[-500:])

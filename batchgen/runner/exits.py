@@ -23,6 +23,12 @@ def requeue_on_stop_signals() -> None:
         signal.signal(getattr(signal, name), _requeue)
 
 
+def ignore_stop_signals() -> None:
+    """From here the stop signals change nothing (the exit code is decided)."""
+    for name in STOP_SIGNALS:
+        signal.signal(getattr(signal, name), signal.SIG_IGN)
+
+
 def _requeue(signum, frame) -> None:
     os._exit(EXIT_REQUEUE)
 
