@@ -221,6 +221,7 @@ def _run_locked(spec: JobSpec, batch_file: BatchFile, already: int, stops: StopS
     except BaseException as err:
         if not (is_stop_signal(err) or isinstance(err, Preempted)):
             raise
+        stops.install()  # the launcher's handlers left with it: a second signal exits at once
         if group is not None and group.failure is not None:  # our own stop, for a follower
             return _worker_failed(spec, batch_file, started,
                                   member_failure(group.failure, spec.config))
@@ -229,8 +230,8 @@ def _run_locked(spec: JobSpec, batch_file: BatchFile, already: int, stops: StopS
         _try_record_end(spec, batch_file, started, "in_progress", {"last_stop": name})
         raise Preempted(name) from None
     finally:
-        progress.stop()
         stops.install()  # the launcher (or the in-process worker) replaced our handlers
+        progress.stop()
     check_input_unchanged(spec, input_version)
     return _finish(spec, batch_file, started, stops, patient=group is not None)
 
@@ -397,11 +398,15 @@ def _finish(spec: JobSpec, batch_file: BatchFile, started: float, stops: StopSig
     s = spec.config.storage
     if s.save_result and s.output:
         _keep_default_copy(paths.output, JobPaths.for_job(s.storage_path, spec.batch_id))
-    _record_end(spec, batch_file, started, "completed", {},
-                counts={"total": spec.total_records, "completed": report.completed,
-                        "failed": report.failed},
-                usage=_usage_total(report.prompt_tokens, report.completion_tokens))
-    stops.completed = True
+    stops.completed = True  # a stop signal while "completed" goes on record changes nothing
+    try:
+        _record_end(spec, batch_file, started, "completed", {},
+                    counts={"total": spec.total_records, "completed": report.completed,
+                            "failed": report.failed},
+                    usage=_usage_total(report.prompt_tokens, report.completion_tokens))
+    except BaseException:
+        stops.completed = False
+        raise
     if s.no_incremental_save:  # only once "completed" is on record: a rerun skips the job
         paths.remove_incremental()
     log.info("done: %d results -> %s, %d errors -> %s", report.completed, paths.output,
