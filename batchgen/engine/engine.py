@@ -248,11 +248,11 @@ class Engine:
         bans = [((() if p.ignore_eos else tuple(self.eos_ids)) + p.stop_token_ids,
                  p.min_tokens - n) if n < p.min_tokens and s.matcher is None else None
                 for s, p, n in zip(seqs, params, decoded)]
-        unbanned = [()] * len(seqs)
+        any_bans, unbanned = any(bans), [()] * len(seqs)
         rows = []
         for ahead in range(steps):
             banned = unbanned
-            if any(bans):
+            if any_bans:
                 banned = [() if b is None or ahead >= b[1] else b[0] for b in bans]
             rows.append(SamplingRows(params, seeds, [n + ahead for n in decoded], banned))
         return rows
