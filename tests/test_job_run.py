@@ -249,6 +249,12 @@ def test_input_edited_during_the_run_is_not_published(tmp_path, tiny_chat_model)
         check_input_unchanged(spec, version)
 
 
+def reopen(storage, batch_id: str) -> None:
+    """The batch file as a run killed before "completed" was recorded leaves it."""
+    record = storage / "batches" / f"{batch_id}.json"
+    record.write_text(json.dumps({**json.loads(record.read_text()), "status": "in_progress"}))
+
+
 def test_a_rerun_clears_temp_files_of_killed_atomic_writes(tmp_path, tiny_chat_model):
     inp = write_jsonl(tmp_path / "in.jsonl", chat_rows(2))
     storage = tmp_path / "s"
@@ -260,8 +266,7 @@ def test_a_rerun_clears_temp_files_of_killed_atomic_writes(tmp_path, tiny_chat_m
                  storage / "uploads" / f".{batch_id}.json.tmp-5"]
     for path in leftovers:
         path.write_text("{")
-    record = storage / "batches" / f"{batch_id}.json"  # as if killed before "completed"
-    record.write_text(json.dumps({**json.loads(record.read_text()), "status": "in_progress"}))
+    reopen(storage, batch_id)
     batchgen(*run_args(inp, storage, tiny_chat_model), check=True)
     assert not [p for p in leftovers if p.exists()]
 
@@ -280,8 +285,7 @@ def test_save_result_keeps_an_atomic_copy_at_the_default_path(tmp_path, tiny_cha
     default.unlink()  # as if killed while copying, before "completed" was recorded
     killed_copy = default.with_name(f".{default.name}.tmp-4321")
     killed_copy.write_text('{"custom_id": "req-0"')
-    record = storage / "batches" / f"{batch_id}.json"
-    record.write_text(json.dumps({**json.loads(record.read_text()), "status": "in_progress"}))
+    reopen(storage, batch_id)
     batchgen(*run_args(inp, storage, tiny_chat_model, "--output", elsewhere, "--save-result"),
              check=True)
     assert default.read_bytes() == elsewhere.read_bytes() and not killed_copy.exists()

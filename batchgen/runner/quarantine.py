@@ -16,10 +16,10 @@ kill -9 of the whole job is no evidence against the requests in flight.
 
 Counting: each confirmed crash adds a strike to every request in flight and clears the others
 (consecutive). The book records which run it counted, so a kill between saving the book and
-starting the next journal does not count the same crash twice. The next run first serves the suspects in isolation, in at most ISOLATION_GROUPS
-groups run one after the other, so each crash narrows the set in flight. A request is
-quarantined once it has K strikes AND was alone in flight at the last crash: an innocent request
-never pays for a neighbour.
+starting the next journal does not count the same crash twice. The next run first serves the
+suspects in isolation, in at most ISOLATION_GROUPS groups run one after the other, so each
+crash narrows the set in flight. A request is quarantined once it has K strikes AND was alone
+in flight at the last crash: an innocent request never pays for a neighbour.
 """
 
 from __future__ import annotations
