@@ -1,5 +1,6 @@
 """Engine: add requests, `step()` until done. step() = schedule -> run -> postprocess; a decode
-burst postprocesses each step's tokens while its later steps still run on the device."""
+burst postprocesses each step's tokens while its later steps still run on the device, and
+queues the burst that follows before its last step ends (the next step() collects it)."""
 
 from __future__ import annotations
 
@@ -16,10 +17,11 @@ from batchgen.core import Completion, FinishedRequest, FinishReason, Request
 from batchgen.engine.kv_cache import KVLayout
 from batchgen.engine.memory import PoolSizes, detect_gpu_arch, plan_pools
 from batchgen.engine.replicas import ReplicaCheck
+from batchgen.engine.burst import QueuedBurst
 from batchgen.engine.runner import ModelRunner
 from batchgen.engine.sampler import SamplingRows
 from batchgen.engine.stops import StopChecker
-from batchgen.sched.scheduler import Scheduler, ScheduleOutput
+from batchgen.sched.scheduler import Scheduler, ScheduleOutput, SeqChunk
 from batchgen.parallel import TensorParallel
 from batchgen.sched.sequence import Sequence, SeqState
 
@@ -96,6 +98,8 @@ class Engine:
         self.steps = 0
         self.generated_tokens = 0
         self.times = StepTimes()
+        self._queued: QueuedBurst | None = None
+        """A burst queued by the last step() (it continues that step's burst), not collected."""
 
     # -- public API ---------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -126,7 +130,7 @@ class Engine:
         self._done[request.request_id] = []
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or self._queued is not None
 
     @property
     def num_requests(self) -> int:
@@ -134,35 +138,22 @@ class Engine:
         return len(self._groups)
 
     def step(self) -> list[FinishedRequest]:
+        """Run what the scheduler decides (a decode-only decision as a burst), or collect the
+        burst the previous step queued; the requests that finished."""
+        if self._queued is not None:
+            burst, self._queued = self._queued, None
+            return self._collect(burst, 0.0)
         begin = time.perf_counter()
         out = self.scheduler.schedule()
         if self.replicas is not None:
             self.replicas.observe(self.steps, out)
-        decode = out.decode_only
-        steps = self._burst_steps(out) if decode else 1
-        if steps > 1:
-            self.scheduler.extend_decode(steps - 1)
-        rows = self._sampling_rows(out, steps)
-        scheduled = time.perf_counter()
-        sampling = [c for c in out.chunks if c.sample]
-        finished: list[FinishedRequest] = []
-        accepting = 0.0  # host time in accept(), which a burst overlaps with its later steps
-
-        def accept(step: int, result) -> None:
-            nonlocal accepting
-            start = time.perf_counter()
-            finished.extend(self._accept_step(sampling, step, result))
-            accepting += time.perf_counter() - start
-
-        self.runner.execute(out, rows, self._grammar_masks(out), accept)
-        ran = time.perf_counter()
-        self.steps += steps
-        for chunk in out.chunks:
-            if not chunk.sample:
-                chunk.seq.num_computed = chunk.end
-        self._time(decode, steps, scheduled - begin, ran - scheduled - accepting,
-                   accepting + time.perf_counter() - ran)
-        return finished
+        if not (out.decode_only and self._bursts_allowed(out.chunks)):
+            return self._single_step(out, begin)
+        steps = min(self._burst_steps(out.chunks), self.scheduler.decode_steps_covered)
+        self.scheduler.extend_decode(steps - 1)
+        self.runner.move_pages(out)
+        burst = self.runner.queue_burst(out.chunks, self._sampling_rows(out.chunks, steps))
+        return self._collect(burst, time.perf_counter() - begin)
 
     def generate(self, requests: Iterable[Request]) -> list[FinishedRequest]:
         """Run requests to completion; results in the order given."""
@@ -200,6 +191,68 @@ class Engine:
         digest = hashlib.blake2b(f"{self.config.runtime.seed}:{request_id}".encode(), digest_size=8)
         return int.from_bytes(digest.digest(), "little") % 2**63
 
+    def _single_step(self, out: ScheduleOutput, begin: float) -> list[FinishedRequest]:
+        """One forward of any batch (prefill chunks, decode, both, or only page copies)."""
+        sampling = [c for c in out.chunks if c.sample]
+        rows = self._sampling_rows(sampling, 1)[0]
+        scheduled = time.perf_counter()
+        finished: list[FinishedRequest] = []
+        accepted_at = None  # when the samples reached the host
+
+        def accept(step: int, result) -> None:
+            nonlocal accepted_at
+            accepted_at = time.perf_counter()
+            finished.extend(self._accept_step(sampling, step, result))
+
+        self.runner.execute(out, rows, self._grammar_masks(out), accept)
+        ran = time.perf_counter()
+        accepted_at = ran if accepted_at is None else accepted_at
+        self.steps += 1
+        for chunk in out.chunks:
+            if not chunk.sample:
+                chunk.seq.num_computed = chunk.end
+        self._time(out.decode_only, 1, scheduled - begin, accepted_at - scheduled,
+                   time.perf_counter() - accepted_at)
+        return finished
+
+    def _collect(self, burst: QueuedBurst, schedule_s: float) -> list[FinishedRequest]:
+        """Read a queued burst's samples step by step; queue its continuation meanwhile."""
+        finished: list[FinishedRequest] = []
+        host_s = 0.0  # host work the device overlaps: postprocessing, queueing what follows
+
+        def accept(step: int, result) -> None:
+            nonlocal host_s
+            start = time.perf_counter()
+            finished.extend(self._accept_step(burst.chunks, step, result))
+            host_s += time.perf_counter() - start
+
+        def queue_continuation() -> None:
+            nonlocal host_s
+            start = time.perf_counter()
+            self._queued = self._continuation(burst)
+            host_s += time.perf_counter() - start
+
+        start = time.perf_counter()
+        self.runner.collect(burst, accept, queue_continuation)
+        self.steps += burst.steps
+        self._time(True, burst.steps, schedule_s, time.perf_counter() - start - host_s, host_s)
+        return finished
+
+    def _continuation(self, burst: QueuedBurst) -> QueuedBurst | None:
+        """The burst the next step() would schedule, queued while `burst`'s last step still
+        runs, so the device goes straight on while the host returns, writes results and comes
+        back: `burst`'s rows less the finished ones, one burst further on. None when the
+        scheduler would decide something first (then the next step() schedules)."""
+        chunks = [SeqChunk(c.seq, c.start + burst.steps, c.end + burst.steps, True)
+                  for c in burst.chunks if c.seq.state is not SeqState.FINISHED]
+        steps = self._burst_steps(chunks) if chunks else 0
+        steps = self.scheduler.continue_decode(steps) if steps else 0
+        if not steps:
+            return None
+        if self.replicas is not None:
+            self.replicas.observe(self.steps + burst.steps, ScheduleOutput(chunks))
+        return self.runner.queue_burst(chunks, self._sampling_rows(chunks, steps), after=burst)
+
     def _grammar_masks(self, out: ScheduleOutput):
         """A logits processor masking grammar-forbidden tokens, or None when no row has one."""
         matchers = [c.seq.matcher for c in out.chunks if c.sample]
@@ -223,26 +276,30 @@ class Engine:
             times.bursts += 1
             times.burst_steps += steps
 
-    def _burst_steps(self, out: ScheduleOutput) -> int:
-        """How many steps the decode-only `out` runs back to back (one host sync for all of
-        them): 1 when a row needs the host between tokens (a grammar). The
-        scheduler bounds it by the steps its page reservations cover, and finished sequences'
-        lengths by BURST_SHARE_OF_LENGTH."""
+    def _bursts_allowed(self, chunks: list[SeqChunk]) -> bool:
+        """Decode runs in bursts unless they are off or a row needs the host between tokens
+        (a grammar)."""
+        return (self.config.runtime.decode_burst_steps > 1
+                and all(c.seq.matcher is None for c in chunks))
+
+    def _burst_steps(self, chunks: list[SeqChunk]) -> int:
+        """How many steps the decode chunks run back to back: at most --decode-burst-steps and
+        1/BURST_SHARE_OF_LENGTH of finished sequences' mean length, at least 1 while a row has
+        tokens left to draw (0 when none has). The scheduler bounds it further by the steps its
+        page reservations cover."""
         limit = self.config.runtime.decode_burst_steps
-        if limit <= 1 or any(c.seq.matcher is not None for c in out.chunks):
-            return 1
         typical = self.scheduler.chunk.ema  # mean decode length of finished sequences
         if typical is not None:
             limit = min(limit, int(typical) // BURST_SHARE_OF_LENGTH)
-        longest = max(c.seq.sampling.max_tokens - c.seq.num_decoded for c in out.chunks)
-        return max(1, min(limit, self.scheduler.decode_steps_covered, longest))
+        longest = max(c.seq.sampling.max_tokens - (c.end - c.seq.prompt_len) for c in chunks)
+        return max(0, min(max(1, limit), longest))
 
-    def _sampling_rows(self, out: ScheduleOutput, steps: int) -> list[SamplingRows]:
-        """The sampled rows of `out` as they stand at each of `steps` steps of a burst."""
-        seqs = [c.seq for c in out.chunks if c.sample]
+    def _sampling_rows(self, chunks: list[SeqChunk], steps: int) -> list[SamplingRows]:
+        """The rows sampled by `chunks` as they stand at each of `steps` steps of a burst."""
+        seqs = [c.seq for c in chunks]
         params = [s.sampling for s in seqs]
         seeds = [s.seed for s in seqs]
-        decoded = [s.num_decoded for s in seqs]
+        decoded = [c.end - c.seq.prompt_len for c in chunks]  # tokens drawn before this one
         # EOS and stop ids are banned for a row's first min_tokens tokens, unless a grammar
         # decides when EOS is allowed (banning it too could leave no token at all).
         bans = [((() if p.ignore_eos else tuple(self.eos_ids)) + p.stop_token_ids,

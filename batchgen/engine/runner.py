@@ -2,6 +2,8 @@
 
 The only engine piece that touches tensors besides the models. Order inside a step:
 unloads (device -> host), loads (host -> device), forward over the packed batch, sampling.
+Decode bursts are queued whole and their samples collected step by step (`queue_burst`,
+`collect`).
 """
 
 from __future__ import annotations
@@ -12,12 +14,12 @@ import os
 
 import torch
 
-from batchgen.engine.burst import DecodeBurst
+from batchgen.engine.burst import DecodeBurst, QueuedBurst
 from batchgen.engine.forward_batch import ForwardBatch
 from batchgen.engine.kv_cache import KVLayout, KVPool, copy_pages
 from batchgen.engine.sampler import HostSample, SamplingRows, sample, sample_on_device
 from batchgen.sched.host_pool import HostSegment
-from batchgen.sched.scheduler import ScheduleOutput
+from batchgen.sched.scheduler import ScheduleOutput, SeqChunk
 
 log = logging.getLogger("batchgen.runner")
 
@@ -71,24 +73,22 @@ class ModelRunner:
         data = raw[:data_bytes].view(layout.dtype).view(shape)
         return KVPool(layout, host_pages, "cpu", data=data, scale_pages=scale_pages)
 
-    @torch.inference_mode()
-    def execute(self, out: ScheduleOutput, rows: list[SamplingRows], logits_processor=None,
-                on_result=None) -> None:
-        """Copies, then forward and sampling of `len(rows)` steps: one step of any batch, or
-        a burst of back-to-back decode steps (every chunk decodes; `rows[i]` samples step i).
-        `on_result(step, result)` receives each step's samples in order, as soon as they are
-        on the host: in a burst, while its later steps still run on the device. Returns after
-        the last of them (a step that samples nothing is only queued). `logits_processor(logits)`
-        may mask the sampled rows' logits in place first (structured outputs; single steps
-        only)."""
+    def move_pages(self, out: ScheduleOutput) -> None:
+        """The step's page copies: unloads (device -> host), then loads (host -> device)."""
         for copy in out.swap_out:
             copy_pages(self.device_pool, copy.src, self.host_pool, copy.dst)
         for copy in out.swap_in:
             copy_pages(self.host_pool, copy.src, self.device_pool, copy.dst)
+
+    @torch.inference_mode()
+    def execute(self, out: ScheduleOutput, rows: SamplingRows, logits_processor=None,
+                on_result=None) -> None:
+        """Copies, then one forward over the packed batch and its sampling by `rows`: the
+        samples go to `on_result(0, result)` (nothing is sampled when no chunk samples).
+        `logits_processor(logits)` may mask the sampled rows' logits in place first
+        (structured outputs)."""
+        self.move_pages(out)
         if not out.chunks:
-            return
-        if len(rows) > 1:
-            self._burst(out, rows, on_result)
             return
         batch = ForwardBatch.build(
             token_ids=[c.seq.token_ids[c.start:c.end] for c in out.chunks],
@@ -99,29 +99,44 @@ class ModelRunner:
             device=self.device,
         )
         logits = self._forward(batch)
-        if not rows[0].params:
+        if not rows.params:
             return
         if logits_processor is not None:
             logits_processor(logits)
-        result = sample(logits, rows[0])
+        result = sample(logits, rows)
         if on_result is not None:
             on_result(0, result)
 
-    def _burst(self, out: ScheduleOutput, rows: list[SamplingRows], on_result) -> None:
-        """Queue every step (each takes its input ids from the previous step's samples on the
-        device), then hand the samples over step by step: the host's per-token work for step
-        i overlaps the device's steps i+1.. instead of leaving the device idle after the burst."""
-        burst = DecodeBurst.build([c.seq for c in out.chunks], len(rows), self.device_pool,
-                                  self.device)
-        input_ids, pending = burst.first_ids, []
+    @torch.inference_mode()
+    def queue_burst(self, chunks: list[SeqChunk], rows: list[SamplingRows],
+                    after: QueuedBurst | None = None) -> QueuedBurst:
+        """Queue `len(rows)` decode steps of `chunks` back to back without waiting for the
+        device: each step takes its input ids from the previous step's samples on the device.
+        `after`: a queued burst this one continues (its rows include these; its last step's
+        samples are the first inputs)."""
+        first_ids = None
+        if after is not None:
+            kept = after.rows_of(chunks)
+            first_ids = after.last_tokens
+            if kept != list(range(len(after.chunks))):
+                first_ids = first_ids[torch.tensor(kept).to(self.device, non_blocking=True)]
+        plan = DecodeBurst.build(chunks, len(rows), self.device_pool, self.device, first_ids)
+        input_ids, samples = plan.first_ids, []
         for step, step_rows in enumerate(rows):
-            drawn = sample_on_device(self._forward(burst.batch(step, input_ids)), step_rows)
-            pending.append(HostSample(drawn))
+            drawn = sample_on_device(self._forward(plan.batch(step, input_ids)), step_rows)
+            samples.append(HostSample(drawn))
             input_ids = drawn.tokens
-        for step, (host, step_rows) in enumerate(zip(pending, rows)):
-            result = host.result(step_rows)
-            if on_result is not None:
-                on_result(step, result)
+        return QueuedBurst(chunks, rows, samples, input_ids)
+
+    def collect(self, burst: QueuedBurst, on_result, before_last=None) -> None:
+        """Hand each step's samples to `on_result(step, result)` in order, as soon as that step
+        has ended: the host's per-token work for step i overlaps the device's steps i+1...
+        `before_last()` runs while only the last step is still on the device: what it queues
+        (the next burst) follows without leaving the device idle."""
+        for step, (sample_of_step, step_rows) in enumerate(zip(burst.samples, burst.rows)):
+            if step == burst.steps - 1 and before_last is not None:
+                before_last()
+            on_result(step, sample_of_step.result(step_rows))
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         if self.graphs is not None and self.graphs.can_run(batch):

@@ -181,21 +181,27 @@ class Watchdog:
 def guard_decode_steps(engine, watchdog: Watchdog, stuck_time: float = 0.0) -> None:
     """Put --decode-step-timeout around each decode iteration of the engine's model runner.
 
-    The engine has no step hook, so the runner's bound `execute` is wrapped in place;
-    --watchdog-test-stuck-time (testing only) sleeps inside the guarded iteration."""
-    execute = engine.runner.execute
+    The engine has no step hook, so the runner's bound `execute` (single steps) and `collect`
+    (decode bursts) are wrapped in place; --watchdog-test-stuck-time (testing only) sleeps
+    inside the guarded iteration, once per decode step."""
+    execute, collect = engine.runner.execute, engine.runner.collect
 
-    def guarded(out, rows, *args, **kwargs):
+    def guarded_execute(out, *args, **kwargs):
         if not out.decode_only:
-            return execute(out, rows, *args, **kwargs)
-        # A burst of K decode iterations is timed as one, with the postprocessing it overlaps
-        # (all K are queued before the first is read); the test sleep stays per iteration.
+            return execute(out, *args, **kwargs)
         with watchdog.deadline("decode_step"):
             if stuck_time:
-                time.sleep(stuck_time * len(rows))
-            return execute(out, rows, *args, **kwargs)
+                time.sleep(stuck_time)
+            return execute(out, *args, **kwargs)
 
-    engine.runner.execute = guarded
+    def guarded_collect(burst, *args, **kwargs):
+        # A burst of K decode iterations is timed as one, with the postprocessing it overlaps.
+        with watchdog.deadline("decode_step"):
+            if stuck_time:
+                time.sleep(stuck_time * burst.steps)
+            return collect(burst, *args, **kwargs)
+
+    engine.runner.execute, engine.runner.collect = guarded_execute, guarded_collect
 
 
 def health_from_stats(stats: list[dict]) -> dict:

@@ -141,6 +141,16 @@ class Scheduler:
         assert 0 <= extra_steps < self.decode_steps_covered, (extra_steps, self._steps_left)
         self._steps_left -= extra_steps
 
+    def continue_decode(self, steps: int) -> int:
+        """Reserve up to `steps` decode steps for the decode set just scheduled (less what has
+        finished since), as schedule() and extend_decode() would if called now: the steps
+        granted, 0 when schedule() would take a decision first."""
+        if self._decision_due():
+            return 0
+        granted = min(steps, self._steps_left)
+        self._steps_left -= granted
+        return granted
+
     def _decision_due(self) -> bool:
         if not self.running or self._steps_left <= 0:
             return True
