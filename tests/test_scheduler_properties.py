@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from batchgen.config import SchedulerConfig
 from batchgen.core import PAGE_SIZE, SamplingParams
-from batchgen.sched.scheduler import RequestTooLarge, ScheduleOutput, Scheduler
+from batchgen.sched.scheduler import RequestTooLarge, ScheduleOutput, Scheduler, SeqChunk
 from batchgen.sched.sequence import SeqState, Sequence, pages_for
 
 VOCAB = 50_000
@@ -81,10 +81,15 @@ def reference_stream(index: int, req: Req) -> list[int]:
 
 
 class FakeEngine:
-    """Drives one Scheduler like batchgen.engine.Engine, checking invariants after each step."""
+    """Drives one Scheduler like batchgen.engine.Engine, checking invariants after each step.
+    `continued`: like the engine's decode bursts (of one step here), each decode step queues
+    the next one, if the scheduler grants it, before its own tokens are appended."""
 
-    def __init__(self, sc: Scenario):
+    def __init__(self, sc: Scenario, continued: bool = False):
         self.sc = sc
+        self.continued = continued
+        self.queued: ScheduleOutput | None = None
+        self.continuations = 0
         self.sched = Scheduler(sc.cfg, sc.device_pages, sc.host_pages)
         self.device_kv = np.full((sc.device_pages, PAGE_SIZE), -1, dtype=np.int64)
         self.host_kv = np.full((sc.host_pages, PAGE_SIZE), -1, dtype=np.int64)
@@ -118,7 +123,7 @@ class FakeEngine:
                                          or not self.sched.has_work):
                 self.add_wave(next_wave)
                 next_wave += 1
-            out = self.sched.schedule()
+            out, self.queued = self.queued or self.sched.schedule(), None
             self.steps += 1
             self.record(out)
             computed = self.execute(out)
@@ -146,12 +151,23 @@ class FakeEngine:
         packed = sum(c.end - c.start > 1 for c in out.chunks)
         self.most_packed = max(self.most_packed, packed)
         self.most_running = max(self.most_running, len(out.chunks))
-        sampled = [self.forward(c.seq, c.start, c.end, c.sample) for c in out.chunks]
-        for chunk, token in zip(out.chunks, sampled):
+        # A queued step's rows that finished meanwhile compute tokens the engine drops.
+        chunks = [c for c in out.chunks if c.seq.state is not SeqState.FINISHED]
+        sampled = [self.forward(c.seq, c.start, c.end, c.sample) for c in chunks]
+        if self.continued and out.decode_only:
+            self.queued = self.continuation(chunks)
+        for chunk, token in zip(chunks, sampled):
             chunk.seq.num_computed = chunk.end
             if token is not None:
                 self.postprocess(chunk.seq, token)
-        return sum(c.end - c.start for c in out.chunks)
+        return sum(c.end - c.start for c in chunks)
+
+    def continuation(self, chunks: list[SeqChunk]) -> ScheduleOutput | None:
+        """The next decode step of these rows, queued while their tokens are not appended."""
+        if not chunks or not self.sched.continue_decode(1):
+            return None
+        self.continuations += 1
+        return ScheduleOutput([SeqChunk(c.seq, c.start + 1, c.end + 1, True) for c in chunks])
 
     def forward(self, seq: Sequence, start: int, end: int, sample: bool) -> int | None:
         assert seq.state is SeqState.RUNNING and start == seq.num_computed < end <= seq.num_tokens
@@ -189,8 +205,8 @@ class FakeEngine:
         assert len(set(map(id, queued))) == len(queued) == len(self.seqs) - len(self.finished)
 
 
-def run_scenario(sc: Scenario) -> FakeEngine:
-    engine = FakeEngine(sc)
+def run_scenario(sc: Scenario, continued: bool = False) -> FakeEngine:
+    engine = FakeEngine(sc, continued)
     engine.run()
     assert sorted(engine.finished) == list(range(len(sc.reqs)))
     assert engine.sched.counters.finished == len(sc.reqs)
@@ -259,6 +275,16 @@ def test_random_workloads_finish_with_unchanged_output(sc: Scenario):
     target(float(c.chunk_growths), label="chunk growths")
 
 
+@settings(PROPERTY, max_examples=60)
+@given(scenarios())
+def test_decode_queued_before_the_last_tokens_are_read_keeps_the_output(sc: Scenario):
+    """The engine queues a burst's continuation before it reads the burst's last step: the
+    grants of Scheduler.continue_decode keep every invariant and every token stream."""
+    engine = run_scenario(sc, continued=True)
+    target(float(engine.sched.counters.unloads), label="unloads")
+    target(float(engine.continuations), label="continuations")
+
+
 @settings(PROPERTY, max_examples=30)
 @given(scenarios(max_requests=12))
 def test_same_workload_same_decisions(sc: Scenario):
@@ -287,8 +313,10 @@ SMALL_STEPS = {"initial_gpu_page_buffer": 1, "extension_gpu_page_buffer": 2,
                "decision_frequency_pages": 1, "host_kv_chunk_size": 64, "adaptive_chunk": False}
 
 
-def run_with(reqs, device_pages: int, host_pages: int, **flags) -> FakeEngine:
-    return run_scenario(Scenario(tuple(reqs), device_pages, host_pages, SchedulerConfig(**flags)))
+def run_with(reqs, device_pages: int, host_pages: int, continued: bool = False,
+             **flags) -> FakeEngine:
+    return run_scenario(Scenario(tuple(reqs), device_pages, host_pages, SchedulerConfig(**flags)),
+                        continued)
 
 
 def test_tiny_host_pool_evicts_and_reprefills():
@@ -382,3 +410,9 @@ def test_corrupted_swap_is_detected():
     engine.execute = lossy_execute
     with pytest.raises(AssertionError, match="KV of position"):
         engine.run()
+
+
+def test_continued_decode_under_pool_pressure():
+    engine = run_with(LONG, 2 * LONG_NEED, 3 * LONG_NEED, continued=True, **SMALL_STEPS)
+    c = engine.sched.counters
+    assert engine.continuations > 100 and c.unloads > 0 and c.decisions > 10
