@@ -54,6 +54,8 @@ class StepTimes:
     forward_other_s: float = 0.0
     """Steps with prefill chunks (or only page copies)."""
     postprocess_s: float = 0.0
+    """Host work on the samples (stop checks, appends) and, in bursts, queueing the burst
+    that follows: a burst overlaps both with its own later steps."""
     decode_steps: int = 0
     bursts: int = 0
     """Decode calls that ran more than one step back to back."""
