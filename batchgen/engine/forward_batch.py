@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from itertools import chain
 
 import torch
 
@@ -70,32 +71,35 @@ class ForwardBatch:
     @staticmethod
     def build(token_ids: list[list[int]], starts: list[int], page_tables: list[list[int]],
               sample_mask: list[bool], kv_pool: KVPool, device: torch.device) -> "ForwardBatch":
-        """Pack sequences: sequence b computes `token_ids[b]` at positions `starts[b]...`."""
+        """Pack sequences: sequence b computes `token_ids[b]` at positions `starts[b]...`.
+        Per-token values are computed with tensor ops, not Python loops: a prefill step packs
+        thousands of tokens while the device waits for its inputs."""
         q_lens = [len(t) for t in token_ids]
         ctx_lens = [s + q for s, q in zip(starts, q_lens)]
-        flat_ids = [t for toks in token_ids for t in toks]
-        positions = [p for s, q in zip(starts, q_lens) for p in range(s, s + q)]
-        slots = [pt[p // PAGE_SIZE] * PAGE_SIZE + p % PAGE_SIZE
-                 for pt, s, q in zip(page_tables, starts, q_lens) for p in range(s, s + q)]
-        cu = [0]
-        for q in q_lens:
-            cu.append(cu[-1] + q)
-        logits_rows = [cu[b + 1] - 1 for b, want in enumerate(sample_mask) if want]
-        width = max(1, max((-(-c // PAGE_SIZE) for c in ctx_lens), default=1))
-        table = [pt[: -(-c // PAGE_SIZE)] + [0] * (width - -(-c // PAGE_SIZE))
-                 for pt, c in zip(page_tables, ctx_lens)]
+        pages = [-(-c // PAGE_SIZE) for c in ctx_lens]
+        width = max(1, max(pages, default=1))
+        table = torch.tensor([pt[:n] + [0] * (width - n) for pt, n in zip(page_tables, pages)],
+                             dtype=torch.long).view(len(q_lens), width)
+        lengths = torch.tensor(q_lens, dtype=torch.long)
+        cu = torch.zeros(len(q_lens) + 1, dtype=torch.long)
+        torch.cumsum(lengths, 0, out=cu[1:])
+        owner = torch.repeat_interleave(torch.arange(len(q_lens)), lengths)  # sequence of a row
+        first = torch.tensor(starts, dtype=torch.long) - cu[:-1]  # position minus row index
+        positions = torch.arange(int(cu[-1])) + first[owner]
+        slots = table[owner, positions // PAGE_SIZE] * PAGE_SIZE + positions % PAGE_SIZE
+        logits_rows = (cu[1:] - 1)[torch.tensor(sample_mask, dtype=torch.bool)]
 
-        def tensor(values, dtype):
-            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+        def upload(values: torch.Tensor, dtype=torch.long) -> torch.Tensor:
+            return values.to(dtype).to(device, non_blocking=True)
 
         return ForwardBatch(
-            input_ids=tensor(flat_ids, torch.long),
-            positions=tensor(positions, torch.long),
-            cu_seqlens_q=tensor(cu, torch.int32),
-            context_lens=tensor(ctx_lens, torch.int32),
-            page_table=tensor(table, torch.int32),
-            slot_mapping=tensor(slots, torch.long),
-            logits_indices=tensor(logits_rows, torch.long),
+            input_ids=upload(torch.tensor(list(chain.from_iterable(token_ids)), dtype=torch.long)),
+            positions=upload(positions),
+            cu_seqlens_q=upload(cu, torch.int32),
+            context_lens=upload(torch.tensor(ctx_lens), torch.int32),
+            page_table=upload(table, torch.int32),
+            slot_mapping=upload(slots),
+            logits_indices=upload(logits_rows),
             kv_pool=kv_pool,
             q_lens=q_lens,
             ctx_lens=ctx_lens,
