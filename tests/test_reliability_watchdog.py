@@ -4,6 +4,7 @@ the batch file's health and ends the worker with exit code 70; re-running resume
 import json
 import threading
 import time
+import types
 
 import pytest
 from test_reliability_support import (
@@ -15,7 +16,13 @@ from test_reliability_support import (
 )
 
 from batchgen.config import WatchdogConfig
-from batchgen.runner.watchdog import TICK_S, StatsFile, Watchdog, health_from_stats
+from batchgen.runner.watchdog import (
+    TICK_S,
+    StatsFile,
+    Watchdog,
+    guard_decode_steps,
+    health_from_stats,
+)
 
 MARGIN_S = 1.0
 
@@ -79,6 +86,35 @@ def test_heartbeats_are_written_while_a_step_runs_long(tmp_path):
     first = json.loads(path.read_text())["heartbeat"]
     time.sleep(0.5)
     assert json.loads(path.read_text())["heartbeat"] > first
+
+
+def test_decode_deadline_covers_queueing_and_collecting_bursts(tmp_path):
+    """Queueing a burst (computing it, on a CPU) and collecting one (waiting for it, on a GPU)
+    run under the decode-step deadline; the continuation queued inside a collect leaves the
+    collect's deadline armed until the collect ends."""
+    wd, _, _ = _watchdog(tmp_path, decode_step_timeout=60)
+    armed = lambda: "decode_step" in wd._armed
+    seen = []
+
+    class Runner:
+        def execute(self, out, rows, logits_processor=None, on_result=None):
+            seen.append(("execute", armed()))
+
+        def queue_burst(self, chunks, rows, after=None):
+            seen.append(("queue", armed()))
+            return types.SimpleNamespace(steps=len(rows))
+
+        def collect(self, burst, on_result, before_last=None):
+            before_last()
+            seen.append(("collect", armed()))
+
+    engine = types.SimpleNamespace(runner=Runner())
+    guard_decode_steps(engine, wd)
+    burst = engine.runner.queue_burst([], [None, None])
+    engine.runner.collect(burst, None, lambda: engine.runner.queue_burst([], [None], burst))
+    engine.runner.execute(types.SimpleNamespace(decode_only=False), None)
+    assert seen == [("queue", True), ("queue", True), ("collect", True), ("execute", False)]
+    assert not armed()
 
 
 def test_health_from_stats_reports_the_cause():

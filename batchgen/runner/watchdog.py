@@ -181,10 +181,12 @@ class Watchdog:
 def guard_decode_steps(engine, watchdog: Watchdog, stuck_time: float = 0.0) -> None:
     """Put --decode-step-timeout around each decode iteration of the engine's model runner.
 
-    The engine has no step hook, so the runner's bound `execute` (single steps) and `collect`
-    (decode bursts) are wrapped in place; --watchdog-test-stuck-time (testing only) sleeps
-    inside the guarded iteration, once per decode step."""
-    execute, collect = engine.runner.execute, engine.runner.collect
+    The engine has no step hook, so the runner's bound `execute` (single steps), `queue_burst`
+    and `collect` (decode bursts: queueing computes on a CPU, waiting on a GPU) are wrapped in
+    place; --watchdog-test-stuck-time (testing only) sleeps inside the guarded iteration, once
+    per decode step."""
+    runner = engine.runner
+    execute, queue_burst, collect = runner.execute, runner.queue_burst, runner.collect
 
     def guarded_execute(out, *args, **kwargs):
         if not out.decode_only:
@@ -194,14 +196,29 @@ def guard_decode_steps(engine, watchdog: Watchdog, stuck_time: float = 0.0) -> N
                 time.sleep(stuck_time)
             return execute(out, *args, **kwargs)
 
+    collecting = False  # a burst queued while another is collected is inside its deadline
+
+    def guarded_queue_burst(*args, **kwargs):
+        if collecting:
+            return queue_burst(*args, **kwargs)
+        with watchdog.deadline("decode_step"):
+            return queue_burst(*args, **kwargs)
+
     def guarded_collect(burst, *args, **kwargs):
-        # A burst of K decode iterations is timed as one, with the postprocessing it overlaps.
+        # A burst of K decode iterations is timed as one, with the postprocessing it overlaps
+        # and the queueing of the burst that follows.
+        nonlocal collecting
         with watchdog.deadline("decode_step"):
             if stuck_time:
                 time.sleep(stuck_time * burst.steps)
-            return collect(burst, *args, **kwargs)
+            collecting = True
+            try:
+                return collect(burst, *args, **kwargs)
+            finally:
+                collecting = False
 
-    engine.runner.execute, engine.runner.collect = guarded_execute, guarded_collect
+    runner.execute, runner.queue_burst, runner.collect = (guarded_execute, guarded_queue_burst,
+                                                          guarded_collect)
 
 
 def health_from_stats(stats: list[dict]) -> dict:
