@@ -14,15 +14,15 @@ import torch
 
 from batchgen.config import EngineConfig
 from batchgen.core import Completion, FinishedRequest, FinishReason, Request
+from batchgen.engine.burst import QueuedBurst
 from batchgen.engine.kv_cache import KVLayout
 from batchgen.engine.memory import PoolSizes, detect_gpu_arch, plan_pools
 from batchgen.engine.replicas import ReplicaCheck
-from batchgen.engine.burst import QueuedBurst
 from batchgen.engine.runner import ModelRunner
 from batchgen.engine.sampler import SamplingRows
 from batchgen.engine.stops import StopChecker
-from batchgen.sched.scheduler import Scheduler, ScheduleOutput, SeqChunk
 from batchgen.parallel import TensorParallel
+from batchgen.sched.scheduler import Scheduler, ScheduleOutput, SeqChunk
 from batchgen.sched.sequence import Sequence, SeqState
 
 log = logging.getLogger("batchgen.engine")
