@@ -79,7 +79,7 @@ class ForwardBatch:
         pages = [-(-c // PAGE_SIZE) for c in ctx_lens]
         width = max(1, max(pages, default=1))
         table = torch.tensor([pt[:n] + [0] * (width - n) for pt, n in zip(page_tables, pages)],
-                             dtype=torch.long).view(len(q_lens), width)
+                             dtype=torch.long)
         lengths = torch.tensor(q_lens, dtype=torch.long)
         cu = torch.zeros(len(q_lens) + 1, dtype=torch.long)
         torch.cumsum(lengths, 0, out=cu[1:])

@@ -122,12 +122,17 @@ class Watchdog:
     @contextlib.contextmanager
     def deadline(self, name: str) -> Iterator[None]:
         """Arm `name`'s deadline around a wait (a no-op when it is off); steps are timed for
-        health either way."""
+        health either way. Inside a wait already under `name`'s deadline it changes nothing:
+        the inner wait is part of the outer one."""
         seconds = self.timeout(name)
         t0 = time.monotonic()
-        if seconds:
-            with self._lock:
+        with self._lock:
+            nested = name in self._armed
+            if seconds and not nested:
                 self._armed[name] = Deadline(name, seconds, t0 + seconds, time.time())
+        if nested:
+            yield
+            return
         try:
             yield
         finally:
@@ -196,26 +201,17 @@ def guard_decode_steps(engine, watchdog: Watchdog, stuck_time: float = 0.0) -> N
                 time.sleep(stuck_time)
             return execute(out, *args, **kwargs)
 
-    collecting = False  # a burst queued while another is collected is inside its deadline
-
     def guarded_queue_burst(*args, **kwargs):
-        if collecting:
-            return queue_burst(*args, **kwargs)
-        with watchdog.deadline("decode_step"):
+        with watchdog.deadline("decode_step"):  # inside a collect: part of its deadline
             return queue_burst(*args, **kwargs)
 
     def guarded_collect(burst, *args, **kwargs):
         # A burst of K decode iterations is timed as one, with the postprocessing it overlaps
         # and the queueing of the burst that follows.
-        nonlocal collecting
         with watchdog.deadline("decode_step"):
             if stuck_time:
                 time.sleep(stuck_time * burst.steps)
-            collecting = True
-            try:
-                return collect(burst, *args, **kwargs)
-            finally:
-                collecting = False
+            return collect(burst, *args, **kwargs)
 
     runner.execute, runner.queue_burst, runner.collect = (guarded_execute, guarded_queue_burst,
                                                           guarded_collect)

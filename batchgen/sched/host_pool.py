@@ -63,11 +63,11 @@ def remove_orphans(folder: str, prefix: str) -> None:
 
 def _alive(pid: int) -> bool:
     try:
-        os.kill(pid, 0)
+        os.kill(pid, 0)  # PermissionError: another user's process, alive
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True  # another user's process
+        pass
     return True
 
 
