@@ -59,6 +59,7 @@ from batchgen.bench_models import (
 from batchgen.config import EngineConfig, MemoryConfig, ModelConfig, RuntimeConfig, SchedulerConfig
 from batchgen.core import FinishReason, Request, SamplingParams
 from batchgen.engine.engine import Engine
+from batchgen.engine.heap import freeze_startup_heap
 from batchgen.parallel import TensorParallel
 
 log = logging.getLogger("batchgen.bench")
@@ -244,6 +245,7 @@ def warm_up(engine: Engine, model, work: Workload, prefill_tokens: int) -> float
         engine.step()
     sync(model)
     engine.reset_stats()
+    freeze_startup_heap()  # as a job's worker does once its engine is up
     return time.perf_counter() - begin
 
 

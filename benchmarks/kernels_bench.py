@@ -149,15 +149,47 @@ def bench_prefill(batch: int, q_len: int):
     return "prefill (vs dense SDPA)", f"B={batch} q={q_len}", ours, theirs, None
 
 
-def bench_store(tokens: int, kv_dtype=BF16):
-    kv, scales, _ = paged_pool(tokens // PAGE, PAGE, kv_dtype)
+def decode_slots(tokens: int) -> torch.Tensor:
+    """A decode step's slots: one token in each of `tokens` pages, at random offsets (tokens
+    sharing a page would contend for its sectors, which a decode step never does)."""
+    return (torch.randperm(tokens, device="cuda") * PAGE
+            + torch.randint(0, PAGE, (tokens,), device="cuda"))
+
+
+def bench_store(tokens: int, kv_dtype=BF16, prompt_order: bool = False):
+    """Slots as a decode step's (`decode_slots`) or, with `prompt_order`, consecutive (a
+    prefill's tokens fill whole pages in order)."""
+    kv, scales, _ = paged_pool(tokens // PAGE if prompt_order else tokens, PAGE, kv_dtype)
     k = torch.randn(tokens, KV_HEADS, HEAD_DIM, device="cuda", dtype=BF16)
     v = torch.randn_like(k)
-    slots = torch.randperm(tokens, device="cuda")
+    slots = decode_slots(tokens) if not prompt_order else torch.arange(tokens, device="cuda")
     ours = do_bench(lambda: K.store_kv(k, v, kv, scales, slots))
     theirs = do_bench(lambda: torch_store(k, v, kv, scales, slots))
     moved = 2 * k.nbytes + 2 * k.numel() * kv.element_size() + slots.nbytes
-    return f"store_kv {kv_dtype}".replace("torch.", ""), f"T={tokens}", ours, theirs, moved
+    order = "in order" if prompt_order else "a page each"
+    return (f"store_kv {kv_dtype}".replace("torch.", ""), f"T={tokens} slots {order}", ours,
+            theirs, moved)
+
+
+def bench_rope_store(tokens: int, kv_dtype=BF16, prompt_order: bool = False):
+    """The fused RoPE + store against the two kernels it replaces (apply_rope into new q/k
+    tensors, then store_kv), on views of one QKV projection as in the model."""
+    kv, scales, _ = paged_pool(tokens // PAGE if prompt_order else tokens, PAGE, kv_dtype)
+    qkv = torch.randn(tokens, HEADS + 2 * KV_HEADS, HEAD_DIM, device="cuda", dtype=BF16)
+    q, k, v = qkv[:, :HEADS], qkv[:, HEADS:HEADS + KV_HEADS], qkv[:, HEADS + KV_HEADS:]
+    pos = torch.randint(0, 4096, (tokens,), device="cuda")
+    cos, sin = torch.rand(4096, HEAD_DIM, device="cuda"), torch.rand(4096, HEAD_DIM, device="cuda")
+    slots = decode_slots(tokens) if not prompt_order else torch.arange(tokens, device="cuda")
+
+    def unfused():
+        q_rot, k_rot = K.apply_rope(q, k, pos, cos, sin, torch.empty_like(q), torch.empty_like(k))
+        K.store_kv(k_rot, v, kv, scales, slots)
+        return q_rot
+    moved = 2 * q.nbytes + 2 * k.nbytes + 2 * k.numel() * kv.element_size()
+    order = "in order" if prompt_order else "a page each"
+    name = f"rope_store_kv {kv_dtype}".replace("torch.", "")
+    ours = do_bench(lambda: K.rope_store_kv(q, k, v, pos, cos, sin, kv, scales, slots))
+    return f"{name} (vs 2 kernels)", f"T={tokens} slots {order}", ours, do_bench(unfused), moved
 
 
 def torch_store(k, v, kv, scales, slots):
@@ -243,10 +275,14 @@ CASES = {
                        bench_decode(256, 1024, torch.float8_e4m3fn, scale_layout="token"),
                        bench_decode(8, 16384, num_splits=1), bench_decode(8, 16384)],
     "prefill": lambda: [bench_prefill(4, 2048)],
-    "store": lambda: [bench_store(16384), bench_store(16384, torch.float8_e4m3fn)],
+    "store": lambda: [bench_store(t, dtype, ordered) for dtype in (BF16, torch.float8_e4m3fn)
+                      for t, ordered in ((512, False), (8192, True))],
     "copy": lambda: [bench_copy(64, 32, ""), bench_copy(64, 32, "h2d"), bench_copy(64, 32, "d2h")],
     "rmsnorm": lambda: [bench_rmsnorm(8192, 4096)],
     "rope": lambda: [bench_rope(8192)],
+    "rope_store": lambda: [bench_rope_store(t, dtype, ordered)
+                           for dtype in (BF16, torch.float8_e4m3fn)
+                           for t, ordered in ((512, False), (8192, True))],
     "silu": lambda: [bench_silu(8192, 14336)],
     "fp8_rows": lambda: [*bench_fp8_rows(512, 4096, 14336), *bench_fp8_rows(8192, 4096, 14336)],
     "mixed": lambda: [bench_mixed(256, 1024, 8, 1000), bench_mixed(64, 1024, 8, 1000)],

@@ -16,6 +16,7 @@ from .page_copy import copy_pages
 from .prefill_attention import paged_prefill_attention
 from .rmsnorm import fused_add_rmsnorm, fused_add_rmsnorm_fp8, rmsnorm, rmsnorm_fp8
 from .rope import apply_rope
+from .rope_store import rope_store_kv
 from .silu_mul import silu_and_mul, silu_and_mul_fp8
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "quantize_fp8_rows",
     "rmsnorm",
     "rmsnorm_fp8",
+    "rope_store_kv",
     "silu_and_mul",
     "silu_and_mul_fp8",
     "store_kv",

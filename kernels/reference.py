@@ -153,6 +153,17 @@ def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.T
     return rotate(q), rotate(k)
 
 
+def rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                  cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor,
+                  kv_scales: torch.Tensor | None, slot_mapping: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(rotated q, kv, kv_scales) as RoPE in float32 rounded to q's dtype, then `store_kv` of
+    the rotated k and v into copies of the pool."""
+    q_rot, k_rot = rope(q, k, positions, cos, sin)
+    kv, kv_scales = store_kv(kv, kv_scales, k_rot.to(k.dtype), v, slot_mapping)
+    return q_rot.to(q.dtype), kv, kv_scales
+
+
 def silu_and_mul(x: torch.Tensor, math_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """x [T, 2I] -> silu(x[:, :I]) * x[:, I:] in math_dtype."""
     gate, up = x.to(math_dtype).chunk(2, dim=-1)

@@ -43,12 +43,10 @@ def _rotate_heads(x_ptr, out_ptr, token, stride_xt, stride_xh, stride_ot, stride
 
 
 @triton.jit
-def _rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cos_ptr, sin_ptr,
-                 stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh,
-                 stride_kot, stride_koh, stride_cos, stride_sin, q_heads, k_heads,
-                 HALF: tl.constexpr, BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr,
-                 BLOCK_R: tl.constexpr, REST: tl.constexpr, BLOCK_REST: tl.constexpr):
-    token = tl.program_id(0).to(tl.int64)
+def _table_rows(pos_ptr, cos_ptr, sin_ptr, token, stride_cos, stride_sin, HALF: tl.constexpr,
+                BLOCK_R: tl.constexpr):
+    """The token's cos/sin table row as float32 halves (cos1, cos2, sin1, sin2), each
+    [1, BLOCK_R] (zero past HALF)."""
     pos = tl.load(pos_ptr + token).to(tl.int64)
     offs_r = tl.arange(0, BLOCK_R)
     mask_r = offs_r < HALF
@@ -58,6 +56,18 @@ def _rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cos_ptr, sin_ptr,
     cos2 = tl.load(cos + HALF, mask=mask_r, other=0.0).to(tl.float32)[None, :]
     sin1 = tl.load(sin, mask=mask_r, other=0.0).to(tl.float32)[None, :]
     sin2 = tl.load(sin + HALF, mask=mask_r, other=0.0).to(tl.float32)[None, :]
+    return cos1, cos2, sin1, sin2
+
+
+@triton.jit
+def _rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cos_ptr, sin_ptr,
+                 stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh,
+                 stride_kot, stride_koh, stride_cos, stride_sin, q_heads, k_heads,
+                 HALF: tl.constexpr, BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr,
+                 BLOCK_R: tl.constexpr, REST: tl.constexpr, BLOCK_REST: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    cos1, cos2, sin1, sin2 = _table_rows(pos_ptr, cos_ptr, sin_ptr, token, stride_cos,
+                                         stride_sin, HALF, BLOCK_R)
     _rotate_heads(q_ptr, q_out_ptr, token, stride_qt, stride_qh, stride_qot, stride_qoh,
                   q_heads, cos1, cos2, sin1, sin2, HALF, BLOCK_QH, BLOCK_R, REST, BLOCK_REST)
     _rotate_heads(k_ptr, k_out_ptr, token, stride_kt, stride_kh, stride_kot, stride_koh,

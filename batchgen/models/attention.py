@@ -46,12 +46,16 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tens
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
                     batch: ForwardBatch, scale: float, window: int | None = None,
-                    sinks: torch.Tensor | None = None) -> torch.Tensor:
+                    sinks: torch.Tensor | None = None, rope=None) -> torch.Tensor:
     """q [T, H, D], k/v [T, KVH, D] -> [T, H, D]. Stores k/v in the pool first.
 
+    `rope` (a RotaryEmbedding) rotates q and k by `batch.positions` first; on CUDA in the
+    same kernel as the store, so the rotated k never goes through memory.
     On CUDA the Triton kernels run (batchgen_kernels); elsewhere the PyTorch paths below."""
     if q.is_cuda:
-        return _triton_attention(q, k, v, layer, batch, scale, window, sinks)
+        return _triton_attention(q, k, v, layer, batch, scale, window, sinks, rope)
+    if rope is not None:
+        q, k = rope(batch.positions, q, k)
     pool = batch.kv_pool
     pool.store(layer, batch.slot_mapping, torch.stack([k, v], dim=1))
     if batch.decode_only:
@@ -140,11 +144,15 @@ def _softmax_pages(scores, v, owner, seqs, sinks):
     return out / denom[..., None]
 
 
-def _triton_attention(q, k, v, layer, batch, scale, window, sinks):
+def _triton_attention(q, k, v, layer, batch, scale, window, sinks, rope):
     import batchgen_kernels as K
 
     kv, scales = batch.kv_pool.layer(layer)
-    K.store_kv(k, v, kv, scales, batch.slot_mapping)
+    if rope is None:
+        K.store_kv(k, v, kv, scales, batch.slot_mapping)
+    else:
+        q = K.rope_store_kv(q, k, v, batch.positions, rope.cos, rope.sin, kv, scales,
+                            batch.slot_mapping)
     if batch.decode_only:
         return K.paged_decode_attention(q, kv, scales, batch.page_table, batch.context_lens,
                                         scale, window=window, sinks=sinks)

@@ -92,9 +92,8 @@ class GptOssAttention(nn.Module):
         q = self.q_proj(x).view(-1, self.heads, self.head_dim)
         k = self.k_proj(x).view(-1, self.kv_heads, self.head_dim)
         v = self.v_proj(x).view(-1, self.kv_heads, self.head_dim)
-        q, k = self.rope(batch.positions, q, k)
         out = paged_attention(q, k, v, self.layer, batch, self.scale, window=self.window,
-                              sinks=self.sinks)
+                              sinks=self.sinks, rope=self.rope)
         return self.o_proj(out.reshape(-1, self.heads * self.head_dim))
 
 

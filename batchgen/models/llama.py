@@ -64,8 +64,8 @@ class LlamaAttention(nn.Module):
         v = v.reshape(-1, self.kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rope(batch.positions, q, k)
-        out = paged_attention(q, k, v, self.layer, batch, self.scale, window=self.window)
+        out = paged_attention(q, k, v, self.layer, batch, self.scale, window=self.window,
+                              rope=self.rope)
         return self.o_proj(out.reshape(-1, self.heads * self.head_dim))
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from batchgen.engine.engine import Engine, pick_device
+from batchgen.engine.heap import freeze_startup_heap
 from batchgen.io.intake import IntakeError, PendingRequest, intake
 from batchgen.io.reader import read_records, record_key, shard
 from batchgen.io.results import dumps, error_line
@@ -145,6 +146,7 @@ class Worker:
         self.handled: set[str] = set()
         """Suspects served (or quarantined) before the main pass, which must skip them."""
         self._last_stats = 0.0
+        freeze_startup_heap()
 
     def _records(self):
         return shard(read_records(self.spec.config.storage.input), self.place.dp_rank,
