@@ -53,8 +53,10 @@ def _signal_mid_run(inp, storage, model, sig, everyone: bool, *extra,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig,everyone", [(signal.SIGTERM, False), (signal.SIGUSR1, True)],
-                         ids=["sigterm-supervisor", "sigusr1-every-process"])
+@pytest.mark.parametrize("sig,everyone", [(signal.SIGTERM, False), (signal.SIGUSR1, True),
+                                         (signal.SIGQUIT, True)],
+                         ids=["sigterm-supervisor", "sigusr1-every-process",
+                              "sigquit-every-process"])
 def test_stop_signal_requeues_then_resume_completes(tmp_path, tiny_chat_model, sig, everyone):
     inp = job_input(tmp_path)
     storage = tmp_path / "s"
@@ -99,6 +101,16 @@ def test_second_signal_exits_at_once(tmp_path, tiny_chat_model):
     assert time.monotonic() - t0 < MARGIN
 
 
+def test_workers_stop_on_every_stop_signal():
+    """Each signal that stops the job stops a worker at its next step: the agent forwards the
+    supervisor's signal, and a default action (SIGQUIT: die and dump core) would lose the
+    step in flight and could fill the disk with a core the size of the weights."""
+    from batchgen.runner.exits import STOP_SIGNALS
+    from batchgen.runner.launch import WORKER_STOP_SIGNALS
+
+    assert set(WORKER_STOP_SIGNALS) == {getattr(signal, name) for name in STOP_SIGNALS}
+
+
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGUSR1", "SIGINT", "SIGHUP", "SIGQUIT"])
 def test_stop_signal_before_the_supervisor_loads_requeues(sig):
     """`batchgen run` spends seconds importing the supervisor (torch) before its handlers are
@@ -141,6 +153,31 @@ def test_entry_point_catches_stop_signals_before_loading_the_command_line():
     assert status.returncode == 0 and status.stdout.startswith("default"), status.stdout
 
 
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_worker_stopped_while_importing_torch_requeues_quietly(sig):
+    """A worker spends seconds importing torch before its own handlers exist; Ctrl-C (SIGINT
+    to the terminal's whole process group) or a SIGTERM then must exit 75 without a
+    traceback. The signal is sent from inside the first `import torch`."""
+    import subprocess
+    import sys
+
+    code = ("import builtins, os, signal, sys, time\n"
+            "sys.argv = ['worker_entry', '/nonexistent/spec.json']\n"
+            "real_import = builtins.__import__\n"
+            "def spy(name, *args, **kwargs):\n"
+            "    if name == 'torch':\n"
+            f"        os.kill(os.getpid(), signal.{sig})\n"
+            "        time.sleep(5)\n"
+            "    return real_import(name, *args, **kwargs)\n"
+            "builtins.__import__ = spy\n"
+            "import runpy\n"
+            "runpy.run_module('batchgen.runner.worker_entry', run_name='__main__')\n")
+    done = subprocess.run([sys.executable, "-c", code], timeout=120, capture_output=True,
+                          text=True)
+    assert done.returncode == 75, (done.returncode, done.stderr[-2000:])
+    assert "Traceback" not in done.stderr
+
+
 def test_stop_signal_after_the_job_completed_keeps_exit_zero():
     """Once "completed" is on record a stop signal no longer turns the exit into 75 (a
     requeue would only find the job done); before that it raises Preempted (exit 75)."""
@@ -158,6 +195,28 @@ def test_stop_signal_after_the_job_completed_keeps_exit_zero():
         assert stops.stopping  # seen, and nothing raised
     finally:
         stops.restore()
+
+
+def test_supervisor_handlers_leave_the_decided_exit_code_alone():
+    """After run_job, the entry point's early handlers (exit 75) are not put back: the exit
+    code is decided, and a signal arriving before the process exits must not requeue a job
+    that completed. Handlers installed by anyone else are restored as they were."""
+    from batchgen.runner.exits import STOP_SIGNALS, StopSignals, requeue_on_stop_signals
+
+    before = {sig: signal.getsignal(sig) for sig in (getattr(signal, n) for n in STOP_SIGNALS)}
+    try:
+        requeue_on_stop_signals()
+        signal.signal(signal.SIGUSR1, before[signal.SIGUSR1])  # someone else's handler
+        stops = StopSignals()
+        stops.install()
+        stops.restore()
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGUSR1) is before[signal.SIGUSR1]
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.2)  # still here: ignored
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
 
 
 def test_entry_point_keeps_the_exit_code_through_teardown():

@@ -144,7 +144,7 @@ def _softmax_pages(scores, v, owner, seqs, sinks):
     return out / denom[..., None]
 
 
-def _triton_attention(q, k, v, layer, batch, scale, window, sinks, rope):
+def _triton_attention(q, k, v, layer, batch, scale, window, sinks, rope=None):
     import batchgen_kernels as K
 
     kv, scales = batch.kv_pool.layer(layer)

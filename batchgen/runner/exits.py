@@ -51,8 +51,11 @@ class StopSignals:
             self._previous.setdefault(sig, previous)
 
     def restore(self) -> None:
+        """Put back the handlers found at install(), except the entry point's early ones
+        (`requeue_on_stop_signals`): those mean "nothing decided yet, exit 75", but the job's
+        exit code is decided once we get here, so a signal from now on changes nothing."""
         for sig, previous in self._previous.items():
-            signal.signal(sig, previous)
+            signal.signal(sig, signal.SIG_IGN if previous is _requeue else previous)
 
     def _handle(self, signum, frame) -> None:
         if self.completed:  # the exit stays 0: a requeue would only find the job done

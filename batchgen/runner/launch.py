@@ -31,7 +31,10 @@ NCCL_SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1
 """NVLink multicast stays off in NCCL, PyTorch symmetric memory and NVSHMEM on every machine we
 run on, whatever the caller's environment says: on shared hosts a program using it can put the
 host's GPUs out of service (/work/.library/device/KINDS.md)."""
-WORKER_STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
+WORKER_STOP_SIGNALS = tuple(getattr(signal, name) for name in STOP_SIGNALS)
+"""A worker stops at its next step on each signal that stops the job. The agent forwards the
+supervisor's own signal and Slurm may signal every process: SIGQUIT left at its default
+would kill the worker mid-step and dump a core the size of its memory (weights included)."""
 WORKER_GRACE_SHARE = 0.75
 AGENT_GRACE_SHARE = 0.9
 SAME_NOTICE_S = 2.0
@@ -58,8 +61,8 @@ class WorkerFailure(Exception):
 
 
 def launch_workers(dist: DistConfig, spec_file: Path, log_dir: Path, grace: float) -> None:
-    """Run `python -m batchgen.runner.worker SPEC` on this node's ranks; raise WorkerFailure, or
-    the launcher's SignalException when the supervisor got a stop signal."""
+    """Run `python -m batchgen.runner.worker_entry SPEC` on this node's ranks; raise
+    WorkerFailure, or the launcher's SignalException when the supervisor got a stop signal."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -80,7 +83,8 @@ def launch_workers(dist: DistConfig, spec_file: Path, log_dir: Path, grace: floa
         signals_to_handle=",".join(STOP_SIGNALS), shutdown_timeout=agent_shutdown_timeout(grace),
         **rdzv))
     try:
-        elastic_launch(config, sys.executable)("-u", "-m", "batchgen.runner.worker", str(spec_file))
+        elastic_launch(config, sys.executable)("-u", "-m", "batchgen.runner.worker_entry",
+                                               str(spec_file))
     except ChildFailedError as err:
         rank, failure = root_failure(err.failures)  # global rank; logs are per local rank
         log = _log_of(log_dir, failure.local_rank)

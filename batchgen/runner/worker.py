@@ -1,7 +1,8 @@
 """A worker: the engine fed from this rank's shard of the input, results fsynced per step.
 
-Run by the supervisor through torch.distributed's launcher (`python -m batchgen.runner.worker
-SPEC.json`); rank and world size come from the launcher's environment, never from globals.
+Run by the supervisor through torch.distributed's launcher (`python -m
+batchgen.runner.worker_entry SPEC.json`, which calls `main`); rank and world size come from the
+launcher's environment, never from globals.
 Exit codes: 0 shard done, 75 stopped by a signal, 4 results file locked, 6 disk, 70 watchdog,
 71 device out of memory; anything else is a crash.
 """

@@ -66,3 +66,38 @@ def test_mixed_step_attention_matches_reference(device, kv_dtype, order, window,
                                     batch.page_table, 0.2, window, sinks,
                                     math_dtype=torch.float64)
     assert_rel_close(out, ref, 1e-4, "mixed step")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float8_e4m3fn], ids=["kv32", "kv8"])
+def test_mixed_step_with_rope_matches_rotating_first(device, kv_dtype):
+    """Given the rotary embedding, the attention rotates q and k itself (one kernel with the
+    store): the same output and pool as rotating first and attending the rotated rows."""
+    from batchgen.models.layers import RotaryEmbedding
+
+    sequences = ORDERS["interleaved"]
+    pages = [-(-(p + q) // PAGE_SIZE) for p, q in sequences]
+    tables, start = [], 0
+    for n in pages:
+        tables.append(list(range(start, start + n)))
+        start += n
+    layout = KVLayout(LAYERS, (2, KV_HEADS, DIM), kv_dtype, torch.float32)
+    pools = [KVPool(layout, start + 1, device) for _ in range(2)]
+    batches = [ForwardBatch.build([[1] * q for _, q in sequences], [p for p, _ in sequences],
+                                  tables, [True] * len(sequences), pool, torch.device(device))
+               for pool in pools]
+    tokens = sum(q for _, q in sequences)
+    q = torch.randn(tokens, KV_HEADS * GROUP, DIM, device=device)
+    k, v = torch.randn(2, tokens, KV_HEADS, DIM, device=device)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, DIM, 2).float() / DIM))
+    rope = RotaryEmbedding(inv_freq, 512).to(device)
+
+    fused = _triton_attention(q, k, v, 1, batches[0], 0.2, None, None, rope=rope)
+    q_rot, k_rot = K.apply_rope(q, k, batches[1].positions, rope.cos, rope.sin,
+                                torch.empty_like(q), torch.empty_like(k))
+    first = _triton_attention(q_rot, k_rot, v, 1, batches[1], 0.2, None, None)
+
+    assert torch.equal(fused, first)
+    assert torch.equal(pools[0].data, pools[1].data)
+    if kv_dtype == torch.float8_e4m3fn:
+        assert torch.equal(pools[0].scales, pools[1].scales)
