@@ -59,7 +59,7 @@ from batchgen.bench_models import (
 from batchgen.config import EngineConfig, MemoryConfig, ModelConfig, RuntimeConfig, SchedulerConfig
 from batchgen.core import FinishReason, Request, SamplingParams
 from batchgen.engine.engine import Engine
-from batchgen.engine.heap import freeze_startup_heap
+from batchgen.engine.heap import frozen_heap
 from batchgen.parallel import TensorParallel
 
 log = logging.getLogger("batchgen.bench")
@@ -168,6 +168,31 @@ def run_ours(model, tokenizer, engine_cfg: EngineConfig, work: Workload,
     else:
         engine = Engine(model, engine_cfg, tokenizer, (), tp=tp)
     warmup_s = warm_up(engine, model, work, engine_cfg.scheduler.max_prefill_tokens)
+    with frozen_heap():  # as a job's worker: no collection re-scans the startup objects
+        elapsed, produced, digests, variants = _timed_run(engine, model, ids, prompts, outputs,
+                                                          work)
+        stats = engine.stats()
+        layout = engine.layout
+        engine.close()
+    stats["triton_variants_in_timed_run"] = len(variants) if variants is not None else None
+    # One string: the report keeps scalars only.
+    stats["triton_variants_first_launched"] = " | ".join(variants[:8]) if variants else ""
+    stager = getattr(model, "expert_stager", None)
+    if stager is not None:  # offloaded experts copied in during the timed run (and warm-up)
+        stats["expert_copies"] = {"fetches": stager.fetches, "experts": stager.copied_experts,
+                                  "bytes": stager.copied_bytes}
+    # Said at once: a long comparison killed before its table still leaves this half's result.
+    log.info("timed run: %d output tokens in %.1f s = %.0f output tok/s (%d steps)", produced,
+             elapsed, produced / elapsed, stats.get("steps", 0))
+    tokens_sha256 = hashlib.sha256(b"".join(digests[rid] for rid in ids)).hexdigest()
+    return {"seconds": elapsed, "output_tokens": produced, "stats": stats, "warmup_s": warmup_s,
+            "layout": layout, "outputs": outputs, "tokens_sha256": tokens_sha256}
+
+
+def _timed_run(engine: Engine, model, ids: list[str], prompts: list, outputs: list[int],
+               work: Workload) -> tuple[float, int, dict[str, bytes], list[str] | None]:
+    """Serve the workload: (seconds, output tokens, token digest per request, Triton variants
+    first launched meanwhile)."""
     digests: dict[str, bytes] = {}
     produced = 0
     sync(model)
@@ -181,23 +206,7 @@ def run_ours(model, tokenizer, engine_cfg: EngineConfig, work: Workload,
                 produced += len(tokens)
                 digests[done.request_id] = hashlib.sha256(str(tokens).encode()).digest()
         sync(model)
-    elapsed = time.perf_counter() - start
-    stats = engine.stats()
-    stats["triton_variants_in_timed_run"] = len(variants) if variants is not None else None
-    # One string: the report keeps scalars only.
-    stats["triton_variants_first_launched"] = " | ".join(variants[:8]) if variants else ""
-    stager = getattr(model, "expert_stager", None)
-    if stager is not None:  # offloaded experts copied in during the timed run (and warm-up)
-        stats["expert_copies"] = {"fetches": stager.fetches, "experts": stager.copied_experts,
-                                  "bytes": stager.copied_bytes}
-    layout = engine.layout
-    engine.close()
-    # Said at once: a long comparison killed before its table still leaves this half's result.
-    log.info("timed run: %d output tokens in %.1f s = %.0f output tok/s (%d steps)", produced,
-             elapsed, produced / elapsed, stats.get("steps", 0))
-    tokens_sha256 = hashlib.sha256(b"".join(digests[rid] for rid in ids)).hexdigest()
-    return {"seconds": elapsed, "output_tokens": produced, "stats": stats, "warmup_s": warmup_s,
-            "layout": layout, "outputs": outputs, "tokens_sha256": tokens_sha256}
+    return time.perf_counter() - start, produced, digests, variants
 
 
 @contextmanager
@@ -245,7 +254,6 @@ def warm_up(engine: Engine, model, work: Workload, prefill_tokens: int) -> float
         engine.step()
     sync(model)
     engine.reset_stats()
-    freeze_startup_heap()  # as a job's worker does once its engine is up
     return time.perf_counter() - begin
 
 

@@ -2,9 +2,9 @@
 
     python benchmarks/gc_pauses.py bench --shape llama3-8b --requests 1024 ...
 
-Runs the bench command given (any `batchgen` arguments) and, between the end of the warm-up
-and the engine's close, times every collection through `gc.callbacks`; prints the runs, total
-and longest pause per generation. A full (generation 2) collection re-scans every tracked
+Runs the bench command given (any `batchgen` arguments) and times every collection inside
+each timed run through `gc.callbacks`; prints the runs, total and longest pause per
+generation. A full (generation 2) collection re-scans every tracked
 object the process holds, so a long one shows whether the startup heap is frozen
 (`batchgen/engine/heap.py`).
 """
@@ -17,7 +17,6 @@ import sys
 import time
 
 import batchgen.bench as bench
-from batchgen.engine.engine import Engine
 
 
 class PauseLog:
@@ -40,21 +39,18 @@ class PauseLog:
 
 
 def main() -> None:
-    pauses = PauseLog()
-    warm_up, close = bench.warm_up, Engine.close
+    timed_run = bench._timed_run
 
-    def timed_warm_up(*args, **kwargs):
-        seconds = warm_up(*args, **kwargs)
+    def with_pauses(*args, **kwargs):
+        pauses = PauseLog()
         gc.callbacks.append(pauses)
-        return seconds
-
-    def reporting_close(self):
-        if pauses in gc.callbacks:
+        try:
+            return timed_run(*args, **kwargs)
+        finally:
             gc.callbacks.remove(pauses)
             print(pauses.report(), flush=True)
-        return close(self)
 
-    bench.warm_up, Engine.close = timed_warm_up, reporting_close
+    bench._timed_run = with_pauses
     sys.argv = ["batchgen", *sys.argv[1:]]
     runpy.run_module("batchgen.cli", run_name="__main__", alter_sys=True)
 

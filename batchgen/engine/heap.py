@@ -11,6 +11,7 @@ reference cycles the job creates are still freed.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 
 
@@ -21,3 +22,15 @@ def freeze_startup_heap() -> int:
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()
+
+
+@contextlib.contextmanager
+def frozen_heap():
+    """`freeze_startup_heap()` for the block only. A process that goes on after an engine
+    (bench's peer or second half) must thaw: the closed engine's reference cycles (its CUDA
+    graphs hold the runner) still own the device pools, and only a collection frees them."""
+    freeze_startup_heap()
+    try:
+        yield
+    finally:
+        gc.unfreeze()

@@ -147,7 +147,6 @@ class Worker:
         self.handled: set[str] = set()
         """Suspects served (or quarantined) before the main pass, which must skip them."""
         self._last_stats = 0.0
-        freeze_startup_heap()
 
     def _records(self):
         return shard(read_records(self.spec.config.storage.input), self.place.dp_rank,
@@ -357,6 +356,7 @@ def serve(spec: JobSpec, rank: RankInfo, stop: StopFlag, watchdog: Watchdog) -> 
     worker = None
     try:
         worker = Worker(spec, rank, stop, watchdog)
+        freeze_startup_heap()  # for the process's life: it ends with the job
         code = worker.run()
     except (WriteFailed, DiskError) as err:
         log.error("rank %d: %s", rank.rank, err)  # one clear line, no traceback
