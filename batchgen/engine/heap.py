@@ -28,7 +28,9 @@ def freeze_startup_heap() -> int:
 def frozen_heap():
     """`freeze_startup_heap()` for the block only. A process that goes on after an engine
     (bench's peer or second half) must thaw: the closed engine's reference cycles (its CUDA
-    graphs hold the runner) still own the device pools, and only a collection frees them."""
+    graphs hold the runner) still own the device pools, and only a collection frees them. So
+    must one about to exit: objects still frozen at interpreter teardown are never freed, and
+    native extensions (nanobind) print each as a leak."""
     freeze_startup_heap()
     try:
         yield

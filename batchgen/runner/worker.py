@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from batchgen.engine.engine import Engine, pick_device
-from batchgen.engine.heap import freeze_startup_heap
+from batchgen.engine.heap import frozen_heap
 from batchgen.io.intake import IntakeError, PendingRequest, intake
 from batchgen.io.reader import read_records, record_key, shard
 from batchgen.io.results import dumps, error_line
@@ -356,8 +356,10 @@ def serve(spec: JobSpec, rank: RankInfo, stop: StopFlag, watchdog: Watchdog) -> 
     worker = None
     try:
         worker = Worker(spec, rank, stop, watchdog)
-        freeze_startup_heap()  # for the process's life: it ends with the job
-        code = worker.run()
+        # Thawed before the interpreter's teardown, which must free the startup objects too
+        # (native extensions report what is left alive as leaks).
+        with frozen_heap():
+            code = worker.run()
     except (WriteFailed, DiskError) as err:
         log.error("rank %d: %s", rank.rank, err)  # one clear line, no traceback
         watchdog.stats.update({"failure": str(err)})
