@@ -34,8 +34,9 @@ def _pool(num_pages, kv_heads, head_dim, pool_dtype, device):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype,pool_dtype", [
     (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
-    (torch.float32, torch.float32), (torch.bfloat16, torch.float8_e4m3fn),
-    (torch.float16, torch.float8_e4m3fn)], ids=["bf16", "fp16", "fp32", "bf16-fp8", "fp16-fp8"])
+    (torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+    (torch.bfloat16, torch.float8_e4m3fn), (torch.float16, torch.float8_e4m3fn)],
+    ids=["bf16", "fp16", "fp32", "bf16-fp32", "bf16-fp8", "fp16-fp8"])
 @pytest.mark.parametrize("heads,kv_heads,head_dim,rot_dim", [
     (4, 2, 32, 32), (6, 3, 24, 24), (4, 1, 32, 12)], ids=["full", "3heads", "partial"])
 def test_rope_store_matches_reference_and_the_two_kernels(device, dtype, pool_dtype, heads,
