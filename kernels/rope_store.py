@@ -7,10 +7,12 @@ attention kernels read q from memory) and its k heads, which go straight from re
 the token's slot with v. On an H200 (`kernels_bench.py --only rope_store`, Llama-3-8B heads)
 a decode step's 512 tokens take 28.6 us against 53.3 us for the two kernels with fp8 KV, an
 8k-token prompt batch 116 against 142 us; rotating q and storing k/v in two programs per
-token, side by side, was slower (30.6 and 133 us). The arithmetic is that of the two kernels in sequence: k is rotated
-in float32 and rounded to the activation dtype before it is stored (or, for fp8 pools, before
-its row scale amax / 448 is taken and it is quantized), so the pool and q_out are bit-identical
-to `apply_rope` followed by `store_kv`.
+token, side by side, was slower (30.6 and 133 us).
+
+The arithmetic is that of the two kernels in sequence: k is rotated in float32 and rounded to
+the activation dtype before it is stored (or, for fp8 pools, before its row scale amax / 448
+is taken and it is quantized), so the pool and q_out are bit-identical to `apply_rope`
+followed by `store_kv`.
 """
 
 from __future__ import annotations
@@ -156,7 +158,8 @@ def rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
     if q_out is None:
         q_out = torch.empty_like(q, memory_format=torch.contiguous_format)
     check_shape("q_out", q_out, tuple(q.shape))
-    assert q_out.dtype == q.dtype and q_out.stride(-1) == 1, "q_out: q's dtype, last dim contiguous"
+    assert q_out.dtype == q.dtype and q_out.stride(-1) == 1, \
+        "q_out: q's dtype, last dim contiguous"
     if tokens == 0:
         return q_out
     scales = kv_scales if fp8 else kv.new_empty(0, dtype=torch.float32)

@@ -5,8 +5,8 @@ By the time the engine serves, the process holds a few hundred thousand long-liv
 them on every full (oldest-generation) collection, which the job's own allocations trigger now
 and then: on an H200 running W1 one such pass paused the host for 225 ms in a 60 s run, while
 the device waited for the next step. Freezing the heap once startup is over moves those objects
-out of the collector's sight for good; objects made afterwards are collected as usual, so
-reference cycles the job creates are still freed.
+out of the collector's sight while the engine serves; objects made afterwards are collected as
+usual, so reference cycles the job creates are still freed.
 """
 
 from __future__ import annotations
