@@ -23,14 +23,21 @@ def chat(tmp_path_factory):
     return load_ours(folder), AutoTokenizer.from_pretrained(str(folder))
 
 
-def engine(model, tokenizer, burst, device_pages=None, host_pages=None, **sched):
+def engine(model, tokenizer, burst, device_pages=None, host_pages=None, overlap=True,
+           **sched):
+    """An engine with `burst`-step decode bursts. `overlap`: queue each burst's continuation
+    before its last step is read, as on a GPU (the CPU's runner does not); None: the runner's
+    own choice."""
     size = page_bytes(model)
     memory = MemoryConfig(
         gpu_kv_cache_size=0.05 if device_pages is None else (device_pages + 0.5) * size / 1e9,
         host_kv_cache_size=0.1 if host_pages is None else (host_pages + 0.5) * size / 1e9)
     cfg = EngineConfig(memory=memory, scheduler=SchedulerConfig(**sched),
                        runtime=RuntimeConfig(decode_burst_steps=burst)).validate()
-    return Engine(model, cfg, tokenizer, (tokenizer.eos_token_id,))
+    eng = Engine(model, cfg, tokenizer, (tokenizer.eos_token_id,))
+    if overlap is not None:
+        eng.runner.overlaps_host = overlap
+    return eng
 
 
 def mixed_requests(tokenizer, seed=0, count=10, vocab=None):
@@ -119,6 +126,31 @@ def test_bursts_equal_one_step_per_sync(chat, burst):
     # The request mix really stops inside bursts, for every reason.
     reasons = {c[1].value for r in reference.values() for c in r}
     assert reasons == {"stop", "length"}
+
+
+def test_without_overlap_results_come_with_their_burst(chat):
+    """On the CPU (nothing runs while the host goes on) no continuation is queued: a request
+    that finished in a burst is returned by the step() that ran the burst, and no burst
+    computes rows that had already finished."""
+    model, tokenizer = chat
+    eng = engine(model, tokenizer, 8, overlap=None)  # the runner's own choice
+    assert not eng.runner.overlaps_host
+    continued = count_continuations(eng)
+    greedy = dict(temperature=0.0, ignore_eos=True)
+    for i, length in enumerate((5, 13, 24)):
+        eng.add_request(Request(f"r{i}", [5, 6, 7 + i], SamplingParams(max_tokens=length,
+                                                                       **greedy)))
+    finished_at = {}
+    while eng.has_unfinished():
+        steps_before = eng.steps
+        for done in eng.step():
+            finished_at[done.request_id] = (steps_before, eng.steps)
+    assert not continued
+    # Each request came back from the step() whose forwards drew its last token: the prompt
+    # step draws token 1, so token n is drawn by forward n (counting from 1).
+    for rid, length in (("r0", 5), ("r1", 13), ("r2", 24)):
+        first, last = finished_at[rid]
+        assert first < length <= last, (rid, first, last)
 
 
 def test_bursts_with_tight_pools_equal_one_step_per_sync(chat):

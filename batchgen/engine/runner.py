@@ -30,6 +30,10 @@ class ModelRunner:
                  hugetlbfs: bool = False, runtime=None):
         self.model = model
         self.device = device
+        self.overlaps_host = device.type == "cuda"
+        """Whether queued work runs while the host goes on (a CUDA stream). Elsewhere a burst
+        is computed as it is queued: queueing the next one before reading the last would
+        overlap nothing, only hold back this burst's results and compute rows that finished."""
         self.layout = layout
         self.device_pool = KVPool(layout, device_pages, device)
         self.host_segment = HostSegment(host_pages * layout.bytes_per_page, fast_init, hugetlbfs)
