@@ -55,6 +55,42 @@ def _store_rows(src_ptr, stride_t, stride_h, token, dst_ptr, dst_off, stride_hea
 
 
 @triton.jit
+def _store_v(v_ptr, stride_vt, stride_vh, token, kv_ptr, v_off, offset, stride_slot,
+             stride_head, scale_ptr, scale_off, stride_s_head, offs_h, mask_h,
+             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
+             FP8: tl.constexpr, HW_CAST: tl.constexpr):
+    """Write one token's V rows at slot `offset` of the page block starting at v_off."""
+    offs_d = tl.arange(0, BLOCK_D)
+    cols = offset * stride_slot + offs_d
+    if FP8:  # V blocks are stored transposed: v[offset, d] at flat position d * 64 + offset
+        flat = offs_d * PAGE + offset
+        cols = (flat // HEAD_DIM) * stride_slot + flat % HEAD_DIM
+    _store_rows(v_ptr, stride_vt, stride_vh, token, kv_ptr, v_off, stride_head, cols,
+                scale_ptr, scale_off, stride_s_head, offs_h, offs_d, mask_h,
+                offs_d < HEAD_DIM, FP8, HW_CAST)
+
+
+def pool_layer_args(kv: torch.Tensor, kv_scales: torch.Tensor | None,
+                    slot_mapping: torch.Tensor, tokens: int, kv_heads: int,
+                    head_dim: int) -> tuple[bool, torch.Tensor, tuple]:
+    """Check a layer view of a pool (and its fp8 scales) and the slots of `tokens` tokens of
+    [kv_heads, head_dim] rows; (fp8, the scales argument, its four strides) for a launch."""
+    num_pages = kv.shape[0]
+    check_shape("kv", kv, (num_pages, PAGE_SIZE, 2, kv_heads, head_dim))
+    check_dtype("kv", kv, FLOAT_DTYPES + (FP8_DTYPE,))
+    check_last_dim_contiguous("kv", kv)
+    check_shape("slot_mapping", slot_mapping, (tokens,))
+    check_dtype("slot_mapping", slot_mapping, (torch.int64, torch.int32))
+    fp8 = kv.dtype == FP8_DTYPE
+    assert fp8 == (kv_scales is not None), "kv_scales must be given exactly for fp8 KV"
+    if not fp8:
+        return False, kv.new_empty(0, dtype=torch.float32), (0, 0, 0, 0)
+    check_shape("kv_scales", kv_scales, (num_pages, PAGE_SIZE, 2, kv_heads))
+    check_dtype("kv_scales", kv_scales, (torch.float32,))
+    return True, kv_scales, kv_scales.stride()
+
+
+@triton.jit
 def _store_kernel(k_ptr, v_ptr, kv_ptr, scale_ptr, slot_ptr,
                   stride_kt, stride_kh, stride_vt, stride_vh,
                   stride_page, stride_slot, stride_kv, stride_head,
@@ -73,18 +109,13 @@ def _store_kernel(k_ptr, v_ptr, kv_ptr, scale_ptr, slot_ptr,
     mask_h = offs_h < KV_HEADS
     mask_d = offs_d < HEAD_DIM
     page_off = page * stride_page
-    row_cols = offset * stride_slot + offs_d
-    v_cols = row_cols
-    if FP8:  # V blocks are stored transposed: v[offset, d] at flat position d * 64 + offset
-        flat = offs_d * PAGE + offset
-        v_cols = (flat // HEAD_DIM) * stride_slot + flat % HEAD_DIM
     scale_off = page * stride_s_page + offset * stride_s_slot
-    _store_rows(k_ptr, stride_kt, stride_kh, token, kv_ptr, page_off, stride_head, row_cols,
-                scale_ptr, scale_off, stride_s_head, offs_h, offs_d, mask_h, mask_d, FP8,
-                HW_CAST)
-    _store_rows(v_ptr, stride_vt, stride_vh, token, kv_ptr, page_off + stride_kv, stride_head,
-                v_cols, scale_ptr, scale_off + stride_s_kv, stride_s_head, offs_h, offs_d,
-                mask_h, mask_d, FP8, HW_CAST)
+    _store_rows(k_ptr, stride_kt, stride_kh, token, kv_ptr, page_off, stride_head,
+                offset * stride_slot + offs_d, scale_ptr, scale_off, stride_s_head, offs_h,
+                offs_d, mask_h, mask_d, FP8, HW_CAST)
+    _store_v(v_ptr, stride_vt, stride_vh, token, kv_ptr, page_off + stride_kv, offset,
+             stride_slot, stride_head, scale_ptr, scale_off + stride_s_kv, stride_s_head,
+             offs_h, mask_h, HEAD_DIM, BLOCK_D, PAGE, FP8, HW_CAST)
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, kv_scales: torch.Tensor | None,
@@ -102,26 +133,16 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, kv_scales: torc
     of a head transposed (`fp8_v_stored`).
     """
     tokens, kv_heads, head_dim = k.shape
-    num_pages = kv.shape[0]
     check_device(k, v, kv, kv_scales, slot_mapping)
     check_shape("v", v, tuple(k.shape))
-    check_shape("kv", kv, (num_pages, PAGE_SIZE, 2, kv_heads, head_dim))
     check_dtype("k", k, FLOAT_DTYPES)
     check_dtype("v", v, FLOAT_DTYPES)
-    check_dtype("kv", kv, FLOAT_DTYPES + (FP8_DTYPE,))
-    check_shape("slot_mapping", slot_mapping, (tokens,))
-    check_dtype("slot_mapping", slot_mapping, (torch.int64, torch.int32))
-    for name, t in (("k", k), ("v", v), ("kv", kv)):
+    for name, t in (("k", k), ("v", v)):
         check_last_dim_contiguous(name, t)
-    fp8 = kv.dtype == FP8_DTYPE
-    assert fp8 == (kv_scales is not None), "kv_scales must be given exactly for fp8 KV"
-    if fp8:
-        check_shape("kv_scales", kv_scales, (num_pages, PAGE_SIZE, 2, kv_heads))
-        check_dtype("kv_scales", kv_scales, (torch.float32,))
+    fp8, scales, s_strides = pool_layer_args(kv, kv_scales, slot_mapping, tokens, kv_heads,
+                                             head_dim)
     if tokens == 0:
         return
-    scales = kv_scales if fp8 else kv.new_empty(0, dtype=torch.float32)
-    s_strides = scales.stride() if fp8 else (0, 0, 0, 0)
     _store_kernel[(tokens,)](
         k, v, kv, scales, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),

@@ -19,6 +19,12 @@ from ._common import FLOAT_DTYPES, check_device, check_dtype, check_shape, next_
 
 
 @triton.jit
+def rotate_halves(x1, x2, cos1, cos2, sin1, sin2):
+    """The rotated halves (float32) of features split into halves x1, x2 (float32)."""
+    return x1 * cos1 - x2 * sin1, x2 * cos2 + x1 * sin2
+
+
+@triton.jit
 def _rotate_heads(x_ptr, out_ptr, token, stride_xt, stride_xh, stride_ot, stride_oh, n_heads,
                   cos1, cos2, sin1, sin2, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
                   BLOCK_R: tl.constexpr, REST: tl.constexpr, BLOCK_REST: tl.constexpr):
@@ -30,8 +36,9 @@ def _rotate_heads(x_ptr, out_ptr, token, stride_xt, stride_xh, stride_ot, stride
     dst = out_ptr + token * stride_ot + offs_h[:, None] * stride_oh + offs_r[None, :]
     x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-    tl.store(dst, (x1 * cos1 - x2 * sin1).to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(dst + HALF, (x2 * cos2 + x1 * sin2).to(out_ptr.dtype.element_ty), mask=mask)
+    y1, y2 = rotate_halves(x1, x2, cos1, cos2, sin1, sin2)
+    tl.store(dst, y1.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + HALF, y2.to(out_ptr.dtype.element_ty), mask=mask)
     if REST > 0:
         offs_p = tl.arange(0, BLOCK_REST)
         mask_p = (offs_h < n_heads)[:, None] & (offs_p < REST)[None, :]

@@ -23,7 +23,6 @@ import triton.language as tl
 
 from ._common import (
     FLOAT_DTYPES,
-    FP8_DTYPE,
     FP8_MAX_C,
     PAGE_SIZE,
     check_device,
@@ -34,8 +33,8 @@ from ._common import (
     kv_values_e4m3,
     next_pow2,
 )
-from .kv_store import _store_rows
-from .rope import _rotate_heads, _table_rows
+from .kv_store import _store_v, pool_layer_args
+from .rope import _rotate_heads, _table_rows, rotate_halves
 
 
 @triton.jit
@@ -82,8 +81,8 @@ def _rope_store_kernel(
     x1 = tl.load(src + offs_r[None, :], mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF + offs_r[None, :], mask=mask, other=0.0).to(tl.float32)
     act = k_ptr.dtype.element_ty
-    y1 = (x1 * cos1 - x2 * sin1).to(act).to(tl.float32)
-    y2 = (x2 * cos2 + x1 * sin2).to(act).to(tl.float32)
+    y1, y2 = rotate_halves(x1, x2, cos1, cos2, sin1, sin2)
+    y1, y2 = y1.to(act).to(tl.float32), y2.to(act).to(tl.float32)
     offs_p = tl.arange(0, BLOCK_REST)
     mask_p = mask_h[:, None] & (offs_p < REST)[None, :]
     rest = tl.zeros([BLOCK_H, BLOCK_REST], tl.float32)
@@ -102,15 +101,9 @@ def _rope_store_kernel(
     if REST > 0:
         _store_part(rest, kv_ptr, row + 2 * HALF + offs_p[None, :], mask_p, scale, FP8, HW_CAST)
 
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_d = offs_d < HEAD_DIM
-    v_cols = offset * stride_slot + offs_d
-    if FP8:  # V blocks are stored transposed: v[offset, d] at flat position d * 64 + offset
-        flat = offs_d * PAGE + offset
-        v_cols = (flat // HEAD_DIM) * stride_slot + flat % HEAD_DIM
-    _store_rows(v_ptr, stride_vt, stride_vh, token, kv_ptr, page_off + stride_kv, stride_head,
-                v_cols, scale_ptr, scale_off + stride_s_kv, stride_s_head, offs_h, offs_d,
-                mask_h, mask_d, FP8, HW_CAST)
+    _store_v(v_ptr, stride_vt, stride_vh, token, kv_ptr, page_off + stride_kv, offset,
+             stride_slot, stride_head, scale_ptr, scale_off + stride_s_kv, stride_s_head,
+             offs_h, mask_h, HEAD_DIM, BLOCK_D, PAGE, FP8, HW_CAST)
 
 
 def rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
@@ -133,7 +126,7 @@ def rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
     Returns q_out. The rotated k is not returned: it lives in the pool.
     """
     tokens, q_heads, head_dim = q.shape
-    num_pages, kv_heads = kv.shape[0], k.shape[1]
+    kv_heads = k.shape[1]
     check_device(q, k, v, positions, cos, sin, kv, kv_scales, slot_mapping, q_out)
     check_dtype("q", q, FLOAT_DTYPES)
     check_shape("k", k, (tokens, kv_heads, head_dim))
@@ -144,17 +137,10 @@ def rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
     rot_dim = cos.shape[-1]
     assert cos.dim() == 2 and cos.shape == sin.shape, "cos/sin are [max_pos, rot_dim]"
     assert rot_dim % 2 == 0 and rot_dim <= head_dim, f"rot_dim {rot_dim} vs head_dim {head_dim}"
-    check_shape("kv", kv, (num_pages, PAGE_SIZE, 2, kv_heads, head_dim))
-    check_dtype("kv", kv, FLOAT_DTYPES + (FP8_DTYPE,))
-    check_shape("slot_mapping", slot_mapping, (tokens,))
-    check_dtype("slot_mapping", slot_mapping, (torch.int64, torch.int32))
-    for name, t in (("q", q), ("k", k), ("v", v), ("kv", kv), ("cos", cos), ("sin", sin)):
+    for name, t in (("q", q), ("k", k), ("v", v), ("cos", cos), ("sin", sin)):
         check_last_dim_contiguous(name, t)
-    fp8 = kv.dtype == FP8_DTYPE
-    assert fp8 == (kv_scales is not None), "kv_scales must be given exactly for fp8 KV"
-    if fp8:
-        check_shape("kv_scales", kv_scales, (num_pages, PAGE_SIZE, 2, kv_heads))
-        check_dtype("kv_scales", kv_scales, (torch.float32,))
+    fp8, scales, s_strides = pool_layer_args(kv, kv_scales, slot_mapping, tokens, kv_heads,
+                                             head_dim)
     if q_out is None:
         q_out = torch.empty_like(q, memory_format=torch.contiguous_format)
     check_shape("q_out", q_out, tuple(q.shape))
@@ -162,8 +148,6 @@ def rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
         "q_out: q's dtype, last dim contiguous"
     if tokens == 0:
         return q_out
-    scales = kv_scales if fp8 else kv.new_empty(0, dtype=torch.float32)
-    s_strides = scales.stride() if fp8 else (0, 0, 0, 0)
     half, rest = rot_dim // 2, head_dim - rot_dim
     _rope_store_kernel[(tokens,)](
         q, k, v, q_out, positions, cos, sin, kv, scales, slot_mapping,

@@ -235,8 +235,7 @@ class Engine:
             host_s += time.perf_counter() - start
 
         start = time.perf_counter()
-        self.runner.collect(burst, accept,
-                            queue_continuation if self.runner.overlaps_host else None)
+        self.runner.collect(burst, accept, queue_continuation)
         self.steps += burst.steps
         self._time(True, burst.steps, schedule_s, time.perf_counter() - start - host_s, host_s)
         return finished

@@ -15,23 +15,17 @@ import contextlib
 import gc
 
 
-def freeze_startup_heap() -> int:
-    """Collect once, then exempt every surviving object from future collections (`gc.freeze`).
-    Call when startup is done (model loaded, graphs captured, warm-up run). Returns the number
-    of objects frozen."""
-    gc.collect()
-    gc.freeze()
-    return gc.get_freeze_count()
-
-
 @contextlib.contextmanager
 def frozen_heap():
-    """`freeze_startup_heap()` for the block only. A process that goes on after an engine
-    (bench's peer or second half) must thaw: the closed engine's reference cycles (its CUDA
-    graphs hold the runner) still own the device pools, and only a collection frees them. So
-    must one about to exit: objects still frozen at interpreter teardown are never freed, and
-    native extensions (nanobind) print each as a leak."""
-    freeze_startup_heap()
+    """Collect once, then exempt every surviving object from collection (`gc.freeze`) for the
+    block: enter when startup is done (model loaded, graphs captured, warm-up run). Thawed on
+    the way out: a process that goes on after an engine (bench's peer or second half) needs
+    the closed engine's reference cycles (its CUDA graphs hold the runner, which owns the
+    device pools) collectable, and one about to exit must not leave frozen objects to the
+    interpreter's teardown, which never frees them (native extensions such as nanobind then
+    print each as a leak)."""
+    gc.collect()
+    gc.freeze()
     try:
         yield
     finally:

@@ -136,7 +136,10 @@ class ModelRunner:
         """Hand each step's samples to `on_result(step, result)` in order, as soon as that step
         has ended: the host's per-token work for step i overlaps the device's steps i+1...
         `before_last()` runs while only the last step is still on the device: what it queues
-        (the next burst) follows without leaving the device idle."""
+        (the next burst) follows without leaving the device idle. Where nothing runs apart
+        from the host (`overlaps_host` false) there is no such moment: it is not called."""
+        if not self.overlaps_host:
+            before_last = None
         for step, (sample_of_step, step_rows) in enumerate(zip(burst.samples, burst.rows)):
             if step == burst.steps - 1 and before_last is not None:
                 before_last()
