@@ -308,6 +308,8 @@ class BenchConfig:
     """none, or hf: HF `generate` on static batches of the same requests and weights."""
     peer_batch: int = 256
     max_decode_batch: int = 256
+    max_prefill_tokens: int = 8192
+    """Token budget of one packed prefill step (as `run`'s flag)."""
     initial_gpu_page_buffer: int = 32
     """Device pages reserved beyond the context when a sequence is loaded (as `run`'s flag):
     when the device pool bounds the decode batch, a smaller buffer fits more sequences."""
@@ -390,6 +392,7 @@ def bench(cfg: BenchConfig, work: Workload, tp: TensorParallel | None = None) ->
                             host_kv_cache_size=cfg.host_kv_cache_size or 8.0,
                             gpu_memory_frac=cfg.gpu_memory_frac),
         scheduler=SchedulerConfig(max_decode_batch=cfg.max_decode_batch,
+                                  max_prefill_tokens=cfg.max_prefill_tokens,
                                   initial_gpu_page_buffer=cfg.initial_gpu_page_buffer),
         runtime=RuntimeConfig(cuda_graph_max_bucket_size=cfg.max_decode_batch,
                               cuda_graph_num_buckets=cfg.cuda_graph_num_buckets,

@@ -87,6 +87,8 @@ def bench(shape: str = typer.Option("smollm2-135m", help="Model shape: smollm2-1
           dtype: str = typer.Option("auto", help="auto, float32, bfloat16, float16."),
           kv_dtype: str = typer.Option("auto", help="auto, bfloat16, float16, fp8_e4m3fn."),
           max_decode_batch: int = typer.Option(256, help="Most sequences decoded together."),
+          max_prefill_tokens: int = typer.Option(
+              8192, help="Token budget of one packed prefill step."),
           initial_gpu_page_buffer: int = typer.Option(
               32, help="Device pages reserved beyond the context when a sequence is loaded."),
           gpu_kv_cache_size: Optional[float] = typer.Option(None, help="Device KV pool in GB."),
@@ -128,7 +130,7 @@ def bench(shape: str = typer.Option("smollm2-135m", help="Model shape: smollm2-1
     cfg = BenchConfig(
         shape=shape, dtype=dtype, kv_dtype=canonical_kv_dtype(kv_dtype), peer=peer,
         peer_batch=peer_batch, max_decode_batch=max_decode_batch,
-        initial_gpu_page_buffer=initial_gpu_page_buffer,
+        max_prefill_tokens=max_prefill_tokens, initial_gpu_page_buffer=initial_gpu_page_buffer,
         gpu_kv_cache_size=gpu_kv_cache_size, host_kv_cache_size=host_kv_cache_size,
         gpu_memory_frac=gpu_memory_frac, compare_host_tier=compare_host_tier, device=device,
         disable_cuda_graphs=disable_cuda_graphs, cuda_graph_num_buckets=cuda_graph_num_buckets,

@@ -131,8 +131,8 @@ def bench_mixed(decodes: int, ctx: int, prompts: int, prompt_len: int):
         theirs, None
 
 
-def bench_prefill(batch: int, q_len: int):
-    kv, scales, table = paged_pool(batch, q_len, BF16)
+def bench_prefill(batch: int, q_len: int, kv_dtype=BF16):
+    kv, scales, table = paged_pool(batch, q_len, kv_dtype)
     q = torch.randn(batch * q_len, HEADS, HEAD_DIM, device="cuda", dtype=BF16)
     cu = torch.arange(0, batch + 1, device="cuda", dtype=torch.int32) * q_len
     ctx_lens = torch.full((batch,), q_len, dtype=torch.int32, device="cuda")
@@ -144,9 +144,51 @@ def bench_prefill(batch: int, q_len: int):
     theirs = do_bench(lambda: F.scaled_dot_product_attention(qb, dense_k, dense_k,
                                                              is_causal=True, enable_gqa=True))
     flops = 2 * 2 * batch * HEADS * HEAD_DIM * q_len * q_len / 2
-    print(f"  prefill: {flops / ours / 1e9:.0f} TFLOP/s (torch SDPA flash on dense KV: "
-          f"{flops / theirs / 1e9:.0f})")
-    return "prefill (vs dense SDPA)", f"B={batch} q={q_len}", ours, theirs, None
+    print(f"  prefill {kv_dtype}: {flops / ours / 1e9:.0f} TFLOP/s (torch SDPA flash on dense "
+          f"bf16 KV: {flops / theirs / 1e9:.0f})")
+    name = f"prefill {kv_dtype} (vs dense SDPA)".replace("torch.", "")
+    return name, f"B={batch} q={q_len}", ours, theirs, None
+
+
+def sweep_prefill() -> list:
+    """The prefill kernel per launch setting (rows per program x warps x stages) for bf16 and
+    fp8 KV at 8 prompts of 1000 tokens (a W1 prefill step): picks prefill_attention.LAUNCH
+    (three stages were measured too, never better).
+    The "torch ms" column holds the current setting's time (speed-up > 1: better than it)."""
+    from batchgen_kernels import prefill_attention as PA
+
+    saved, rows = {key: dict(launch) for key, launch in PA.LAUNCH.items()}, []
+    try:
+        for kv_dtype, key in ((BF16, "16-bit"), (torch.float8_e4m3fn, "fp8")):
+            base = bench_prefill(8, 1000, kv_dtype)[2]
+            for block_m in (32, 64, 128):
+                for warps in (2, 4, 8):
+                    for stages in (1, 2):
+                        PA.LAUNCH[key] = {"block_m": block_m, "num_warps": warps,
+                                          "num_stages": stages}
+                        ours = bench_prefill(8, 1000, kv_dtype)[2]
+                        rows.append((f"prefill {key} m={block_m} w={warps} s={stages}",
+                                     "B=8 q=1000", ours, base, None))
+            PA.LAUNCH[key] = saved[key]
+    finally:
+        PA.LAUNCH.update(saved)
+    return rows
+
+
+def sweep_decode_waves() -> list:
+    """The decode kernel at equal context lengths (a W1 decode step: sequences admitted
+    together have contexts within a page of each other) by split count: with one split the
+    grid's last wave of programs runs the SMs part-empty. The "torch ms" column holds the
+    default split's time."""
+    rows = []
+    for kv_dtype, batch in ((torch.float8_e4m3fn, 512), (torch.float8_e4m3fn, 256), (BF16, 384)):
+        for ctx in (1100, 1500, 1900):
+            base = bench_decode(batch, ctx, kv_dtype, with_torch=False)[2]
+            for splits in (1, 2, 3, 4):
+                name, shape, ours, _, moved = bench_decode(batch, ctx, kv_dtype, splits,
+                                                           with_torch=False)
+                rows.append((name, shape, ours, base, moved))
+    return rows
 
 
 def decode_slots(tokens: int) -> torch.Tensor:
@@ -274,7 +316,8 @@ CASES = {
     "decode": lambda: [bench_decode(256, 1024), bench_decode(256, 1024, torch.float8_e4m3fn),
                        bench_decode(256, 1024, torch.float8_e4m3fn, scale_layout="token"),
                        bench_decode(8, 16384, num_splits=1), bench_decode(8, 16384)],
-    "prefill": lambda: [bench_prefill(4, 2048)],
+    "prefill": lambda: [bench_prefill(4, 2048), bench_prefill(8, 1000),
+                        bench_prefill(8, 1000, torch.float8_e4m3fn)],
     "store": lambda: [bench_store(t, dtype, ordered) for dtype in (BF16, torch.float8_e4m3fn)
                       for t, ordered in ((512, False), (8192, True))],
     "copy": lambda: [bench_copy(64, 32, ""), bench_copy(64, 32, "h2d"), bench_copy(64, 32, "d2h")],
@@ -287,13 +330,17 @@ CASES = {
     "fp8_rows": lambda: [*bench_fp8_rows(512, 4096, 14336), *bench_fp8_rows(8192, 4096, 14336)],
     "mixed": lambda: [bench_mixed(256, 1024, 8, 1000), bench_mixed(64, 1024, 8, 1000)],
     "decode_sweep": sweep_decode,
+    "decode_waves": sweep_decode_waves,
+    "prefill_sweep": sweep_prefill,
 }
+SWEEPS = ("decode_sweep", "decode_waves", "prefill_sweep")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", default=",".join(c for c in CASES if c != "decode_sweep"),
-                        help="comma-separated cases (decode_sweep: decode launch settings)")
+    parser.add_argument("--only", default=",".join(c for c in CASES if c not in SWEEPS),
+                        help="comma-separated cases (default: all but the sweeps "
+                             f"{', '.join(SWEEPS)})")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("kernels_bench needs a CUDA device")

@@ -1,15 +1,20 @@
 """Paged prefill attention over packed variable-length sequences (flash-attention style).
 
-One program owns (BLOCK_M query rows of one sequence, one query head). Its rows sit at the end
-of the sequence's context (the prefix, cached earlier, comes first), so row i of a sequence
-with q_len rows and ctx keys is at position ctx - q_len + i and sees keys 0..position (and
-only the last `window` of them with a sliding window). The program walks only the pages
-that block could see, a page (64 keys) at a time, with an online softmax in base 2: first the
-pages every row sees whole (no masks computed), then those straddling the causal boundary
-(or, with a window, every page). K/V come from the pages, so this step's tokens must be
-stored first (kv_store). With fp8 pools both dots run in float16 (`dot_dtype`): e4m3 -> bf16
-costs a float32 detour per value, and the kernel ran at half its bf16 speed (142 -> 173 TFLOP/s
-at 8 x 1000 tokens on an H200; bf16 KV: 282).
+One program owns BLOCK_M rows of one sequence, a row being a (query token, query head) pair.
+With fp8 pools a program's heads are the whole GQA group sharing one KV head, token-major (row
+r is token r // GROUP, head r % GROUP of the group): each page is then converted to float16
+once for the group rather than once per head, 1.26x faster at 8 x 1000 tokens on an H200
+(173 -> 217 TFLOP/s). With 16-bit pools nothing is converted and one head per program is
+faster (283 vs 269 TFLOP/s): rows are tokens of one head.
+
+The query tokens sit at the end of the sequence's context (the prefix, cached earlier, comes
+first), so token i of a sequence with q_len tokens and ctx keys is at position ctx - q_len + i
+and sees keys 0..position (and only the last `window` of them with a sliding window). The
+program walks only the pages its rows could see, a page (64 keys) at a time, with an online
+softmax in base 2: first the pages every row sees whole (no masks computed), then those
+straddling the causal boundary (or, with a window, every page). K/V come from the pages, so
+this step's tokens must be stored first (kv_store). With fp8 pools both dots run in float16
+(`dot_dtype`): e4m3 -> bf16 costs a float32 detour per value.
 
 The grid is sized by the longest query; programs past their sequence's end return at once.
 """
@@ -83,32 +88,36 @@ def _prefill_kernel(
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_page, stride_slot, stride_kv, stride_head,
         stride_s_page, stride_s_slot, stride_s_kv, stride_s_head, stride_pt,
-        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_D: tl.constexpr, PAGE: tl.constexpr, HAS_WINDOW: tl.constexpr,
+        GROUP: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr, HEAD_DIM: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, HAS_WINDOW: tl.constexpr,
         HAS_SINKS: tl.constexpr, FP8: tl.constexpr, DOT_DTYPE: tl.constexpr,
         F32_DOT: tl.constexpr, MIN_Q_LEN: tl.constexpr):
     block = tl.program_id(0)
     seq = tl.program_id(1)
-    head = tl.program_id(2)
+    head_block = tl.program_id(2)
     q_start = tl.load(cu_seqlens_ptr + seq)
     q_len = tl.load(cu_seqlens_ptr + seq + 1) - q_start
-    if (block * BLOCK_M >= q_len) | (q_len < MIN_Q_LEN):
+    H: tl.constexpr = HEADS_PER_PROGRAM  # rows per query token
+    if (block * BLOCK_M >= q_len * H) | (q_len < MIN_Q_LEN):
         return
     ctx = tl.load(context_lens_ptr + seq)
-    kv_head = head // GROUP
 
     offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, PAGE)
-    mask_m = offs_m < q_len
+    mask_m = offs_m < q_len * H
     mask_d = offs_d < HEAD_DIM
-    q_pos = ctx - q_len + offs_m
-    q_ptrs = q_ptr + (q_start + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :]
+    tokens = q_start + offs_m // H
+    heads = head_block * H + offs_m % H
+    kv_head = (head_block * H) // GROUP
+    q_pos = ctx - q_len + offs_m // H
+    q_ptrs = q_ptr + tokens[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=mask_m[:, None] & mask_d[None, :], other=0.0).to(DOT_DTYPE)
     qk_scale = sm_scale * LOG2E
 
-    first_pos = ctx - q_len + block * BLOCK_M
-    hi = tl.minimum(first_pos + BLOCK_M, ctx)  # one past the block's last visible key
+    first_pos = ctx - q_len + (block * BLOCK_M) // H
+    # one past the block's last visible key: its last row's position + 1
+    hi = tl.minimum(ctx - q_len + (block * BLOCK_M + BLOCK_M - 1) // H + 1, ctx)
     lo = 0
     # Pages below `full_end` hold only keys every row of the block sees: the first row sits
     # at first_pos. A window hides early keys from late rows, so with one every page is masked.
@@ -136,17 +145,23 @@ def _prefill_kernel(
 
     sink = 0.0
     if HAS_SINKS:
-        sink = tl.load(sinks_ptr + head).to(tl.float32) * LOG2E
+        sink = tl.load(sinks_ptr + heads, mask=mask_m, other=0.0).to(tl.float32) * LOG2E
     o = finish_softmax(m_i, l_i, acc, sink, HAS_SINKS)
-    o_ptrs = out_ptr + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
+    o_ptrs = out_ptr + tokens[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
     tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+
+
+# Rows per program and warps/stages by pool dtype: the best of 32-128 x 2-8 x 1-3 on an H200
+# at 8 x 1000 tokens (`kernels_bench.py --only prefill_sweep`).
+LAUNCH = {"16-bit": {"block_m": 64, "num_warps": 4, "num_stages": 2},
+          "fp8": {"block_m": 64, "num_warps": 4, "num_stages": 1}}
 
 
 def paged_prefill_attention(q: torch.Tensor, kv: torch.Tensor, kv_scales: torch.Tensor | None,
                             cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
                             page_table: torch.Tensor, sm_scale: float, max_q_len: int,
                             window: int | None = None, sinks: torch.Tensor | None = None,
-                            block_m: int = 64, out: torch.Tensor | None = None,
+                            block_m: int | None = None, out: torch.Tensor | None = None,
                             skip_one_row: bool = False) -> torch.Tensor:
     """Causal attention of packed query rows over their sequences' paged KV.
 
@@ -164,7 +179,8 @@ def paged_prefill_attention(q: torch.Tensor, kv: torch.Tensor, kv_scales: torch.
     max_q_len    the largest q_len in the batch (host int: sizes the grid without a sync).
     window       sliding window: key j is visible from position i iff i - window < j <= i.
     sinks        [H] per-head sink logits (not scaled by sm_scale), or None.
-    block_m      query rows per program (a power of two >= 16).
+    block_m      rows ((query token, head) pairs) per program, a power of two >= 16 (None:
+                 LAUNCH's).
     out          optional [T, H, D] output buffer of q's dtype.
     skip_one_row leave the rows of one-row sequences unwritten: the caller attends them with
                  paged_decode_attention, which reads each KV page once per group of query
@@ -196,6 +212,9 @@ def paged_prefill_attention(q: torch.Tensor, kv: torch.Tensor, kv_scales: torch.
         check_shape("sinks", sinks, (heads,))
         check_dtype("sinks", sinks, FLOAT_DTYPES)
     assert window is None or window >= 1, "window must be >= 1"
+    launch = dict(LAUNCH["fp8" if fp8 else "16-bit"])
+    block_m = block_m or launch["block_m"]
+    del launch["block_m"]
     assert block_m >= 16 and block_m == next_pow2(block_m), "block_m: a power of two >= 16"
     if out is None:
         out = torch.empty_like(q)
@@ -206,17 +225,18 @@ def paged_prefill_attention(q: torch.Tensor, kv: torch.Tensor, kv_scales: torch.
 
     scales = kv_scales if fp8 else kv.new_empty(0, dtype=torch.float32)
     s_strides = scales.stride() if fp8 else (0, 0, 0, 0)
-    grid = (triton.cdiv(max_q_len, block_m), batch, heads)
+    group = heads // kv_heads
+    heads_per_program = group if fp8 else 1
+    grid = (triton.cdiv(max_q_len * heads_per_program, block_m), batch, heads // heads_per_program)
     _prefill_kernel[grid](
         q, kv, scales, cu_seqlens_q, context_lens, page_table,
         sinks if sinks is not None else q, out, sm_scale, window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), *s_strides,
         page_table.stride(0),
-        GROUP=heads // kv_heads, HEAD_DIM=head_dim, BLOCK_M=block_m,
-        BLOCK_D=max(16, next_pow2(head_dim)), PAGE=PAGE_SIZE, HAS_WINDOW=window is not None,
+        GROUP=group, HEADS_PER_PROGRAM=heads_per_program, HEAD_DIM=head_dim,
+        BLOCK_M=block_m, BLOCK_D=max(16, next_pow2(head_dim)), PAGE=PAGE_SIZE, HAS_WINDOW=window is not None,
         HAS_SINKS=sinks is not None, FP8=fp8, DOT_DTYPE=tl_dot_dtype(q.dtype, fp8),
         F32_DOT=use_f32_dot(q.dtype),
-        # num_warps/num_stages/block_m: the best of 4/8 x 2-4 x 64/128 on an H200.
-        MIN_Q_LEN=2 if skip_one_row else 1, num_warps=4, num_stages=2)
+        MIN_Q_LEN=2 if skip_one_row else 1, **launch)
     return out

@@ -3,6 +3,10 @@ memory), and their tiny variants run end to end on CPU through our engine and HF
 
 from __future__ import annotations
 
+import json
+import tempfile
+from pathlib import Path
+
 import pytest
 import torch
 from typer.testing import CliRunner
@@ -122,6 +126,25 @@ def test_bench_command_takes_the_model_options():
     refused = CliRunner().invoke(app, ["bench", "--shape", "deepseek-v3-4l", "--tiny",
                                        "--device", "cpu", "--ep-offloading-ratio", "0.3"])
     assert refused.exit_code == 2 and "enable-ep-with-offloading" in refused.output
+
+
+def test_bench_prefill_budget_reaches_the_scheduler():
+    """--max-prefill-tokens sizes the packed prefill steps: 4 prompts of 12 tokens take one
+    step under the default budget and at least three under a 16-token one."""
+    from batchgen.cli import app
+
+    base = ["bench", "--shape", "llama3-8b", "--tiny", "--device", "cpu", "--requests", "4",
+            "--input-len", "12", "--output-len", "2", "--gpu-kv-cache-size", "0.02",
+            "--host-kv-cache-size", "0.05"]
+    prefill_steps = []
+    for extra in ([], ["--max-prefill-tokens", "16"]):
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "report.json"
+            result = CliRunner().invoke(app, [*base, *extra, "--json", str(out)])
+            assert result.exit_code == 0, result.output
+            stats = json.loads(out.read_text())["engine_stats"]
+        prefill_steps.append(stats["steps"] - stats["times"]["decode_steps"])
+    assert prefill_steps[0] == 1 and prefill_steps[1] >= 3, prefill_steps
 
 
 def test_bench_measures_after_an_untimed_warm_up_and_splits_the_time():

@@ -48,6 +48,32 @@ def test_prefill_matches_reference(device, dtype, fp8, heads, kv_heads, head_dim
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("block_m", [16, 64])
+@pytest.mark.parametrize("fp8", [False, True], ids=["kv16", "kv8"])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,window,sinks", CASES)
+def test_prefill_row_blocks_split_groups(device, block_m, fp8, heads, kv_heads, head_dim,
+                                        window, sinks):
+    """A program's rows are (token, head of the group) pairs: block sizes that cut a token's
+    group of heads in two (16 rows over groups of 3) or hold many tokens give the same result."""
+    q_lens = [q for _, q in SEQUENCES]
+    ctx_lens = [p + q for p, q in SEQUENCES]
+    kv_dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
+    kv, kv_scales, table = make_paged_kv(ctx_lens, kv_heads, head_dim, kv_dtype, device)
+    q = torch.randn(sum(q_lens), heads, head_dim, device=device).to(torch.bfloat16)
+    cu = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).to(torch.int32).to(device)
+    context_lens = torch.tensor(ctx_lens, dtype=torch.int32, device=device)
+    sink = torch.randn(heads, device=device) * 2 if sinks else None
+
+    out = poisoned(q.shape, torch.bfloat16, device)
+    paged_prefill_attention(q, kv, kv_scales, cu, context_lens, table, 0.3, max(q_lens),
+                            window=window, sinks=sink, block_m=block_m, out=out)
+
+    ref = reference.paged_attention(q, kv, kv_scales, cu, context_lens, table, 0.3, window,
+                                    sink, math_dtype=torch.float64)
+    assert_rel_close(out, ref, TOLERANCE[torch.bfloat16], "prefill")
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_prefill_rejects_bad_block(device):
     kv, _, table = make_paged_kv([5], 2, 32, torch.float16, device)
     q = torch.randn(5, 2, 32, device=device, dtype=torch.float16)
