@@ -161,7 +161,9 @@ class SchedulerConfig:
     enable_prepack: bool = True
     """Pack many prompts into one varlen prefill batch (always on)."""
     max_prefill_tokens: int = 8192
-    """Token budget of one packed prefill step; longer prompts are prefilled in chunks."""
+    """Token budget of one packed prefill step; longer prompts are prefilled in chunks.
+    Larger steps are faster on big GPUs (fewer steps, fewer host gaps): 16384 / 32768 ran
+    Llama-3-8B FP8 1.5% / 2.2% faster on an H200, for ~1 / ~2 GB more activations."""
     max_decode_batch: int = 256
     """Most sequences decoded together in one step."""
     max_pool_size: int = 10240
