@@ -279,9 +279,13 @@ class StorageConfig:
     {storage}/incremental/."""
     no_incremental_save: bool = False
     """Do not write incremental results (a crash then loses all unfinished work)."""
+    wait_for_lock: float = 0.0
+    """Seconds to wait for another live run of this job to end before refusing (exit 4); 0
+    refuses at once. For a requeued job that may start while the old run still flushes."""
 
     def validate(self) -> None:
         _require(bool(self.input), "input", self.input, "a path to a .jsonl or .parquet file")
+        _require(self.wait_for_lock >= 0, "wait_for_lock", self.wait_for_lock, "seconds >= 0")
         if self.batch_id is not None:
             plain = self.batch_id.replace("-", "").replace("_", "")
             ok = plain.isalnum() and len(self.batch_id) <= 128

@@ -1,6 +1,8 @@
 """Single writer: a second live run of the same job exits at once (code 4) naming the holder."""
 
+import signal
 import socket
+import threading
 import time
 
 import pytest
@@ -42,6 +44,70 @@ def test_second_live_run_is_refused_and_only_the_first_writes(tmp_path, tiny_cha
     assert len(launches) == 1, "the refused run must not have started workers"
     figures = check_against_clean(storage, tiny_chat_model)
     record_figures("single_writer", refused_exit=4, refused_in_s=round(refused_in, 2), **figures)
+
+
+def test_lock_waits_for_its_holder_only_as_long_as_asked(tmp_path):
+    from batchgen.runner.lock import JobLock, JobLocked
+
+    path = tmp_path / "batches" / "job.lock"
+    holder = JobLock(path)
+    holder.acquire()
+    t0 = time.monotonic()
+    with pytest.raises(JobLocked, match="already running") as refused:
+        JobLock(path).acquire()
+    assert time.monotonic() - t0 < 1.0 and "after waiting" not in str(refused.value)
+    t0 = time.monotonic()
+    with pytest.raises(JobLocked, match="after waiting 0.6 s") as refused:
+        JobLock(path).acquire(wait_s=0.6)
+    assert 0.6 <= time.monotonic() - t0 < 3.0
+    assert f"pid {__import__('os').getpid()}" in str(refused.value)
+
+    threading.Timer(0.8, holder.release).start()
+    waiter = JobLock(path)
+    t0 = time.monotonic()
+    waiter.acquire(wait_s=30)
+    assert 0.7 <= time.monotonic() - t0 < 5.0, "took the lock once its holder let go"
+    waiter.release()
+
+
+def test_wait_for_lock_flag_is_validated():
+    from batchgen.config import ConfigError, StorageConfig
+
+    with pytest.raises(ConfigError, match="wait_for_lock|wait-for-lock"):
+        StorageConfig(input="x.jsonl", wait_for_lock=-1).validate()
+
+
+@pytest.mark.slow
+def test_run_waits_for_a_live_run_then_completes(tmp_path, tiny_chat_model):
+    """--wait-for-lock: a run started while another holds the job lock waits for it (a
+    requeued job overlapping the old run's flush), then runs the job to the same results; a
+    shorter wait still ends in exit 4, a stop signal while waiting in exit 75."""
+    from batchgen.config import JobConfig, StorageConfig
+    from batchgen.runner.lock import JobLock
+    from batchgen.runner.supervisor import identify
+
+    inp = job_input(tmp_path)
+    storage = tmp_path / "s"
+    _, paths = identify(JobConfig(storage=StorageConfig(input=str(inp), storage_path=storage)))
+    live = JobLock(paths.batch_file.with_suffix(".lock"))
+    live.acquire()  # stands in for the other run
+    refused = run(inp, storage, tiny_chat_model, "--wait-for-lock", "1")
+    assert refused.returncode == 4 and "after waiting 1 s" in refused.stderr, \
+        refused.stderr[-3000:]
+    stopped = launch(inp, storage, tiny_chat_model, "--wait-for-lock", "300")
+    time.sleep(2.0)
+    stopped.send_signal(signal.SIGTERM)  # a stop while waiting: requeue, as at any other time
+    _, err = stopped.communicate(timeout=60)
+    assert stopped.returncode == 75 and "Traceback" not in err, err[-3000:]
+    waiting = launch(inp, storage, tiny_chat_model, "--wait-for-lock", "300")
+    time.sleep(3.0)
+    assert waiting.poll() is None, "it waits"
+    assert not list((storage / "logs").glob("*/*/attempt_*")), "no worker before the lock"
+    live.release()
+    _, err = waiting.communicate(timeout=300)
+    assert waiting.returncode == 0, err[-3000:]
+    assert "waiting up to 300 s" in err
+    check_against_clean(storage, tiny_chat_model)
 
 
 def test_finished_ids_are_read_once_the_results_lock_is_ours(tmp_path):

@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
 import socket
 import time
 from pathlib import Path
+
+
+log = logging.getLogger("batchgen.lock")
 
 
 class JobLocked(RuntimeError):
@@ -25,25 +29,41 @@ class JobLock:
         self.path = Path(path)
         self._fd: int | None = None
 
-    def acquire(self, wait: bool = False, timeout: float | None = None) -> None:
+    def acquire(self, wait_s: float = 0.0) -> None:
+        """Take the lock, waiting up to `wait_s` seconds (--wait-for-lock) for a live holder
+        to let go; JobLocked naming the holder if it does not."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if not wait or (deadline is not None and time.monotonic() > deadline):
-                    holder = _holder(fd)
-                    os.close(fd)
-                    raise JobLocked(f"job is already running ({holder}, lock {self.path}); wait "
-                                    "for it to finish, or stop it first (a dead holder releases "
-                                    "the lock itself)")
-                time.sleep(1.0)
+        try:
+            self._wait_for(fd, wait_s)
+        except BaseException:  # refused, or a stop signal while waiting
+            os.close(fd)
+            raise
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
         self._fd = fd
+
+    def _wait_for(self, fd: int, wait_s: float) -> None:
+        """flock `fd`, retrying every 0.5 s until `wait_s` has passed."""
+        deadline = time.monotonic() + wait_s
+        announced = False
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    waited = f" after waiting {wait_s:g} s" if wait_s else ""
+                    raise JobLocked(f"job is already running ({_holder(fd)}, lock {self.path})"
+                                    f"{waited}; wait for it to finish (--wait-for-lock SECONDS "
+                                    "waits for you), or stop it first (a dead holder releases "
+                                    "the lock itself)") from None
+                if not announced:
+                    log.warning("job is running elsewhere (%s, lock %s): waiting up to %g s "
+                                "for it to end (--wait-for-lock)", _holder(fd), self.path,
+                                wait_s)
+                    announced = True
+                time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
 
     def release(self) -> None:
         if self._fd is not None:

@@ -138,7 +138,8 @@ def _run(config: JobConfig, stops: StopSignals, member: Member) -> int:
         input_version = file_version(Path(config.storage.input))  # before it is read
         summary, paths = identify(config)
         lock = member.lock(paths.batch_file)
-        lock.acquire()  # before anything is written: a second live run changes nothing
+        # before anything is written: a second live run changes nothing
+        lock.acquire(config.storage.wait_for_lock)
     try:
         with _abort_followers(group):
             spec, batch_file = prepare(config, summary, paths)
@@ -277,7 +278,7 @@ def _follow(config: JobConfig, member: Member) -> int:
     lock = member.lock(spec.paths.batch_file)
     try:
         check_plan(config, spec, spec_bytes, who)
-        lock.acquire()
+        lock.acquire(config.storage.wait_for_lock)
         if member.external is None or member.external.local_rank == 0:
             preflight(config, spec.paths, plan["input_bytes"], plan["records"], plan["left"])
         model_folder(config.engine.model, config.dist.world_size,
