@@ -35,7 +35,8 @@ def _watchdog(tmp_path, **cfg) -> tuple[Watchdog, threading.Event, list]:
         tripped.set()
 
     stats = StatsFile(tmp_path / "w.worker0.json", initial={"rank": 0})
-    return Watchdog(WatchdogConfig(**cfg), stats, time.time(), exit=fake_exit), tripped, codes
+    watchdog = Watchdog(WatchdogConfig(**cfg), stats, time.time(), exit=fake_exit, backstop=False)
+    return watchdog, tripped, codes
 
 
 def test_missed_step_deadline_trips_within_timeout(tmp_path, capfd):
@@ -64,7 +65,8 @@ def test_deadline_met_never_trips_and_times_steps(tmp_path):
 def test_startup_deadline_counts_from_launch(tmp_path):
     stats = StatsFile(tmp_path / "w.worker0.json")
     codes = []
-    wd = Watchdog(WatchdogConfig(startup_timeout=1.0), stats, time.time() - 0.9, exit=codes.append)
+    wd = Watchdog(WatchdogConfig(startup_timeout=1.0), stats, time.time() - 0.9, exit=codes.append,
+                  backstop=False)
     wd.start()
     time.sleep(0.5)
     assert codes == [70]
@@ -115,6 +117,41 @@ def test_decode_deadline_covers_queueing_and_collecting_bursts(tmp_path):
     engine.runner.execute(types.SimpleNamespace(decode_only=False), None)
     assert seen == [("queue", True), ("queue", True), ("collect", True), ("execute", False)]
     assert not armed()
+
+
+GIL_HOLDING_HANG = """
+import re, sys, time
+from pathlib import Path
+from batchgen.config import WatchdogConfig
+from batchgen.runner.watchdog import StatsFile, Watchdog
+
+wd = Watchdog(WatchdogConfig(decode_step_timeout=0.5), StatsFile(Path(sys.argv[1])), time.time())
+wd.start()
+with wd.deadline("decode_step"):
+    time.sleep(0.3)  # the watchdog thread sets the C timer
+    print("hanging", flush=True)
+    re.match(r"(a|aa)+$", "a" * 80 + "b")  # exponential backtracking in C, GIL held throughout
+print("not reached", flush=True)
+"""
+
+
+def test_a_hang_holding_the_gil_is_ended_by_the_c_timer(tmp_path):
+    """The watchdog thread cannot run while a C call holds the GIL; faulthandler's timer
+    ends the process anyway, one timeout (at least BACKSTOP_MIN_S) after the deadline, with
+    every thread's stack in the log."""
+    import subprocess
+    import sys
+
+    from batchgen.runner.watchdog import BACKSTOP_MIN_S
+
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", GIL_HOLDING_HANG, str(tmp_path / "w.json")],
+                          capture_output=True, text=True, timeout=60)
+    took = time.monotonic() - t0
+    assert proc.returncode == 1 and "hanging" in proc.stdout, proc.stderr[-3000:]
+    assert "not reached" not in proc.stdout
+    assert "Timeout" in proc.stderr and "<string>" in proc.stderr  # the stacks, hung line too
+    assert 0.5 + BACKSTOP_MIN_S <= took < 0.5 + BACKSTOP_MIN_S + 15
 
 
 def test_health_from_stats_reports_the_cause():

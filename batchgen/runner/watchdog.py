@@ -7,6 +7,14 @@ sole writer of the batch file, copies it into `health`) and ends the process wit
 EXIT_WATCHDOG, so the job is restarted and resumes; finished lines are already durable.
 The watchdog is off unless a timeout is given (the reference's default) and --no-watchdog
 turns every deadline off.
+
+The thread needs the GIL to run, so a C call that hangs while holding it (a wedged extension)
+would stall the watchdog with it. Behind the thread stands faulthandler's C timer, which runs
+without the GIL: the thread keeps it set to fire one timeout (at least BACKSTOP_MIN_S) after
+the earliest armed deadline. It fires only if the thread could not trip first; it dumps every
+stack to the worker log and ends the process with exit code 1 (no cause can be recorded
+without the GIL), which the supervisor handles as a crash: restart, resume, quarantine
+suspects.
 """
 
 from __future__ import annotations
@@ -31,6 +39,9 @@ TICK_S = 0.1
 CAUSE_WRITE_LIMIT_S = 10.0
 """A miss must end the process even when the disk holding the stats file hangs: faulthandler's
 C timer kills us this long after the miss if recording the cause does not return."""
+BACKSTOP_MIN_S = 2.0
+"""Least time between a missed deadline and the C timer's exit: the thread trips first
+whenever it can get the GIL at all."""
 DEADLINES = {
     "startup": ("startup_timeout", "--startup-timeout"),
     "step": ("watchdog_timeout", "--watchdog-timeout"),
@@ -81,10 +92,12 @@ class Deadline:
 
 class Watchdog:
     def __init__(self, cfg: WatchdogConfig, stats: StatsFile, launched_at: float,
-                 exit: Callable[[int], None] = os._exit):
+                 exit: Callable[[int], None] = os._exit, backstop: bool = True):
         self.cfg = cfg
         self.stats = stats
         self._exit = exit  # tests replace it to observe a trip without dying
+        self._backstop = backstop  # the C timer (off in tests that must not die)
+        self._backstop_due: float | None = None
         self._armed: dict[str, Deadline] = {}
         self._lock = threading.Lock()
         self._last_beat = 0.0
@@ -157,15 +170,33 @@ class Watchdog:
             time.sleep(TICK_S)
             now = time.monotonic()
             with self._lock:
-                missed = [d for d in self._armed.values() if now > d.due]
+                armed = list(self._armed.values())
+            missed = [d for d in armed if now > d.due]
             if missed:
                 self._trip(min(missed, key=lambda d: d.due))
                 return
+            self._set_backstop(armed, now)
             interval = self.heartbeat_interval
             if interval and now - self._last_beat >= interval:
                 self._last_beat = now
                 # Idle heartbeat: shows the process alive even while one step runs long.
                 self.stats.update({"heartbeat_kind": "watchdog", **self.health()}, lock_timeout=1.0)
+
+    def _set_backstop(self, armed: list[Deadline], now: float) -> None:
+        """Point faulthandler's C timer at one timeout (at least BACKSTOP_MIN_S) past the
+        earliest armed deadline, or cancel it. A target a few ticks stale is still safe: a
+        deadline armed since began before the earlier one was due, so it is due no later
+        than that one's target, for deadlines of one kind."""
+        if not self._backstop:
+            return
+        due = min((d.due + max(d.seconds, BACKSTOP_MIN_S) for d in armed), default=None)
+        if due == self._backstop_due:
+            return
+        self._backstop_due = due
+        if due is None:
+            faulthandler.cancel_dump_traceback_later()
+        else:
+            faulthandler.dump_traceback_later(max(due - now, 0.01), exit=True)
 
     def _trip(self, missed: Deadline) -> None:
         faulthandler.dump_traceback_later(CAUSE_WRITE_LIMIT_S, exit=True)
