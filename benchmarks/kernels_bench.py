@@ -159,7 +159,7 @@ def sweep_prefill() -> list:
 
     saved, rows = {key: dict(launch) for key, launch in PA.LAUNCH.items()}, []
     try:
-        for kv_dtype, key in ((BF16, "16-bit"), (torch.float8_e4m3fn, "fp8")):
+        for kv_dtype, key in ((BF16, "float"), (torch.float8_e4m3fn, "fp8")):
             base = bench_prefill(8, 1000, kv_dtype)[2]
             for block_m in (32, 64, 128):
                 for warps in (2, 4, 8):

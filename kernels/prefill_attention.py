@@ -4,8 +4,8 @@ One program owns BLOCK_M rows of one sequence, a row being a (query token, query
 With fp8 pools a program's heads are the whole GQA group sharing one KV head, token-major (row
 r is token r // GROUP, head r % GROUP of the group): each page is then converted to float16
 once for the group rather than once per head, 1.26x faster at 8 x 1000 tokens on an H200
-(173 -> 217 TFLOP/s). With 16-bit pools nothing is converted and one head per program is
-faster (283 vs 269 TFLOP/s): rows are tokens of one head.
+(173 -> 217 TFLOP/s). With float pools (bf16/fp16/fp32) nothing is converted and one head
+per program is faster (283 vs 269 TFLOP/s): rows are tokens of one head.
 
 The query tokens sit at the end of the sequence's context (the prefix, cached earlier, comes
 first), so token i of a sequence with q_len tokens and ctx keys is at position ctx - q_len + i
@@ -153,7 +153,7 @@ def _prefill_kernel(
 
 # Rows per program and warps/stages by pool dtype: the best of 32-128 x 2-8 x 1-3 on an H200
 # at 8 x 1000 tokens (`kernels_bench.py --only prefill_sweep`).
-LAUNCH = {"16-bit": {"block_m": 64, "num_warps": 4, "num_stages": 2},
+LAUNCH = {"float": {"block_m": 64, "num_warps": 4, "num_stages": 2},
           "fp8": {"block_m": 64, "num_warps": 4, "num_stages": 1}}
 
 
@@ -212,7 +212,7 @@ def paged_prefill_attention(q: torch.Tensor, kv: torch.Tensor, kv_scales: torch.
         check_shape("sinks", sinks, (heads,))
         check_dtype("sinks", sinks, FLOAT_DTYPES)
     assert window is None or window >= 1, "window must be >= 1"
-    launch = dict(LAUNCH["fp8" if fp8 else "16-bit"])
+    launch = dict(LAUNCH["fp8" if fp8 else "float"])
     block_m = block_m or launch["block_m"]
     del launch["block_m"]
     assert block_m >= 16 and block_m == next_pow2(block_m), "block_m: a power of two >= 16"
