@@ -89,9 +89,9 @@ def _prefill_kernel(
         stride_page, stride_slot, stride_kv, stride_head,
         stride_s_page, stride_s_slot, stride_s_kv, stride_s_head, stride_pt,
         GROUP: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr, HEAD_DIM: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, HAS_WINDOW: tl.constexpr,
-        HAS_SINKS: tl.constexpr, FP8: tl.constexpr, DOT_DTYPE: tl.constexpr,
-        F32_DOT: tl.constexpr, MIN_Q_LEN: tl.constexpr):
+        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
+        HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, FP8: tl.constexpr,
+        DOT_DTYPE: tl.constexpr, F32_DOT: tl.constexpr, MIN_Q_LEN: tl.constexpr):
     block = tl.program_id(0)
     seq = tl.program_id(1)
     head_block = tl.program_id(2)
@@ -227,7 +227,8 @@ def paged_prefill_attention(q: torch.Tensor, kv: torch.Tensor, kv_scales: torch.
     s_strides = scales.stride() if fp8 else (0, 0, 0, 0)
     group = heads // kv_heads
     heads_per_program = group if fp8 else 1
-    grid = (triton.cdiv(max_q_len * heads_per_program, block_m), batch, heads // heads_per_program)
+    grid = (triton.cdiv(max_q_len * heads_per_program, block_m), batch,
+            heads // heads_per_program)
     _prefill_kernel[grid](
         q, kv, scales, cu_seqlens_q, context_lens, page_table,
         sinks if sinks is not None else q, out, sm_scale, window or 0,
@@ -235,8 +236,8 @@ def paged_prefill_attention(q: torch.Tensor, kv: torch.Tensor, kv_scales: torch.
         kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), *s_strides,
         page_table.stride(0),
         GROUP=group, HEADS_PER_PROGRAM=heads_per_program, HEAD_DIM=head_dim,
-        BLOCK_M=block_m, BLOCK_D=max(16, next_pow2(head_dim)), PAGE=PAGE_SIZE, HAS_WINDOW=window is not None,
-        HAS_SINKS=sinks is not None, FP8=fp8, DOT_DTYPE=tl_dot_dtype(q.dtype, fp8),
-        F32_DOT=use_f32_dot(q.dtype),
+        BLOCK_M=block_m, BLOCK_D=max(16, next_pow2(head_dim)), PAGE=PAGE_SIZE,
+        HAS_WINDOW=window is not None, HAS_SINKS=sinks is not None, FP8=fp8,
+        DOT_DTYPE=tl_dot_dtype(q.dtype, fp8), F32_DOT=use_f32_dot(q.dtype),
         MIN_Q_LEN=2 if skip_one_row else 1, **launch)
     return out
