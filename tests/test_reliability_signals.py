@@ -3,6 +3,8 @@
 
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -22,6 +24,12 @@ from test_reliability_support import (
 GRACE = 6.0
 MARGIN = 3.0
 """Interpreter teardown of the workers and the supervisor after the grace period."""
+
+
+def _python(code: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run `code` in a fresh interpreter (its own signal handlers, its own imports)."""
+    return subprocess.run([sys.executable, "-c", code, *args], timeout=timeout,
+                          capture_output=True, text=True)
 
 
 def _results_flow(storage) -> bool:
@@ -116,24 +124,18 @@ def test_stop_signal_before_the_supervisor_loads_requeues(sig):
     """`batchgen run` spends seconds importing the supervisor (torch) before its handlers are
     installed: the early handlers make a stop signal then exit 75 too, not a signal death a
     requeueing wrapper would take for a failure."""
-    import subprocess
-    import sys
-
     code = ("import os, signal, time\n"
             "from batchgen.runner.exits import requeue_on_stop_signals\n"
             "requeue_on_stop_signals()\n"
             f"os.kill(os.getpid(), signal.{sig})\n"
             "time.sleep(30)\n")
-    done = subprocess.run([sys.executable, "-c", code], timeout=60)
+    done = _python(code, timeout=60)
     assert done.returncode == 75
 
 
 def test_entry_point_catches_stop_signals_before_loading_the_command_line():
     """The `batchgen` entry point installs the early handlers for `run` before it imports the
     command line (~0.5 s of imports), and only for `run`."""
-    import subprocess
-    import sys
-
     code = ("import builtins, signal, sys\n"
             "sys.argv = ['batchgen', *sys.argv[1:]]\n"
             "real_import = builtins.__import__\n"
@@ -145,11 +147,9 @@ def test_entry_point_catches_stop_signals_before_loading_the_command_line():
             "builtins.__import__ = spy\n"
             "from batchgen.__main__ import main\n"
             "main()\n")
-    run_help = subprocess.run([sys.executable, "-c", code, "run", "--help"], timeout=120,
-                              capture_output=True, text=True)
+    run_help = _python(code, "run", "--help")
     assert run_help.returncode == 0 and run_help.stdout.startswith("caught"), run_help.stdout
-    status = subprocess.run([sys.executable, "-c", code, "status", "--help"], timeout=120,
-                            capture_output=True, text=True)
+    status = _python(code, "status", "--help")
     assert status.returncode == 0 and status.stdout.startswith("default"), status.stdout
 
 
@@ -158,9 +158,6 @@ def test_worker_stopped_while_importing_torch_requeues_quietly(sig):
     """A worker spends seconds importing torch before its own handlers exist; Ctrl-C (SIGINT
     to the terminal's whole process group) or a SIGTERM then must exit 75 without a
     traceback. The signal is sent from inside the first `import torch`."""
-    import subprocess
-    import sys
-
     code = ("import builtins, os, signal, sys, time\n"
             "sys.argv = ['worker_entry', '/nonexistent/spec.json']\n"
             "real_import = builtins.__import__\n"
@@ -172,8 +169,7 @@ def test_worker_stopped_while_importing_torch_requeues_quietly(sig):
             "builtins.__import__ = spy\n"
             "import runpy\n"
             "runpy.run_module('batchgen.runner.worker_entry', run_name='__main__')\n")
-    done = subprocess.run([sys.executable, "-c", code], timeout=120, capture_output=True,
-                          text=True)
+    done = _python(code)
     assert done.returncode == 75, (done.returncode, done.stderr[-2000:])
     assert "Traceback" not in done.stderr
 
@@ -222,9 +218,6 @@ def test_supervisor_handlers_leave_the_decided_exit_code_alone():
 def test_entry_point_keeps_the_exit_code_through_teardown():
     """Once `batchgen run` has decided its exit code, a stop signal during interpreter
     teardown (Python restores default handlers there) must not turn it into a signal death."""
-    import subprocess
-    import sys
-
     code = ("import os, signal, sys, time\n"
             "sys.argv = ['batchgen', 'run', '--help']\n"
             "from batchgen.__main__ import main\n"
@@ -236,7 +229,6 @@ def test_entry_point_keeps_the_exit_code_through_teardown():
             "time.sleep(0.3)\n"
             "print('alive', flush=True)\n"
             "sys.exit(0)\n")
-    done = subprocess.run([sys.executable, "-c", code], timeout=120, capture_output=True,
-                          text=True)
+    done = _python(code)
     assert done.returncode == 0 and done.stdout.endswith("alive\n"), (done.returncode,
                                                                       done.stdout[-500:])
