@@ -1,12 +1,14 @@
 """batchgen convert -> run from the converted folder gives the same tokens as the source."""
 
+import os
+
 import pytest
 import torch
 
 from batchgen.config import ModelConfig
 from batchgen.models.convert import convert_model
 from batchgen.models.factory import load_model
-from batchgen.models.loader import CheckpointError
+from batchgen.models.loader import MANIFEST, CheckpointError
 from engine_utils import greedy_requests, make_engine
 from tiny_models import save_tiny_model
 
@@ -37,3 +39,44 @@ def test_converted_for_other_dtype_is_refused(tmp_path):
     out = convert_model(ModelConfig(model=str(source), dtype="bfloat16"), tmp_path / "conv")
     with pytest.raises(CheckpointError, match="--dtype float32"):
         load_model(ModelConfig(converted_ckpt_dir=str(out), dtype="float32"), torch.device("cpu"))
+
+
+def test_gguf_cache_key_follows_content_not_location(tmp_path, monkeypatch):
+    """A reinstall (new path, new mtime) of the same GGUF reuses its conversion; the file is
+    hashed once per location, and a changed file gets a new key."""
+    from batchgen.models import convert
+
+    monkeypatch.setenv("BATCHGEN_CACHE", str(tmp_path / "cache"))
+    hashed = []
+    content_key = convert._content_key
+    monkeypatch.setattr(convert, "_content_key", lambda p: hashed.append(p) or content_key(p))
+    payload = bytes(range(256)) * 5000
+    first, second = tmp_path / "a" / "m.gguf", tmp_path / "b" / "m.gguf"
+    for path in (first, second):
+        path.parent.mkdir()
+        path.write_bytes(payload)
+    os.utime(second, ns=(1, 1))
+    assert convert.source_key(first) == convert.source_key(second)
+    assert convert.source_key(first) == convert.source_key(first)
+    assert hashed == [first, second]  # the repeat came from the index
+    second.write_bytes(payload[:-1] + b"x")
+    assert convert.source_key(second) != convert.source_key(first)
+    (tmp_path / "cache" / "converted" / "source-keys.json").write_text("not json")
+    assert convert.source_key(first) == content_key(first)  # a broken index is rebuilt
+
+
+def test_finished_conversion_is_kept_when_a_racing_one_finishes(tmp_path):
+    from batchgen.models import convert
+
+    out, ours = tmp_path / "out", tmp_path / "ours"
+    ours.mkdir()
+    (ours / MANIFEST).write_text("ours")
+    out.mkdir()
+    (out / "half-written").write_text("")  # no manifest: not a finished conversion
+    convert._publish(ours, out)
+    assert (out / MANIFEST).read_text() == "ours" and not ours.exists()
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / MANIFEST).write_text("theirs")
+    convert._publish(theirs, out)
+    assert (out / MANIFEST).read_text() == "ours"

@@ -51,10 +51,51 @@ def default_cache_root() -> Path:
     return Path(os.environ.get("BATCHGEN_CACHE", "~/.cache/batchgen")).expanduser() / "converted"
 
 
+HASH_CHUNK_BYTES = 16 << 20
+
+
 def source_key(path: Path) -> str:
+    """A GGUF's converted folder is named by the file's content, not by where it lies, so a
+    reinstall or another virtualenv holding the same file reuses the conversion instead of
+    adding another copy. Hashing a multi-GB file on every start would cost seconds, so the
+    content key is remembered per (path, size, mtime) in the cache root's `source-keys.json`."""
     stat = path.stat()
-    key = f"{path.resolve()}:{stat.st_size}:{int(stat.st_mtime)}"
-    return hashlib.sha256(key.encode()).hexdigest()[:16]
+    location = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    index_path = default_cache_root() / "source-keys.json"
+    index = _read_json(index_path)
+    if location not in index:
+        index[location] = _content_key(path)
+        _write_json_atomic(index_path, index)
+    return index[location]
+
+
+def _content_key(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as file:
+        while chunk := file.read(HASH_CHUNK_BYTES):
+            digest.update(chunk)
+    return digest.hexdigest()[:16]
+
+
+def _read_json(path: Path) -> dict:
+    """The index, or an empty one when missing or unreadable (it is only a cache)."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _write_json_atomic(path: Path, value: dict) -> None:
+    """Best effort: a racing writer may drop another's entry, which is then hashed again."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".source-keys-", dir=path.parent)
+        with os.fdopen(fd, "w") as file:
+            json.dump(value, file)
+        os.replace(tmp, path)
+    except OSError as err:
+        log.debug("could not record the GGUF's content key in %s: %s", path, err)
 
 
 def read_manifest(folder: Path) -> dict:
@@ -126,12 +167,25 @@ def convert_gguf(gguf: Path, out_dir: Path) -> Path:
             config.__dict__.pop("quantization_config", None)
         write_converted(tmp, config, tokenizer, model.state_dict(), source=str(gguf),
                         dtype="float32", world_size=1)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
+        _publish(tmp, out_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
+
+
+def _publish(tmp: Path, out_dir: Path) -> None:
+    """Rename a finished conversion into place. Another process converting the same file may
+    have got there first (the cache is shared by every run of the machine's user): its folder
+    is then kept, never removed under a run that may be reading it."""
+    if (out_dir / MANIFEST).is_file():
+        return
+    if out_dir.exists():  # without a manifest it is no finished conversion
+        shutil.rmtree(out_dir, ignore_errors=True)
+    try:
+        os.replace(tmp, out_dir)
+    except OSError:
+        if not (out_dir / MANIFEST).is_file():
+            raise
 
 
 def write_converted(folder: Path, hf_config, tokenizer, state_dict: dict, *, source: str,
