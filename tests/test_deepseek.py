@@ -150,6 +150,7 @@ def test_naive_and_absorbed_mla_agree(tiny, hf_tokens):
     {"rope_interleave": False},
     {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "topk_group": 4},
     {"n_shared_experts": 0},  # HF saves zero-sized shared-expert tensors: nothing to load
+    {"hidden_act": "gelu", "num_hidden_layers": 1},  # dense layers take any activation
 ])
 def test_config_variants_match_hf(tmp_path, variant):
     hf = save_tiny(tmp_path, seed=1, **variant)
@@ -158,6 +159,14 @@ def test_config_variants_match_hf(tmp_path, variant):
     with torch.inference_mode():
         expected = hf(torch.tensor([prompt])).logits[0, -1]
     torch.testing.assert_close(prefill_logits(ours, prompt), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_routed_experts_refuse_an_activation_other_than_silu(tmp_path):
+    from batchgen.models.registry import UnsupportedModelError
+
+    save_tiny(tmp_path, hidden_act="gelu_pytorch_tanh")
+    with pytest.raises(UnsupportedModelError, match="gelu_pytorch_tanh.*SiLU only"):
+        load_ours(tmp_path)
 
 
 def test_hf_grouped_expert_layout_loads(tiny):

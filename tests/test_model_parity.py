@@ -86,6 +86,33 @@ def test_bias_flags_read_as_each_family_does(family, tmp_path):
     assert_last_logits_match(ours, hf, prompt)
 
 
+@pytest.mark.parametrize(("family", "hidden_act"), [
+    ("llama", "gelu"), ("qwen2", "gelu_pytorch_tanh"), ("mistral", "relu"), ("qwen3", "swish")])
+def test_mlp_activation_follows_hidden_act(family, hidden_act, tmp_path):
+    """The gated MLP applies the config's `hidden_act` (SiLU only through its fused kernel)."""
+    from transformers import AutoModelForCausalLM
+
+    folder = save_tiny_model(family, tmp_path, hidden_act=hidden_act)
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    ours = load_ours(folder)
+    ps = prompts(4)[2:4]
+    assert_last_logits_match(ours, hf, ps[1])
+    results = make_engine(ours).generate(greedy_requests(ps, 30, ignore_eos=True))
+    for prompt, result in zip(ps, results):
+        assert result.completions[0].token_ids == hf_greedy(hf, prompt, 30)
+
+
+def test_unknown_hidden_act_is_refused_by_name(tmp_path):
+    from batchgen.models.registry import UnsupportedModelError
+
+    folder = save_tiny_model("llama", tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    config["hidden_act"] = "wobbly"
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match="hidden_act 'wobbly'"):
+        load_ours(folder)
+
+
 def test_longrope_runs_exactly_up_to_its_original_length(tmp_path):
     """HF moves a longrope model to its long factors once a sequence passes
     original_max_position_embeddings; ours stops its context there (longer prompts become

@@ -60,7 +60,8 @@ class DecoderLayer(PreNormDecoderLayer):
         if layer >= (cfg.first_k_dense_replace or 0) and cfg.n_routed_experts:
             self.mlp = DeepseekMoE(cfg, num_offloaded, stager, tp)
         else:
-            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, tp=tp)
+            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, tp=tp,
+                                hidden_act=getattr(cfg, "hidden_act", None))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from batchgen.models.fp8_rowwise import QuantizedRows
+from batchgen.models.registry import UnsupportedModelError
 from batchgen.parallel import TensorParallel
 
 log = logging.getLogger("batchgen.models")
@@ -159,43 +160,64 @@ class RowParallelLinear(nn.Linear):
         return out if self.bias is None else out + self.bias
 
 
+def gate_activation(hidden_act: str | None) -> nn.Module | None:
+    """The gated MLP's activation from the config's `hidden_act`: None for SiLU (the fused
+    kernels' case), else transformers' own module, so the numbers are HF's."""
+    if hidden_act in (None, "silu", "swish"):
+        return None
+    from transformers.activations import ACT2FN
+
+    act = ACT2FN[hidden_act] if hidden_act in ACT2FN else None
+    if act is None or any(True for _ in act.parameters()):
+        raise UnsupportedModelError(
+            f"hidden_act {hidden_act!r} is not supported; batchgen's MLPs take SiLU or any "
+            "parameter-free activation of transformers.activations.ACT2FN")
+    return act
+
+
 class GatedMLP(nn.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)); TP splits the intermediate features."""
+    """Gated feed-forward: down(act(gate(x)) * up(x)), SiLU unless the config says otherwise;
+    TP splits the intermediate features."""
 
     def __init__(self, hidden: int, intermediate: int, bias: bool = False,
-                 tp: TensorParallel = SINGLE, reduce_output: bool = True):
+                 tp: TensorParallel = SINGLE, reduce_output: bool = True,
+                 hidden_act: str | None = None):
         super().__init__()
         local = tp.split(intermediate, "intermediate_size")
         self.gate_proj = nn.Linear(hidden, local, bias=bias)
         self.up_proj = nn.Linear(hidden, local, bias=bias)
         self.down_proj = RowParallelLinear(intermediate, hidden, bias=bias, tp=tp,
                                            reduce_output=reduce_output)
+        self.act = gate_activation(hidden_act) or nn.SiLU()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
 class FusedGatedMLP(nn.Module):
-    """SwiGLU with gate and up in one matmul: down(silu(gate) * up), x @ [gate | up]. TP splits
-    the intermediate features: each rank holds [its gate rows | its up rows]."""
+    """GatedMLP with gate and up in one matmul: down(act(gate) * up), x @ [gate | up]; with
+    SiLU one kernel applies it on the GPU. TP splits the intermediate features: each rank
+    holds [its gate rows | its up rows]."""
 
     def __init__(self, hidden: int, intermediate: int, bias: bool = False,
-                 tp: TensorParallel = SINGLE):
+                 tp: TensorParallel = SINGLE, hidden_act: str | None = None):
         super().__init__()
         self.local_intermediate = tp.split(intermediate, "intermediate_size")
         self.gate_up_proj = nn.Linear(hidden, 2 * self.local_intermediate, bias=bias)
         self.down_proj = RowParallelLinear(intermediate, hidden, bias=bias, tp=tp)
+        self.act = gate_activation(hidden_act)
 
     def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if gate_up.is_cuda:
+        if self.act is None and gate_up.is_cuda:
             from batchgen_kernels import silu_and_mul, silu_and_mul_fp8
 
             if getattr(self.down_proj, "row_scaled", False):  # an FP8 down_proj takes rows
                 return self.down_proj(QuantizedRows(*silu_and_mul_fp8(gate_up)))
             return self.down_proj(silu_and_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        act = nn.functional.silu if self.act is None else self.act
+        return self.down_proj(act(gate) * up)
 
 
 def default_max_positions(hf_config) -> int:

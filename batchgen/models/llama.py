@@ -105,7 +105,8 @@ class DecoderLayer(PreNormDecoderLayer):
                  tp: TensorParallel):
         super().__init__()
         self.self_attn = LlamaAttention(cfg, layer, rope, biases, qk_norm, tp)
-        self.mlp = FusedGatedMLP(cfg.hidden_size, cfg.intermediate_size, bias=biases.mlp, tp=tp)
+        self.mlp = FusedGatedMLP(cfg.hidden_size, cfg.intermediate_size, bias=biases.mlp, tp=tp,
+                                 hidden_act=getattr(cfg, "hidden_act", None))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

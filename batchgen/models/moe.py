@@ -38,6 +38,7 @@ from torch import nn
 
 from batchgen.models.fp8 import QuantizedWeight, dequantize_blocks, fp8_linear, on_block_grid
 from batchgen.models.layers import SINGLE, GatedMLP
+from batchgen.models.registry import UnsupportedModelError
 from batchgen.parallel import TensorParallel
 
 PROJ_ROWS = ("gate_proj", "up_proj", "down_proj")
@@ -458,7 +459,10 @@ class DeepseekMoE(nn.Module):
     def __init__(self, cfg, num_offloaded: int = 0, stager: ExpertStager | None = None,
                  tp: TensorParallel = SINGLE):
         super().__init__()
-        assert getattr(cfg, "hidden_act", "silu") == "silu", cfg.hidden_act
+        if getattr(cfg, "hidden_act", "silu") not in ("silu", "swish"):
+            raise UnsupportedModelError(
+                f"hidden_act {cfg.hidden_act!r}: the routed experts' grouped kernels apply "
+                "SiLU only (as DeepSeek-V3/R1 use); dense layers take other activations")
         self.tp = tp
         self.gate = TopkRouter(cfg)
         local = tp.split(cfg.n_routed_experts, "n_routed_experts")
