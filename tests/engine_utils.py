@@ -9,7 +9,8 @@ import torch
 from batchgen.config import EngineConfig, MemoryConfig, ModelConfig, SchedulerConfig
 from batchgen.core import Request, SamplingParams
 from batchgen.engine.engine import KV_DTYPES, Engine
-from batchgen.engine.kv_cache import KVLayout
+from batchgen.engine.forward_batch import ForwardBatch
+from batchgen.engine.kv_cache import KVLayout, KVPool
 from batchgen.models.loader import build_model, load_hf_config, read_safetensors
 
 
@@ -53,3 +54,15 @@ def make_engine_pages(model, device_pages: int, host_pages: int, tokenizer=None,
     size = page_bytes(model, kv_dtype)
     return make_engine(model, tokenizer, eos, device_gb=(device_pages + 0.5) * size / 1e9,
                        host_gb=(host_pages + 0.5) * size / 1e9, kv_dtype=kv_dtype, **sched)
+
+
+def assert_last_logits_match(ours, hf, prompt):
+    """One prefill of `prompt` (up to 8 pages) in both models: last-position logits agree."""
+    layout = KVLayout(ours.config.num_hidden_layers, ours.kv_token_shape,
+                      torch.float32, torch.float32)
+    pool = KVPool(layout, 8, "cpu")
+    batch = ForwardBatch.build([prompt], [0], [list(range(8))], [True], pool, torch.device("cpu"))
+    with torch.inference_mode():
+        ours_logits = ours(batch)[0]
+        hf_logits = hf(torch.tensor([prompt])).logits[0, -1]
+    torch.testing.assert_close(ours_logits, hf_logits, rtol=1e-4, atol=1e-4)

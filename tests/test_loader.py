@@ -11,7 +11,7 @@ from batchgen.core import Request, SamplingParams
 from batchgen.models.factory import load_model
 from batchgen.models.loader import CheckpointError, ModelNotFoundError, resolve_model
 from batchgen.models.registry import UnsupportedModelError
-from engine_utils import hf_greedy, make_engine
+from engine_utils import assert_last_logits_match, hf_greedy, make_engine
 from tiny_models import save_tiny_model
 
 
@@ -44,6 +44,23 @@ def test_corrupt_safetensors_is_a_clear_error(tmp_path):
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     with pytest.raises(CheckpointError, match="corrupt or truncated"):
         load_model(ModelConfig(model=str(folder)), torch.device("cpu"))
+
+
+def test_tied_config_over_two_different_tensors_unties_as_hf_does(tmp_path, caplog):
+    """config.json says tie_word_embeddings but the checkpoint holds lm_head and the embedding
+    with different values: HF keeps both, so must we (tying would let one overwrite the other)."""
+    from transformers import AutoModelForCausalLM
+
+    folder = save_tiny_model("llama", tmp_path / "m")
+    config = json.loads((folder / "config.json").read_text())
+    config["tie_word_embeddings"] = True
+    (folder / "config.json").write_text(json.dumps(config))
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    with caplog.at_level("WARNING", logger="batchgen.loader"):
+        ours = load_model(ModelConfig(model=str(folder), dtype="float32"), torch.device("cpu"))
+    assert "keeping them apart" in caplog.text
+    assert ours.model.lm_head.weight.data_ptr() != ours.model.model.embed_tokens.weight.data_ptr()
+    assert_last_logits_match(ours.model, hf, list(range(3, 70)))
 
 
 def test_pickle_checkpoints_are_not_loaded(tmp_path):

@@ -5,9 +5,8 @@ import json
 import pytest
 import torch
 
-from batchgen.engine.forward_batch import ForwardBatch
-from batchgen.engine.kv_cache import KVLayout, KVPool
-from engine_utils import greedy_requests, hf_greedy, load_ours, make_engine
+from engine_utils import (assert_last_logits_match, greedy_requests, hf_greedy, load_ours,
+                          make_engine)
 from tiny_models import VOCAB, save_tiny_model
 
 FAMILIES = ["llama", "llama_tied", "qwen2", "qwen3", "mistral"]
@@ -17,18 +16,6 @@ def prompts(seed=0):
     gen = torch.Generator().manual_seed(seed)
     lengths = [3, 17, 64, 65, 150]  # within a page, exactly one page, crossing pages
     return [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in lengths]
-
-
-def assert_last_logits_match(ours, hf, prompt):
-    """One prefill of `prompt` (up to 8 pages) in both models: last-position logits agree."""
-    layout = KVLayout(ours.config.num_hidden_layers, ours.kv_token_shape,
-                      torch.float32, torch.float32)
-    pool = KVPool(layout, 8, "cpu")
-    batch = ForwardBatch.build([prompt], [0], [list(range(8))], [True], pool, torch.device("cpu"))
-    with torch.inference_mode():
-        ours_logits = ours(batch)[0]
-        hf_logits = hf(torch.tensor([prompt])).logits[0, -1]
-    torch.testing.assert_close(ours_logits, hf_logits, rtol=1e-4, atol=1e-4)
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

@@ -151,10 +151,35 @@ def load_hf_config(folder: Path):
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(str(folder), trust_remote_code=False,
-                                          local_files_only=True)
+        config = AutoConfig.from_pretrained(str(folder), trust_remote_code=False,
+                                            local_files_only=True)
     except Exception as err:
         raise CheckpointError(f"cannot read {folder / 'config.json'}: {err}") from err
+    if getattr(config, "tie_word_embeddings", False) and _tied_pair_differs(folder):
+        log.warning("%s ties lm_head to the embedding in config.json but its checkpoint holds "
+                    "both with different values: keeping them apart, as transformers does",
+                    folder)
+        config.tie_word_embeddings = False
+    return config
+
+
+TIED_PAIR = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+def _tied_pair_differs(folder: Path) -> bool:
+    """Whether the checkpoint holds both tensors of TIED_PAIR with different values (only
+    headers are read unless it holds both)."""
+    from safetensors import safe_open
+
+    found = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                names = set(f.keys())
+                found.update((n, f.get_tensor(n)) for n in TIED_PAIR if n in names)
+        except Exception:  # noqa: BLE001 - the weight load names unreadable files
+            return False
+    return len(found) == 2 and not torch.equal(*found.values())
 
 
 def build_model(hf_config, weights, dtype: torch.dtype, device: torch.device,
