@@ -89,6 +89,23 @@ def test_mlp_activation_follows_hidden_act(family, hidden_act, tmp_path):
         assert result.completions[0].token_ids == hf_greedy(hf, prompt, 30)
 
 
+@pytest.mark.gpu
+def test_mlp_activation_follows_hidden_act_on_cuda(tmp_path):
+    """On the GPU a non-SiLU MLP leaves the fused SiLU kernel for transformers' module."""
+    from transformers import AutoModelForCausalLM
+
+    from batchgen.models.loader import build_model, load_hf_config, read_safetensors
+
+    folder = save_tiny_model("llama", tmp_path, hidden_act="gelu_pytorch_tanh")
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    ours = build_model(load_hf_config(folder), read_safetensors(folder), torch.float32,
+                       torch.device("cuda"))
+    ps = prompts(4)[2:4]
+    results = make_engine(ours).generate(greedy_requests(ps, 30, ignore_eos=True))
+    for prompt, result in zip(ps, results):
+        assert result.completions[0].token_ids == hf_greedy(hf, prompt, 30)
+
+
 def test_unknown_hidden_act_is_refused_by_name(tmp_path):
     from batchgen.models.registry import UnsupportedModelError
 
