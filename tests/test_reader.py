@@ -2,6 +2,7 @@
 
 import gzip
 import hashlib
+import os
 import tracemalloc
 from pathlib import Path
 
@@ -81,12 +82,40 @@ def test_parquet_with_jsonl_extension_is_read_as_parquet(tmp_path):
     (lambda p: (p / "x.parquet").write_bytes(b'{"a":1}\n') and p / "x.parquet", "not a Parquet"),
     (lambda p: (p / "x.gz").write_bytes(gzip.compress(b'{"a":1}\n')) and p / "x.gz", "gunzip"),
     (lambda p: (p / "x.bin").write_bytes(b"\x00\x01binary") and p / "x.bin", "neither JSONL"),
+    (lambda p: (p / "a.json").write_bytes(b'[\n  {"prompt": "x"}\n]\n') and p / "a.json",
+     "jq -c '.[]'"),
+    (lambda p: (p / "b.jsonl").write_bytes(b'[{"prompt": "x"}, {"prompt": "y"}]') and p / "b.jsonl",
+     "a JSON array, not JSONL"),
+    (lambda p: (p / "c.json").write_bytes(b'{\n  "prompt": "x"\n}\n') and p / "c.json",
+     "pretty-printed"),
+    (lambda p: (p / "d.jsonl").write_bytes('{"prompt": "x"}\n'.encode("utf-16")) and p / "d.jsonl",
+     "UTF-16"),
+    (lambda p: pq.write_table(pa.table({"text": ["x"]}), p / "e.parquet") or p / "e.parquet",
+     "none of the columns body, messages, prompt (it has text)"),
 ])
 def test_file_level_errors_name_path_and_fix(tmp_path, make, needle):
     path = make(tmp_path)
     with pytest.raises(InputFileError) as info:
         list(read_records(path))
     assert needle in str(info.value) and str(path) in str(info.value)
+
+
+def test_a_pipe_is_refused_as_input(tmp_path):
+    """A job reads its input twice, and again on resume: a FIFO would read empty after the
+    scan (the job "done" with 0 requests)."""
+    fifo = tmp_path / "in.jsonl"
+    os.mkfifo(fifo)
+    with pytest.raises(InputFileError, match="not a regular file"):
+        scan_input(fifo)  # before opening it: with no writer, opening would block
+
+
+def test_numeric_custom_ids_keep_their_digits_or_are_refused(tmp_path):
+    """Integers past 2**53 that JSON parsed as floats lost digits: not an id."""
+    path = tmp_path / "ids.jsonl"
+    path.write_bytes(b'{"custom_id": 9007199254740993, "prompt": "a"}\n'
+                     b'{"custom_id": 1000000000000000000000000000000, "prompt": "b"}\n'
+                     b'{"custom_id": 4.0, "prompt": "c"}\n')
+    assert [record_key(r) for r in read_records(path)] == ["9007199254740993", "line-2", "4"]
 
 
 def test_unknown_extension_with_json_content_is_jsonl(tmp_path):

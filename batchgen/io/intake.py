@@ -101,8 +101,10 @@ def parse_record(record: RawRecord, default_max_tokens: int = 256) -> ParsedRequ
 
 def _parse(data: dict, key: str, line: int, default_max_tokens: int) -> ParsedRequest:
     if data.get("custom_id") is not None and custom_id_of(data) is None:
+        hint = (": a number this large has lost digits in JSON, quote it"
+                if isinstance(data["custom_id"], float) else "")
         raise _BadLine("missing_custom_id", "custom_id must be a non-empty string, got "
-                                            f"{data['custom_id']!r}")
+                                            f"{data['custom_id']!r}{hint}")
     if any(k in data for k in ("url", "method", "body")):
         kind, body = _openai_envelope(data)
     else:

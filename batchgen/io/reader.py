@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import stat
 from array import array
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -29,6 +30,10 @@ PARQUET_MAGIC = b"PAR1"
 PARQUET_BATCH_ROWS = 1024
 """Rows per pyarrow record batch: small enough that a batch of long prompts stays in memory."""
 _BOM = b"\xef\xbb\xbf"
+REQUEST_COLUMNS = {"prompt", "messages", "body"}
+"""A Parquet input needs one of these columns (plain rows: prompt/messages; OpenAI: body)."""
+EXACT_FLOAT_INTS = 2**53
+"""Whole numbers a float holds exactly: a larger numeric custom_id has lost digits already."""
 
 
 class InputFileError(Exception):
@@ -67,18 +72,24 @@ def detect_format(path: str | Path) -> str:
     """"jsonl" or "parquet", from the content first (Parquet magic), then the extension."""
     p = Path(path)
     try:
+        mode = p.stat().st_mode
+        if stat.S_ISDIR(mode):
+            raise InputFileError(f"input {p} is a directory: pass a .jsonl or .parquet file")
+        if not stat.S_ISREG(mode):  # opening a FIFO could block, reading it empties it
+            raise InputFileError(f"input {p} is not a regular file (a pipe or a device): a job "
+                                 "reads its input more than once and again on every resume; "
+                                 "save it to a file first and pass that")
         with open(p, "rb") as f:
             head = f.read(4096)
     except FileNotFoundError:
         raise InputFileError(f"input file {p} does not exist: check the --input path") from None
-    except IsADirectoryError:
-        raise InputFileError(f"input {p} is a directory: pass a .jsonl or .parquet file") from None
     except OSError as e:
         raise InputFileError(f"cannot read input file {p}: {e.strerror}; check its "
                              "permissions and that the filesystem is mounted") from None
     suffix = p.suffix.lower()
     if head.startswith(PARQUET_MAGIC):
         return "parquet"
+    _refuse_json_document(p, head)
     if suffix in PARQUET_SUFFIXES:
         raise InputFileError(f"input file {p} has a Parquet extension but is not a Parquet file "
                              "(no PAR1 magic): rewrite it with pyarrow or rename it to .jsonl")
@@ -92,6 +103,22 @@ def detect_format(path: str | Path) -> str:
         return "jsonl"
     raise InputFileError(f"input file {p} is neither JSONL nor Parquet: give it a .jsonl or "
                          ".parquet extension and one JSON object per line (or Parquet content)")
+
+
+def _refuse_json_document(p: Path, head: bytes) -> None:
+    """Files that would turn every line into an error line: UTF-16 text, a JSON array, one
+    pretty-printed object. Better one message with the fix than a job of error lines."""
+    if head.startswith((b"\xff\xfe", b"\xfe\xff")):
+        raise InputFileError(f"input file {p} is UTF-16 text: convert it to UTF-8 "
+                             f"(iconv -f UTF-16 -t UTF-8 {p.name} > {p.stem}.utf8.jsonl)")
+    first_line = head.removeprefix(_BOM).lstrip().split(b"\n", 1)[0].strip()
+    if first_line == b"[" or first_line.startswith(b"[{"):
+        raise InputFileError(f"input file {p} is a JSON array, not JSONL (one JSON object per "
+                             f"line): convert it with jq -c '.[]' {p.name} > {p.stem}.jsonl")
+    if first_line == b"{":
+        raise InputFileError(f"input file {p} holds pretty-printed JSON, not JSONL (one JSON "
+                             f"object per line): convert it with jq -c . {p.name} > "
+                             f"{p.stem}.jsonl")
 
 
 def parse_line(raw: bytes, line: int) -> RawRecord:
@@ -143,6 +170,11 @@ def _parquet_rows(path: Path) -> Iterator[tuple[int, dict]]:
     except (pa.ArrowException, OSError) as e:
         raise InputFileError(f"cannot open Parquet file {path}: {e}; check it was written "
                              "completely (pyarrow.parquet.read_metadata)") from None
+    columns = pf.schema_arrow.names
+    if not set(columns) & REQUEST_COLUMNS:
+        raise InputFileError(f"Parquet file {path} has none of the columns "
+                             f"{', '.join(sorted(REQUEST_COLUMNS))} (it has {', '.join(columns)}): "
+                             "rename the column holding the prompts (docs/job-files.md)")
     row = 0
     batches = pf.iter_batches(batch_size=PARQUET_BATCH_ROWS)
     while True:
@@ -178,8 +210,8 @@ def custom_id_of(data: dict) -> str | None:
         return cid
     if isinstance(cid, int) and not isinstance(cid, bool):
         return str(cid)
-    if isinstance(cid, float) and cid.is_integer():  # pandas: an int column with a gap
-        return str(int(cid))
+    if isinstance(cid, float) and cid.is_integer() and abs(cid) <= EXACT_FLOAT_INTS:
+        return str(int(cid))  # pandas: an int column with a gap
     return None
 
 
