@@ -225,6 +225,7 @@ class RuntimeConfig:
     def validate(self) -> None:
         _require(self.decode_burst_steps >= 1, "decode_burst_steps", self.decode_burst_steps,
                  "an integer >= 1")
+        _require(0 <= self.seed < 2**63, "seed", self.seed, "an integer in [0, 2**63)")
         if self.enable_cuda_graph and self.disable_cuda_graphs:
             raise ConfigError(
                 "disable_cuda_graphs", True,
@@ -285,6 +286,7 @@ class StorageConfig:
 
     def validate(self) -> None:
         _require(bool(self.input), "input", self.input, "a path to a .jsonl or .parquet file")
+        _require(bool(self.storage_path), "storage_path", self.storage_path, "a folder path")
         _require(self.wait_for_lock >= 0, "wait_for_lock", self.wait_for_lock, "seconds >= 0")
         if self.batch_id is not None:
             plain = self.batch_id.replace("-", "").replace("_", "")

@@ -101,6 +101,9 @@ def test_resume_refuses_other_weights_behind_the_same_model_path(tmp_path, tiny_
     ("--decision-frequency-pages", "8", "--extension-gpu-page-buffer"),
     ("--gpu-memory-frac", "1.5", "--gpu-memory-frac"),
     ("--host-kv-watermark", "120", "--host-kv-watermark"),
+    ("--seed", "-1", "--seed"),
+    ("--seed", "99999999999999999999999", "--seed"),
+    ("--storage-path", "", "--storage-path"),
 ])
 def test_bad_flag_fails_before_loading(tmp_path, flag, value, needle):
     inp = write_jsonl(tmp_path / "in.jsonl", chat_rows(1))

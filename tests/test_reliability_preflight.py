@@ -34,12 +34,13 @@ def _config(tmp_path, host_gb=None, fast_init=False, device="cpu", world=1) -> J
 def machine(monkeypatch):
     """A roomy machine; tests shrink one resource at a time."""
     state = {"shm": 100 * GB, "mem": 200 * GB, "memlock": resource.RLIM_INFINITY,
-             "disk": 10**12, "cuda": False}
+             "disk": 10**12, "cuda": False, "gpus": 1}
     monkeypatch.setattr(pf, "shm_free_bytes", lambda: state["shm"])
     monkeypatch.setattr(pf, "host_memory_bytes", lambda: state["mem"])
     monkeypatch.setattr(pf, "memlock_limit", lambda: state["memlock"])
     monkeypatch.setattr(pf, "disk_free", lambda path: state["disk"])
     monkeypatch.setattr(pf, "uses_cuda", lambda device: state["cuda"] or device.startswith("cuda"))
+    monkeypatch.setattr(pf, "cuda_device_count", lambda: state["gpus"])
     return state
 
 
@@ -80,6 +81,18 @@ def test_small_memlock_warns_when_pinning_on_cuda(tmp_path, machine, caplog):
     assert [f.error for f in findings] == [False]
     assert "ulimit -l unlimited" in caplog.text and "0 MiB" not in caplog.text
     assert pf.check_memlock(_config(tmp_path, host_gb=4, device="cpu")) == []
+
+
+@pytest.mark.parametrize(("device", "gpus", "seen"), [
+    ("cuda", 0, "torch sees no CUDA device"), ("cuda:2", 2, "torch sees 2 CUDA device(s)")])
+def test_missing_cuda_device_fails_before_any_load(tmp_path, machine, device, gpus, seen):
+    machine["gpus"] = gpus
+    with pytest.raises(PreflightFailed) as err:
+        pf.preflight(_config(tmp_path, device=device), _paths(tmp_path), 10, 1, 1)
+    assert err.value.code == EXIT_PREFLIGHT and seen in str(err.value)
+    assert "--device cpu" in str(err.value)
+    machine["gpus"] = 3
+    assert pf.check_device(_config(tmp_path, device=device)) == []
 
 
 def test_disk_below_the_floor_is_a_disk_error(tmp_path, machine):

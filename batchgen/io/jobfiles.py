@@ -72,6 +72,11 @@ class JobPaths:
         name = f"{self.batch_id}.jsonl" if world == 1 else f"{self.batch_id}.rank{rank}.jsonl"
         return self.incremental_dir / name
 
+    @property
+    def incremental_owner(self) -> Path:
+        """Which job (storage folder, fingerprint) the batch id's incremental files belong to."""
+        return self.incremental_dir / f"{self.batch_id}.owner.json"
+
     def incremental_files(self) -> list[Path]:
         """Every incremental file of this batch on disk, whatever world size wrote it (a resume
         with another world size must still see all finished results)."""
@@ -102,6 +107,7 @@ class JobPaths:
     def remove_incremental(self) -> None:
         for path in self.incremental_files():
             path.unlink(missing_ok=True)
+        self.incremental_owner.unlink(missing_ok=True)
 
 
 def fsync_dir(path: Path) -> None:

@@ -387,3 +387,17 @@ if __name__ == "__main__":
         sys.exit("usage: python -m batchgen.io.writer --repair-incremental PATH")
     kept_n, dropped_n = salvage(Path(sys.argv[2]))
     print(f"kept {kept_n} result lines, dropped {dropped_n} (recomputed by the next run)")
+
+
+def final_files_complete(output: Path, errors: Path, records: int) -> bool:
+    """Whether a finished job's final files are both there with one line per input record
+    (a file deleted or cut by hand afterwards makes the next run merge them again)."""
+    lines = 0
+    for path in (output, errors):
+        try:
+            with open(path, "rb") as f:
+                while chunk := f.read(1 << 20):
+                    lines += chunk.count(b"\n")
+        except FileNotFoundError:
+            return False
+    return lines == records

@@ -1,8 +1,9 @@
 """Preflight: what the machine must offer before weights load (minutes) only to fail later.
 
-Checks /dev/shm against the host KV pool, the memlock limit when the pool is pinned on CUDA,
-and free disk for the results. Each finding names its fix. Errors stop the job (exit 8, or 6
-for disk); warnings are logged and the job goes on (estimates, limits that may not apply).
+Checks that an explicit --device cuda exists, /dev/shm against the host KV pool, the memlock
+limit when the pool is pinned on CUDA, and free disk for the results. Each finding names its
+fix. Errors stop the job (exit 8, or 6 for disk); warnings are logged and the job goes on
+(estimates, limits that may not apply).
 """
 
 from __future__ import annotations
@@ -46,12 +47,33 @@ def disk_free(path: Path) -> int:
     return shutil.disk_usage(_existing(path)).free
 
 
+def cuda_device_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def uses_cuda(device: str) -> bool:
     if device == "auto":
         import torch
 
         return torch.cuda.is_available()
     return device.startswith("cuda")
+
+
+def check_device(config: JobConfig) -> list[Finding]:
+    """--device cuda[:N] on a machine where torch sees no such GPU."""
+    device = config.engine.runtime.device
+    if not device.startswith("cuda"):
+        return []
+    count = cuda_device_count()
+    index = int(device.split(":", 1)[1]) if ":" in device else 0
+    if index < count:
+        return []
+    seen = f"torch sees {count} CUDA device(s)" if count else "torch sees no CUDA device"
+    return [Finding(True, f"--device {device}: {seen} here",
+                    "run on a GPU node (check CUDA_VISIBLE_DEVICES and the driver), or pass "
+                    "--device cpu")]
 
 
 def check_host_pool(config: JobConfig) -> list[Finding]:
@@ -132,7 +154,7 @@ def check_disk(paths: JobPaths, input_bytes: int, records: int, left: int) -> li
 def preflight(config: JobConfig, paths: JobPaths, input_bytes: int, records: int,
               left: int) -> list[Finding]:
     """Log warnings; raise PreflightFailed naming every error and its fix. Returns findings."""
-    findings = [*check_host_pool(config), *check_memlock(config),
+    findings = [*check_device(config), *check_host_pool(config), *check_memlock(config),
                 *check_disk(paths, input_bytes, records, left)]
     for finding in findings:
         if not finding.error:

@@ -29,10 +29,12 @@ from batchgen.io.jobfiles import (
     atomic_file,
     check_fingerprint,
     derive_batch_id,
+    errors_path_for,
     record_upload,
 )
 from batchgen.io.reader import InputSummary, scan_input
-from batchgen.io.writer import IncompleteResults, finalize, read_done_ids
+from batchgen.io.writer import (IncompleteResults, final_files_complete, finalize,
+                                read_done_ids)
 from batchgen.models.loader import resolve_model, weights_signature
 from batchgen.runner.errors import (
     EXIT_CODES,
@@ -45,6 +47,7 @@ from batchgen.runner.errors import (
     exit_code_of,
 )
 from batchgen.runner.group import Group, GroupError, MemberEnd, PlanRefused
+from batchgen.runner.job_dirs import claim_incremental, make_job_dirs
 from batchgen.runner.exits import EXIT_REQUEUE, Preempted, StopSignals
 from batchgen.runner.job import (EXIT_WATCHDOG, JobSpec, check_input_unchanged, file_version,
                                  fingerprint, now)
@@ -83,7 +86,7 @@ def identify(config: JobConfig) -> tuple[InputSummary, JobPaths]:
     s = config.storage
     batch_id = s.batch_id or derive_batch_id(summary.sha256)
     paths = JobPaths.for_job(s.storage_path, batch_id, s.incremental_output_dir, s.output)
-    paths.make_dirs()
+    make_job_dirs(config, paths)
     return summary, paths
 
 
@@ -97,6 +100,7 @@ def prepare(config: JobConfig, summary: InputSummary, paths: JobPaths) -> tuple[
         if "model_weights" not in state.fingerprint:  # a job started before weights counted
             fp.pop("model_weights")
         check_fingerprint(state.fingerprint, fp)
+    claim_incremental(paths, fp, job_recorded=state is not None)
     created = int(state.timings.get("created_at", now())) if state else now()
     spec = JobSpec(config, batch_id, summary.sha256, summary.records, created)
     if state is None:
@@ -143,7 +147,8 @@ def _run(config: JobConfig, stops: StopSignals, member: Member) -> int:
     try:
         with _abort_followers(group):
             spec, batch_file = prepare(config, summary, paths)
-            if batch_file.load().status == "completed" and paths.output.exists():
+            if batch_file.load().status == "completed" and final_files_complete(
+                    paths.output, paths.errors_output, summary.records):
                 log.info("job %s already completed: %s", spec.batch_id, paths.output)
                 stops.completed = True
                 if config.storage.no_incremental_save:  # a kill came before their removal
@@ -416,13 +421,18 @@ def _finish(spec: JobSpec, batch_file: BatchFile, started: float, stops: StopSig
 
 
 def _keep_default_copy(output: Path, default: JobPaths) -> None:
-    """--save-result: the results also at the job folder's default output path, all or
-    nothing (a copy killed halfway leaves only a temp file, which the rerun removes)."""
+    """--save-result: the results and the error lines also at the job folder's default output
+    paths, each all or nothing (a copy killed halfway leaves only a temp file, which the rerun
+    removes)."""
     default.output.parent.mkdir(parents=True, exist_ok=True)
     default.remove_output_temps()
-    with disk_errors("keep a copy of the results (--save-result)"), \
-            open(output, "rb") as src, atomic_file(default.output) as dst:
-        shutil.copyfileobj(src, dst, 1 << 20)
+    for source, copy in ((output, default.output),
+                         (errors_path_for(output), default.errors_output)):
+        if not source.exists():
+            continue
+        with disk_errors("keep a copy of the results (--save-result)"), \
+                open(source, "rb") as src, atomic_file(copy) as dst:
+            shutil.copyfileobj(src, dst, 1 << 20)
 
 
 def _try_record_end(*args, **kwargs) -> None:

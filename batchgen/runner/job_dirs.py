@@ -1,0 +1,78 @@
+"""Where a job writes, checked before anything is written, each path named by its flag.
+
+A path that cannot work (a folder where a file goes, a file where a folder goes, an output
+that is the input) fails here with exit 2 rather than as a traceback after hours of
+generation. The incremental folder may be shared between jobs (--incremental-output-dir), so
+it records which job owns each batch id's results: another job's results are never reused.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import orjson
+
+from batchgen.config import ConfigError, JobConfig
+from batchgen.io.jobfiles import (FingerprintMismatch, JobPaths, check_fingerprint,
+                                  write_json_atomic)
+from batchgen.runner.errors import is_disk_error
+
+
+def make_job_dirs(config: JobConfig, paths: JobPaths) -> None:
+    """Refuse unusable paths, then create the job's folders."""
+    _check_outputs(config, paths)
+    for flag, folder in (("storage_path", paths.storage_path),
+                         ("incremental_output_dir", paths.incremental_dir),
+                         ("output", paths.output.parent)):
+        if folder.exists() and not folder.is_dir():
+            raise ConfigError(flag, str(folder), "that is a file; give a folder")
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            if is_disk_error(err):
+                raise
+            raise ConfigError(flag, str(folder), f"cannot create that folder ({err.strerror}): "
+                                                 "choose a writable place") from None
+    paths.make_dirs()
+
+
+def _check_outputs(config: JobConfig, paths: JobPaths) -> None:
+    source = Path(config.storage.input).resolve()
+    incremental = {p.resolve() for p in (paths.incremental(), *paths.incremental_files())}
+    for target in (paths.output, paths.errors_output):
+        if target.resolve() == source:
+            raise ConfigError("output", str(paths.output), f"{target} is the input file: the "
+                                                           "results would replace it")
+        if target.resolve() in incremental or (
+                target.parent.resolve() == paths.incremental_dir.resolve()
+                and target.name.startswith(f"{paths.batch_id}.rank")):
+            raise ConfigError("output", str(paths.output), f"{target} is the job's incremental "
+                                                           "file; give the results another path")
+        if target.is_dir():
+            raise ConfigError("output", str(paths.output), f"{target} is a folder; give a file "
+                                                           "path, e.g. results.jsonl inside it")
+
+
+def claim_incremental(paths: JobPaths, fingerprint: dict, job_recorded: bool) -> None:
+    """Record (once) which job owns the batch id's incremental files, or refuse a job that
+    does not: a shared --incremental-output-dir must not hand one job another's answers."""
+    owner_file = paths.incremental_owner
+    ours = str(paths.storage_path.resolve())
+    try:
+        owner = orjson.loads(owner_file.read_bytes())
+    except (FileNotFoundError, ValueError):  # unreadable: rewritten below if the job is ours
+        owner = None
+    if owner is not None:
+        if owner.get("storage_path") != ours:
+            raise FingerprintMismatch(
+                f"{paths.incremental_dir} holds the results of batch {paths.batch_id} of the job "
+                f"stored under {owner.get('storage_path')}, not {ours}: give this job its own "
+                "--incremental-output-dir (or another --batch-id)")
+        check_fingerprint(owner.get("fingerprint", {}), fingerprint)
+        return
+    if not job_recorded and paths.incremental_files():
+        raise FingerprintMismatch(
+            f"{paths.incremental_dir} holds results of batch {paths.batch_id} that no job under "
+            f"{ours} recorded: give this job its own --incremental-output-dir (or another "
+            "--batch-id), or point --storage-path at the job that wrote them")
+    write_json_atomic(owner_file, {"storage_path": ours, "fingerprint": fingerprint})

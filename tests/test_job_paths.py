@@ -1,0 +1,119 @@
+"""Where a job writes: unusable paths fail before anything is written (exit 2), a shared
+incremental folder never hands one job another's results, and a finished job whose final
+files were cut or deleted afterwards merges them again."""
+
+import json
+
+import pytest
+
+from batchgen.config import ConfigError, JobConfig, StorageConfig
+from batchgen.io.jobfiles import FingerprintMismatch, JobPaths
+from batchgen.runner.job_dirs import claim_incremental, make_job_dirs
+from job_utils import batchgen, chat_rows, read_jsonl, write_jsonl
+
+
+def _setup(tmp_path, output=None, incremental=None, storage="s"):
+    inp = write_jsonl(tmp_path / "in.jsonl", chat_rows(1))
+    config = JobConfig(storage=StorageConfig(input=str(inp), storage_path=str(tmp_path / storage),
+                                             output=output, incremental_output_dir=incremental))
+    paths = JobPaths.for_job(tmp_path / storage, "batch_x", incremental, output)
+    return config, paths
+
+
+@pytest.mark.parametrize(("make_output", "flag", "needle"), [
+    (lambda t: t / "in.jsonl", "--output", "is the input file"),
+    (lambda t: t / "s" / "incremental" / "batch_x.jsonl", "--output", "incremental file"),
+    (lambda t: t / "s" / "incremental" / "batch_x.rank1.jsonl", "--output", "incremental file"),
+    (lambda t: (t / "d").mkdir() or t / "d", "--output", "is a folder"),
+    (lambda t: (t / "f").write_text("") or t / "f" / "r.jsonl", "--output", "that is a file"),
+])
+def test_unusable_output_paths_are_refused_by_flag(tmp_path, make_output, flag, needle):
+    output = make_output(tmp_path)
+    config, paths = _setup(tmp_path, output=str(output))
+    with pytest.raises(ConfigError) as err:
+        make_job_dirs(config, paths)
+    assert err.value.flag == flag and needle in str(err.value)
+
+
+def test_folders_that_are_files_are_refused_by_flag(tmp_path):
+    (tmp_path / "file").write_text("")
+    config, paths = _setup(tmp_path, storage="file")
+    with pytest.raises(ConfigError, match="--storage-path=.*that is a file"):
+        make_job_dirs(config, paths)
+    config, paths = _setup(tmp_path, incremental=str(tmp_path / "file"))
+    with pytest.raises(ConfigError, match="--incremental-output-dir=.*that is a file"):
+        make_job_dirs(config, paths)
+    config, paths = _setup(tmp_path, incremental=str(tmp_path / "file" / "below"))
+    with pytest.raises(ConfigError, match="--incremental-output-dir=.*cannot create"):
+        make_job_dirs(config, paths)
+
+
+def test_incremental_folder_is_claimed_by_one_job(tmp_path):
+    shared = str(tmp_path / "shared")
+    _, first = _setup(tmp_path, incremental=shared, storage="a")
+    _, second = _setup(tmp_path, incremental=shared, storage="b")
+    first.make_dirs()
+    claim_incremental(first, {"seed": 1}, job_recorded=False)
+    claim_incremental(first, {"seed": 1}, job_recorded=True)  # the same job resumes
+    with pytest.raises(FingerprintMismatch, match="seed"):
+        claim_incremental(first, {"seed": 2}, job_recorded=True)
+    with pytest.raises(FingerprintMismatch, match="its own --incremental-output-dir"):
+        claim_incremental(second, {"seed": 1}, job_recorded=False)
+    first.remove_incremental()  # results removed (--no-incremental-save): the claim goes too
+    claim_incremental(second, {"seed": 1}, job_recorded=False)
+
+
+def test_unrecorded_results_are_not_adopted(tmp_path):
+    _, paths = _setup(tmp_path, incremental=str(tmp_path / "inc"))
+    paths.make_dirs()
+    paths.incremental().write_text('{"custom_id": "req-0"}\n')  # a job folder since deleted
+    with pytest.raises(FingerprintMismatch, match="no job under"):
+        claim_incremental(paths, {"seed": 1}, job_recorded=False)
+
+
+def test_two_jobs_sharing_an_incremental_folder_keep_their_own_answers(tmp_path,
+                                                                      tiny_chat_model):
+    shared = tmp_path / "inc"
+
+    def run(name, rows, *extra):
+        inp = write_jsonl(tmp_path / f"{name}.jsonl", rows)
+        return batchgen("run", "--input", inp, "--storage-path", tmp_path / name, "--model",
+                        tiny_chat_model, "--batch-id", "nightly", "--incremental-output-dir",
+                        shared, *extra)
+
+    rows = chat_rows(2, max_tokens=6)
+    assert run("a", rows).returncode == 0
+    other = [dict(r, messages=[{"role": "user", "content": "Something else"}]) for r in rows]
+    proc = run("b", other)
+    assert proc.returncode == 3 and "its own --incremental-output-dir" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "b" / "outputs" / "nightly.jsonl").exists()
+
+
+def test_output_equal_to_input_leaves_the_input_alone(tmp_path, tiny_chat_model):
+    inp = write_jsonl(tmp_path / "in.jsonl", chat_rows(2))
+    before = inp.read_bytes()
+    proc = batchgen("run", "--input", inp, "--storage-path", tmp_path / "s", "--model",
+                    tiny_chat_model, "--output", inp)
+    assert proc.returncode == 2 and "is the input file" in proc.stderr
+    assert "Traceback" not in proc.stderr and inp.read_bytes() == before
+
+
+def test_cut_final_files_are_merged_again(tmp_path, tiny_chat_model):
+    rows = chat_rows(3, max_tokens=6) + [{"custom_id": "bad", "messages": "not a list"}]
+    inp = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "o" / "r.jsonl"
+    args = ("run", "--input", inp, "--storage-path", tmp_path / "s", "--model",
+            tiny_chat_model, "--output", out, "--save-result")
+    batchgen(*args, check=True)
+    results, errors = out.read_bytes(), (tmp_path / "o" / "r.errors.jsonl").read_bytes()
+    kept = sorted((tmp_path / "s" / "outputs").iterdir())
+    assert [p.name.endswith(".errors.jsonl") for p in kept] == [True, False]  # both copied
+    out.write_bytes(results[:results.rindex(b"\n", 0, -1) + 1])  # the last line cut by hand
+    (tmp_path / "o" / "r.errors.jsonl").unlink()
+    proc = batchgen(*args, check=True)
+    assert "already completed" not in proc.stderr
+    assert out.read_bytes() == results
+    assert (tmp_path / "o" / "r.errors.jsonl").read_bytes() == errors
+    assert [json.loads(b)["custom_id"] for b in errors.splitlines()] == ["bad"]
+    assert len(read_jsonl(out)) == 3
