@@ -3,13 +3,14 @@ incremental folder never hands one job another's results, and a finished job who
 files were cut or deleted afterwards merges them again."""
 
 import json
+import time
 
 import pytest
 
 from batchgen.config import ConfigError, JobConfig, StorageConfig
 from batchgen.io.jobfiles import FingerprintMismatch, JobPaths
 from batchgen.runner.job_dirs import claim_incremental, make_job_dirs
-from job_utils import batchgen, chat_rows, read_jsonl, write_jsonl
+from job_utils import batchgen, chat_rows, read_jsonl, start, write_jsonl
 
 
 def _setup(tmp_path, output=None, incremental=None, storage="s"):
@@ -117,3 +118,22 @@ def test_cut_final_files_are_merged_again(tmp_path, tiny_chat_model):
     assert (tmp_path / "o" / "r.errors.jsonl").read_bytes() == errors
     assert [json.loads(b)["custom_id"] for b in errors.splitlines()] == ["bad"]
     assert len(read_jsonl(out)) == 3
+
+
+def test_input_deleted_before_the_worker_reads_it_is_no_crash(tmp_path, tiny_chat_model):
+    """The worker cannot read the input any more: exit 2 naming the fix, no traceback, no
+    crash strike against the requests; with the input back, the job resumes."""
+    rows = chat_rows(2, max_tokens=6)
+    inp = write_jsonl(tmp_path / "in.jsonl", rows)
+    args = ("run", "--input", inp, "--storage-path", tmp_path / "s", "--model", tiny_chat_model)
+    proc = start(*args)
+    deadline = time.monotonic() + 120
+    while not list((tmp_path / "s").glob("logs/*/*")) and time.monotonic() < deadline:
+        time.sleep(0.01)  # the worker is launched: it imports torch and loads before reading
+    inp.unlink()
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 2, stderr[-3000:]
+    assert "put the input back" in stderr and "Traceback" not in stderr
+    write_jsonl(inp, rows)
+    assert batchgen(*args).returncode == 0
+    assert len(read_jsonl(next((tmp_path / "s" / "outputs").glob("*[0-9a-f].jsonl")))) == 2

@@ -21,6 +21,7 @@ from batchgen.models.registry import UnsupportedModelError
 from batchgen.runner.lock import JobLocked
 
 EXIT_CRASH = 1
+EXIT_INPUT = 2
 EXIT_LOCKED = 4
 EXIT_DISK = 6
 EXIT_PREFLIGHT = 8
@@ -42,7 +43,7 @@ class PreflightFailed(Exception):
 
 
 EXIT_CODES = {
-    InputFileError: 2,
+    InputFileError: EXIT_INPUT,
     FingerprintMismatch: 3,
     CorruptBatchFile: 3,
     CorruptIncrementalFile: 3,

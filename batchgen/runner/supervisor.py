@@ -41,6 +41,7 @@ from batchgen.runner.errors import (
     EXIT_CRASH,
     EXIT_DEVICE_OOM,
     EXIT_DISK,
+    EXIT_INPUT,
     EXIT_LOCKED,
     PreflightFailed,
     disk_errors,
@@ -61,7 +62,7 @@ from batchgen.runner.watchdog import health_from_stats
 log = logging.getLogger("batchgen")
 SHARED_FS_RETRY_S = (2, 5, 10, 20, 30)
 """Waits before retrying a merge that misses results other nodes reported done (NFS caches)."""
-NOT_CRASHES = (EXIT_DISK, EXIT_LOCKED)
+NOT_CRASHES = (EXIT_DISK, EXIT_LOCKED, EXIT_INPUT)
 """Worker exit codes that are no evidence against the requests in flight (no quarantine strike)."""
 
 
@@ -366,6 +367,9 @@ def _failure_cause(spec: JobSpec, failure: WorkerFailure) -> str:
     if failure.exitcode == EXIT_DEVICE_OOM:
         return (f"worker rank {failure.rank} ran out of device memory; {resume}: the requests "
                 "in flight are retried in smaller groups")
+    if failure.exitcode == EXIT_INPUT:
+        said = mine.get("failure", "it could not read the input file")
+        return f"worker rank {failure.rank}: {said}; put the input back and {resume}"
     if failure.exitcode == EXIT_LOCKED:
         said = mine.get("failure", "its results file is locked by another live batchgen process")
         return (f"worker rank {failure.rank}: {said}; stop the other process (or wait for it) "

@@ -22,7 +22,7 @@ import torch
 from batchgen.engine.engine import Engine, pick_device
 from batchgen.engine.heap import frozen_heap
 from batchgen.io.intake import IntakeError, PendingRequest, intake
-from batchgen.io.reader import read_records, record_key, shard
+from batchgen.io.reader import InputFileError, read_records, record_key, shard
 from batchgen.io.results import dumps, error_line
 from batchgen.io.jobfiles import JobPaths
 from batchgen.io.writer import (IdSet, IncrementalWriter, WriteFailed, WriterLocked,
@@ -31,7 +31,8 @@ from batchgen.models.convert import read_manifest
 from batchgen.models.factory import load_model, model_folder, weight_bytes
 from batchgen.models.loader import MANIFEST
 from batchgen.parallel import Placement, default_tp_size, init_tensor_parallel
-from batchgen.runner.errors import EXIT_DEVICE_OOM, EXIT_DISK, EXIT_LOCKED, DiskError, disk_errors
+from batchgen.runner.errors import (EXIT_DEVICE_OOM, EXIT_DISK, EXIT_INPUT, EXIT_LOCKED, DiskError,
+                                    disk_errors)
 from batchgen.runner.grammars import Grammars
 from batchgen.runner.exits import EXIT_REQUEUE
 from batchgen.runner.job import JobSpec
@@ -368,6 +369,10 @@ def serve(spec: JobSpec, rank: RankInfo, stop: StopFlag, watchdog: Watchdog) -> 
         log.error("rank %d: %s", rank.rank, err)
         watchdog.stats.update({"failure": str(err)})  # the supervisor's report names it
         return EXIT_LOCKED
+    except InputFileError as err:  # deleted or unreadable since the scan: not the requests'
+        log.error("rank %d: %s", rank.rank, err)
+        watchdog.stats.update({"failure": str(err)})
+        return EXIT_INPUT
     except torch.cuda.OutOfMemoryError as err:
         log.error("rank %d: device out of memory (%s); the requests in flight will be retried "
                   "in smaller groups on restart", rank.rank, str(err).splitlines()[0])
