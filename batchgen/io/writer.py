@@ -382,13 +382,6 @@ def salvage(path: Path) -> tuple[int, int]:
     return kept, dropped
 
 
-if __name__ == "__main__":
-    if len(sys.argv) != 3 or sys.argv[1] != "--repair-incremental":
-        sys.exit("usage: python -m batchgen.io.writer --repair-incremental PATH")
-    kept_n, dropped_n = salvage(Path(sys.argv[2]))
-    print(f"kept {kept_n} result lines, dropped {dropped_n} (recomputed by the next run)")
-
-
 def final_files_complete(output: Path, errors: Path, records: int) -> bool:
     """Whether a finished job's final files are both there with one line per input record
     (a file deleted or cut by hand afterwards makes the next run merge them again)."""
@@ -401,3 +394,11 @@ def final_files_complete(output: Path, errors: Path, records: int) -> bool:
         except FileNotFoundError:
             return False
     return lines == records
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3 or sys.argv[1] != "--repair-incremental":
+        sys.exit("usage: python -m batchgen.io.writer --repair-incremental PATH")
+    kept_n, dropped_n = salvage(Path(sys.argv[2]))
+    print(f"kept {kept_n} result lines, dropped {dropped_n} (recomputed by the next run)")
+

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from batchgen.io.jobfiles import write_json_atomic
 from batchgen.models.loader import MANIFEST, CheckpointError
 from batchgen.parallel import ParallelError, TensorParallel
 
@@ -90,10 +91,7 @@ def _write_json_atomic(path: Path, value: dict) -> None:
     """Best effort: a racing writer may drop another's entry, which is then hashed again."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".source-keys-", dir=path.parent)
-        with os.fdopen(fd, "w") as file:
-            json.dump(value, file)
-        os.replace(tmp, path)
+        write_json_atomic(path, value)
     except OSError as err:
         log.debug("could not record the GGUF's content key in %s: %s", path, err)
 
