@@ -93,6 +93,9 @@ def test_parquet_style_rows(tok):
                         "max_tokens": 4.0})
     assert as_json.messages == [{"role": "user", "content": "hello"}]
     assert as_json.sampling.max_tokens == 4
+    body_text = run(tok, {"custom_id": "c", "url": "/v1/chat/completions",
+                          "body": '{"messages": [{"role": "user", "content": "hi"}]}'})
+    assert body_text.messages == [{"role": "user", "content": "hi"}]
     structs = run(tok, {"custom_id": "b", "messages": [
         {"role": "user", "content": "hello", "name": None, "tool_calls": None}]})
     assert structs.messages == [{"role": "user", "content": "hello"}]
@@ -185,6 +188,8 @@ BAD_LINES = [
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
      "invalid_messages", "text parts"),
     ({"messages": USER, "prompt": "x"}, "invalid_messages", "not both"),
+    (chat_line({"messages": USER, "prompt": "x"}), "invalid_messages", "not both"),
+    ({"custom_id": "u", "body": {"messages": USER}}, "unsupported_url", "needs a url"),
     ({"custom_id": "z"}, "invalid_messages", "messages (chat) or prompt"),
     ({"prompt": 5}, "invalid_prompt", "prompt"),
     ({"prompt": ["a", "b"]}, "invalid_prompt", "batched"),

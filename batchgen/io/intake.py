@@ -128,11 +128,15 @@ def _openai_envelope(data: dict) -> tuple[str, dict]:
     url = data.get("url")
     kinds = {CHAT_URL: "chat", COMPLETIONS_URL: "completion"}
     if url not in kinds:
-        raise _BadLine("unsupported_url", f"url {url!r} is not supported: use "
-                                          f"\"{CHAT_URL}\" or \"{COMPLETIONS_URL}\"")
-    body = data.get("body")
+        said = ("an OpenAI batch line needs a url" if url is None
+                else f"url {url!r} is not supported")
+        raise _BadLine("unsupported_url", f"{said}: use \"{CHAT_URL}\" or \"{COMPLETIONS_URL}\"")
+    body = _maybe_json(data.get("body"))  # Parquet may hold the body as JSON text
     if not isinstance(body, dict):
         raise _BadLine("not_an_object", "body must be a JSON object holding the request")
+    if body.get("messages") is not None and body.get("prompt") is not None:
+        raise _BadLine("invalid_messages", "give either messages (chat) or prompt (completion), "
+                                           "not both")
     return kinds[url], body
 
 
