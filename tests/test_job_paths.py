@@ -56,8 +56,8 @@ def test_incremental_folder_is_claimed_by_one_job(tmp_path):
     first.make_dirs()
     claim_incremental(first, {"seed": 1}, job_recorded=False)
     claim_incremental(first, {"seed": 1}, job_recorded=True)  # the same job resumes
-    with pytest.raises(FingerprintMismatch, match="seed"):
-        claim_incremental(first, {"seed": 2}, job_recorded=True)
+    with pytest.raises(FingerprintMismatch, match="seed"):  # its batch file was deleted
+        claim_incremental(first, {"seed": 2}, job_recorded=False)
     with pytest.raises(FingerprintMismatch, match="its own --incremental-output-dir"):
         claim_incremental(second, {"seed": 1}, job_recorded=False)
     first.remove_incremental()  # results removed (--no-incremental-save): the claim goes too

@@ -21,6 +21,14 @@ def test_missing_model_lists_every_place_searched(tmp_path):
     assert str(tmp_path) in str(err.value) and "models--org--absent" in str(err.value)
 
 
+def test_a_path_to_something_else_than_a_model_says_so(tmp_path):
+    (tmp_path / "notes.txt").write_text("hi")
+    with pytest.raises(ModelNotFoundError, match="a file that is not .gguf"):
+        resolve_model(str(tmp_path / "notes.txt"))
+    with pytest.raises(ModelNotFoundError, match="a folder without config.json"):
+        resolve_model(str(tmp_path))
+
+
 def test_hub_cache_layout_is_found(tmp_path):
     snapshot = tmp_path / "models--org--tiny" / "snapshots" / "abc123"
     save_tiny_model("llama", snapshot)

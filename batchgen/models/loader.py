@@ -80,6 +80,12 @@ def resolve_model(model: str, cache_dir: str | None = None) -> ModelSource:
         found = _classify(path, model)
         if found is not None:
             return found
+    given = candidates[0]
+    if given.exists():  # a path, but to something else than a model
+        kind = "a folder without config.json" if given.is_dir() else "a file that is not .gguf"
+        raise ModelNotFoundError(
+            f"--model {model!r} is {kind}: give a folder holding config.json and "
+            "*.safetensors, a folder made by `batchgen convert`, or a .gguf file")
     searched = "\n  ".join(str(p) for p in dict.fromkeys(candidates))
     hub_name = "models--" + model.replace("/", "--")
     raise ModelNotFoundError(

@@ -68,7 +68,8 @@ def claim_incremental(paths: JobPaths, fingerprint: dict, job_recorded: bool) ->
                 f"{paths.incremental_dir} holds the results of batch {paths.batch_id} of the job "
                 f"stored under {owner.get('storage_path')}, not {ours}: give this job its own "
                 "--incremental-output-dir (or another --batch-id)")
-        check_fingerprint(owner.get("fingerprint", {}), fingerprint)
+        if not job_recorded:  # the job folder lost its record: the owner's is the one left
+            check_fingerprint(owner.get("fingerprint", {}), fingerprint)
         return
     if not job_recorded and paths.incremental_files():
         raise FingerprintMismatch(
