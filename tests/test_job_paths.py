@@ -1,6 +1,6 @@
 """Where a job writes: unusable paths fail before anything is written (exit 2), a shared
-incremental folder never hands one job another's results, and a finished job whose final
-files were cut or deleted afterwards merges them again."""
+incremental folder never hands a job the results of one with other settings, and a finished
+job whose final files were cut or deleted afterwards merges them again."""
 
 import json
 import time
@@ -49,19 +49,19 @@ def test_folders_that_are_files_are_refused_by_flag(tmp_path):
         make_job_dirs(config, paths)
 
 
-def test_incremental_folder_is_claimed_by_one_job(tmp_path):
+def test_incremental_results_serve_only_jobs_with_their_fingerprint(tmp_path):
     shared = str(tmp_path / "shared")
     _, first = _setup(tmp_path, incremental=shared, storage="a")
     _, second = _setup(tmp_path, incremental=shared, storage="b")
     first.make_dirs()
     claim_incremental(first, {"seed": 1}, job_recorded=False)
     claim_incremental(first, {"seed": 1}, job_recorded=True)  # the same job resumes
-    with pytest.raises(FingerprintMismatch, match="seed"):  # its batch file was deleted
-        claim_incremental(first, {"seed": 2}, job_recorded=False)
-    with pytest.raises(FingerprintMismatch, match="its own --incremental-output-dir"):
-        claim_incremental(second, {"seed": 1}, job_recorded=False)
-    first.remove_incremental()  # results removed (--no-incremental-save): the claim goes too
-    claim_incremental(second, {"seed": 1}, job_recorded=False)
+    claim_incremental(second, {"seed": 1}, job_recorded=False)  # same answers: a copied folder
+    for paths, recorded in ((first, True), (second, False)):
+        with pytest.raises(FingerprintMismatch, match="seed.*its own --incremental-output-dir"):
+            claim_incremental(paths, {"seed": 2}, job_recorded=recorded)
+    first.remove_incremental()  # results removed (--no-incremental-save): the record goes too
+    claim_incremental(second, {"seed": 2}, job_recorded=False)
 
 
 def test_unrecorded_results_are_not_adopted(tmp_path):

@@ -74,7 +74,7 @@ class JobPaths:
 
     @property
     def incremental_owner(self) -> Path:
-        """Which job (storage folder, fingerprint) the batch id's incremental files belong to."""
+        """The fingerprint of the job whose results the batch id's incremental files hold."""
         return self.incremental_dir / f"{self.batch_id}.owner.json"
 
     def incremental_files(self) -> list[Path]:

@@ -3,7 +3,8 @@
 A path that cannot work (a folder where a file goes, a file where a folder goes, an output
 that is the input) fails here with exit 2 rather than as a traceback after hours of
 generation. The incremental folder may be shared between jobs (--incremental-output-dir), so
-it records which job owns each batch id's results: another job's results are never reused.
+it records the fingerprint of the job behind each batch id's results: results of a job
+with other settings are never reused.
 """
 
 from __future__ import annotations
@@ -54,26 +55,29 @@ def _check_outputs(config: JobConfig, paths: JobPaths) -> None:
 
 
 def claim_incremental(paths: JobPaths, fingerprint: dict, job_recorded: bool) -> None:
-    """Record (once) which job owns the batch id's incremental files, or refuse a job that
-    does not: a shared --incremental-output-dir must not hand one job another's answers."""
+    """Record (once) the fingerprint of the job whose results the batch id's incremental files
+    hold, or refuse a job with another: a shared --incremental-output-dir must not hand one job
+    another's answers. A job with the same fingerprint gives the same answers, so its results
+    are this job's too (wherever its folder lies: job folders are copied and moved, and the
+    results file's lock keeps two live writers apart)."""
     owner_file = paths.incremental_owner
-    ours = str(paths.storage_path.resolve())
     try:
         owner = orjson.loads(owner_file.read_bytes())
     except (FileNotFoundError, ValueError):  # unreadable: rewritten below if the job is ours
         owner = None
-    if owner is not None:
-        if owner.get("storage_path") != ours:
+    if isinstance(owner, dict) and isinstance(owner.get("fingerprint"), dict):
+        try:
+            check_fingerprint(owner["fingerprint"], fingerprint)
+        except FingerprintMismatch as err:
             raise FingerprintMismatch(
-                f"{paths.incremental_dir} holds the results of batch {paths.batch_id} of the job "
-                f"stored under {owner.get('storage_path')}, not {ours}: give this job its own "
-                "--incremental-output-dir (or another --batch-id)")
-        if not job_recorded:  # the job folder lost its record: the owner's is the one left
-            check_fingerprint(owner.get("fingerprint", {}), fingerprint)
+                f"{paths.incremental_dir} holds results of batch {paths.batch_id} written by a "
+                f"job with other settings: {err}. For a separate job, give it its own "
+                "--incremental-output-dir.") from None
         return
     if not job_recorded and paths.incremental_files():
         raise FingerprintMismatch(
-            f"{paths.incremental_dir} holds results of batch {paths.batch_id} that no job under "
-            f"{ours} recorded: give this job its own --incremental-output-dir (or another "
-            "--batch-id), or point --storage-path at the job that wrote them")
-    write_json_atomic(owner_file, {"storage_path": ours, "fingerprint": fingerprint})
+            f"{paths.incremental_dir} holds results of batch {paths.batch_id} that no job "
+            f"under {paths.storage_path} recorded: give this job its own "
+            "--incremental-output-dir (or another --batch-id), or point --storage-path at the "
+            "job that wrote them")
+    write_json_atomic(owner_file, {"fingerprint": fingerprint})

@@ -98,9 +98,9 @@ def prepare(config: JobConfig, summary: InputSummary, paths: JobPaths) -> tuple[
     state = batch_file.load()
     fp = fingerprint(config, summary.sha256, model_identity(config), model_weights(config))
     if state is not None and state.fingerprint:
-        if "model_weights" not in state.fingerprint:  # a job started before weights counted
-            fp.pop("model_weights")
-        check_fingerprint(state.fingerprint, fp)
+        legacy = "model_weights" not in state.fingerprint  # started before weights counted
+        check_fingerprint(state.fingerprint, {k: v for k, v in fp.items()
+                                              if not (legacy and k == "model_weights")})
     claim_incremental(paths, fp, job_recorded=state is not None)
     created = int(state.timings.get("created_at", now())) if state else now()
     spec = JobSpec(config, batch_id, summary.sha256, summary.records, created)
