@@ -14,9 +14,9 @@ from batchgen.engine.kv_cache import KVLayout, KVPool
 from batchgen.models.loader import build_model, load_hf_config, read_safetensors
 
 
-def load_ours(folder: Path, dtype=torch.float32):
+def load_ours(folder: Path, dtype=torch.float32, device="cpu"):
     cfg = load_hf_config(folder)
-    return build_model(cfg, read_safetensors(folder), dtype, torch.device("cpu"))
+    return build_model(cfg, read_safetensors(folder), dtype, torch.device(device))
 
 
 def make_engine(model, tokenizer=None, eos=(), device_gb=0.05, host_gb=0.1, kv_dtype="auto",

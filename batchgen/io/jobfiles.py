@@ -143,6 +143,16 @@ def atomic_file(path: Path) -> Iterator[IO[bytes]]:
         raise
 
 
+def read_json_dict(path: Path) -> dict | None:
+    """A small JSON record file written by write_json_atomic: its object, or None when it is
+    missing, unreadable or not an object (callers treat it as absent and rewrite it)."""
+    try:
+        data = orjson.loads(path.read_bytes())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
 def write_json_atomic(path: Path, data: Any) -> None:
     with atomic_file(path) as f:
         f.write(orjson.dumps(data, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS) + b"\n")

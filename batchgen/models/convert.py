@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from batchgen.io.jobfiles import write_json_atomic
+from batchgen.io.jobfiles import read_json_dict, write_json_atomic
 from batchgen.models.loader import MANIFEST, CheckpointError
 from batchgen.parallel import ParallelError, TensorParallel
 
@@ -63,10 +63,10 @@ def source_key(path: Path) -> str:
     stat = path.stat()
     location = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
     index_path = default_cache_root() / "source-keys.json"
-    index = _read_json(index_path)
+    index = read_json_dict(index_path) or {}  # only a cache: unreadable means empty
     if location not in index:
         index[location] = _content_key(path)
-        _write_json_atomic(index_path, index)
+        _save_index(index_path, index)
     return index[location]
 
 
@@ -78,16 +78,7 @@ def _content_key(path: Path) -> str:
     return digest.hexdigest()[:16]
 
 
-def _read_json(path: Path) -> dict:
-    """The index, or an empty one when missing or unreadable (it is only a cache)."""
-    try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return value if isinstance(value, dict) else {}
-
-
-def _write_json_atomic(path: Path, value: dict) -> None:
+def _save_index(path: Path, value: dict) -> None:
     """Best effort: a racing writer may drop another's entry, which is then hashed again."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -11,11 +11,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import orjson
-
 from batchgen.config import ConfigError, JobConfig
 from batchgen.io.jobfiles import (FingerprintMismatch, JobPaths, check_fingerprint,
-                                  write_json_atomic)
+                                  read_json_dict, write_json_atomic)
 from batchgen.runner.errors import is_disk_error
 
 
@@ -60,12 +58,8 @@ def claim_incremental(paths: JobPaths, fingerprint: dict, job_recorded: bool) ->
     another's answers. A job with the same fingerprint gives the same answers, so its results
     are this job's too (wherever its folder lies: job folders are copied and moved, and the
     results file's lock keeps two live writers apart)."""
-    owner_file = paths.incremental_owner
-    try:
-        owner = orjson.loads(owner_file.read_bytes())
-    except (FileNotFoundError, ValueError):  # unreadable: rewritten below if the job is ours
-        owner = None
-    if isinstance(owner, dict) and isinstance(owner.get("fingerprint"), dict):
+    owner = read_json_dict(paths.incremental_owner)  # unreadable: rewritten if the job is ours
+    if owner is not None and isinstance(owner.get("fingerprint"), dict):
         try:
             check_fingerprint(owner["fingerprint"], fingerprint)
         except FingerprintMismatch as err:
@@ -80,4 +74,4 @@ def claim_incremental(paths: JobPaths, fingerprint: dict, job_recorded: bool) ->
             f"under {paths.storage_path} recorded: give this job its own "
             "--incremental-output-dir (or another --batch-id), or point --storage-path at the "
             "job that wrote them")
-    write_json_atomic(owner_file, {"fingerprint": fingerprint})
+    write_json_atomic(paths.incremental_owner, {"fingerprint": fingerprint})

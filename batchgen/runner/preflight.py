@@ -55,9 +55,7 @@ def cuda_device_count() -> int:
 
 def uses_cuda(device: str) -> bool:
     if device == "auto":
-        import torch
-
-        return torch.cuda.is_available()
+        return cuda_device_count() > 0
     return device.startswith("cuda")
 
 

@@ -352,7 +352,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def serve(spec: JobSpec, rank: RankInfo, stop: StopFlag, watchdog: Watchdog) -> int:
-    """Run the worker to its exit code. Failures that are not the requests' fault (disk, lock)
+    """Run the worker to its exit code. Failures that are not the requests' fault (disk, lock,
+    input)
     leave no crash evidence; the others keep the in-flight journal for the quarantine."""
     worker = None
     try:
@@ -365,14 +366,11 @@ def serve(spec: JobSpec, rank: RankInfo, stop: StopFlag, watchdog: Watchdog) -> 
         log.error("rank %d: %s", rank.rank, err)  # one clear line, no traceback
         watchdog.stats.update({"failure": str(err)})
         code = EXIT_DISK
-    except WriterLocked as err:
+    # Another live writer of the results file, or an input gone since the scan.
+    except (WriterLocked, InputFileError) as err:
         log.error("rank %d: %s", rank.rank, err)
         watchdog.stats.update({"failure": str(err)})  # the supervisor's report names it
-        return EXIT_LOCKED
-    except InputFileError as err:  # deleted or unreadable since the scan: not the requests'
-        log.error("rank %d: %s", rank.rank, err)
-        watchdog.stats.update({"failure": str(err)})
-        return EXIT_INPUT
+        return EXIT_LOCKED if isinstance(err, WriterLocked) else EXIT_INPUT
     except torch.cuda.OutOfMemoryError as err:
         log.error("rank %d: device out of memory (%s); the requests in flight will be retried "
                   "in smaller groups on restart", rank.rank, str(err).splitlines()[0])
