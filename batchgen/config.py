@@ -211,7 +211,8 @@ class RuntimeConfig:
     cuda_graph_num_buckets: int = 16
     """Number of captured batch sizes between 1 and the max bucket."""
     seed: int = 0
-    """Job-level seed: requests without a seed get one derived from it and their custom_id."""
+    """Job-level seed in [0, 2**63): requests without a seed get one derived from it and their
+    custom_id."""
     decode_burst_steps: int = 8
     """Decode steps queued back to back while the running set is fixed: each step takes its
     input from the previous step's samples on the device, and each step's tokens are read (and
