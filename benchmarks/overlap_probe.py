@@ -10,6 +10,11 @@ other half (compute-bound)? Times, per 32 Llama-3-8B layers in CUDA graphs:
 
     python benchmarks/overlap_probe.py                       # bf16 b384 and FP8 b512, ctx 1500
     python benchmarks/overlap_probe.py --carveouts 0 24 48   # also confine the GEMMs
+    python benchmarks/overlap_probe.py --green 48 64 80      # SM-partitioned green contexts
+
+With `--green N ...` the attention runs on a CUDA green context of N SMs and the GEMMs on one
+holding the rest (rounded down to the partition granularity), timed eagerly (CUDA events):
+the two kernels can then only share the HBM, never an SM.
 
 Random weights and KV; the attention is batchgen's paged decode kernel, the GEMMs are cuBLAS
 (`_scaled_mm` rowwise for FP8). Not a test: it needs a CUDA device and a minute.
@@ -140,12 +145,125 @@ def probe(batch: int, context: int, fp8: bool, carveouts: list[int]) -> None:
     torch._C._set_sm_carveout_experimental(None)
 
 
+def event_ms(fn, repeats: int = 5) -> float:
+    """Median milliseconds of fn launched eagerly (the host stays ahead of the device)."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def green_stream(num_sms: int) -> tuple:
+    """(context, stream): the stream's kernels run on the green context's num_sms SMs only."""
+    from torch.cuda.green_contexts import GreenContext
+    context = GreenContext.create(num_sms=num_sms, device_id=0)
+    if hasattr(context, "Stream"):
+        return context, context.Stream()
+    context.set_context()
+    stream = torch.cuda.current_stream()
+    context.pop_context()
+    return context, stream
+
+
+def green_probe(batch: int, context: int, fp8: bool, splits: list[int]) -> None:
+    layers = Layers(batch, context, fp8)
+    tag = f"{'FP8 + fp8 KV' if fp8 else 'bf16'} b{batch} ctx {context}"
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    half = batch // 2
+    halves = (slice(0, half), slice(half, batch))
+    full = schedules(layers, batch)
+    for name in ("serial", "serial_halves"):
+        print(f"{tag:24} eager {name:44} {event_ms(full[name]):8.2f} ms/32 layers", flush=True)
+    for attention_sms in splits:
+        keep = []
+        try:
+            ctx_a, attention_stream = green_stream(attention_sms)
+            ctx_g, gemm_stream = green_stream(sms - attention_sms)
+            keep += [ctx_a, ctx_g]
+        except Exception as error:  # noqa: BLE001 - a probe reports what the driver says
+            print(f"{tag:24} green {attention_sms}: not available: {error!r}")
+            return
+        label = f"green attn {attention_sms} / GEMM {sms - attention_sms} SMs"
+
+        def alone(stream, fn):
+            def run():
+                main = torch.cuda.current_stream()
+                stream.wait_stream(main)
+                with torch.cuda.stream(stream):
+                    for _ in range(REPEATS):
+                        for i in range(DISTINCT_LAYERS):
+                            fn(i)
+                main.wait_stream(stream)
+            return run
+
+        def overlapped():
+            main = torch.cuda.current_stream()
+            for _ in range(REPEATS):
+                for i in range(DISTINCT_LAYERS):
+                    for rows in halves:
+                        gemm_stream.wait_stream(main)
+                        attention_stream.wait_stream(main)
+                        with torch.cuda.stream(gemm_stream):
+                            layers.gemms(i, half)
+                        with torch.cuda.stream(attention_stream):
+                            layers.attention(i, rows)
+                        main.wait_stream(gemm_stream)
+                        main.wait_stream(attention_stream)
+
+        def pipelined():
+            # Each stream runs its own chain; one event per layer keeps half b's attention
+            # after half a's GEMMs of the same layer (what a two-micro-batch decoder needs).
+            main = torch.cuda.current_stream()
+            gemm_stream.wait_stream(main)
+            attention_stream.wait_stream(main)
+            for _ in range(REPEATS):
+                for i in range(DISTINCT_LAYERS):
+                    for rows in halves:
+                        with torch.cuda.stream(gemm_stream):
+                            layers.gemms(i, half)
+                            done = torch.cuda.Event()
+                            done.record(gemm_stream)
+                        with torch.cuda.stream(attention_stream):
+                            attention_stream.wait_event(done)
+                            layers.attention(i, rows)
+            main.wait_stream(gemm_stream)
+            main.wait_stream(attention_stream)
+
+        parts = {"attention(B/2) alone": alone(attention_stream,
+                                               lambda i: layers.attention(i, halves[0])),
+                 "GEMMs(B/2) alone": alone(gemm_stream, lambda i: layers.gemms(i, half)),
+                 "overlapped halves": overlapped, "pipelined halves": pipelined}
+        for name, fn in parts.items():
+            ms = event_ms(fn)
+            scale = 2 if "alone" in name else 1
+            print(f"{tag:24} {label:32} {name:24} {ms * scale:8.2f} ms/32 layers"
+                  f"{' (x2 halves)' if scale == 2 else ''}", flush=True)
+        try:
+            print(f"{tag:24} {label:32} {'pipelined, CUDA graph':24} {graph_ms(pipelined):8.2f}"
+                  " ms/32 layers", flush=True)
+        except Exception as error:  # noqa: BLE001
+            print(f"{tag:24} {label:32} CUDA graph capture failed: {error!r}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--context", type=int, default=1500)
     parser.add_argument("--carveouts", type=int, nargs="+", default=[0],
                         help="SMs cuBLASLt leaves free (0: none)")
+    parser.add_argument("--green", type=int, nargs="+", default=[],
+                        help="SMs of the attention's green context (the GEMMs get the rest)")
     args = parser.parse_args()
+    if args.green:
+        green_probe(384, args.context, False, args.green)
+        green_probe(512, args.context, True, args.green)
+        return
     if any(args.carveouts):  # the carveout reaches cuBLASLt only
         torch.backends.cuda.preferred_blas_library("cublaslt")
     probe(384, args.context, False, args.carveouts)
