@@ -53,6 +53,7 @@ test oracle).
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 from dataclasses import dataclass
 
@@ -328,8 +329,4 @@ def _apply_bitmask(logits, bitmask, rows: list[int], vocab_size: int) -> None:
 @functools.cache
 def _cuda_backend() -> str | None:
     """xgrammar's CUDA masking kernel is written in Triton; without it use the reference."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return None
-    return "triton"
+    return "triton" if importlib.util.find_spec("triton") is not None else None

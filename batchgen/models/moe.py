@@ -242,7 +242,8 @@ class RoutedExperts(nn.Module):
         fitted = on_block_grid(value, block) if min(block) >= 16 else None
         if fitted is not None:
             return fitted
-        return dequantize_blocks(value.weight, value.scale_inv, value.block, self.gate_up_proj.dtype)
+        return dequantize_blocks(value.weight, value.scale_inv, value.block,
+                                 self.gate_up_proj.dtype)
 
     def missing(self) -> list[tuple[int, str]]:
         """(global expert, projection) of this rank's experts not loaded yet."""
