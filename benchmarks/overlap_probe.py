@@ -12,9 +12,9 @@ other half (compute-bound)? Times, per 32 Llama-3-8B layers in CUDA graphs:
     python benchmarks/overlap_probe.py --carveouts 0 24 48   # also confine the GEMMs
     python benchmarks/overlap_probe.py --green 48 64 80      # SM-partitioned green contexts
 
-With `--green N ...` the attention runs on a CUDA green context of N SMs and the GEMMs on one
-holding the rest (rounded down to the partition granularity), timed eagerly (CUDA events):
-the two kernels can then only share the HBM, never an SM.
+With `--green N ...` the attention runs on a CUDA green context of N SMs (rounded up to the
+driver's partition granularity) and the GEMMs on one holding all the other SMs, timed eagerly
+(CUDA events) and as a CUDA graph: the two kernels can then share the HBM, never an SM.
 
 Random weights and KV; the attention is batchgen's paged decode kernel, the GEMMs are cuBLAS
 (`_scaled_mm` rowwise for FP8). Not a test: it needs a CUDA device and a minute.
@@ -93,26 +93,32 @@ def schedules(layers: Layers, batch: int) -> dict:
                     layers.gemms(i, half)
                     layers.attention(i, rows)
 
-    def overlapped(gemm_stream, attention_stream):
-        def run():
-            main = torch.cuda.current_stream()
-            for _ in range(REPEATS):
-                for i in range(DISTINCT_LAYERS):
-                    for rows in halves:
-                        gemm_stream.wait_stream(main)
-                        attention_stream.wait_stream(main)
-                        with torch.cuda.stream(gemm_stream):
-                            layers.gemms(i, half)
-                        with torch.cuda.stream(attention_stream):
-                            layers.attention(i, rows)
-                        main.wait_stream(gemm_stream)
-                        main.wait_stream(attention_stream)
-        return run
-
     low, high = torch.cuda.Stream(priority=0), torch.cuda.Stream(priority=-1)
     return {"serial": serial, "serial_halves": serial_halves,
-            "overlapped, GEMMs high priority": overlapped(high, low),
-            "overlapped, attention high priority": overlapped(low, high)}
+            "overlapped, GEMMs high priority": overlapped(layers, batch, high, low),
+            "overlapped, attention high priority": overlapped(layers, batch, low, high)}
+
+
+def overlapped(layers: Layers, batch: int, gemm_stream, attention_stream):
+    """Per layer and half: the GEMMs of one half on gemm_stream while the attention of the
+    other runs on attention_stream; both join the main stream before the next half."""
+    half = batch // 2
+    halves = (slice(0, half), slice(half, batch))
+
+    def run():
+        main = torch.cuda.current_stream()
+        for _ in range(REPEATS):
+            for i in range(DISTINCT_LAYERS):
+                for rows in halves:
+                    gemm_stream.wait_stream(main)
+                    attention_stream.wait_stream(main)
+                    with torch.cuda.stream(gemm_stream):
+                        layers.gemms(i, half)
+                    with torch.cuda.stream(attention_stream):
+                        layers.attention(i, rows)
+                    main.wait_stream(gemm_stream)
+                    main.wait_stream(attention_stream)
+    return run
 
 
 def graph_ms(fn) -> float:
@@ -160,37 +166,59 @@ def event_ms(fn, repeats: int = 5) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def green_stream(num_sms: int) -> tuple:
-    """(context, stream): the stream's kernels run on the green context's num_sms SMs only."""
-    from torch.cuda.green_contexts import GreenContext
-    context = GreenContext.create(num_sms=num_sms, device_id=0)
-    if hasattr(context, "Stream"):
-        return context, context.Stream()
-    context.set_context()
-    stream = torch.cuda.current_stream()
-    context.pop_context()
-    return context, stream
+def disjoint_green_streams(first_sms: int) -> tuple[tuple[int, int], list]:
+    """Two streams on green contexts that share no SM: one of at least `first_sms` SMs (the
+    driver rounds up to its partition granularity) and one of all the SMs left. torch's
+    `GreenContext.create(num_sms=n)` splits the whole device on each call (the first probe of
+    the sixteenth session used two of them: they may share SMs); the driver's split also
+    returns the remainder, which is the second context here. Returns ((SMs of each),
+    [the two torch streams, then the handles to keep alive])."""
+    import ctypes
+
+    cuda = ctypes.CDLL("libcuda.so.1")
+    resource = lambda: ctypes.create_string_buffer(256)  # noqa: E731 - CUdevResource (144-152 B)
+
+    def check(result: int, what: str) -> None:
+        if result != 0:
+            raise RuntimeError(f"{what} failed with CUresult {result}")
+
+    torch.cuda.init()
+    device = ctypes.c_int()
+    check(cuda.cuDeviceGet(ctypes.byref(device), torch.cuda.current_device()), "cuDeviceGet")
+    whole, first, rest = resource(), resource(), resource()
+    check(cuda.cuDeviceGetDevResource(device, whole, 1), "cuDeviceGetDevResource")  # 1: SMs
+    groups = ctypes.c_uint(1)
+    check(cuda.cuDevSmResourceSplitByCount(first, ctypes.byref(groups), whole, rest, 0,
+                                           first_sms), "cuDevSmResourceSplitByCount")
+    streams, keep, counts = [], [], []
+    for part in (first, rest):
+        counts.append(ctypes.c_uint.from_buffer(part, 96).value)  # CUdevSmResource.smCount
+        desc, context, stream = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
+        check(cuda.cuDevResourceGenerateDesc(ctypes.byref(desc), part, 1), "GenerateDesc")
+        check(cuda.cuGreenCtxCreate(ctypes.byref(context), desc, device, 1), "cuGreenCtxCreate")
+        check(cuda.cuGreenCtxStreamCreate(ctypes.byref(stream), context, 1, 0),
+              "cuGreenCtxStreamCreate")  # flags 1: non-blocking, as the driver requires
+        streams.append(torch.cuda.ExternalStream(stream.value))
+        keep += [part, context]
+    return tuple(counts), streams + keep
 
 
 def green_probe(batch: int, context: int, fp8: bool, splits: list[int]) -> None:
     layers = Layers(batch, context, fp8)
     tag = f"{'FP8 + fp8 KV' if fp8 else 'bf16'} b{batch} ctx {context}"
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
     half = batch // 2
     halves = (slice(0, half), slice(half, batch))
     full = schedules(layers, batch)
     for name in ("serial", "serial_halves"):
         print(f"{tag:24} eager {name:44} {event_ms(full[name]):8.2f} ms/32 layers", flush=True)
     for attention_sms in splits:
-        keep = []
         try:
-            ctx_a, attention_stream = green_stream(attention_sms)
-            ctx_g, gemm_stream = green_stream(sms - attention_sms)
-            keep += [ctx_a, ctx_g]
+            (attention_sms, gemm_sms), handles = disjoint_green_streams(attention_sms)
         except Exception as error:  # noqa: BLE001 - a probe reports what the driver says
-            print(f"{tag:24} green {attention_sms}: not available: {error!r}")
+            print(f"{tag:24} green contexts not available: {error!r}")
             return
-        label = f"green attn {attention_sms} / GEMM {sms - attention_sms} SMs"
+        attention_stream, gemm_stream = handles[:2]
+        label = f"green attn {attention_sms} / GEMM {gemm_sms} SMs"
 
         def alone(stream, fn):
             def run():
@@ -203,23 +231,9 @@ def green_probe(batch: int, context: int, fp8: bool, splits: list[int]) -> None:
                 main.wait_stream(stream)
             return run
 
-        def overlapped():
-            main = torch.cuda.current_stream()
-            for _ in range(REPEATS):
-                for i in range(DISTINCT_LAYERS):
-                    for rows in halves:
-                        gemm_stream.wait_stream(main)
-                        attention_stream.wait_stream(main)
-                        with torch.cuda.stream(gemm_stream):
-                            layers.gemms(i, half)
-                        with torch.cuda.stream(attention_stream):
-                            layers.attention(i, rows)
-                        main.wait_stream(gemm_stream)
-                        main.wait_stream(attention_stream)
-
         def pipelined():
-            # Each stream runs its own chain; one event per layer keeps half b's attention
-            # after half a's GEMMs of the same layer (what a two-micro-batch decoder needs).
+            # Each half's attention waits for its own GEMMs only; the GEMM stream never waits
+            # for an attention, so this is an optimistic bound for two micro-batches.
             main = torch.cuda.current_stream()
             gemm_stream.wait_stream(main)
             attention_stream.wait_stream(main)
@@ -239,7 +253,8 @@ def green_probe(batch: int, context: int, fp8: bool, splits: list[int]) -> None:
         parts = {"attention(B/2) alone": alone(attention_stream,
                                                lambda i: layers.attention(i, halves[0])),
                  "GEMMs(B/2) alone": alone(gemm_stream, lambda i: layers.gemms(i, half)),
-                 "overlapped halves": overlapped, "pipelined halves": pipelined}
+                 "overlapped halves": overlapped(layers, batch, gemm_stream, attention_stream),
+                 "pipelined halves": pipelined}
         for name, fn in parts.items():
             ms = event_ms(fn)
             scale = 2 if "alone" in name else 1
