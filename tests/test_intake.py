@@ -211,6 +211,7 @@ BAD_SAMPLING = [
     ("top_p", 0, "(0, 1]"), ("top_p", 1.5, "got 1.5"), ("top_k", -2, ">= 0"),
     ("top_k", 2.5, "integer"), ("min_p", 2, "[0, 1]"), ("max_tokens", 0, ">= 1"),
     ("max_tokens", "10", "integer"), ("max_completion_tokens", True, "integer"),
+    ("max_completion_tokens", -3, "max_completion_tokens must be >= 1, got -3"),
     ("min_tokens", -1, ">= 0"), ("seed", -5, "2^63"), ("seed", 1.5, "integer"),
     ("n", 0, "[1, 128]"), ("n", 500, "[1, 128]"), ("stop", 5, "list of up to 16"),
     ("stop", ["ok", ""], "non-empty"), ("stop", ["s"] * 17, "16"),

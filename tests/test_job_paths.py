@@ -27,6 +27,8 @@ def _setup(tmp_path, output=None, incremental=None, storage="s"):
     (lambda t: t / "s" / "incremental" / "batch_x.rank1.jsonl", "--output", "incremental file"),
     (lambda t: (t / "d").mkdir() or t / "d", "--output", "is a folder"),
     (lambda t: (t / "f").write_text("") or t / "f" / "r.jsonl", "--output", "that is a file"),
+    (lambda t: t / "results.parquet", "--output", "written as JSONL"),
+    (lambda t: t / "results.jsonl.gz", "--output", "not .gz"),
 ])
 def test_unusable_output_paths_are_refused_by_flag(tmp_path, make_output, flag, needle):
     output = make_output(tmp_path)

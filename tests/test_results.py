@@ -15,6 +15,10 @@ def decode(token_id: int) -> str:
     return VOCAB[token_id]
 
 
+def decode_text(token_ids) -> str:
+    return "".join(VOCAB[t] for t in token_ids)
+
+
 def pending(kind="chat", logprobs=False, top=0, n=1, custom_id="req-1"):
     sampling = SamplingParams(max_tokens=8, n=n, logprobs=logprobs, top_logprobs=top)
     messages = [{"role": "user", "content": "hi"}] if kind == "chat" else None
@@ -35,7 +39,8 @@ def make(kind="chat", **kw):
     top = kw.pop("top", 0)
     n = kw.pop("n", 1)
     return success_line(pending(kind, logprobs, top, n), finished(n, logprobs), batch_id="batch_x",
-                        model="tiny", created=1700000000, decode_token=decode, **kw)
+                        model="tiny", created=1700000000, decode_token=decode,
+                        decode_text=decode_text, **kw)
 
 
 def test_chat_success_schema():
@@ -79,7 +84,7 @@ def test_text_completion_schema_with_logprobs():
 
 def test_logprobs_absent_unless_requested():
     line = success_line(pending(), finished(with_logprobs=True), batch_id="b", model="m",
-                        created=1, decode_token=decode)
+                        created=1, decode_token=decode, decode_text=decode_text)
     assert line["response"]["body"]["choices"][0]["logprobs"] is None
 
 
@@ -115,10 +120,29 @@ def test_failure_line_schema():
 def test_lines_are_deterministic_per_batch_and_custom_id():
     assert dumps(make()) == dumps(make())
     other = success_line(pending(), finished(), batch_id="batch_y", model="tiny",
-                         created=1700000000, decode_token=decode)
+                         created=1700000000, decode_token=decode, decode_text=decode_text)
     assert other["id"] != make()["id"]
     assert other["response"]["body"]["id"] != make()["response"]["body"]["id"]
     raw = dumps(make())
     assert raw.endswith(b"\n") and raw.count(b"\n") == 1 and orjson.loads(raw) == make()
     err = error_line("batch_x", IntakeError("req-1", 1, "c", "m"))
     assert err["id"] == make()["id"]  # same identity whatever the outcome
+
+
+def test_text_offsets_are_character_offsets_in_the_decoded_text():
+    """On a byte-level tokenizer a CJK character or an emoji spans several tokens, and a
+    skipped special token adds no character: each offset is where the token's text starts in
+    the whole text (a token inside a character: where that character starts)."""
+    from batchgen.io.results import char_offsets
+    from tiny_models import embedded_tokenizer
+
+    tok = embedded_tokenizer()
+    ids = tok.encode("日本的首都。 Party 🎉🎉 naïve", add_special_tokens=False)
+    ids = ids[:4] + [tok.eos_token_id] + ids[4:]
+    for skip in (True, False):
+        def decode_text(t, skip=skip):
+            return tok.decode(list(t), skip_special_tokens=skip)
+
+        expected = [len(decode_text(ids[:i]).rstrip("\ufffd")) for i in range(len(ids))]
+        assert char_offsets(ids, decode_text) == expected
+    assert expected != [sum(len(tok.decode([t])) for t in ids[:i]) for i in range(len(ids))]

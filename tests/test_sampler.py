@@ -53,6 +53,39 @@ def test_top_p_and_min_p_truncate():
         assert t in (0, 1)
 
 
+def test_top_p_counts_mass_among_the_top_k_only():
+    """top_k 3 keeps [0.4, 0.3, 0.2], renormalised [0.44, 0.33, 0.22]: top_p 0.42 then keeps
+    the first token alone (of the full softmax it holds 0.4 < 0.42, so the second would stay)."""
+    logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1]]))
+    seen = {sample(logits, rows([SamplingParams(top_k=3, top_p=0.42, seed=s)], [s])).token_ids[0]
+            for s in range(60)}
+    assert seen == {0}
+
+
+def test_truncation_keeps_what_hf_warpers_keep():
+    from transformers.generation.logits_process import (MinPLogitsWarper, TopKLogitsWarper,
+                                                        TopPLogitsWarper)
+
+    from batchgen.engine.sampler import _truncate
+
+    gen = torch.Generator().manual_seed(3)
+    for case in range(40):
+        logits = torch.randn(1, 64, generator=gen) * 3
+        top_k = [0, 1, 5, 20][case % 4]
+        top_p = [1.0, 0.3, 0.8, 0.95][(case // 4) % 4]
+        min_p = [0.0, 0.05][case % 2]
+        ours = _truncate(torch.log_softmax(logits, -1),
+                         [SamplingParams(top_k=top_k, top_p=top_p, min_p=min_p)])
+        ref = logits
+        if top_k:
+            ref = TopKLogitsWarper(top_k)(None, ref)
+        if top_p < 1:
+            ref = TopPLogitsWarper(top_p)(None, ref)
+        if min_p:
+            ref = MinPLogitsWarper(min_p)(None, ref)
+        assert torch.equal(torch.isfinite(ours), torch.isfinite(ref)), (top_k, top_p, min_p)
+
+
 def test_logprobs_are_log_softmax_of_raw_logits():
     logits = torch.randn(2, 50)
     p = SamplingParams(temperature=0.0, logprobs=True, top_logprobs=3)

@@ -20,7 +20,7 @@ from batchgen.engine.memory import PoolSizes, detect_gpu_arch, plan_pools
 from batchgen.engine.replicas import ReplicaCheck
 from batchgen.engine.runner import ModelRunner
 from batchgen.engine.sampler import SamplingRows
-from batchgen.engine.stops import StopChecker
+from batchgen.engine.stops import StopChecker, StopMatch
 from batchgen.parallel import TensorParallel
 from batchgen.sched.scheduler import Scheduler, ScheduleOutput, SeqChunk
 from batchgen.sched.sequence import Sequence, SeqState
@@ -34,6 +34,16 @@ steps are wasted (short answers get short bursts)."""
 
 KV_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16,
              "fp8_e4m3fn": torch.float8_e4m3fn}
+
+
+def choice_seed(seed: int, choice: int) -> int:
+    """The seed of a request's choice: choice 0 draws with the request's seed itself, the
+    others with a hash of it, so that n choices of seed s never repeat the answers of seeds
+    s+1, s+2, ... (a seed sweep with n > 1 would share most of its samples)."""
+    if choice == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}:{choice}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % 2**63
 
 
 def pick_device(name: str) -> torch.device:
@@ -122,7 +132,7 @@ class Engine:
         base_seed = (params.seed if params.seed is not None
                      else self._derived_seed(request.request_id))
         seqs = [Sequence(self._next_seq + i, request.request_id, i, list(request.prompt_token_ids),
-                         len(request.prompt_token_ids), params, (base_seed + i) % 2**63,
+                         len(request.prompt_token_ids), params, choice_seed(base_seed, i),
                          matcher=request.grammar.matcher() if request.grammar else None)
                 for i in range(params.n)]
         for seq in seqs:
@@ -362,9 +372,11 @@ class Engine:
     def _complete(self, seq: Sequence, reason: FinishReason, stop) -> FinishedRequest | None:
         self.scheduler.finish(seq, natural=True)
         tokens = seq.token_ids[seq.prompt_len:]
-        text = self.stops.final_text(seq, stop if isinstance(stop, str) else None)
+        matched = stop if isinstance(stop, StopMatch) else None
+        text = self.stops.final_text(seq, matched)
         self._done[seq.request_id].append(Completion(
-            seq.choice, tokens, reason, text, seq.logprobs, stop))
+            seq.choice, tokens, reason, text, seq.logprobs,
+            matched.stop if matched is not None else stop))
         group = self._groups[seq.request_id]
         if len(self._done[seq.request_id]) < len(group):
             return None

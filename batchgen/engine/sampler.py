@@ -161,7 +161,9 @@ def _sample_random(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
 
 
 def _truncate(logprobs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Apply top-k, top-p and min-p (in that order) by masking to -inf."""
+    """Apply top-k, top-p and min-p (in that order) by masking to -inf. Each filter sees the
+    distribution the previous one left, renormalised (as HF's warpers and vLLM apply them):
+    top-p's mass is counted among the top k tokens only."""
     device = logprobs.device
     vocab = logprobs.shape[-1]
     top_k_host = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
@@ -171,9 +173,10 @@ def _truncate(logprobs: torch.Tensor, params: list[SamplingParams]) -> torch.Ten
         top_p = _upload([p.top_p for p in params], torch.float32, device)
         sorted_lp, order = logprobs.sort(dim=-1, descending=True)
         rank = torch.arange(logprobs.shape[-1], device=device)[None, :]
-        probs = sorted_lp.exp()
+        sorted_lp = sorted_lp.masked_fill(rank >= top_k[:, None], float("-inf"))
+        probs = sorted_lp.softmax(dim=-1)
         before = probs.cumsum(dim=-1) - probs  # mass strictly above this token
-        drop = (rank >= top_k[:, None]) | (before >= top_p[:, None])
+        drop = before >= top_p[:, None]
         drop[:, 0] = False
         sorted_lp = sorted_lp.masked_fill(drop, float("-inf"))
         logprobs = torch.empty_like(logprobs).scatter_(-1, order, sorted_lp)

@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from batchgen.sched.sequence import Sequence
 
 TAIL_SLACK = 8
-"""Extra tokens decoded beyond the longest stop string, for multi-token characters."""
+"""Extra tokens decoded beyond the longest stop string, so the tail's first characters (cut
+mid-character, or missing a leading space) lie before any match."""
+
+
+class StopMatch(NamedTuple):
+    """A stop string found in the newest text, and where: `from_end` characters of the
+    generated text, counted back from its end, start at the match (where the text is cut)."""
+
+    stop: str
+    from_end: int
 
 
 class StopChecker:
@@ -13,34 +24,45 @@ class StopChecker:
         self.tokenizer = tokenizer
         self.skip_special = skip_special_tokens
 
-    def match(self, seq: Sequence) -> str | None:
-        """The stop string that the newest tokens completed, if any.
+    def match(self, seq: Sequence) -> StopMatch | None:
+        """The stop string that the newest token completed, if any; of several, the one that
+        starts first in the text (as OpenAI and vLLM cut).
 
-        Only a tail is decoded each step (a stop string of L characters spans at most L
-        tokens), so the check stays O(L) per token instead of O(length).
+        Only a tail is decoded each step, so the check stays O(L) per token instead of
+        O(length): a stop string of B UTF-8 bytes spans at most B tokens (an emoji is one
+        character but up to 4 byte tokens).
         """
         if self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; pass one to Engine")
         stops = seq.sampling.stop
-        tail = max(len(s) for s in stops) + TAIL_SLACK
-        generated = seq.token_ids[seq.prompt_len:]
-        text = self.tokenizer.decode(generated[-tail:], skip_special_tokens=self.skip_special)
-        last = self.tokenizer.decode(generated[-1:], skip_special_tokens=self.skip_special)
-        # Only stops that end within the newest token's text count now; earlier ones would
-        # have stopped the sequence already.
-        window = text[-(max(len(s) for s in stops) + len(last)):]
-        for stop in stops:
-            if stop in window:
-                return stop
-        return None
+        tail = max(len(s.encode("utf-8")) for s in stops) + TAIL_SLACK
+        generated = seq.token_ids[seq.prompt_len:][-tail:]
+        text = self.tokenizer.decode(generated, skip_special_tokens=self.skip_special)
+        before = self.tokenizer.decode(generated[:-1], skip_special_tokens=self.skip_special)
+        # Where the newest token's characters begin (an unfinished character, shown as
+        # U+FFFD, is finished by this token). Only stops ending after that count now: earlier
+        # ones stopped the sequence already or fell among the first min_tokens tokens, where
+        # they are suppressed.
+        new_from = len(before.rstrip("\ufffd"))
+        found = []
+        for order, stop in enumerate(stops):
+            start = text.find(stop, max(0, new_from - len(stop) + 1))
+            if start >= 0:
+                found.append((start, order))
+        if not found:
+            return None
+        start, order = min(found)
+        return StopMatch(stops[order], len(text) - start)
 
-    def final_text(self, seq: Sequence, stop: str | None) -> str | None:
+    def final_text(self, seq: Sequence, stop: StopMatch | None) -> str | None:
         if self.tokenizer is None:
             return None
         text = self.tokenizer.decode(seq.token_ids[seq.prompt_len:],
                                      skip_special_tokens=self.skip_special)
         if stop is not None:
-            cut = text.find(stop)
+            cut = len(text) - stop.from_end
+            if text[cut:cut + len(stop.stop)] != stop.stop:
+                cut = text.rfind(stop.stop)  # the tail decoded apart from the whole text
             if cut >= 0:
                 text = text[:cut]
         return text

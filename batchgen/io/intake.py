@@ -21,7 +21,8 @@ CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
 EXTRA_FIELDS = ("tools", "tool_choice", "response_format", "parallel_tool_calls",
                 "chat_template_kwargs")
-"""Body fields carried to the template / output parsers; response_format is not enforced."""
+"""Body fields carried to the chat template, the output parsers and, for response_format
+(json_object, json_schema), the grammar that constrains sampling."""
 _RESERVED_TEMPLATE_KWARGS = {"conversation", "messages", "tools", "tokenize",
                              "add_generation_prompt", "chat_template", "return_dict"}
 _ALLOWED = {
@@ -307,9 +308,11 @@ def parse_sampling(body: dict, kind: str, default_max_tokens: int = 256) -> Samp
     try:
         params.validate()
     except ValueError as e:
-        name = str(e).split(" ", 1)[0]
+        name, rest = (str(e).split(" ", 1) + [""])[:2]
         got = f", got {getattr(params, name)!r}" if name in _SAMPLING_FIELDS else ""
-        raise _BadLine("invalid_sampling_param", f"{e}{got}") from None
+        if name == "max_tokens" and body.get("max_completion_tokens") is not None:
+            name = "max_completion_tokens"  # the field the line spelled
+        raise _BadLine("invalid_sampling_param", f"{name} {rest}{got}".strip()) from None
     return params
 
 

@@ -84,13 +84,15 @@ def failure_line(batch_id: str, custom_id: str, line: int, code: str, message: s
 
 def success_line(pending: PendingRequest, finished: FinishedRequest, *, batch_id: str,
                  model: str, created: int, decode_token: Callable[[int], str],
+                 decode_text: Callable[[Sequence[int]], str],
                  texts: Sequence[str] | None = None,
                  parsed: Sequence[ParsedChoice | None] | None = None,
                  reasoning_field: str = "reasoning_content") -> dict:
     """The 200 result of a finished request.
 
     texts: detokenized text per choice (default: each Completion.text). parsed: parser output
-    per choice (chat only). decode_token: token id -> its text, for logprobs."""
+    per choice (chat only). decode_token: token id -> its text, for logprobs; decode_text:
+    token ids -> text as the choices' texts are decoded, for the completions' text_offset."""
     completions = sorted(finished.completions, key=lambda c: c.index)
     texts = list(texts) if texts is not None else [_text_of(c) for c in completions]
     top_n = pending.sampling.top_logprobs if pending.sampling.logprobs else -1
@@ -99,7 +101,8 @@ def success_line(pending: PendingRequest, finished: FinishedRequest, *, batch_id
                    for c, t, p in zip(completions, texts, parsed or [None] * len(completions))]
         obj = "chat.completion"
     else:
-        choices = [_text_choice(c, t, top_n, decode_token) for c, t in zip(completions, texts)]
+        choices = [_text_choice(c, t, top_n, decode_token, decode_text)
+                   for c, t in zip(completions, texts)]
         obj = "text_completion"
     body = {"id": completion_id(batch_id, pending.custom_id, pending.kind), "object": obj,
             "created": created, "model": model, "choices": choices,
@@ -156,21 +159,42 @@ def _chat_logprob(lp: TokenLogprob, top_n: int, decode: Callable[[int], str]) ->
     return entry
 
 
-def _text_choice(c: Completion, text: str, top_n: int, decode: Callable[[int], str]) -> dict:
+def _text_choice(c: Completion, text: str, top_n: int, decode: Callable[[int], str],
+                 decode_text: Callable[[Sequence[int]], str]) -> dict:
     logprobs = None
     if top_n >= 0 and c.logprobs is not None:
-        logprobs = _text_logprobs(c.logprobs, top_n, decode)
+        logprobs = _text_logprobs(c.logprobs, top_n, decode,
+                                  char_offsets([lp.token_id for lp in c.logprobs], decode_text))
     return {"index": c.index, "text": text, "logprobs": logprobs,
             "finish_reason": c.finish_reason.value}
 
 
-def _text_logprobs(lps: list[TokenLogprob], top_n: int, decode: Callable[[int], str]) -> dict:
-    tokens, offsets, top, offset = [], [], [], 0
+def char_offsets(token_ids: Sequence[int],
+                 decode_text: Callable[[Sequence[int]], str]) -> list[int]:
+    """Where each token's characters start in decode_text(token_ids): the length of the text
+    before it, an unfinished character (shown as U+FFFD) not counted. A token's own text is
+    not that (a multi-byte character split over tokens, a tokenizer that drops a leading space
+    or skips special tokens), and decoding every prefix would be quadratic: the text before
+    each token is decoded from the last two points where it was whole."""
+    offsets = []
+    whole, whole_len = 0, 0  # token_ids[:whole] decodes to whole_len whole characters
+    anchor = 0  # the whole point before `whole`: decoding from it keeps a leading space
+    for i in range(len(token_ids)):
+        head = decode_text(token_ids[anchor:i])
+        anchor_len = len(decode_text(token_ids[anchor:whole]))
+        offsets.append(whole_len + len(head.rstrip("\ufffd")) - anchor_len)
+        if not head.endswith("\ufffd"):
+            whole_len += len(head) - anchor_len
+            anchor, whole = whole, i
+    return offsets
+
+
+def _text_logprobs(lps: list[TokenLogprob], top_n: int, decode: Callable[[int], str],
+                   offsets: list[int]) -> dict:
+    tokens, top = [], []
     for lp in lps:
         token = decode(lp.token_id)
         tokens.append(token)
-        offsets.append(offset)  # character offset within the generated text
-        offset += len(token)
         # Legacy format: the chosen token plus the top alternatives, token text -> logprob.
         alternatives = {decode(t): _floor(p) for t, p in lp.top[:top_n]}
         alternatives.setdefault(token, _floor(lp.logprob))

@@ -35,7 +35,18 @@ def make_job_dirs(config: JobConfig, paths: JobPaths) -> None:
     paths.make_dirs()
 
 
+NOT_JSONL = {".parquet", ".pq", ".csv", ".tsv", ".arrow", ".feather", ".xlsx", ".gz", ".bz2",
+             ".xz", ".zst", ".zip"}
+"""--output suffixes that promise another format: results are always JSONL lines."""
+
+
 def _check_outputs(config: JobConfig, paths: JobPaths) -> None:
+    suffix = paths.output.suffix.lower()
+    if suffix in NOT_JSONL:
+        raise ConfigError("output", str(paths.output),
+                          f"results are written as JSONL (OpenAI batch output lines), not "
+                          f"{suffix}: give a .jsonl path and convert it afterwards (e.g. "
+                          "pyarrow.json.read_json(path) for Parquet)")
     source = Path(config.storage.input).resolve()
     incremental = {p.resolve() for p in (paths.incremental(), *paths.incremental_files())}
     for target in (paths.output, paths.errors_output):

@@ -20,6 +20,8 @@ class OutputFormatter:
         override = None if out.tool_call_parser == "auto" else out.tool_call_parser
         self.tool_parser = tool_parser_for(model_type, override) if out.parse_tool_call else None
         self.reasoning_field = out.reasoning_field
+        self.skip_special = not out.detokenization_include_special_tokens
+        """As the engine decodes the choices' texts."""
         self._token_text: dict[int, str] = {}
 
     def decode_token(self, token_id: int) -> str:
@@ -29,12 +31,16 @@ class OutputFormatter:
             self._token_text[token_id] = text
         return text
 
+    def decode_text(self, token_ids) -> str:
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=self.skip_special)
+
     def success(self, pending: PendingRequest, finished: FinishedRequest) -> dict:
         parsed = None
         if pending.kind == "chat" and (self.reasoning_style or self.tool_parser):
             parsed = [self._parse(c) for c in finished.completions]
         return success_line(pending, finished, batch_id=self.spec.batch_id, model=self.model_name,
                             created=self.spec.created, decode_token=self.decode_token,
+                            decode_text=self.decode_text,
                             parsed=parsed, reasoning_field=self.reasoning_field)
 
     def _parse(self, completion) -> ParsedChoice:

@@ -1,0 +1,90 @@
+"""Stop strings on a real byte-level tokenizer (SmolLM2's): the text is cut where the earliest
+stop starts, among those the newest token completed after min_tokens; multi-token characters
+(emoji, CJK) included."""
+
+import random
+
+import pytest
+
+from batchgen.core import SamplingParams
+from batchgen.engine.stops import StopChecker
+from batchgen.sched.sequence import Sequence
+from tiny_models import embedded_tokenizer
+
+TEXTS = ["Once upon a time, the city of Nova Haven was a thriving place.",
+         "Party time! 🎉🎉🎉🎉🎉🎉🎉 and then 🎉 again.",
+         "日本的首都是东京。东京很大，人口很多。",
+         "a.\nb.\n\nc. The end.\n",
+         "mixed: naïve café – “quoted” 😀 text ÿ"]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return embedded_tokenizer()
+
+
+def run(tok, text: str, stops: list[str], min_tokens: int = 0):
+    """Feed text's tokens one by one as the engine does; (final text, matched stop)."""
+    checker = StopChecker(tok)
+    ids = tok.encode(text, add_special_tokens=False)
+    seq = Sequence(0, "r", 0, [1, 2, 3], 3, SamplingParams(stop=stops, min_tokens=min_tokens), 0)
+    for token in ids:
+        seq.token_ids.append(token)
+        if seq.num_decoded >= min_tokens and (found := checker.match(seq)) is not None:
+            return checker.final_text(seq, found), found.stop
+    return checker.final_text(seq, None), None
+
+
+def reference(tok, text: str, stops: list[str], min_tokens: int = 0):
+    """The same from whole-text decodes: at each token from min_tokens on, the stops that end
+    inside that token's characters; the earliest-starting one cuts."""
+    ids = tok.encode(text, add_special_tokens=False)
+    for n in range(max(1, min_tokens), len(ids) + 1):
+        full = tok.decode(ids[:n])
+        before = len(tok.decode(ids[:n - 1]).rstrip("\ufffd"))
+        found = []
+        for order, stop in enumerate(stops):
+            start = full.find(stop, max(0, before - len(stop) + 1))
+            if start >= 0 and start + len(stop) > before:
+                found.append((start, order))
+        if found:
+            start, order = min(found)
+            return full[:start], stops[order]
+    return tok.decode(ids), None
+
+
+@pytest.mark.parametrize("stops, expected", [
+    (["y", "it"], ("Once upon a time, the c", "it")),  # one token " city" completes both
+    (["it", "y"], ("Once upon a time, the c", "it")),
+    (["Nova", "time"], ("Once upon a ", "time")),
+])
+def test_the_earliest_stop_cuts_whatever_the_list_order(tok, stops, expected):
+    assert run(tok, TEXTS[0], stops) == expected
+
+
+def test_min_tokens_cuts_at_the_stop_that_ended_generation(tok):
+    # "i" first appears in "time", among the suppressed tokens; the cut is at a later "i".
+    text, stop = run(tok, TEXTS[0], ["i"], min_tokens=6)
+    assert stop == "i" and text == reference(tok, TEXTS[0], ["i"], 6)[0]
+    assert text.startswith("Once upon a time") and len(text) > len("Once upon a time")
+
+
+def test_stops_of_many_byte_tokens_match(tok):
+    party = "🎉" * 6  # 6 characters, 24 bytes: more tokens than characters
+    assert run(tok, TEXTS[1], [party]) == ("Party time! ", party)
+    assert run(tok, TEXTS[2], ["东京很大"]) == ("日本的首都是东京。", "东京很大")
+
+
+def test_random_stops_agree_with_whole_text_decodes(tok):
+    rng = random.Random(7)
+    for _ in range(150):
+        text = rng.choice(TEXTS)
+        stops = []
+        for _ in range(rng.randint(1, 3)):
+            start = rng.randrange(len(text))
+            stops.append(text[start:start + rng.randint(1, 8)])
+        if rng.random() < 0.3:
+            stops.append("never in any text")
+        min_tokens = rng.choice([0, 0, 2, 5])
+        assert run(tok, text, stops, min_tokens) == reference(tok, text, stops, min_tokens), \
+            (text, stops, min_tokens)
