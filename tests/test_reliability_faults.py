@@ -174,3 +174,18 @@ def test_corrupt_middle_line_is_refused_with_a_way_out(tmp_path, tiny_chat_model
                    check=True, capture_output=True)
     run(inp, storage, tiny_chat_model, check=True)
     check_against_clean(storage, tiny_chat_model, same_job=True)
+
+
+def test_a_result_of_no_input_record_does_not_stand_in_for_one(tmp_path, tiny_chat_model):
+    """A saved result whose custom_id is no input record's (here a damaged id) must not count
+    as done: the record it hid is answered, the stray line left out of the final files."""
+    storage = copy_clean(tiny_chat_model, tmp_path / "s")
+    shutil.rmtree(storage / "outputs")  # as if killed before finalisation
+    path = incremental_file(storage)
+    blob = path.read_bytes()
+    victim = f'"custom_id":"{ROWS[3]["custom_id"]}"'.encode()
+    assert blob.count(victim) == 1
+    path.write_bytes(blob.replace(victim, b'"custom_id":"no-such-record"'))
+    proc = run(clean_input(tiny_chat_model), storage, tiny_chat_model, check=True)
+    assert "1 saved results belong to no record" in proc.stderr
+    check_against_clean(storage, tiny_chat_model, same_job=True)

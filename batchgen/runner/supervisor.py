@@ -32,7 +32,7 @@ from batchgen.io.jobfiles import (
     errors_path_for,
     record_upload,
 )
-from batchgen.io.reader import InputSummary, scan_input
+from batchgen.io.reader import InputSummary, iter_keys, scan_input
 from batchgen.io.writer import (IncompleteResults, final_files_complete, finalize,
                                 read_done_ids)
 from batchgen.models.loader import resolve_model, weights_signature
@@ -157,7 +157,7 @@ def _run(config: JobConfig, stops: StopSignals, member: Member) -> int:
                 if group is not None:
                     group.publish_final("done")
                 return 0
-            already = len(read_done_ids(paths.incremental_files()))  # refuses a corrupt file
+            already = done_records(config, paths, summary.records)
             left = summary.records - already
             preflight(config, paths, summary.size_bytes, summary.records, left)
             model_folder(config.engine.model, config.dist.world_size,
@@ -166,6 +166,22 @@ def _run(config: JobConfig, stops: StopSignals, member: Member) -> int:
                            {"input_bytes": summary.size_bytes, "left": left}, input_version)
     finally:
         lock.release()
+
+
+def done_records(config: JobConfig, paths: JobPaths, records: int) -> int:
+    """How many input records have a saved result (a corrupt incremental file is refused).
+    When the results seem to cover every record, their ids are checked against the input's:
+    a result whose custom_id is no input's (a damaged id, a line from another file) must not
+    stand in for a record that has none, or no worker would ever run to answer it."""
+    done = read_done_ids(paths.incremental_files())
+    if len(done) < records:
+        return len(done)
+    answered = sum(1 for _, key in iter_keys(config.storage.input) if key in done)
+    if answered < len(done):
+        log.warning("%d saved results belong to no record of %s (ignored: the final files "
+                    "hold one line per input record)", len(done) - answered,
+                    config.storage.input)
+    return answered
 
 
 @contextlib.contextmanager
