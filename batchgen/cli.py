@@ -192,7 +192,9 @@ def convert(output: Path = typer.Option(..., "--output", help="Folder to write (
         cfg.validate()
     except ConfigError as err:
         _fail(str(err))
-    with _user_errors():
+    from batchgen.runner.errors import disk_errors
+
+    with _user_errors(), disk_errors(f"write the converted model beside {output}"):
         convert_model(cfg, output, world_size, tensor_parallel_size)
     typer.echo(f"converted -> {output}")
 

@@ -71,8 +71,7 @@ def test_finished_conversion_is_kept_when_a_racing_one_finishes(tmp_path):
     out, ours = tmp_path / "out", tmp_path / "ours"
     ours.mkdir()
     (ours / MANIFEST).write_text("ours")
-    out.mkdir()
-    (out / "half-written").write_text("")  # no manifest: not a finished conversion
+    out.mkdir()  # empty: the conversion goes in
     convert._publish(ours, out)
     assert (out / MANIFEST).read_text() == "ours" and not ours.exists()
     theirs = tmp_path / "theirs"
@@ -80,3 +79,69 @@ def test_finished_conversion_is_kept_when_a_racing_one_finishes(tmp_path):
     (theirs / MANIFEST).write_text("theirs")
     convert._publish(theirs, out)
     assert (out / MANIFEST).read_text() == "ours"
+
+
+def test_a_folder_of_other_files_is_never_replaced_by_a_conversion(tmp_path):
+    """--converted-ckpt-dir naming a folder that holds the user's files (no manifest) is
+    refused before any dequantizing, and the files stay."""
+    from batchgen.models import convert
+
+    folder = tmp_path / "mymodels"
+    (folder / "other-model").mkdir(parents=True)
+    (folder / "other-model" / "model.safetensors").write_text("precious")
+    with pytest.raises(CheckpointError, match="holds other files.*--converted-ckpt-dir"):
+        convert.converted_for_gguf(tmp_path / "unused.gguf", str(folder))
+    ours = tmp_path / "ours"
+    ours.mkdir()
+    (ours / MANIFEST).write_text("ours")
+    with pytest.raises(CheckpointError, match="holds other files"):
+        convert._publish(ours, folder)  # a folder that appeared while converting
+    assert (folder / "other-model" / "model.safetensors").read_text() == "precious"
+
+
+def test_conversions_killed_outright_leave_no_folder_behind(tmp_path):
+    """A killed conversion's temp folder is removed by the next one unless a live process
+    holds its lock (or, without a lock file, while it is recent)."""
+    import fcntl
+
+    from batchgen.models import convert
+
+    def temp(name: str, lock: bool = True):
+        folder = tmp_path / f"{convert.TEMP_PREFIX}{name}"
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"x" * 100)
+        if lock:
+            folder.with_name(folder.name + ".lock").write_text("")
+        return folder
+
+    killed, live, old, recent = temp("killed"), temp("live"), temp("old", False), temp("new", False)
+    os.utime(old, (1, 1))
+    holder = os.open(live.with_name(live.name + ".lock"), os.O_RDWR)
+    fcntl.flock(holder, fcntl.LOCK_EX)  # another open file: as another process would hold it
+    try:
+        with convert.conversion_folder(tmp_path) as mine:
+            assert mine.is_dir() and mine.with_name(mine.name + ".lock").exists()
+            assert not killed.exists() and not old.exists()
+            assert live.exists() and recent.exists()
+        assert not mine.exists() and not mine.with_name(mine.name + ".lock").exists()
+    finally:
+        os.close(holder)
+
+
+def test_a_full_disk_while_saving_is_an_os_error(tmp_path, monkeypatch):
+    """safetensors reports ENOSPC as its own error type: it becomes the OSError the job runner
+    turns into exit 6 with one clear line."""
+    import errno
+
+    import safetensors.torch
+
+    from batchgen.models import convert
+
+    def full(*args, **kwargs):
+        raise RuntimeError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, '
+                           'message: "No space left on device" })')
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    with pytest.raises(OSError) as err:
+        convert.save_weights(tmp_path / "m.safetensors", object(), {"w": torch.zeros(2)})
+    assert err.value.errno == errno.ENOSPC

@@ -13,13 +13,17 @@ rank reads 1/T of the weights and slices nothing; only a run at that TP size can
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import importlib.util
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -138,14 +142,61 @@ def rank_shard(folder: Path, tp: TensorParallel) -> str | None:
     return shard_name(tp.rank, size)
 
 
+TEMP_PREFIX = ".convert-"
+UNLOCKED_TEMP_AGE_S = 3600.0
+"""A temp folder without its lock file (made by an older batchgen) is left alone this long."""
+
+
+@contextlib.contextmanager
+def conversion_folder(parent: Path):
+    """A temp folder beside the destination, locked (flock on a sibling `.lock` file) while
+    this process fills it and removed after. A conversion killed outright leaves its folder,
+    a whole model's size: each new conversion first removes those whose lock no live process
+    holds."""
+    parent.mkdir(parents=True, exist_ok=True)
+    _remove_abandoned(parent)
+    tmp = Path(tempfile.mkdtemp(prefix=TEMP_PREFIX, dir=parent))
+    lock = tmp.with_name(tmp.name + ".lock")
+    fd = os.open(lock, os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        lock.unlink(missing_ok=True)
+        os.close(fd)
+
+
+def _remove_abandoned(parent: Path) -> None:
+    for folder in parent.glob(TEMP_PREFIX + "*"):
+        if folder.suffix == ".lock" or not folder.is_dir():
+            continue
+        lock = folder.with_name(folder.name + ".lock")
+        try:
+            if not lock.exists():
+                if time.time() - folder.stat().st_mtime > UNLOCKED_TEMP_AGE_S:
+                    shutil.rmtree(folder, ignore_errors=True)
+                continue
+            fd = os.open(lock, os.O_RDWR)
+        except OSError:
+            continue  # gone meanwhile, or not ours to touch
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # a live conversion
+        finally:
+            os.close(fd)  # closing drops the lock we may have taken
+        log.info("removing %s, left by a conversion that was killed", folder)
+        shutil.rmtree(folder, ignore_errors=True)
+        lock.unlink(missing_ok=True)
+
+
 def convert_gguf(gguf: Path, out_dir: Path) -> Path:
     """Dequantize a GGUF model into our layout, atomically (temp folder + rename)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log.info("converting %s (dequantizing GGUF, one-off) into %s", gguf, out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=out_dir.parent))
-    try:
+    with conversion_folder(out_dir.parent) as tmp:
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
                                                      dtype=torch.float32)
@@ -157,8 +208,6 @@ def convert_gguf(gguf: Path, out_dir: Path) -> Path:
         write_converted(tmp, config, tokenizer, model.state_dict(), source=str(gguf),
                         dtype="float32", world_size=1)
         _publish(tmp, out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
 
 
@@ -168,8 +217,9 @@ def _publish(tmp: Path, out_dir: Path) -> None:
     is then kept, never removed under a run that may be reading it."""
     if (out_dir / MANIFEST).is_file():
         return
-    if out_dir.exists():  # without a manifest it is no finished conversion
-        shutil.rmtree(out_dir, ignore_errors=True)
+    _refuse_foreign_folder(out_dir)
+    if out_dir.exists():
+        out_dir.rmdir()  # empty: os.replace needs it gone
     try:
         os.replace(tmp, out_dir)
     except OSError:
@@ -191,7 +241,16 @@ def save_weights(path: Path, hf_config, state_dict: dict) -> None:
     tensors = {k: v.contiguous() for k, v in state_dict.items()}
     if getattr(hf_config, "tie_word_embeddings", False):
         tensors.pop("lm_head.weight", None)
-    save_file(tensors, str(path))
+    try:
+        save_file(tensors, str(path))
+    except OSError:
+        raise
+    except Exception as err:  # safetensors reports I/O failures as its own error type
+        code = re.search(r"os error (\d+)|code: (\d+)", str(err))
+        if code is None:
+            raise
+        number = int(code.group(1) or code.group(2))
+        raise OSError(number, os.strerror(number), str(path)) from err
 
 
 def write_metadata(folder: Path, hf_config, tokenizer, files: list[str], *, source: str,
@@ -207,6 +266,16 @@ def write_metadata(folder: Path, hf_config, tokenizer, files: list[str], *, sour
     (folder / MANIFEST).write_text(json.dumps(manifest, indent=2))
 
 
+def _refuse_foreign_folder(folder: Path) -> None:
+    """A conversion goes into a new or empty folder, never over files it did not write."""
+    if folder.exists() and not (folder / MANIFEST).is_file() and (
+            not folder.is_dir() or any(folder.iterdir())):
+        raise CheckpointError(
+            f"{folder} exists and holds other files (no {MANIFEST}: not a converted "
+            "checkpoint), so a conversion would replace them; point --converted-ckpt-dir at a "
+            "new or empty folder, or at a folder batchgen converted before")
+
+
 def converted_for_gguf(gguf: Path, converted_dir: str | None) -> Path:
     """The converted folder for a GGUF file, converting on first use."""
     folder = Path(converted_dir).expanduser() if converted_dir else default_cache_root() / (
@@ -214,6 +283,7 @@ def converted_for_gguf(gguf: Path, converted_dir: str | None) -> Path:
     if (folder / MANIFEST).is_file():
         log.debug("using converted checkpoint %s (no GGUF dequantization)", folder)
         return folder
+    _refuse_foreign_folder(folder)  # before minutes of dequantizing, not after
     return convert_gguf(gguf, folder)
 
 
@@ -232,9 +302,7 @@ def convert_model(cfg, output: Path, world_size: int = 1, tensor_parallel_size: 
         raise CheckpointError(f"{output} exists and is not empty: choose a new folder")
     # Host-offloaded experts are not parameters, so a state dict would miss them.
     cfg = replace(cfg, enable_ep_with_offloading=False, ep_offloading_ratio=0.0)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=output.parent))
-    try:
+    with conversion_folder(output.parent) as tmp:
         if tensor_parallel_size == 1:
             loaded = _load_for_conversion(cfg, None)
             write_converted(tmp, loaded.hf_config, loaded.tokenizer, loaded.model.state_dict(),
@@ -245,8 +313,6 @@ def convert_model(cfg, output: Path, world_size: int = 1, tensor_parallel_size: 
         if output.exists():
             output.rmdir()
         os.replace(tmp, output)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return output
 
 

@@ -160,8 +160,9 @@ def _run(config: JobConfig, stops: StopSignals, member: Member) -> int:
             already = done_records(config, paths, summary.records)
             left = summary.records - already
             preflight(config, paths, summary.size_bytes, summary.records, left)
-            model_folder(config.engine.model, config.dist.world_size,
-                         config.dist.tensor_parallel_size)  # not found / convert: here
+            with disk_errors("convert the model into the converted-checkpoint cache"):
+                model_folder(config.engine.model, config.dist.world_size,
+                             config.dist.tensor_parallel_size)  # not found / convert: here
         return _run_locked(spec, batch_file, already, stops, member,
                            {"input_bytes": summary.size_bytes, "left": left}, input_version)
     finally:
