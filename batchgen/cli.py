@@ -62,7 +62,8 @@ def validate(input: Path = typer.Option(..., "--input", help="JSONL or Parquet r
 
 
 @app.command()
-def status(batch_id: Optional[str] = typer.Argument(None, help="Job id (default: every job)."),
+def status(batch_id: Optional[str] = typer.Argument(
+               None, help="Job id, or a job folder (default: every job under --storage-path)."),
            storage_path: str = typer.Option("batchgen/storage/", help="Job folder.")):
     """Status, request counts, tokens, throughput and health of jobs."""
     from batchgen.runner.status import show_status

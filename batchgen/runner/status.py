@@ -12,18 +12,31 @@ from rich.table import Table
 from batchgen.runner.progress import read_worker_stats
 
 
-def show_status(storage: Path, batch_id: str | None) -> int:
+def show_status(storage: Path, target: str | None) -> int:
+    """Print each job's table. target: a batch id under `storage`, or a job folder (a storage
+    path: every job in it); None: every job under `storage`."""
+    batch_id = target
+    if target is not None and ("/" in target or Path(target).is_dir()):
+        storage, batch_id = Path(target), None
     batches = storage / "batches"
-    files = sorted(batches.glob(f"{batch_id or '*'}.json"))
-    files = [f for f in files if f.stem.count(".") == 0]
+    if batch_id is None:
+        files = sorted(p for p in batches.glob("*.json") if p.stem.count(".") == 0)
+    else:  # an id is a file name, never a pattern
+        files = [p for p in [batches / f"{batch_id}.json"] if p.is_file()]
     if not files:
-        Console(stderr=True).print(f"no job{' ' + batch_id if batch_id else ''} under {storage}")
+        Console(stderr=True, soft_wrap=True).print(
+            f"no job{' ' + batch_id if batch_id else ''} under {storage} (give a batch id with "
+            "--storage-path, or a job folder)")
         return 1
-    console = Console()
+    console, failed = Console(), 0
     for path in files:
-        state = orjson.loads(path.read_bytes())
-        console.print(_table(state, read_worker_stats(batches, state["batch_id"])))
-    return 0
+        try:
+            state = orjson.loads(path.read_bytes())
+            console.print(_table(state, read_worker_stats(batches, state["batch_id"])))
+        except (OSError, orjson.JSONDecodeError, KeyError, TypeError) as err:
+            Console(stderr=True, soft_wrap=True).print(f"cannot read {path}: {err!r}")
+            failed = 1
+    return failed
 
 
 def _table(state: dict, workers: list[dict]) -> Table:
@@ -40,8 +53,10 @@ def _table(state: dict, workers: list[dict]) -> Table:
     for key, value in state.get("health", {}).items():
         table.add_row(f"health.{key}", str(value))
     now = time.time()
-    for w in workers:
-        table.add_row(f"rank {w['rank']}", f"{w['completed']} done, {w['failed']} failed, "
+    for w in workers:  # stats files are rewritten as workers go: take what is there
+        beat = w.get("heartbeat")
+        table.add_row(f"rank {w.get('rank', '?')}",
+                      f"{w.get('completed', 0)} done, {w.get('failed', 0)} failed, "
                       f"{w.get('output_tokens_per_s', 0):,.1f} out tok/s, heartbeat "
-                      f"{now - w['heartbeat']:.0f}s ago")
+                      + (f"{now - beat:.0f}s ago" if isinstance(beat, (int, float)) else "none"))
     return table

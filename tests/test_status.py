@@ -1,0 +1,51 @@
+"""`batchgen status`: a job by id, every job of a storage path, or a job folder given as the
+argument (as DESIGN.md writes it); ids are names, never patterns; unreadable files are named."""
+
+import json
+
+from typer.testing import CliRunner
+
+from batchgen.cli import app
+
+IDS = ("batch_aaa", "batch_bbb")
+
+
+def storage_with_jobs(root):
+    batches = root / "batches"
+    batches.mkdir(parents=True)
+    for i, batch_id in enumerate(IDS):
+        (batches / f"{batch_id}.json").write_text(json.dumps({
+            "batch_id": batch_id, "status": "completed",
+            "request_counts": {"total": 4 + i, "completed": 4 + i, "failed": 0}}))
+    (batches / "batch_aaa.worker0.json").write_text("{}")  # a worker's stats: not a job
+    return root
+
+
+def status(*args):
+    result = CliRunner().invoke(app, ["status", *args])
+    return result.exit_code, result.output
+
+
+def test_by_id_by_storage_path_and_by_job_folder(tmp_path):
+    root = storage_with_jobs(tmp_path / "jobs")
+    code, out = status("batch_bbb", "--storage-path", str(root))
+    assert code == 0 and "batch_bbb" in out and "batch_aaa" not in out and "5 total" in out
+    for args in (["--storage-path", str(root)], [str(root)]):
+        code, out = status(*args)
+        assert code == 0 and "batch_aaa: completed" in out and "batch_bbb: completed" in out
+
+
+def test_ids_are_not_patterns_and_missing_jobs_say_how_to_ask(tmp_path):
+    root = storage_with_jobs(tmp_path / "jobs")
+    code, out = status("batch_*", "--storage-path", str(root))
+    assert code == 1 and "no job batch_*" in out and "job folder" in out
+    code, out = status(str(tmp_path / "nowhere"))
+    assert code == 1 and "no job under" in out
+
+
+def test_an_unreadable_batch_file_is_named_not_a_traceback(tmp_path):
+    root = storage_with_jobs(tmp_path / "jobs")
+    (root / "batches" / "batch_ccc.json").write_text("{torn")
+    code, out = status(str(root))
+    assert code == 1 and "batch_aaa: completed" in out and "cannot read" in out
+    assert "batch_ccc.json" in out and "Traceback" not in out
