@@ -37,10 +37,22 @@ class SamplingParams:
     """Independent choices per request."""
     logprobs: bool = False
     top_logprobs: int = 0
+    presence_penalty: float = 0.0
+    """OpenAI's: subtracted from the logit of every token the answer already holds."""
+    frequency_penalty: float = 0.0
+    """OpenAI's: subtracted once per earlier occurrence of the token in the answer."""
+    repetition_penalty: float = 1.0
+    """HF's / vLLM's: the logit of a token in the prompt or the answer is divided by it when
+    positive, multiplied when negative (1 = off)."""
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def penalized(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
 
     def validate(self) -> None:
         checks = [
@@ -55,6 +67,9 @@ class SamplingParams:
             (0 <= self.top_logprobs <= 20, "top_logprobs must be in [0, 20]"),
             (len(self.stop) <= 16, "at most 16 stop strings"),
             (self.seed is None or 0 <= self.seed < 2**63, "seed must be in [0, 2^63)"),
+            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]"),
+            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]"),
+            (0.0 < self.repetition_penalty <= 10.0, "repetition_penalty must be in (0, 10]"),
         ]
         for ok, message in checks:
             if not ok:

@@ -1,6 +1,7 @@
 """Decode bursts (several decode steps per host sync) give exactly the output of one step per
 sync: sequences stopping inside a burst (EOS, stop ids, stop strings, max_tokens), sampling with
-seeds and truncation, min_tokens bans, logprobs, n > 1, and tight pools that unload and evict."""
+seeds and truncation, min_tokens bans, logprobs, n > 1, penalties (their counts carried from a
+burst to its continuation), and tight pools that unload and evict."""
 
 import pytest
 import torch
@@ -55,6 +56,8 @@ def mixed_requests(tokenizer, seed=0, count=10, vocab=None):
         dict(temperature=1.0, max_tokens=60, logprobs=True, **stops),
         dict(temperature=1.2, max_tokens=45, stop_token_ids=tuple(range(100, 1100))),
         dict(temperature=0.0, max_tokens=64, ignore_eos=True),
+        dict(temperature=0.0, max_tokens=40, frequency_penalty=1.5, presence_penalty=0.5),
+        dict(temperature=0.9, seed=3, max_tokens=30, repetition_penalty=1.4, n=2),
     ]
     requests = []
     for i in range(count):

@@ -17,6 +17,7 @@ from batchgen.core import Completion, FinishedRequest, FinishReason, Request
 from batchgen.engine.burst import QueuedBurst
 from batchgen.engine.kv_cache import KVLayout
 from batchgen.engine.memory import PoolSizes, detect_gpu_arch, plan_pools
+from batchgen.engine.penalties import Penalties
 from batchgen.engine.replicas import ReplicaCheck
 from batchgen.engine.runner import ModelRunner
 from batchgen.engine.sampler import SamplingRows
@@ -263,7 +264,10 @@ class Engine:
             return None
         if self.replicas is not None:
             self.replicas.observe(self.steps + burst.steps, ScheduleOutput(chunks))
-        return self.runner.queue_burst(chunks, self._sampling_rows(chunks, steps), after=burst)
+        carried = burst.rows[0].penalties  # counts on the device: the host lags a burst behind
+        penalties = carried.continued(burst.rows_of(chunks)) if carried is not None else None
+        return self.runner.queue_burst(chunks, self._sampling_rows(chunks, steps, penalties),
+                                       after=burst)
 
     def _grammar_masks(self, out: ScheduleOutput):
         """A logits processor masking grammar-forbidden tokens, or None when no row has one."""
@@ -306,9 +310,14 @@ class Engine:
         longest = max(c.seq.sampling.max_tokens - (c.end - c.seq.prompt_len) for c in chunks)
         return max(0, min(max(1, limit), longest))
 
-    def _sampling_rows(self, chunks: list[SeqChunk], steps: int) -> list[SamplingRows]:
-        """The rows sampled by `chunks` as they stand at each of `steps` steps of a burst."""
+    def _sampling_rows(self, chunks: list[SeqChunk], steps: int,
+                       penalties: Penalties | None = None) -> list[SamplingRows]:
+        """The rows sampled by `chunks` as they stand at each of `steps` steps of a burst.
+        `penalties`: carried from the burst this one continues; else counted from the tokens
+        the host holds."""
         seqs = [c.seq for c in chunks]
+        if penalties is None:
+            penalties = Penalties.of(seqs)
         params = [s.sampling for s in seqs]
         seeds = [s.seed for s in seqs]
         decoded = [c.end - c.seq.prompt_len for c in chunks]  # tokens drawn before this one
@@ -323,7 +332,8 @@ class Engine:
             banned = unbanned
             if any_bans:
                 banned = [() if b is None or ahead >= b[1] else b[0] for b in bans]
-            rows.append(SamplingRows(params, seeds, [n + ahead for n in decoded], banned))
+            rows.append(SamplingRows(params, seeds, [n + ahead for n in decoded], banned,
+                                     penalties))
         return rows
 
     def _accept_step(self, sampling, step: int, result) -> list[FinishedRequest]:

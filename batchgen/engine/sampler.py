@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from batchgen.core import SamplingParams, TokenLogprob
+from batchgen.engine.penalties import Penalties
 
 _MASK32 = 0xFFFFFFFF
 
@@ -46,6 +47,9 @@ class SamplingRows:
     """Tokens generated so far by each row's sequence (the noise counter)."""
     banned: list[tuple[int, ...]]
     """Token ids each row may not emit now (EOS and stop ids before min_tokens)."""
+    penalties: Penalties | None = None
+    """The rows' presence / frequency / repetition penalties: one object shared by a burst's
+    steps, each step counting its samples into it; None when no row has one."""
 
 
 @dataclass
@@ -79,16 +83,20 @@ def sample_on_device(logits: torch.Tensor, rows: SamplingRows,
     """Sample without waiting for the device: every branch is decided from host values."""
     want_logprobs = any(p.logprobs for p in rows.params)
     if (allowed is None and not want_logprobs and not any(rows.banned)
-            and all(p.greedy for p in rows.params)):
+            and rows.penalties is None and all(p.greedy for p in rows.params)):
         # A float32 copy of bf16 logits would be exact, so its argmax is this one.
         return DeviceSample(logits.argmax(dim=-1))
     logits = logits.float()
     raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+    if rows.penalties is not None:
+        logits = rows.penalties.apply(logits)  # before temperature and truncation, as vLLM
     logits = _apply_bans(logits, rows.banned, allowed)
     chosen = logits.argmax(dim=-1)
     if not all(p.greedy for p in rows.params):
         greedy = _upload([p.greedy for p in rows.params], torch.bool, logits.device)
         chosen = torch.where(greedy, chosen, _sample_random(logits, rows))
+    if rows.penalties is not None:
+        rows.penalties.update(chosen)
     if raw_logprobs is None:
         return DeviceSample(chosen)
     k = max(p.top_logprobs for p in rows.params)

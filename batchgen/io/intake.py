@@ -33,6 +33,8 @@ _ALLOWED = {
     "n": "an integer in [1, 128]", "top_logprobs": "an integer in [0, 20]",
     "stop": "a string or a list of up to 16 non-empty strings",
     "stop_token_ids": "a list of token ids (integers >= 0)", "ignore_eos": "true or false",
+    "presence_penalty": "a number in [-2, 2]", "frequency_penalty": "a number in [-2, 2]",
+    "repetition_penalty": "a number in (0, 10]",
 }
 
 
@@ -303,6 +305,9 @@ def parse_sampling(body: dict, kind: str, default_max_tokens: int = 256) -> Samp
         "ignore_eos": ignore_eos,
         "logprobs": logprobs,
         "top_logprobs": top_logprobs,
+        "presence_penalty": _get_number(body, "presence_penalty"),
+        "frequency_penalty": _get_number(body, "frequency_penalty"),
+        "repetition_penalty": _get_number(body, "repetition_penalty"),
     }
     params = SamplingParams(**{k: v for k, v in given.items() if v is not None})
     try:

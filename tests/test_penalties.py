@@ -1,0 +1,121 @@
+"""Presence, frequency and repetition penalties: on logits against a plain reference (and HF's
+repetition processor), and end to end against a greedy loop over HF's logits."""
+
+import pytest
+import torch
+
+from batchgen.core import Request, SamplingParams
+from batchgen.engine.penalties import Penalties
+from batchgen.sched.sequence import Sequence
+from engine_utils import load_ours, make_engine
+from tiny_models import VOCAB, save_tiny_model
+
+
+def seq(prompt, answer, **penalties):
+    return Sequence(0, "r", 0, prompt + answer, len(prompt), SamplingParams(**penalties), 0)
+
+
+def reference(logits, prompt, answer, presence=0.0, frequency=0.0, repetition=1.0):
+    """vLLM's order: repetition over prompt and answer, then frequency and presence over the
+    answer."""
+    out = logits.clone()
+    for token in set(prompt) | set(answer):
+        value = out[token]
+        out[token] = value / repetition if value > 0 else value * repetition
+    for token in set(answer):
+        out[token] -= frequency * answer.count(token) + presence
+    return out
+
+
+def test_penalties_match_the_reference_and_hf_repetition_processor():
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 50, generator=gen) * 3
+    prompt, answer = [1, 2, 3, 3], [3, 7, 7, 7, 9]
+    seqs = [seq(prompt, answer, presence_penalty=0.7, frequency_penalty=0.3),
+            seq(prompt, answer),  # not penalized: left as it is
+            seq(prompt, answer, repetition_penalty=1.8),
+            seq(prompt, answer, presence_penalty=-0.5, frequency_penalty=1.0,
+                repetition_penalty=0.8)]
+    out = Penalties.of(seqs).apply(logits)
+    assert torch.equal(out[1], logits[1])
+    assert torch.allclose(out[0], reference(logits[0], prompt, answer, 0.7, 0.3))
+    assert torch.allclose(out[3], reference(logits[3], prompt, answer, -0.5, 1.0, 0.8))
+    hf = RepetitionPenaltyLogitsProcessor(1.8)(torch.tensor([prompt + answer]), logits[2:3])
+    assert torch.allclose(out[2], hf[0])
+
+
+def test_counts_follow_the_samples_and_carry_to_a_continuation():
+    logits = torch.zeros(3, 20)
+    seqs = [seq([1], [5], frequency_penalty=1.0), seq([1], []), seq([1], [], presence_penalty=2)]
+    penalties = Penalties.of(seqs)
+    penalties.apply(logits)
+    penalties.update(torch.tensor([5, 6, 8]))
+    nxt = penalties.continued([2, 0])  # rows 2 and 0 go on, in that order
+    out = nxt.apply(logits[:2])
+    assert out[0, 8] == -2.0 and out[0].count_nonzero() == 1
+    assert out[1, 5] == -2.0 and out[1].count_nonzero() == 1
+    assert penalties.continued([1]) is None
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    folder = save_tiny_model("llama", tmp_path_factory.mktemp("pen"))
+    return load_ours(folder), AutoModelForCausalLM.from_pretrained(str(folder),
+                                                                   dtype=torch.float32)
+
+
+@pytest.mark.parametrize("penalties", [
+    dict(frequency_penalty=2.0), dict(presence_penalty=2.0, frequency_penalty=-0.3),
+    dict(repetition_penalty=3.0), dict(repetition_penalty=0.5, presence_penalty=1.0)])
+def test_greedy_with_penalties_equals_a_loop_over_hf_logits(tiny, penalties):
+    model, hf = tiny
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in (7, 40, 90)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, **penalties)
+    plain = make_engine(model).generate(
+        [Request(f"p{i}", p, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+         for i, p in enumerate(prompts)])
+    ours = make_engine(model).generate([Request(f"p{i}", p, params)
+                                        for i, p in enumerate(prompts)])
+    coefficients = (penalties.get("presence_penalty", 0.0),
+                    penalties.get("frequency_penalty", 0.0),
+                    penalties.get("repetition_penalty", 1.0))
+    for prompt, result, unpenalized in zip(prompts, ours, plain):
+        answer = []
+        with torch.inference_mode():
+            for _ in range(24):
+                logits = hf(torch.tensor([prompt + answer])).logits[0, -1].float()
+                answer.append(int(reference(logits, prompt, answer, *coefficients).argmax()))
+        assert result.completions[0].token_ids == answer
+        assert answer != unpenalized.completions[0].token_ids  # the penalty changed something
+
+
+def test_bursts_and_their_continuations_count_every_sample(tiny):
+    """Bursts of 4 steps whose continuations are queued before the host read the last step
+    (as on a GPU): the same tokens as one step per sync, so the counts carried to each
+    continuation hold the tokens the host had not seen. Negative penalties make the answers
+    repeat their own tokens, so a count missed shows at once."""
+    from batchgen.config import EngineConfig, MemoryConfig, RuntimeConfig
+    from batchgen.engine.engine import Engine
+
+    model, _ = tiny
+    gen = torch.Generator().manual_seed(9)
+    requests = [Request(f"b{i}", torch.randint(3, VOCAB, (9 + 7 * i,), generator=gen).tolist(),
+                        SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True,
+                                       **kind))
+                for i, kind in enumerate([dict(frequency_penalty=-0.6),  # repeats what it said
+                                          dict(presence_penalty=-1.5, repetition_penalty=0.7),
+                                          dict(frequency_penalty=1.0)])]
+    tokens = []
+    for burst in (1, 4):
+        cfg = EngineConfig(memory=MemoryConfig(gpu_kv_cache_size=0.05, host_kv_cache_size=0.1),
+                           runtime=RuntimeConfig(decode_burst_steps=burst)).validate()
+        engine = Engine(model, cfg)
+        engine.runner.overlaps_host = True
+        tokens.append([r.completions[0].token_ids for r in engine.generate(requests)])
+        assert burst == 1 or engine.times.bursts > 3
+    assert tokens[0] == tokens[1]
