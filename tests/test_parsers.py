@@ -419,3 +419,39 @@ def test_never_raises_on_arbitrary_markup(text):
             parsed = parse_output(text, reasoning_style=style, tool_parser=parser)
             for call in parsed.tool_calls:
                 fn(call)
+
+
+# --------------------------------------------------------------------------- hostile outputs
+
+DEEP = "[" * 1000 + "]" * 1000
+
+
+@pytest.mark.parametrize("parser, text", [
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"x": ' + DEEP + '}}</tool_call>'),
+    ("llama3_json", '{"name": "f", "parameters": {"x": ' + DEEP + '}}'),
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>'),
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"y": 1e999}}</tool_call>'),
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"s": "\\ud83d"}}</tool_call>'),
+    ("hermes", '<tool_call>{"name": "\\udc00", "arguments": {}}</tool_call>'),
+    ("llama3_json", '{"name": "Alice", "age": 30}'),  # a JSON answer, not a call
+])
+def test_what_strict_json_cannot_carry_stays_content(parser, text):
+    """Nesting past Python's stack, NaN / Infinity, lone surrogates (orjson refuses them when
+    the result line is written) and JSON without arguments: the text stays the answer."""
+    from batchgen.io.results import dumps
+
+    content, calls = parse_tool_calls(text, parser)
+    assert content == text and calls == []
+    dumps({"content": content})
+
+
+def test_llama3_json_calls_need_their_arguments_key():
+    content, calls = parse_tool_calls('{"name": "f", "parameters": {}}', "llama3_json")
+    assert content is None and [fn(c) for c in calls] == [("f", {})]
+
+
+@pytest.mark.parametrize("style", ["deepseek_r1", "qwen3"])
+def test_tags_in_the_answer_after_a_prompt_opened_block_stay_in_the_answer(style):
+    text = "Reasoning R.</think>\n\nThe tags <think> and </think> wrap thoughts. <think>B"
+    assert parse_reasoning(text, style) == (
+        "Reasoning R.", "The tags <think> and </think> wrap thoughts. <think>B")

@@ -31,13 +31,15 @@ Tool-call formats (``parse_tool_calls``):
   V3.1 drops the type and the fence:
   ``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>``.
 - ``llama3_json`` (Llama 3.x): the whole output is ``{"name": ..., "parameters": {...}}``,
-  optionally after ``<|python_tag|>``, several separated by ``;``.
+  optionally after ``<|python_tag|>``, several separated by ``;``; an object without
+  ``parameters`` or ``arguments`` is a JSON answer, not a call.
 - ``harmony`` (gpt-oss): see above; the body of a message to ``functions.NAME`` is the arguments.
 
 Each call becomes an OpenAI tool call ``{"id": "call_<24 hex>", "type": "function",
 "function": {"name", "arguments": <JSON string>}}``. Ids are a hash of the text and the call
-index, so a recomputed (resumed) request gets the same ids. If any call is malformed (bad JSON,
-no name, arguments not an object), the whole original text is returned as content with no calls:
+index, so a recomputed (resumed) request gets the same ids. If any call is malformed (bad or
+non-strict JSON such as NaN, nesting past Python's stack, a lone surrogate, no name, arguments
+not an object), the whole original text is returned as content with no calls:
 a half-parsed message would silently lose what the model said.
 """
 
@@ -138,6 +140,11 @@ def parse_reasoning(text: str, style: str) -> tuple[str | None, str | None]:
 
 
 def _split_think(text: str, opened_in_prompt: bool) -> tuple[str | None, str | None]:
+    first_close = text.find(THINK_CLOSE)
+    if first_close >= 0 and not 0 <= text.find(THINK_OPEN) < first_close:
+        # The prompt opened the block: what follows the first close is the answer, whatever
+        # tags the answer mentions.
+        return _clean(text[:first_close]), _clean(text[first_close + len(THINK_CLOSE):])
     start = text.find(THINK_OPEN)
     end = text.find(THINK_CLOSE, start + 1 if start >= 0 else 0)
     before = text[:start] if start >= 0 else ""  # text the model wrote before <think>, if any
@@ -245,24 +252,41 @@ def _openai_call(text: str, index: int, name, arguments) -> dict:
     if not isinstance(arguments, dict):
         raise _Malformed("tool call arguments are not a JSON object")
     digest = hashlib.sha256(f"{index}\x00{text}".encode()).hexdigest()[:24]
+    try:  # strict JSON (no NaN / Infinity), and text that UTF-8 can carry (no lone surrogate)
+        encoded = json.dumps(arguments, ensure_ascii=False, allow_nan=False)
+        encoded.encode("utf-8"), name.encode("utf-8")
+    except (ValueError, RecursionError) as exc:  # UnicodeEncodeError is a ValueError
+        raise _Malformed(f"tool call arguments are not valid JSON: {exc}") from None
     return {
         "id": f"call_{digest}",
         "type": "function",
-        "function": {"name": name.strip(), "arguments": json.dumps(arguments, ensure_ascii=False)},
+        "function": {"name": name.strip(), "arguments": encoded},
     }
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+_DECODER = json.JSONDecoder(parse_constant=_reject_constant)
+"""Python's JSON reader, minus its NaN / Infinity extensions."""
 
 
 def _loads(payload: str):
     try:
-        return json.loads(payload)
-    except ValueError as exc:
+        return _DECODER.decode(payload)
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested past Python's stack
         raise _Malformed(str(exc)) from None
 
 
-def _name_and_args(obj) -> tuple:
-    """(name, arguments) of a ``{"name", "arguments"|"parameters"}`` object."""
+def _name_and_args(obj, arguments_required: bool = False) -> tuple:
+    """(name, arguments) of a ``{"name", "arguments"|"parameters"}`` object. With
+    `arguments_required` (a bare JSON answer may be a call or just JSON) an object without
+    either key is no call."""
     if not isinstance(obj, dict):
         raise _Malformed("tool call is not a JSON object")
+    if arguments_required and "arguments" not in obj and "parameters" not in obj:
+        raise _Malformed("JSON without arguments or parameters: an answer, not a call")
     args = obj["arguments"] if "arguments" in obj else obj.get("parameters")
     return obj.get("name"), args
 
@@ -316,13 +340,13 @@ def _llama3_json(text: str) -> tuple[str, list[tuple]]:
         if not text.lstrip().startswith("{"):
             return text, []  # plain prose answer
         head, body = "", text
-    decoder, objs, pos, body = json.JSONDecoder(), [], 0, body.strip()
+    objs, pos, body = [], 0, body.strip()
     while pos < len(body):
         try:
-            obj, pos = decoder.raw_decode(body, pos)
-        except ValueError as exc:
+            obj, pos = _DECODER.raw_decode(body, pos)
+        except (ValueError, RecursionError) as exc:
             raise _Malformed(str(exc)) from None
-        objs.append(_name_and_args(obj))
+        objs.append(_name_and_args(obj, arguments_required=True))
         sep = _LLAMA_SEP.match(body, pos)
         if sep.group(1) is None and sep.end() < len(body):
             raise _Malformed("text after a Llama tool call")
