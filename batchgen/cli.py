@@ -57,6 +57,9 @@ def validate(input: Path = typer.Option(..., "--input", help="JSONL or Parquet r
     """Check an input file without loading a model: counts and the error of each bad line."""
     from batchgen.runner.validate import validate_file
 
+    if max_tokens < 1:
+        _fail(f"--max-tokens={max_tokens} is not allowed: an integer >= 1 (the max_tokens of "
+              "lines that give none)")
     with _user_errors():
         raise typer.Exit(validate_file(input, max_tokens))
 
@@ -163,15 +166,22 @@ def simulate(png: Optional[Path] = typer.Option(None, help="Write the timeline p
 
     sim = build_dataclass(SimulationConfig, flags)
     sched = build_dataclass(SchedulerConfig, flags)
+    if png is not None and not png.suffix:
+        png = png.with_suffix(".png")  # what the plot library would write
     try:
         sim.validate()
         sched.validate()
+        if png is not None and (png.is_dir() or not png.parent.is_dir()):
+            raise ValueError(f"--png {png}: give a file path in an existing folder")
+        result = run_simulation(sim, sched)  # reads --requests-file
     except (ConfigError, ValueError) as err:
         _fail(str(err))
-    result = run_simulation(sim, sched)
     typer.echo(result.summary())
     if png:
-        plot_timeline(result, str(png))
+        try:
+            plot_timeline(result, str(png))
+        except OSError as err:
+            _fail(f"--png {png}: {err.strerror or err}")
         typer.echo(f"timeline: {png}")
 
 

@@ -145,3 +145,14 @@ def test_a_full_disk_while_saving_is_an_os_error(tmp_path, monkeypatch):
     with pytest.raises(OSError) as err:
         convert.save_weights(tmp_path / "m.safetensors", object(), {"w": torch.zeros(2)})
     assert err.value.errno == errno.ENOSPC
+
+
+def test_convert_refuses_an_output_that_is_a_file_and_world_sizes_below_one(tmp_path):
+    source = save_tiny_model("llama", tmp_path / "src")
+    taken = tmp_path / "taken"
+    taken.write_text("mine")
+    with pytest.raises(CheckpointError, match="not an empty folder"):
+        convert_model(ModelConfig(model=str(source)), taken)
+    with pytest.raises(CheckpointError, match="both >= 1"):
+        convert_model(ModelConfig(model=str(source)), tmp_path / "new", world_size=0)
+    assert taken.read_text() == "mine" and not (tmp_path / "new").exists()

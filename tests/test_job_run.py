@@ -199,6 +199,8 @@ def test_validate_command(tmp_path):
     proc = batchgen("validate", "--input", write_jsonl(tmp_path / "in.jsonl", rows))
     assert proc.returncode == 1
     assert "3 valid, 1 invalid" in proc.stdout and "line 4" in proc.stdout
+    proc = batchgen("validate", "--input", tmp_path / "in.jsonl", "--max-tokens", "-5")
+    assert proc.returncode == 2 and "--max-tokens=-5" in proc.stderr and "line 1" not in proc.stderr
 
 
 def test_response_format_is_enforced_and_bad_schemas_are_error_lines(tmp_path, tiny_chat_model):

@@ -207,3 +207,25 @@ def test_layouts_that_split_a_tp_group_unevenly_are_refused():
     for accepted in ({"world_size": 12, "tensor_parallel": 4, "nnodes": 3},
                      {"world_size": 32, "tensor_parallel": 16, "nnodes": 4}):
         dataclasses.replace(SMALL, **accepted).validate()
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--tensor-parallel", "0"], "TP must be >= 1"),
+    (["--requests-file", "{tmp}/missing.jsonl"], "cannot read it"),
+    (["--requests-file", "{tmp}"], "cannot read it"),
+    (["--requests-file", "{tmp}/wrong_keys.jsonl"], "line 2 is not a JSON object"),
+    (["--requests-file", "{tmp}/empty.jsonl"], "holds no requests"),
+    (["--num-requests", "4", "--png", "{tmp}/nodir/t.png"], "existing folder"),
+])
+def test_user_mistakes_are_one_line_errors_not_tracebacks(tmp_path, args, needle):
+    from typer.testing import CliRunner
+
+    from batchgen.cli import app
+
+    (tmp_path / "wrong_keys.jsonl").write_text(
+        '{"prompt_tokens": 4, "output_tokens": 2}\n{"prompt": "hi"}\n')
+    (tmp_path / "empty.jsonl").write_text("\n")
+    args = [a.format(tmp=tmp_path) for a in args]
+    result = CliRunner().invoke(app, ["simulate", "--model", "smollm2-135m", *args])
+    assert result.exit_code == 2 and needle in result.output, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)

@@ -295,11 +295,12 @@ def convert_model(cfg, output: Path, world_size: int = 1, tensor_parallel_size: 
     rank's state dict is written on its own, so memory holds one rank's share at a time. The
     manifest records world and TP size so a folder made for another layout is refused."""
     output = Path(output)
-    if tensor_parallel_size < 1 or world_size % tensor_parallel_size:
+    if world_size < 1 or tensor_parallel_size < 1 or world_size % tensor_parallel_size:
         raise CheckpointError(f"--tensor-parallel-size {tensor_parallel_size} must divide "
-                              f"--world-size {world_size}")
-    if output.exists() and any(output.iterdir()):
-        raise CheckpointError(f"{output} exists and is not empty: choose a new folder")
+                              f"--world-size {world_size} (both >= 1)")
+    if output.exists() and (not output.is_dir() or any(output.iterdir())):
+        raise CheckpointError(f"--output {output} exists and is not an empty folder: choose a "
+                              "new folder")
     # Host-offloaded experts are not parameters, so a state dict would miss them.
     cfg = replace(cfg, enable_ep_with_offloading=False, ep_offloading_ratio=0.0)
     with conversion_folder(output.parent) as tmp:

@@ -97,13 +97,14 @@ class SimulationConfig:
     """Apply runs of decode steps between decisions at once (same result, much faster)."""
 
     def validate(self) -> SimulationConfig:
+        tp, nodes = max(1, self.tensor_parallel), max(1, self.nnodes)  # checked first
         checks = [
             (self.model in PRESETS, f"model must be one of {', '.join(PRESETS)}"),
             (self.world_size >= 1 and self.tensor_parallel >= 1, "world size and TP must be >= 1"),
-            (self.world_size % self.tensor_parallel == 0, "world_size must be a multiple of TP"),
-            (self.nnodes >= 1 and self.world_size % self.nnodes == 0,
+            (self.world_size % tp == 0, "world_size must be a multiple of TP"),
+            (self.nnodes >= 1 and self.world_size % nodes == 0,
              "world_size must be a multiple of nnodes"),
-            (_tp_fits(self.tensor_parallel, self.world_size // max(1, self.nnodes)),
+            (_tp_fits(tp, max(1, self.world_size // nodes)),
              "a TP group must fit in one node or span whole nodes"),
             (0.0 <= self.transfer_overlap <= 1.0, "transfer_overlap must be in [0, 1]"),
             (min(self.pcie_gbps, self.gpu_tflops, self.hbm_gbps, self.interconnect_gbps,
@@ -170,12 +171,7 @@ class LengthDist:
 def load_workload(sim: SimulationConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(prompt lengths, output lengths, max_tokens) per request."""
     if sim.requests_file is not None:
-        with open(sim.requests_file) as f:
-            rows = [json.loads(line) for line in f if line.strip()]
-        prompts = np.array([int(r["prompt_tokens"]) for r in rows], dtype=np.int64)
-        outputs = np.array([int(r["output_tokens"]) for r in rows], dtype=np.int64)
-        default = sim.max_tokens or int(outputs.max())
-        budgets = np.array([int(r.get("max_tokens", default)) for r in rows], dtype=np.int64)
+        prompts, outputs, budgets = _read_requests_file(sim.requests_file, sim.max_tokens)
     else:
         rng = np.random.default_rng(sim.seed)
         prompts = LengthDist.parse(sim.prompt_len).sample(sim.num_requests, rng)
@@ -185,6 +181,35 @@ def load_workload(sim: SimulationConfig) -> tuple[np.ndarray, np.ndarray, np.nda
     if prompts.min(initial=1) < 1 or outputs.min(initial=1) < 1:
         raise ValueError("every request needs prompt_tokens >= 1 and output_tokens >= 1")
     return prompts, np.minimum(outputs, budgets), budgets
+
+
+def _read_requests_file(path: str, max_tokens: int | None):
+    """(prompt lengths, output lengths, max_tokens) from --requests-file's JSONL lines
+    `{"prompt_tokens", "output_tokens", "max_tokens"?}`; ValueError naming the line."""
+    where = f"--requests-file {path}"
+    rows = []
+    try:
+        with open(path) as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                    rows.append((int(row["prompt_tokens"]), int(row["output_tokens"]),
+                                 None if row.get("max_tokens") is None
+                                 else int(row["max_tokens"])))
+                except (ValueError, KeyError, TypeError) as err:
+                    raise ValueError(
+                        f"{where}: line {number} is not a JSON object with integer "
+                        f"prompt_tokens and output_tokens (max_tokens optional): {err!r}") from None
+    except OSError as err:
+        raise ValueError(f"{where}: cannot read it: {err.strerror or err}") from None
+    if not rows:
+        raise ValueError(f"{where} holds no requests")
+    prompts, outputs, budgets = (np.array(column, dtype=object) for column in zip(*rows))
+    default = max_tokens or int(outputs.max())
+    budgets = np.array([default if b is None else b for b in budgets], dtype=np.int64)
+    return prompts.astype(np.int64), outputs.astype(np.int64), budgets
 
 
 @dataclass
