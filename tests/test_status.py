@@ -49,3 +49,31 @@ def test_an_unreadable_batch_file_is_named_not_a_traceback(tmp_path):
     code, out = status(str(root))
     assert code == 1 and "batch_aaa: completed" in out and "cannot read" in out
     assert "batch_ccc.json" in out and "Traceback" not in out
+
+
+def test_an_unfinished_job_shows_saved_results_and_whether_a_run_holds_it(tmp_path):
+    import os
+    import socket
+    import subprocess
+
+    root = tmp_path / "jobs"
+    batches = root / "batches"
+    batches.mkdir(parents=True)
+    (batches / "batch_run.json").write_text(json.dumps({
+        "batch_id": "batch_run", "status": "in_progress",
+        "request_counts": {"total": 9, "completed": 0, "failed": 0}}))
+    (root / "incremental").mkdir()
+    (root / "incremental" / "batch_run.jsonl").write_text(
+        "".join(json.dumps({"custom_id": f"r{i}", "response": {}}) + "\n" for i in range(3))
+        + '{"custom_id": "torn')  # a torn tail is not a saved result
+    lock = batches / "batch_run.lock"
+    lock.write_text(f"pid {os.getpid()} on host {socket.gethostname()}\n")
+    code, out = status(str(root))
+    assert code == 0 and "3 of 9 results" in out and f"running (pid {os.getpid()}" in out
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    lock.write_text(f"pid {dead.pid} on host {socket.gethostname()}\n")  # killed outright
+    code, out = status(str(root))
+    assert "not running: stopped before the end" in out
+    lock.write_text("")  # a run that ended cleared it
+    assert "not running" in status(str(root))[1]
