@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import shutil
 import sys
 from pathlib import Path
 from typing import Optional
@@ -13,7 +14,11 @@ from batchgen.cli_options import build_config, with_config_options
 from batchgen.config import ConfigError
 from batchgen.runner.exits import requeue_on_stop_signals
 
+# Rich's option tables truncate long flag names ("--initial-gpu-page-…") below ~120 columns;
+# click's plain layout wraps instead, so narrow terminals and pipes get that one.
+_RICH_HELP = "rich" if shutil.get_terminal_size().columns >= 120 else None
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  rich_markup_mode=_RICH_HELP,
                   help="Offline batch LLM inference: a file of requests in, a file of results out.")
 log = logging.getLogger("batchgen")
 
