@@ -9,7 +9,8 @@ from engine_utils import greedy_requests
 from tiny_models import save_tiny_model
 
 from batchgen.bench_models import hf_config_for, random_model
-from batchgen.config import ConfigError, EngineConfig, MemoryConfig, RuntimeConfig
+from batchgen.config import (EAGER_DECODE_BATCH, ConfigError, EngineConfig, MemoryConfig,
+                             RuntimeConfig, SchedulerConfig)
 from batchgen.core import PAGE_SIZE
 from batchgen.engine.engine import Engine
 from batchgen.engine.forward_batch import ForwardBatch
@@ -37,7 +38,19 @@ def test_cpu_decodes_eagerly(tmp_path):
     model = build_model(load_hf_config(folder), read_safetensors(folder), torch.float32,
                         torch.device("cpu"))
     cfg = EngineConfig(memory=MemoryConfig(gpu_kv_cache_size=0.05, host_kv_cache_size=0.1))
-    assert Engine(model, cfg.validate()).runner.graphs is None
+    engine = Engine(model, cfg.validate())
+    assert engine.runner.graphs is None
+    assert engine.scheduler.cfg.max_decode_batch == EAGER_DECODE_BATCH
+
+
+def test_decode_batch_follows_the_largest_graph_unless_given():
+    unset = SchedulerConfig()
+    unset.validate()
+    assert unset.with_decode_batch(128).max_decode_batch == 128
+    assert unset.with_decode_batch(None).max_decode_batch == EAGER_DECODE_BATCH
+    assert SchedulerConfig(max_decode_batch=384).with_decode_batch(128).max_decode_batch == 384
+    with pytest.raises(ConfigError, match="max.decode.batch"):
+        SchedulerConfig(max_decode_batch=0).validate()
 
 
 class ReplayedOnCpu:
@@ -133,6 +146,8 @@ def test_graphs_match_eager_on_cuda(tmp_path, monkeypatch, segmented):
                                                                 host_kv_cache_size=0.2),
                                             runtime=runtime).validate())
         assert (engine.runner.graphs is None) == disable
+        # Unset, the decode batch stops at the largest graph: no eager steps above it.
+        assert engine.scheduler.cfg.max_decode_batch == (EAGER_DECODE_BATCH if disable else 8)
         if not disable:  # embedding, 3 layers, final norm, LM head
             assert len(engine.runner.graphs.graphs[8]) == (6 if segmented else 1)
         done = engine.generate(greedy_requests(prompts, 40, ignore_eos=True))

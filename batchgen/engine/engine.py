@@ -12,7 +12,7 @@ from typing import Iterable
 
 import torch
 
-from batchgen.config import EngineConfig
+from batchgen.config import EAGER_DECODE_BATCH, EngineConfig
 from batchgen.core import Completion, FinishedRequest, FinishReason, Request
 from batchgen.engine.burst import QueuedBurst
 from batchgen.engine.kv_cache import KVLayout
@@ -99,10 +99,20 @@ class Engine:
         # Free memory differs a little between devices; the replicas' schedulers must not.
         sizes = PoolSizes(*tp.agree_min([sizes.device_pages, sizes.host_pages]))
         self.replicas = ReplicaCheck.from_env(tp)
-        self.scheduler = Scheduler(config.scheduler, sizes.device_pages, sizes.host_pages)
         self.runner = ModelRunner(model, self.layout, sizes.device_pages, sizes.host_pages,
                                   self.device, config.memory.fast_init,
                                   config.memory.enable_hugetlbfs, config.runtime)
+        # An unset --max-decode-batch follows the largest graph-captured batch; ranks whose
+        # captures differ (one failed) must still decode the same batches.
+        graphs = self.runner.graphs
+        decode_batch = tp.agree_min([graphs.sizes[-1] if graphs is not None
+                                     else EAGER_DECODE_BATCH])[0]
+        self.scheduler = Scheduler(config.scheduler.with_decode_batch(decode_batch),
+                                   sizes.device_pages, sizes.host_pages)
+        if graphs is not None and self.scheduler.cfg.max_decode_batch > graphs.sizes[-1]:
+            log.warning("--max-decode-batch %d is above the largest CUDA graph (%d): bigger "
+                        "decode batches run eagerly; raise --cuda-graph-max-bucket-size",
+                        self.scheduler.cfg.max_decode_batch, graphs.sizes[-1])
         self.eos_ids = frozenset(eos_token_ids)
         self.stops = StopChecker(tokenizer, skip_special_tokens)
         self._next_seq = 0

@@ -75,7 +75,7 @@ class Counters:
 
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, device_pages: int, host_pages: int):
-        self.cfg = cfg
+        self.cfg = cfg.with_decode_batch(None)
         self.device = PageAllocator(device_pages, "device")
         self.host = PageAllocator(host_pages, "host")
         self.waiting: deque[Sequence] = deque()
