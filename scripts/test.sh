@@ -5,7 +5,7 @@ cd "$(dirname "$0")/.."
 bash scripts/install.sh test
 set +e
 # Not `python -m pytest`: that puts the repo root (and its kernels/ folder) on sys.path.
-.venv/bin/pytest -q "$@"
+.venv/bin/pytest -q --durations=15 "$@"  # the slowest tests named: the suite must stay ~20 min
 rc=$?
 set -e
 # pytest's "no tests collected" (5) must never pass as green.
