@@ -99,6 +99,12 @@ def test_parquet_style_rows(tok):
     structs = run(tok, {"custom_id": "b", "messages": [
         {"role": "user", "content": "hello", "name": None, "tool_calls": None}]})
     assert structs.messages == [{"role": "user", "content": "hello"}]
+    floats = run(tok, {"custom_id": "d", "prompt": [5.0, 6.0, 7.0], "logprobs": 2.0,
+                       "stop_token_ids": [9.0]})
+    assert floats.prompt_token_ids == [5, 6, 7] and floats.sampling.top_logprobs == 2
+    assert floats.sampling.stop_token_ids == (9,)
+    half = run(tok, {"custom_id": "e", "prompt": [5.5]})
+    assert isinstance(half, IntakeError) and half.code == "invalid_prompt"
 
 
 def test_text_parts_are_flattened(tok):

@@ -81,6 +81,8 @@ def test_parquet_with_jsonl_extension_is_read_as_parquet(tmp_path):
     (lambda p: p, "is a directory"),
     (lambda p: (p / "x.parquet").write_bytes(b'{"a":1}\n') and p / "x.parquet", "not a Parquet"),
     (lambda p: (p / "x.gz").write_bytes(gzip.compress(b'{"a":1}\n')) and p / "x.gz", "gunzip"),
+    (lambda p: (p / "y.jsonl").write_bytes(gzip.compress(b'{"a":1}\n')) and p / "y.jsonl",
+     "gunzip"),
     (lambda p: (p / "x.bin").write_bytes(b"\x00\x01binary") and p / "x.bin", "neither JSONL"),
     (lambda p: (p / "a.json").write_bytes(b'[\n  {"prompt": "x"}\n]\n') and p / "a.json",
      "jq -c '.[]'"),

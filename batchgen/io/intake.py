@@ -211,8 +211,9 @@ def _prompt(value: Any) -> str | list[int]:
         value = value[0]
     if isinstance(value, str):
         return value
-    if isinstance(value, list) and value and all(_is_int(t) and t >= 0 for t in value):
-        return list(value)
+    ids = _token_ids(value)
+    if ids:
+        return ids
     raise _BadLine("invalid_prompt", "prompt must be a string or a list of token ids "
                                      "(one prompt per line; batched prompts are not supported)")
 
@@ -221,15 +222,27 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _whole(value: Any) -> Any:
+    """An integral float as the int it is (Parquet/pandas turn integer columns with gaps into
+    floats); anything else unchanged."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def _token_ids(value: Any) -> list[int] | None:
+    """A list of token ids (ints >= 0, integral floats accepted), or None if it is not one."""
+    if not isinstance(value, list):
+        return None
+    ids = [_whole(t) for t in value]
+    return ids if all(_is_int(t) and t >= 0 for t in ids) else None
+
+
 def _bad_type(name: str, value: Any) -> _BadLine:
     return _BadLine("invalid_sampling_param",
                     f"{name} must be {_ALLOWED[name]}, got {type(value).__name__} {value!r}")
 
 
 def _get_int(body: dict, name: str) -> int | None:
-    value = body.get(name)
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)  # Parquet/pandas turn integer columns with gaps into floats
+    value = _whole(body.get(name))
     if value is not None and not _is_int(value):
         raise _bad_type(name, value)
     return value
@@ -258,9 +271,10 @@ def _get_token_ids(body: dict) -> tuple[int, ...]:
     value = body.get("stop_token_ids")
     if value is None:
         return ()
-    if not isinstance(value, list) or not all(_is_int(t) and t >= 0 for t in value):
+    ids = _token_ids(value)
+    if ids is None:
         raise _bad_type("stop_token_ids", value)
-    return tuple(value)
+    return tuple(ids)
 
 
 def _get_logprobs(body: dict, kind: str) -> tuple[bool, int]:
@@ -268,6 +282,7 @@ def _get_logprobs(body: dict, kind: str) -> tuple[bool, int]:
     logprobs is the int count of alternatives (OpenAI legacy), 0 = chosen token only."""
     value, top = body.get("logprobs"), _get_int(body, "top_logprobs")
     if kind == "completion":
+        value = _whole(value)
         if value is not None and not (_is_int(value) and 0 <= value <= 20):
             raise _BadLine("invalid_sampling_param", "logprobs for completions must be an "
                                                      f"integer in [0, 20], got {value!r}")

@@ -93,11 +93,11 @@ def detect_format(path: str | Path) -> str:
     if suffix in PARQUET_SUFFIXES:
         raise InputFileError(f"input file {p} has a Parquet extension but is not a Parquet file "
                              "(no PAR1 magic): rewrite it with pyarrow or rename it to .jsonl")
-    if suffix in JSONL_SUFFIXES:
-        return "jsonl"
-    if head[:2] == b"\x1f\x8b":
+    if head[:2] == b"\x1f\x8b":  # whatever the name: a gzipped x.jsonl too
         raise InputFileError(f"input file {p} is gzip-compressed: decompress it first "
                              "(gunzip -k) and pass the .jsonl file")
+    if suffix in JSONL_SUFFIXES:
+        return "jsonl"
     first = head.removeprefix(_BOM).lstrip()
     if first.startswith(b"{") or not first:
         return "jsonl"
