@@ -146,3 +146,40 @@ def test_text_offsets_are_character_offsets_in_the_decoded_text():
         expected = [len(decode_text(ids[:i]).rstrip("\ufffd")) for i in range(len(ids))]
         assert char_offsets(ids, decode_text) == expected
     assert expected != [sum(len(tok.decode([t])) for t in ids[:i]) for i in range(len(ids))]
+
+
+def test_tokens_holding_part_of_a_character_are_named_by_their_bytes():
+    """OpenAI names such tokens "bytes:\\xNN...": alternatives that would all decode to U+FFFD
+    keep apart, the chosen token's logprob stays its own, and chat's `bytes` are exact."""
+    from types import SimpleNamespace
+
+    from tiny_models import embedded_tokenizer, tiny_config
+
+    from batchgen.config import OutputConfig
+    from batchgen.runner.outputs import OutputFormatter
+
+    tok = embedded_tokenizer()
+    loaded = SimpleNamespace(tokenizer=tok, name="m", hf_config=tiny_config("llama"))
+    formatter = OutputFormatter(SimpleNamespace(config=SimpleNamespace(output=OutputConfig()),
+                                                batch_id="b", created=1), loaded)
+    ids = tok.encode("😀 日本", add_special_tokens=False)
+    labels = [formatter.decode_token(i) for i in ids]
+    assert any(label.startswith("bytes:\\x") for label in labels)
+    assert all("\ufffd" not in label for label in labels)
+    chat = success_line(pending(logprobs=True, top=2), FinishedRequest("req-1", 3, [Completion(
+        0, ids, FinishReason.LENGTH, "😀 日本",
+        [TokenLogprob(t, -0.5, [(t, -0.5), (ids[0], -1.0)]) for t in ids])]),
+        batch_id="b", model="m", created=1, decode_token=formatter.decode_token,
+        decode_text=formatter.decode_text)
+    content = chat["response"]["body"]["choices"][0]["logprobs"]["content"]
+    assert b"".join(bytes(e["bytes"]) for e in content) == "😀 日本".encode()
+    # Each token's runner-up is another token that alone decodes to U+FFFD.
+    partner = {t: ids[1] if t != ids[1] else ids[2] for t in ids}
+    text = success_line(pending("completion", logprobs=True, top=2), FinishedRequest(
+        "req-1", 3, [Completion(0, ids, FinishReason.LENGTH, "😀 日本",
+                                [TokenLogprob(t, -0.5, [(t, -0.5), (partner[t], -1.0)])
+                                 for t in ids])]),
+        batch_id="b", model="m", created=1, decode_token=formatter.decode_token,
+        decode_text=formatter.decode_text)["response"]["body"]["choices"][0]["logprobs"]
+    for token, top in zip(text["tokens"], text["top_logprobs"]):
+        assert top[token] == -0.5 and len(top) == 2

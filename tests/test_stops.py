@@ -88,3 +88,40 @@ def test_random_stops_agree_with_whole_text_decodes(tok):
         min_tokens = rng.choice([0, 0, 2, 5])
         assert run(tok, text, stops, min_tokens) == reference(tok, text, stops, min_tokens), \
             (text, stops, min_tokens)
+
+
+def test_the_token_that_ends_the_answer_leaves_its_text_out(tmp_path, tok):
+    """A stop token id or EOS ends the answer without being part of its text (as vLLM), also
+    with special tokens kept; it still counts among the answer's tokens."""
+    from engine_utils import greedy_requests, load_ours, make_engine
+    from tiny_models import save_tiny_chat_model
+
+    from batchgen.config import EngineConfig, MemoryConfig
+    from batchgen.engine.engine import Engine
+
+    model = load_ours(save_tiny_chat_model(tmp_path / "m"))
+    prompt = tok.encode("Once upon a time")
+
+    def answer(engine, **kw):
+        return engine.generate(greedy_requests([prompt], 12, **kw))[0].completions[0]
+
+    free = answer(make_engine(model, tok), ignore_eos=True)
+    stop_id = free.token_ids[5]
+    k = free.token_ids.index(stop_id)
+    assert tok.decode([stop_id]) and len(free.token_ids) == 12
+    by_id = answer(make_engine(model, tok), stop_token_ids=(stop_id,))
+    assert by_id.token_ids == free.token_ids[:k + 1] and by_id.stop_reason == stop_id
+    assert by_id.text == tok.decode(free.token_ids[:k])
+    cfg = EngineConfig(memory=MemoryConfig(gpu_kv_cache_size=0.05, host_kv_cache_size=0.1))
+    keep_special = Engine(model, cfg.validate(), tok, [stop_id], skip_special_tokens=False)
+    by_eos = answer(keep_special)
+    assert by_eos.token_ids == free.token_ids[:k + 1]
+    assert by_eos.text == tok.decode(free.token_ids[:k], skip_special_tokens=False)
+
+
+def test_an_unfinished_character_is_no_stop_match(tok):
+    """The U+FFFD shown for a character whose bytes are still arriving is not text: a stop
+    holding it must not match there (the finished text has no U+FFFD)."""
+    text = "Emoji time: 😀😀😀 and 日本."
+    assert run(tok, text, ["\ufffd"]) == (text, None)
+    assert run(tok, text, ["😀 and"]) == ("Emoji time: 😀😀", "😀 and")

@@ -393,7 +393,10 @@ class Engine:
         self.scheduler.finish(seq, natural=True)
         tokens = seq.token_ids[seq.prompt_len:]
         matched = stop if isinstance(stop, StopMatch) else None
-        text = self.stops.final_text(seq, matched)
+        last = seq.token_ids[-1]
+        ended_by_token = (reason is FinishReason.STOP and matched is None
+                          and (last in self.eos_ids or last in seq.sampling.stop_token_ids))
+        text = self.stops.final_text(seq, matched, ended_by_token)
         self._done[seq.request_id].append(Completion(
             seq.choice, tokens, reason, text, seq.logprobs,
             matched.stop if matched is not None else stop))

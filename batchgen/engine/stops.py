@@ -44,9 +44,12 @@ class StopChecker:
         # ones stopped the sequence already or fell among the first min_tokens tokens, where
         # they are suppressed.
         new_from = len(before.rstrip("\ufffd"))
+        # A character still unfinished at the end is no text yet (a stop holding U+FFFD must
+        # not match it); the token that finishes it is checked then.
+        whole = text.rstrip("\ufffd")
         found = []
         for order, stop in enumerate(stops):
-            start = text.find(stop, max(0, new_from - len(stop) + 1))
+            start = whole.find(stop, max(0, new_from - len(stop) + 1))
             if start >= 0:
                 found.append((start, order))
         if not found:
@@ -54,11 +57,15 @@ class StopChecker:
         start, order = min(found)
         return StopMatch(stops[order], len(text) - start)
 
-    def final_text(self, seq: Sequence, stop: StopMatch | None) -> str | None:
+    def final_text(self, seq: Sequence, stop: StopMatch | None,
+                   ended_by_token: bool = False) -> str | None:
+        """The answer's text, cut before the stop string `stop`; `ended_by_token`: the last
+        token (EOS or a stop token id) ended the answer, and its text is no part of it (as
+        vLLM: otherwise `<|im_end|>` with special tokens kept, or a stop id's "." stays)."""
         if self.tokenizer is None:
             return None
-        text = self.tokenizer.decode(seq.token_ids[seq.prompt_len:],
-                                     skip_special_tokens=self.skip_special)
+        answer = seq.token_ids[seq.prompt_len:len(seq.token_ids) - int(ended_by_token)]
+        text = self.tokenizer.decode(answer, skip_special_tokens=self.skip_special)
         if stop is not None:
             cut = len(text) - stop.from_end
             if text[cut:cut + len(stop.stop)] != stop.stop:

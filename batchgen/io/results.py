@@ -148,9 +148,26 @@ def _floor(logprob: float) -> float:
     return max(float(logprob), LOGPROB_FLOOR)
 
 
+BYTES_PREFIX = "bytes:"
+
+
+def bytes_label(raw: bytes) -> str:
+    """How OpenAI names a token that is part of a character: "bytes:\\xe3\\x81"."""
+    return BYTES_PREFIX + "".join(f"\\x{b:02x}" for b in raw)
+
+
+def _label_bytes(token: str) -> list[int]:
+    if token.startswith(BYTES_PREFIX + "\\x"):
+        try:
+            return list(bytes.fromhex(token[len(BYTES_PREFIX):].replace("\\x", "")))
+        except ValueError:
+            pass
+    return list(token.encode("utf-8"))
+
+
 def _token_entry(token_id: int, logprob: float, decode: Callable[[int], str]) -> dict:
     token = decode(token_id)
-    return {"token": token, "logprob": _floor(logprob), "bytes": list(token.encode("utf-8"))}
+    return {"token": token, "logprob": _floor(logprob), "bytes": _label_bytes(token)}
 
 
 def _chat_logprob(lp: TokenLogprob, top_n: int, decode: Callable[[int], str]) -> dict:

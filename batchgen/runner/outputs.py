@@ -2,11 +2,44 @@
 
 from __future__ import annotations
 
+import re
+
 from batchgen.core import FinishedRequest
 from batchgen.io.intake import PendingRequest
 from batchgen.io.parsers import (count_reasoning_tokens, parse_output, reasoning_style_for,
                                  tool_parser_for)
-from batchgen.io.results import ParsedChoice, success_line
+from batchgen.io.results import ParsedChoice, bytes_label, success_line
+
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, character -> byte: printable bytes stand for
+    themselves, the others were moved to U+0100 and up, in order."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)}
+    alphabet, moved = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            alphabet[chr(byte)] = byte
+        else:
+            alphabet[chr(256 + moved)] = byte
+            moved += 1
+    return alphabet
+
+
+BYTE_LEVEL = _byte_level_alphabet()
+
+
+def token_bytes(piece: str) -> bytes | None:
+    """The raw bytes of a vocabulary piece that holds part of a character: a SentencePiece
+    byte-fallback piece (`<0xE3>`) or a byte-level BPE piece; None when it is neither."""
+    match = _BYTE_TOKEN.fullmatch(piece)
+    if match:
+        return bytes([int(match.group(1), 16)])
+    if piece and all(c in BYTE_LEVEL for c in piece):
+        return bytes(BYTE_LEVEL[c] for c in piece)
+    return None
 
 
 class OutputFormatter:
@@ -25,11 +58,18 @@ class OutputFormatter:
         self._token_text: dict[int, str] = {}
 
     def decode_token(self, token_id: int) -> str:
-        text = self._token_text.get(token_id)
-        if text is None:
-            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
-            self._token_text[token_id] = text
-        return text
+        """A token's name in logprobs: its text, or, for a token holding part of a character
+        (its text alone decodes to U+FFFD), its bytes as OpenAI names them ("bytes:\\xe3\\x81"),
+        so that such alternatives neither collide nor lose their bytes."""
+        label = self._token_text.get(token_id)
+        if label is None:
+            label = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            if "\ufffd" in label:
+                raw = token_bytes(self.tokenizer.convert_ids_to_tokens(token_id))
+                if raw is not None and raw != label.encode("utf-8"):
+                    label = bytes_label(raw)
+            self._token_text[token_id] = label
+        return label
 
     def decode_text(self, token_ids) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=self.skip_special)
