@@ -41,7 +41,8 @@ def test_small_simulation_reports_every_field():
     assert result.output_tok_s == pytest.approx(result.output_tokens / result.total_time_s)
     assert 0 < result.device_util <= 1 and 0 < result.host_util <= 1
     assert 0 < result.peak_device_pages <= result.device_pages
-    assert 0 < result.mean_decode_batch <= SchedulerConfig().with_decode_batch(None).max_decode_batch
+    unset = SchedulerConfig().with_decode_batch(None)  # the simulator's default: eager's batch
+    assert 0 < result.mean_decode_batch <= unset.max_decode_batch
     assert len(result.timeline.time_s) == SMALL.timeline_points
     assert max(result.timeline.decode_batch) >= 1 and max(result.timeline.output_tok_s) > 0
     assert "output tok/s" in result.summary()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 
 from batchgen.core import FinishedRequest
@@ -13,22 +14,12 @@ from batchgen.io.results import ParsedChoice, bytes_label, success_line
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
+@functools.cache
 def _byte_level_alphabet() -> dict[str, int]:
-    """GPT-2's byte-level BPE alphabet, character -> byte: printable bytes stand for
-    themselves, the others were moved to U+0100 and up, in order."""
-    printable = {*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
-                 *range(ord("\xae"), ord("\xff") + 1)}
-    alphabet, moved = {}, 0
-    for byte in range(256):
-        if byte in printable:
-            alphabet[chr(byte)] = byte
-        else:
-            alphabet[chr(256 + moved)] = byte
-            moved += 1
-    return alphabet
+    """GPT-2's byte-level BPE alphabet, character -> byte (transformers' own table)."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-
-BYTE_LEVEL = _byte_level_alphabet()
+    return {char: byte for byte, char in bytes_to_unicode().items()}
 
 
 def token_bytes(piece: str) -> bytes | None:
@@ -37,8 +28,9 @@ def token_bytes(piece: str) -> bytes | None:
     match = _BYTE_TOKEN.fullmatch(piece)
     if match:
         return bytes([int(match.group(1), 16)])
-    if piece and all(c in BYTE_LEVEL for c in piece):
-        return bytes(BYTE_LEVEL[c] for c in piece)
+    alphabet = _byte_level_alphabet()
+    if piece and all(c in alphabet for c in piece):
+        return bytes(alphabet[c] for c in piece)
     return None
 
 
