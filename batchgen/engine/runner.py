@@ -47,7 +47,7 @@ class ModelRunner:
 
     def _pin_host_pool(self) -> None:
         """Page-lock the host pool. The kernel faults in and locks every 4 KiB page: ~1.4 GB/s
-        on the H200 machine (121 GB took 84 s), so a long pin is named, with its remedies."""
+        on an H200 host (121 GB took 84 s), so a long pin is named, with its remedies."""
         start = time.perf_counter()
         self.host_segment.pin()
         took = time.perf_counter() - start
