@@ -76,7 +76,8 @@ def prose(path: Path, text: str) -> list[tuple[int, str]]:
     pieces = []
     for token in tokenize.generate_tokens(io.StringIO(text).readline):
         if token.type in kinds:
-            pieces += [(token.start[0] + i, line) for i, line in enumerate(token.string.split("\n"))]
+            lines = token.string.split("\n")
+            pieces += [(token.start[0] + i, line) for i, line in enumerate(lines)]
     return pieces
 
 
