@@ -1,7 +1,7 @@
 """Time shared-prefix (cascade) decode attention against the plain paged decode kernel.
 
 Usage: python benchmarks/shared_prefix_bench.py [--batch 256] [--prefix-len 2000]
-       [--own-len 200] [--groups 1,4] [--kv bf16,fp8]
+       [--own-len 200] [--groups 1,4] [--kv bf16,fp8] [--prefix-splits auto,1,2,4]
 Llama-3-8B attention shape (32 query heads, 8 KV heads, head_dim 128, bf16 q). Each row's
 context is a prompt of prefix-len tokens, the first prefix-len // 64 pages of it shared by its
 group (rows are dealt to groups in turn), then own-len tokens of its own. One table row per
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import pathlib
 import sys
 
@@ -55,7 +56,8 @@ def pool(num_pages: int, kv_dtype: torch.dtype):
     return data[:, 0], storage.movedim(-1, 2)[:, 0]
 
 
-def case(K, batch: int, prefix_len: int, own_len: int, groups: int, kv_dtype: torch.dtype):
+def case(K, batch: int, prefix_len: int, own_len: int, groups: int, kv_dtype: torch.dtype,
+         prefix_splits: int | None):
     prefix_pages = prefix_len // PAGE
     own = prefix_len - prefix_pages * PAGE + own_len
     own_pages = -(-own // PAGE)
@@ -79,7 +81,11 @@ def case(K, batch: int, prefix_len: int, own_len: int, groups: int, kv_dtype: to
         return K.plan_shared_prefix(row_group, prefix_table, prefix_num, HEADS // KV_HEADS)
 
     step_plan = plan()
-    cascade = K.shared_prefix_decode(q, kv, scales, step_plan, own_table, suffix_lens, scale)
+    def cascade_step():
+        return K.shared_prefix_decode(q, kv, scales, step_plan, own_table, suffix_lens, scale,
+                                      num_prefix_splits=prefix_splits)
+
+    cascade = cascade_step()
     plain = K.paged_decode_attention(q, kv, scales, shared, ctx_lens, scale)
     error = ((cascade.float() - plain.float()).abs().max() / plain.float().abs().max()).item()
     times = {
@@ -87,8 +93,7 @@ def case(K, batch: int, prefix_len: int, own_len: int, groups: int, kv_dtype: to
                                                                    ctx_lens, scale)),
         "plain shared": do_bench(lambda: K.paged_decode_attention(q, kv, scales, shared,
                                                                   ctx_lens, scale)),
-        "cascade": do_bench(lambda: K.shared_prefix_decode(q, kv, scales, step_plan, own_table,
-                                                           suffix_lens, scale)),
+        "cascade": do_bench(cascade_step),
         "plan": do_bench(plan),
     }
     return times, error, ctx
@@ -101,18 +106,22 @@ def main() -> None:
     parser.add_argument("--own-len", type=int, default=200)
     parser.add_argument("--groups", default="1,4", help="comma-separated group counts")
     parser.add_argument("--kv", default="bf16,fp8", help="KV dtypes: bf16, fp8")
+    parser.add_argument("--prefix-splits", default="auto",
+                        help="comma-separated num_prefix_splits values (auto: the launcher's)")
     args = parser.parse_args()
     K = import_kernels()
     print(f"B={args.batch} prefix={args.prefix_len} (whole pages shared) own={args.own_len} "
           f"H={HEADS} KVH={KV_HEADS} D={HEAD_DIM}; times in microseconds")
-    print(f"{'kv':>4} {'groups':>6} {'plain private':>13} {'plain shared':>12} {'cascade':>8} "
-          f"{'plan':>6} {'vs private':>10} {'vs shared':>9} {'max rel err':>11}")
+    print(f"{'kv':>4} {'groups':>6} {'splits':>6} {'plain private':>13} {'plain shared':>12} "
+          f"{'cascade':>8} {'plan':>6} {'vs private':>10} {'vs shared':>9} {'max rel err':>11}")
     for kv_name in args.kv.split(","):
         kv_dtype = {"bf16": BF16, "fp8": FP8}[kv_name]
-        for groups in (int(g) for g in args.groups.split(",")):
-            t, error, _ = case(K, args.batch, args.prefix_len, args.own_len, groups, kv_dtype)
+        for groups, splits in itertools.product(
+                [int(g) for g in args.groups.split(",")], args.prefix_splits.split(",")):
+            t, error, _ = case(K, args.batch, args.prefix_len, args.own_len, groups, kv_dtype,
+                               None if splits == "auto" else int(splits))
             us = {name: ms * 1000 for name, ms in t.items()}
-            print(f"{kv_name:>4} {groups:>6} {us['plain private']:>13.1f} "
+            print(f"{kv_name:>4} {groups:>6} {splits:>6} {us['plain private']:>13.1f} "
                   f"{us['plain shared']:>12.1f} {us['cascade']:>8.1f} {us['plan']:>6.1f} "
                   f"{us['plain private'] / us['cascade']:>9.2f}x "
                   f"{us['plain shared'] / us['cascade']:>8.2f}x {error:>11.2e}")

@@ -17,9 +17,10 @@ part, so:
 The result equals the plain paged decode over the concatenated page list (prefix pages, then
 own pages) within rounding. Rows in no group get an empty prefix partial (weight zero).
 
-Work assignment is planned on the device (`plan_shared_prefix`, a few torch ops, no host sync):
-rows are ordered by group, each group's rows are cut into tiles of `rows_per_tile`, and tile t
-of a fixed-size list learns its group and row range by a search over the groups' tile counts.
+Work assignment is planned on the device by `_plan_kernel` (one program, no host sync): rows
+are ordered by group (a counting sort), each group's rows are cut into tiles of
+`rows_per_tile`, and tile t of a fixed-size list learns its group and row range by a search
+over the groups' tile counts.
 Every shape is a function of the metadata tensors' shapes, so a CUDA graph captured once
 replays with new metadata written into the same tensors. Tiles past the real ones, and the
 pseudo-group of ungrouped rows, walk no pages.
@@ -62,6 +63,9 @@ TILE_QUERIES = 64
 """Query vectors (rows x GQA heads) per prefix tile: the M of the prefix kernel's matmuls."""
 PREFIX_LAUNCH = {"num_warps": 4, "num_stages": 2}
 MAX_PREFIX_SPLITS = 16
+PLAN_TILE_ELEMENTS = 8192
+"""Elements of the plan kernel's [groups, rows] comparison tiles (rows per block: this over
+the padded group count, 16 to 256)."""
 
 
 @triton.jit(do_not_specialize=["pages_per_split", "num_splits", "split_offset", "stride_pp"])
@@ -128,6 +132,65 @@ def _prefix_kernel(
              mask=mask_m[:, None] & mask_d[None, :])
 
 
+@triton.jit(do_not_specialize=["batch", "groups", "max_pages", "num_tiles"])
+def _plan_kernel(row_group_ptr, num_pages_in_ptr, member_rows_ptr, tile_group_ptr,
+                 tile_start_ptr, tile_end_ptr, num_pages_ptr, batch, groups, max_pages,
+                 num_tiles, ROWS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_B: tl.constexpr,
+                 BLOCK_T: tl.constexpr):
+    """One program: rows ordered by group (a counting sort), then the tile list. Group index
+    `groups` collects the rows in no group."""
+    offs_g = tl.arange(0, BLOCK_G)
+    mask_g = offs_g <= groups
+    counts = tl.zeros([BLOCK_G], tl.int32)
+    for b0 in range(0, batch, BLOCK_B):
+        hit = _group_hits(row_group_ptr, b0, batch, groups, offs_g, BLOCK_B)
+        counts += tl.sum(hit.to(tl.int32), axis=1)
+    starts = tl.cumsum(counts, axis=0) - counts
+    filled = starts
+    for b0 in range(0, batch, BLOCK_B):
+        offs_b = b0 + tl.arange(0, BLOCK_B)
+        hit = _group_hits(row_group_ptr, b0, batch, groups, offs_g, BLOCK_B).to(tl.int32)
+        rank = tl.cumsum(hit, axis=1) - hit  # earlier rows of the same group in this block
+        pos = tl.sum(hit * (filled[:, None] + rank), axis=0)
+        tl.store(member_rows_ptr + pos, offs_b, mask=offs_b < batch)
+        filled += tl.sum(hit, axis=1)
+
+    tiles = (counts + ROWS - 1) // ROWS
+    tile_ends = tl.cumsum(tiles, axis=0)
+    first_tile = tile_ends - tiles
+    total = tl.sum(tiles, axis=0)
+    for t0 in range(0, num_tiles, BLOCK_T):
+        t = t0 + tl.arange(0, BLOCK_T)
+        # The tile's group: how many groups end at or before it (a search over tile_ends).
+        done = (tile_ends[None, :] <= t[:, None]) & mask_g[None, :]
+        group = tl.minimum(tl.sum(done.to(tl.int32), axis=1), groups)
+        sel = (offs_g[None, :] == group[:, None]).to(tl.int32)
+        group_start = tl.sum(sel * starts[None, :], axis=1)
+        group_end = group_start + tl.sum(sel * counts[None, :], axis=1)
+        start = group_start + (t - tl.sum(sel * first_tile[None, :], axis=1)) * ROWS
+        end = tl.minimum(start + ROWS, group_end)
+        spare = t >= total  # past the real tiles: an empty range
+        mask_t = t < num_tiles
+        tl.store(tile_group_ptr + t, tl.where(spare, groups, group), mask=mask_t)
+        tl.store(tile_start_ptr + t, tl.where(spare, 0, start), mask=mask_t)
+        tl.store(tile_end_ptr + t, tl.where(spare, 0, end), mask=mask_t)
+
+    pages = tl.load(num_pages_in_ptr + offs_g, mask=offs_g < groups, other=0).to(tl.int32)
+    pages = tl.minimum(tl.maximum(pages, 0), max_pages)
+    tl.store(num_pages_ptr + offs_g, pages, mask=mask_g)
+
+
+@triton.jit
+def _group_hits(row_group_ptr, b0, batch, groups, offs_g, BLOCK_B: tl.constexpr):
+    """[BLOCK_G, BLOCK_B] bool: row b0 + j belongs to group offs_g[i] (a group outside
+    [0, groups) counts as `groups`)."""
+    offs_b = b0 + tl.arange(0, BLOCK_B)
+    mask_b = offs_b < batch
+    key = tl.load(row_group_ptr + offs_b, mask=mask_b, other=-1).to(tl.int32)
+    key = tl.where((key >= 0) & (key < groups), key, groups)
+    return (key[None, :] == offs_g[:, None]) & mask_b[None, :]
+
+
 @dataclass(frozen=True)
 class SharedPrefixPlan:
     """Which rows share which prefix pages, and the prefix kernel's tiles: device tensors of
@@ -182,31 +245,23 @@ def plan_shared_prefix(row_group: torch.Tensor, prefix_pages: torch.Tensor,
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
     device, batch = row_group.device, row_group.shape[0]
+    if device.type != "cuda" and not interpreting():
+        raise ValueError(f"{device} tensors need TRITON_INTERPRET=1 (the Triton CPU "
+                         "interpreter)")
     rows = rows_per_tile(group_size)
-    key = row_group.long()
-    key = torch.where((key >= 0) & (key < groups), key, torch.full_like(key, groups))
-    member_rows = torch.sort(key, stable=True).indices.to(torch.int32)
-    counts = torch.zeros(groups + 1, dtype=torch.long, device=device)
-    counts.scatter_add_(0, key, torch.ones_like(key))
-    starts = torch.cumsum(counts, 0) - counts
-    # Tiles per group (the ungrouped rows included): at most cdiv(B, rows) + G + 1 in all.
-    tiles = (counts + rows - 1) // rows
-    tile_ends = torch.cumsum(tiles, 0)
-    num_tiles = -(-batch // rows) + groups + 1
-    t = torch.arange(num_tiles, device=device)
-    tile_group = torch.searchsorted(tile_ends, t, right=True).clamp_max(groups)
-    first_tile = (tile_ends - tiles)[tile_group]
-    tile_start = starts[tile_group] + (t - first_tile) * rows
-    group_end = starts[tile_group] + counts[tile_group]
-    tile_end = torch.minimum(tile_start + rows, group_end)
-    spare = t >= tile_ends[-1]  # past the real tiles: an empty range
-    tile_start = torch.where(spare, torch.zeros_like(tile_start), tile_start)
-    tile_end = torch.where(spare, torch.zeros_like(tile_end), tile_end)
-    tile_group = torch.where(spare, torch.full_like(tile_group, groups), tile_group)
-    num_pages = prefix_num_pages.long().clamp(0, prefix_pages.shape[1])
-    num_pages = torch.cat([num_pages, num_pages.new_zeros(1)]).to(torch.int32)
-    return SharedPrefixPlan(prefix_pages, num_pages, member_rows, tile_group.to(torch.int32),
-                            tile_start.to(torch.int32), tile_end.to(torch.int32), rows)
+    num_tiles = -(-batch // rows) + groups + 1  # each group's last tile may be partial
+    member_rows = torch.empty(batch, dtype=torch.int32, device=device)
+    tile_group, tile_start, tile_end = (
+        torch.empty(num_tiles, dtype=torch.int32, device=device) for _ in range(3))
+    num_pages = torch.empty(groups + 1, dtype=torch.int32, device=device)
+    block_g = next_pow2(groups + 1)
+    block = max(16, min(256, PLAN_TILE_ELEMENTS // block_g))
+    _plan_kernel[(1,)](
+        row_group, prefix_num_pages, member_rows, tile_group, tile_start, tile_end, num_pages,
+        batch, groups, prefix_pages.shape[1], num_tiles,
+        ROWS=rows, BLOCK_G=block_g, BLOCK_B=block, BLOCK_T=block, num_warps=4)
+    return SharedPrefixPlan(prefix_pages, num_pages, member_rows, tile_group, tile_start,
+                            tile_end, rows)
 
 
 def default_prefix_splits(plan: SharedPrefixPlan, kv_heads: int, device: torch.device) -> int:

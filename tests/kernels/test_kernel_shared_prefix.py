@@ -110,10 +110,13 @@ def test_groups_span_several_tiles(device, fp8, monkeypatch):
     assert_rel_close(out, plain.float(), 2 * TOLERANCE[dtype], "vs paged decode")
 
 
-@pytest.mark.parametrize("groups", [1, 3, 7])
-def test_plan_covers_each_row_once_in_its_group(groups):
-    rows = int(torch.randint(0, 40, ()))
-    row_group = torch.randint(-1, groups + 1, (rows,), dtype=torch.int32)  # `groups`: none
+@pytest.mark.parametrize("groups,max_rows,dtype", [
+    (1, 40, torch.int32), (3, 600, torch.int64), (7, 40, torch.int32), (70, 600, torch.int32)])
+def test_plan_covers_each_row_once_in_its_group(groups, max_rows, dtype):
+    """Every row lands in exactly one tile of its group; 600 rows and 70 groups take the plan
+    kernel through several row blocks and tile blocks."""
+    rows = int(torch.randint(0, max_rows, ()))
+    row_group = torch.randint(-1, groups + 1, (rows,), dtype=dtype)  # `groups`: none
     prefix_num = torch.randint(0, 4, (groups,), dtype=torch.int32)
     prefix_table = torch.randint(0, 100, (groups, 3), dtype=torch.int32)
     plan = SP.plan_shared_prefix(row_group, prefix_table, prefix_num, group_size=8)
