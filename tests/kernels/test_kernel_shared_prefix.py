@@ -3,6 +3,8 @@ concatenated pages: the float64 reference and the paged decode kernel."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from batchgen_kernels import paged_decode_attention, reference
@@ -112,14 +114,18 @@ def test_groups_span_several_tiles(device, fp8, monkeypatch):
 
 @pytest.mark.parametrize("groups,max_rows,dtype", [
     (1, 40, torch.int32), (3, 600, torch.int64), (7, 40, torch.int32), (70, 600, torch.int32)])
-def test_plan_covers_each_row_once_in_its_group(groups, max_rows, dtype):
+@pytest.mark.parametrize("device", DEVICES)
+def test_plan_covers_each_row_once_in_its_group(device, groups, max_rows, dtype):
     """Every row lands in exactly one tile of its group; 600 rows and 70 groups take the plan
     kernel through several row blocks and tile blocks."""
     rows = int(torch.randint(0, max_rows, ()))
     row_group = torch.randint(-1, groups + 1, (rows,), dtype=dtype)  # `groups`: none
     prefix_num = torch.randint(0, 4, (groups,), dtype=torch.int32)
     prefix_table = torch.randint(0, 100, (groups, 3), dtype=torch.int32)
-    plan = SP.plan_shared_prefix(row_group, prefix_table, prefix_num, group_size=8)
+    plan = SP.plan_shared_prefix(row_group.to(device), prefix_table.to(device),
+                                 prefix_num.to(device), group_size=8)
+    plan = dataclasses.replace(plan, **{name: getattr(plan, name).cpu() for name in (
+        "prefix_num_pages", "member_rows", "tile_group", "tile_start", "tile_end")})
     assert plan.rows_per_tile == 8
     assert plan.tile_group.shape[0] == -(-rows // 8) + groups + 1  # fixed by the shapes
     assert plan.prefix_num_pages.tolist() == prefix_num.clamp_max(3).tolist() + [0]
