@@ -26,8 +26,21 @@ replays with new metadata written into the same tensors. Tiles past the real one
 pseudo-group of ungrouped rows, walk no pages.
 
 GQA and MHA pools, bfloat16/float16/float32 and float8_e4m3fn KV (per-token scales, V blocks
-stored transposed as `_common.fp8_v_stored`) are supported; sliding windows and MLA latent
-caches are not (such layers keep the plain kernels).
+stored transposed as `_common.fp8_v_stored`) and attention sinks are supported; sliding
+windows and MLA latent caches are not (such layers keep the plain kernels).
+
+A decode step that uses it needs, in fixed-shape device buffers (padded to a graph bucket's
+batch and a group capacity G, so a captured graph replays with new contents):
+- row_group [B] int32: the group of each decode row, -1 for a row sharing nothing (padding
+  rows included);
+- prefix_pages [G, max_prefix_pages] int32 and prefix_num_pages [G] int32: each group's
+  shared pages (whole pages every member holds at the same positions; 0 for unused groups);
+- page_table [B, max_own_pages] int32 and suffix_lens [B] int32: each row's pages after its
+  group's prefix and the keys in them (the new token included), i.e. the row's plain page
+  table and context length shifted by prefix_num_pages[g] pages and that many * 64 keys.
+`plan_shared_prefix(row_group, prefix_pages, prefix_num_pages, H // KVH)` runs once per step;
+every layer then calls `shared_prefix_decode(q, *pool.layer(i), plan, page_table, suffix_lens,
+sm_scale, sinks=...)` after storing the step's K/V as usual.
 """
 
 from __future__ import annotations
