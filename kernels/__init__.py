@@ -17,6 +17,7 @@ from .prefill_attention import paged_prefill_attention
 from .rmsnorm import fused_add_rmsnorm, fused_add_rmsnorm_fp8, rmsnorm, rmsnorm_fp8
 from .rope import apply_rope
 from .rope_store import rope_store_kv
+from .shared_prefix_attention import plan_shared_prefix, shared_prefix_decode
 from .silu_mul import silu_and_mul, silu_and_mul_fp8
 
 __all__ = [
@@ -30,11 +31,13 @@ __all__ = [
     "mla_decode_attention",
     "paged_decode_attention",
     "paged_prefill_attention",
+    "plan_shared_prefix",
     "quantize_fp8_groups",
     "quantize_fp8_rows",
     "rmsnorm",
     "rmsnorm_fp8",
     "rope_store_kv",
+    "shared_prefix_decode",
     "silu_and_mul",
     "silu_and_mul_fp8",
     "store_kv",

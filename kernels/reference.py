@@ -274,3 +274,40 @@ def store_mla_kv(kv: torch.Tensor, kv_scales: torch.Tensor | None, rows: torch.T
     rows [T, W] written at slot_mapping [T] (negative slots are skipped); fp8 pools get one
     scale per token."""
     return _store_tokens(kv, kv_scales, rows[:, None], slot_mapping)
+
+
+def concat_prefix_pages(prefix_pages: torch.Tensor, prefix_num_pages: torch.Tensor,
+                        row_group: torch.Tensor, page_table: torch.Tensor,
+                        suffix_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's whole page list: its group's prefix pages (prefix_pages [G, P], the first
+    prefix_num_pages[g] of row g) then its own pages (page_table [B, S]); row_group [B] holds
+    -1 (or any value outside [0, G)) for rows in no group. Returns (page table [B, P + S]
+    int32, context lengths [B] int32: prefix pages * 64 + suffix_lens)."""
+    batch, groups = page_table.shape[0], prefix_pages.shape[0]
+    table = torch.zeros(batch, prefix_pages.shape[1] + page_table.shape[1], dtype=torch.int32,
+                        device=page_table.device)
+    ctx = torch.empty(batch, dtype=torch.int32, device=page_table.device)
+    for b, (g, own) in enumerate(zip(row_group.tolist(), suffix_lens.tolist())):
+        n = int(prefix_num_pages[g]) if 0 <= g < groups else 0
+        own_pages = -(-own // PAGE_SIZE)
+        if n:
+            table[b, :n] = prefix_pages[g, :n]
+        table[b, n:n + own_pages] = page_table[b, :own_pages]
+        ctx[b] = n * PAGE_SIZE + own
+    return table, ctx
+
+
+def shared_prefix_decode(q: torch.Tensor, kv: torch.Tensor, kv_scales: torch.Tensor | None,
+                         prefix_pages: torch.Tensor, prefix_num_pages: torch.Tensor,
+                         row_group: torch.Tensor, page_table: torch.Tensor,
+                         suffix_lens: torch.Tensor, sm_scale: float,
+                         sinks: torch.Tensor | None = None,
+                         math_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Decode attention (q [B, H, D], one token per row) over each row's group prefix pages
+    followed by its own pages: `paged_attention` over `concat_prefix_pages`. Returns
+    [B, H, D] in math_dtype."""
+    table, ctx = concat_prefix_pages(prefix_pages, prefix_num_pages, row_group, page_table,
+                                     suffix_lens)
+    cu = torch.arange(q.shape[0] + 1, dtype=torch.int32)
+    return paged_attention(q, kv, kv_scales, cu, ctx, table, sm_scale, sinks=sinks,
+                           math_dtype=math_dtype)
