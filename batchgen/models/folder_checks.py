@@ -202,15 +202,27 @@ def _check_shapes(config: dict, headers: dict, vocab: int, hidden: int) -> None:
 
 
 def machine_memory() -> tuple[int, int]:
-    """(host + every visible device's memory, host memory) in bytes."""
+    """(host + every GPU's memory, host memory) in bytes, without creating a CUDA context in
+    this process (NVML; where it is missing, a generous MAX_DEVICE_BYTES per visible device)."""
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    device = 0
+    return host + _device_memory(), host
+
+
+MAX_DEVICE_BYTES = 512 << 30
+"""More memory than any one accelerator has: the bound used when NVML cannot tell."""
+
+
+def _device_memory() -> int:
     try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            return sum(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(i)).total
+                       for i in range(pynvml.nvmlDeviceGetCount()))
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # noqa: BLE001 - no NVML library, no driver, no pynvml: count instead
         import torch
 
-        if torch.cuda.is_available():
-            device = sum(torch.cuda.get_device_properties(i).total_memory
-                         for i in range(torch.cuda.device_count()))
-    except (ImportError, RuntimeError):
-        pass
-    return host + device, host
+        return torch.cuda.device_count() * MAX_DEVICE_BYTES

@@ -150,12 +150,8 @@ def _run(config: JobConfig, stops: StopSignals, member: Member) -> int:
         lock.acquire(config.storage.wait_for_lock)
     output_lock = JobLock(paths.output_lock, f"another live job writes {paths.output}")
     try:
-        try:  # two jobs given one --output: the second is refused
-            output_lock.acquire(config.storage.wait_for_lock)
-        except OSError:
-            refuse_unwritable(paths)  # a read-only output folder: named as preflight does
-            raise
         with _abort_followers(group):
+            _lock_output(output_lock, paths, config.storage.wait_for_lock)
             spec, batch_file = prepare(config, summary, paths)
             if batch_file.load().status == "completed" and final_files_complete(
                     paths.output, paths.errors_output, summary.records) and outputs_belong_to(
@@ -180,6 +176,16 @@ def _run(config: JobConfig, stops: StopSignals, member: Member) -> int:
     finally:
         output_lock.release()
         lock.release()
+
+
+def _lock_output(output_lock: JobLock, paths: JobPaths, wait_s: float) -> None:
+    """Two jobs given one --output: the second is refused (JobLocked, exit 4). A folder that
+    cannot take the lock file is named as preflight names it."""
+    try:
+        output_lock.acquire(wait_s)
+    except OSError:
+        refuse_unwritable(paths)
+        raise
 
 
 def done_records(config: JobConfig, paths: JobPaths, records: int) -> int:
