@@ -155,10 +155,12 @@ def check_disk(paths: JobPaths, input_bytes: int, records: int, left: int) -> li
 def check_writable(paths: JobPaths) -> list[Finding]:
     """The folders results go to take a new file now: a read-only output folder (a read-only
     mount, missing permission) would otherwise fail only at the final merge, after all the
-    work. A probe file is created and removed in each."""
+    work. A probe file is created and removed in each (in the nearest existing folder above
+    one not created yet)."""
     findings = []
     for flag, folder in (("--output", paths.output.parent),
                          ("--incremental-output-dir", paths.incremental_dir)):
+        folder = _existing(folder)
         probe = folder / f".{paths.batch_id}.write-probe-{os.getpid()}"
         try:
             os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW, 0o600))
