@@ -301,9 +301,14 @@ class StorageConfig:
     wait_for_lock: float = 0.0
     """Seconds to wait for another live run of this job to end before refusing (exit 4); 0
     refuses at once. For a requeued job that may start while the old run still flushes."""
+    max_line_bytes: int = 8 << 20
+    """Longest JSONL input line read (bytes, its newline not counted); a longer line is never
+    held in memory and becomes a line_too_long error line (custom_id `line-N`)."""
 
     def validate(self) -> None:
         _require(bool(self.input), "input", self.input, "a path to a .jsonl or .parquet file")
+        _require(self.max_line_bytes >= 64, "max_line_bytes", self.max_line_bytes,
+                 "bytes >= 64")
         _require(bool(self.storage_path), "storage_path", self.storage_path, "a folder path")
         _require(self.wait_for_lock >= 0, "wait_for_lock", self.wait_for_lock, "seconds >= 0")
         if self.batch_id is not None:

@@ -1,5 +1,6 @@
 """Intake: every accepted shape, every bad-line kind, sampling fields, templates, context."""
 
+import dataclasses
 import importlib.util
 from pathlib import Path
 
@@ -302,9 +303,15 @@ def test_response_format_nested_past_orjson_is_a_line_error(tok):
     schema = {"type": "string"}
     for _ in range(300):
         schema = {"type": "object", "properties": {"a": schema}}
-    item = run(tok, {"messages": USER, "response_format": {
-        "type": "json_schema", "json_schema": {"name": "deep", "schema": schema}}}, line=9)
+    deep = {"type": "json_schema", "json_schema": {"name": "deep", "schema": schema}}
+    # Intake refuses it already (grammar limits), before any compiler sees it ...
+    refused = run(tok, {"messages": USER, "response_format": deep}, line=9)
+    assert isinstance(refused, IntakeError) and refused.code == "unsupported_response_format"
+    assert "line 9" in refused.message
+    # ... and the grammar step, given it anyway, still makes it a line error.
+    item = run(tok, {"messages": USER}, line=9)
     assert isinstance(item, PendingRequest), item
+    item = dataclasses.replace(item, extra={"response_format": deep})
     err = Grammars(tok, len(tok), []).request(item)
     assert isinstance(err, IntakeError) and err.code == "unsupported_response_format"
     assert "line 9" in err.message

@@ -8,13 +8,17 @@ intake() does both. A bad line returns an IntakeError; nothing here raises for b
 
 from __future__ import annotations
 
+import contextlib
 import math
+import signal
+import threading
 from dataclasses import dataclass, fields
 from typing import Any
 
 import orjson
 
 from batchgen.core import Request, SamplingParams
+from batchgen.io.grammar_limits import GrammarTooComplex, check_grammar_limits
 from batchgen.io.reader import RawRecord, custom_id_of, record_key
 
 CHAT_URL = "/v1/chat/completions"
@@ -23,6 +27,13 @@ EXTRA_FIELDS = ("tools", "tool_choice", "response_format", "parallel_tool_calls"
                 "chat_template_kwargs")
 """Body fields carried to the chat template, the output parsers and, for response_format
 (json_object, json_schema), the grammar that constrains sampling."""
+TEMPLATE_TIMEOUT_S = 10.0
+"""Longest a chat template may render one line (the model folder's template is foreign code)."""
+MAX_RENDERED_CHARS = 64 << 20
+"""Longest text a chat template may render for one line."""
+MAX_CHARS_PER_TOKEN = 128
+"""More characters than any vocabulary piece holds: a text longer than this many per token of
+the context cannot fit, whatever the tokenizer."""
 _RESERVED_TEMPLATE_KWARGS = {"conversation", "messages", "tools", "tokenize",
                              "add_generation_prompt", "chat_template", "return_dict"}
 _ALLOWED = {
@@ -115,6 +126,11 @@ def _parse(data: dict, key: str, line: int, default_max_tokens: int) -> ParsedRe
     extra = {k: _maybe_json(body[k]) for k in EXTRA_FIELDS if body.get(k) is not None}
     if "chat_template_kwargs" in extra and not isinstance(extra["chat_template_kwargs"], dict):
         raise _BadLine("invalid_messages", "chat_template_kwargs must be an object")
+    if "response_format" in extra:
+        try:
+            check_grammar_limits(extra["response_format"])
+        except GrammarTooComplex as err:
+            raise _BadLine("unsupported_response_format", str(err)) from None
     messages = _messages(body.get("messages")) if kind == "chat" else None
     prompt = _prompt(body.get("prompt")) if kind == "completion" else None
     sampling = parse_sampling(body, kind, default_max_tokens)
@@ -343,7 +359,7 @@ def tokenize_request(parsed: ParsedRequest, tokenizer: Any,
                      max_context: int) -> PendingRequest | IntakeError:
     """Render (chat template) and tokenize; refuse prompts that leave no room to generate."""
     try:
-        ids = _prompt_ids(parsed, tokenizer)
+        ids = _prompt_ids(parsed, tokenizer, max_context)
         # Stop ids index the logits (min_tokens masks them): one past the vocabulary would
         # stop the whole batch's step, not just this line.
         _check_in_vocabulary("stop_token_ids", parsed.sampling.stop_token_ids, len(tokenizer),
@@ -369,27 +385,74 @@ def _check_in_vocabulary(what: str, token_ids, vocab: int, code: str) -> None:
         raise _BadLine(code, f"{what} must be < {vocab} (the tokenizer's vocabulary size)")
 
 
-def _prompt_ids(parsed: ParsedRequest, tokenizer: Any) -> list[int]:
+def _prompt_ids(parsed: ParsedRequest, tokenizer: Any, max_context: int) -> list[int]:
     if parsed.kind == "completion":
         if isinstance(parsed.prompt, list):
             _check_in_vocabulary("prompt token ids", parsed.prompt, len(tokenizer),
                                  "invalid_prompt")
             return list(parsed.prompt)
-        return list(tokenizer.encode(parsed.prompt))
-    text = render_chat(parsed, tokenizer)
+        return list(tokenizer.encode(_fits_context(parsed.prompt, max_context)))
+    text = _fits_context(render_chat(parsed, tokenizer), max_context)
     # The template already wrote BOS and other special tokens: do not add them twice.
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
+def _fits_context(text: str, max_context: int) -> str:
+    """Refuse, untokenized, a text no tokenizer could fit in the context: tokenizing costs
+    about a hundred bytes of memory per character, so a huge prompt is never tokenized."""
+    if len(text) > max_context * MAX_CHARS_PER_TOKEN:
+        raise _BadLine("context_length_exceeded",
+                       f"the prompt is {len(text)} characters, more than {MAX_CHARS_PER_TOKEN} "
+                       f"per token of the model's {max_context}-token context, so it cannot "
+                       "fit (it is refused without tokenizing); shorten the prompt")
+    return text
+
+
+class TemplateTimeout(Exception):
+    """A chat template ran past TEMPLATE_TIMEOUT_S."""
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: float):
+    """Raise TemplateTimeout in this code after `seconds` (an interval timer: main thread
+    only; elsewhere no limit applies, as in `batchgen validate`'s threads there are none)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(signum, frame):
+        raise TemplateTimeout
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def render_chat(parsed: ParsedRequest, tokenizer: Any) -> str:
-    """The prompt text of a chat request (transformers renders it in a sandboxed jinja env)."""
+    """The prompt text of a chat request (transformers renders it in a sandboxed jinja env),
+    within TEMPLATE_TIMEOUT_S and MAX_RENDERED_CHARS: a template that loops or grows without
+    end becomes this line's template_error."""
     kwargs = {k: v for k, v in (parsed.extra.get("chat_template_kwargs") or {}).items()
               if k not in _RESERVED_TEMPLATE_KWARGS}
     try:
-        return tokenizer.apply_chat_template(parsed.messages, tokenize=False,
-                                             add_generation_prompt=True,
-                                             tools=parsed.extra.get("tools"), **kwargs)
+        with _time_limit(TEMPLATE_TIMEOUT_S):
+            text = tokenizer.apply_chat_template(parsed.messages, tokenize=False,
+                                                 add_generation_prompt=True,
+                                                 tools=parsed.extra.get("tools"), **kwargs)
+    except TemplateTimeout:
+        raise _BadLine("template_error", f"the chat template ran past {TEMPLATE_TIMEOUT_S:g} s "
+                                         "for this line (a loop without end?) and was "
+                                         "stopped") from None
     # A template is foreign code that may raise anything; one line must never stop the job.
     except Exception as e:  # noqa: BLE001
         raise _BadLine("template_error",
                        f"the chat template failed: {type(e).__name__}: {e}") from None
+    if not isinstance(text, str) or len(text) > MAX_RENDERED_CHARS:
+        size = f"{len(text)} characters" if isinstance(text, str) else type(text).__name__
+        raise _BadLine("template_error", f"the chat template rendered {size}, over the limit "
+                                         f"of {MAX_RENDERED_CHARS}")
+    return text

@@ -10,8 +10,10 @@ JOB_DIR/outputs/{batch_id}.jsonl      final results in input order (+ .errors.js
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
+import stat
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -20,6 +22,11 @@ from typing import IO, Any
 
 import orjson
 
+FOLDER_MODE = 0o750
+"""Mode of the folders a job creates (the umask may take more away)."""
+NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
+"""Flags of every job file open: a symbolic link planted where a job file goes is never
+followed (the storage folder may be shared, and batch ids are predictable)."""
 BATCH_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 STATUSES = ("validating", "in_progress", "finalizing", "completed", "failed")
 
@@ -88,7 +95,22 @@ class JobPaths:
     def make_dirs(self) -> None:
         for d in (self.upload_file.parent, self.batch_file.parent, self.incremental_dir,
                   self.output.parent):
-            d.mkdir(parents=True, exist_ok=True)
+            d.mkdir(FOLDER_MODE, parents=True, exist_ok=True)
+
+    @property
+    def output_lock(self) -> Path:
+        """Flocked while a run may write `output`: two jobs never write one output file."""
+        return self.output.with_name(f".{self.output.name}.lock")
+
+    def job_files(self) -> list[Path]:
+        """Every file of this batch id that exists (or is a link) in the job's folders, its
+        log folder and its final outputs."""
+        found = [self.output, self.errors_output, self.output_lock,
+                 self.storage_path / "logs" / self.batch_id]
+        for folder in (self.batch_file.parent, self.upload_file.parent, self.incremental_dir):
+            for pattern in (f"{self.batch_id}.*", f".{self.batch_id}.*"):
+                found.extend(folder.glob(pattern))
+        return [p for p in found if os.path.lexists(p)]
 
     def remove_write_temps(self) -> None:
         """Temp files of atomic writes (batch, upload, stats, spec files) a kill left behind.
@@ -110,6 +132,53 @@ class JobPaths:
         self.incremental_owner.unlink(missing_ok=True)
 
 
+class UnsafeJobPath(Exception):
+    """A job folder or file another user could redirect (a planted link, a folder owned by
+    someone else or writable by everyone)."""
+
+
+def open_job_file(path: Path, flags: int, mode: int = 0o600) -> int:
+    """os.open with NOFOLLOW: a symbolic link at `path` raises UnsafeJobPath, never opened."""
+    try:
+        return os.open(path, flags | NOFOLLOW, mode)
+    except OSError as err:
+        if err.errno != errno.ELOOP:
+            raise
+        raise UnsafeJobPath(link_message(Path(path))) from None
+
+
+def link_message(path: Path) -> str:
+    return (f"{path} is a symbolic link (to {os.readlink(path)!r}); batchgen never writes a job "
+            "file through a link, since another user could have planted it to overwrite "
+            "their target: remove the link (and check who made it), or use a storage folder "
+            "only you can write (--storage-path)")
+
+
+def refuse_planted_links(paths: JobPaths) -> None:
+    """Refuse a job whose files are links (checked before anything is written)."""
+    for path in paths.job_files():
+        if path.is_symlink():
+            raise UnsafeJobPath(link_message(path))
+
+
+def check_folder_is_safe(folder: Path, flag: str) -> None:
+    """Refuse a folder (and a link to one) another user could tamper with: owned by another
+    user (root aside), or writable by everyone without the sticky bit (as /tmp has)."""
+    me = os.geteuid()
+    for st, what in ((os.lstat(folder), "the link"), (os.stat(folder), "the folder")):
+        if st.st_uid not in (me, 0):
+            raise UnsafeJobPath(
+                f"--{flag.replace('_', '-')} {folder}: {what} belongs to user id {st.st_uid}, "
+                "not to you: another user could redirect the job's files; use a folder of "
+                "your own")
+        if not stat.S_ISLNK(st.st_mode) and st.st_mode & stat.S_IWOTH and not (
+                st.st_mode & stat.S_ISVTX):
+            raise UnsafeJobPath(
+                f"--{flag.replace('_', '-')} {folder}: the folder is writable by every user "
+                f"(mode {stat.S_IMODE(st.st_mode):o}, no sticky bit), so anyone could plant "
+                f"links among the job's files: chmod o-w {folder}, or use a folder of your own")
+
+
 def fsync_dir(path: Path) -> None:
     """Make a rename in `path` durable."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
@@ -125,7 +194,8 @@ def atomic_file(path: Path) -> Iterator[IO[bytes]]:
     On an exception the temp file is removed and `path` is untouched."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    f = open(tmp, "wb")
+    tmp.unlink(missing_ok=True)  # a stale one (or a planted link): O_EXCL creates a new file
+    f = os.fdopen(open_job_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), "wb")
     try:
         yield f
         f.flush()

@@ -34,6 +34,9 @@ REQUEST_COLUMNS = {"prompt", "messages", "body"}
 """A Parquet input needs one of these columns (plain rows: prompt/messages; OpenAI: body)."""
 EXACT_FLOAT_INTS = 2**53
 """Whole numbers a float holds exactly: a larger numeric custom_id has lost digits already."""
+DEFAULT_MAX_LINE_BYTES = 8 << 20
+"""--max-line-bytes' default: a longer JSONL line becomes a line_too_long error unread."""
+_SKIP_CHUNK = 1 << 20
 
 
 class InputFileError(Exception):
@@ -143,14 +146,37 @@ def parse_line(raw: bytes, line: int) -> RawRecord:
     return RawRecord(line, data)
 
 
-def _jsonl_lines(path: Path) -> Iterator[tuple[int, bytes]]:
-    """(line number, bytes) of each non-blank line, read line by line in binary."""
+def _jsonl_lines(path: Path, max_line_bytes: int) -> Iterator[tuple[int, bytes | int]]:
+    """(line number, bytes) of each non-blank line, read line by line in binary; a line longer
+    than `max_line_bytes` (its newline not counted) is never held in memory: (number, its
+    length) instead."""
     with open(path, "rb") as f:
-        for number, raw in enumerate(f, start=1):
+        number = 0
+        while raw := f.readline(max_line_bytes + 1):
+            number += 1
             if number == 1:
                 raw = raw.removeprefix(_BOM)
-            if raw.strip():
+            if len(raw) > max_line_bytes and not raw.endswith(b"\n"):
+                yield number, len(raw) + _skip_line(f)
+            elif raw.strip():
                 yield number, raw
+
+
+def _skip_line(f) -> int:
+    """Read past the rest of the current line in bounded chunks; how many bytes it held."""
+    skipped = 0
+    while chunk := f.readline(_SKIP_CHUNK):
+        if chunk.endswith(b"\n"):
+            return skipped + len(chunk) - 1
+        skipped += len(chunk)
+    return skipped
+
+
+def too_long(line: int, size: int, max_line_bytes: int) -> RawRecord:
+    return RawRecord(line, None, LineError(
+        "line_too_long", f"line {line} is {size} bytes, over the {max_line_bytes}-byte limit "
+                         "(--max-line-bytes): it was not read; shorten the request, or raise "
+                         "--max-line-bytes if the machine has the memory for it"))
 
 
 def _clean_value(value: object) -> object:
@@ -190,15 +216,20 @@ def _parquet_rows(path: Path) -> Iterator[tuple[int, dict]]:
             yield row, _clean_value(item)
 
 
-def read_records(path: str | Path) -> Iterator[RawRecord]:
-    """Every non-blank line (Parquet row) of the input as a RawRecord, streamed."""
+def read_records(path: str | Path,
+                 max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> Iterator[RawRecord]:
+    """Every non-blank line (Parquet row) of the input as a RawRecord, streamed. A JSONL line
+    over `max_line_bytes` is a line_too_long error (its custom_id unread: `line-N`)."""
     p = Path(path)
     if detect_format(p) == "parquet":
         for row, data in _parquet_rows(p):
             yield RawRecord(row, data)
         return
-    for number, raw in _jsonl_lines(p):
-        yield parse_line(raw, number)
+    for number, raw in _jsonl_lines(p, max_line_bytes):
+        if isinstance(raw, int):
+            yield too_long(number, raw, max_line_bytes)
+        else:
+            yield parse_line(raw, number)
 
 
 def custom_id_of(data: dict) -> str | None:
@@ -222,9 +253,10 @@ def record_key(record: RawRecord) -> str:
     return own if own is not None else f"line-{record.line}"
 
 
-def iter_keys(path: str | Path) -> Iterator[tuple[int, str]]:
+def iter_keys(path: str | Path,
+              max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> Iterator[tuple[int, str]]:
     """(line, custom_id) for every record in input order: the order of the final output."""
-    for record in read_records(path):
+    for record in read_records(path, max_line_bytes):
         yield record.line, record_key(record)
 
 
@@ -251,7 +283,7 @@ def _file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def scan_input(path: str | Path) -> InputSummary:
+def scan_input(path: str | Path, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> InputSummary:
     """First pass, before weights load: hash, count, and refuse duplicate custom_ids.
 
     Memory: 8 bytes per record (an array of 64-bit id digests), sorted once at the end; only
@@ -260,15 +292,15 @@ def scan_input(path: str | Path) -> InputSummary:
     fmt = detect_format(p)
     digests = array("Q")
     errors: dict[str, int] = {}
-    for record in read_records(p):
+    for record in read_records(p, max_line_bytes):
         digests.append(digest64(record_key(record)))
         if record.error is not None:
             errors[record.error.code] = errors.get(record.error.code, 0) + 1
-    _refuse_duplicates(p, digests)
+    _refuse_duplicates(p, digests, max_line_bytes)
     return InputSummary(p, fmt, _file_sha256(p), p.stat().st_size, len(digests), errors)
 
 
-def _refuse_duplicates(path: Path, digests: array) -> None:
+def _refuse_duplicates(path: Path, digests: array, max_line_bytes: int) -> None:
     values = np.frombuffer(digests, dtype=np.uint64) if len(digests) else np.zeros(0, np.uint64)
     ordered = np.sort(values)
     repeated = ordered[1:][ordered[1:] == ordered[:-1]]
@@ -276,7 +308,7 @@ def _refuse_duplicates(path: Path, digests: array) -> None:
         return
     suspects = {int(v) for v in np.unique(repeated)}
     first_line: dict[str, int] = {}
-    for line, key in iter_keys(path):
+    for line, key in iter_keys(path, max_line_bytes):
         if digest64(key) not in suspects:
             continue
         if key in first_line:

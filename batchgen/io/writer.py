@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import orjson
 
-from batchgen.io.jobfiles import atomic_file, errors_path_for
+from batchgen.io.jobfiles import atomic_file, errors_path_for, open_job_file
 from batchgen.io.reader import digest64, iter_keys
 from batchgen.io.results import is_success
 
@@ -152,7 +152,7 @@ class IncrementalWriter:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fault = fault if fault is not None else fault_from_env()
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+        self._fd = open_job_file(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
         try:
             if lock:
                 self._lock()

@@ -13,7 +13,7 @@ import contextlib
 import errno
 from collections.abc import Callable
 
-from batchgen.io.jobfiles import CorruptBatchFile, FingerprintMismatch
+from batchgen.io.jobfiles import CorruptBatchFile, FingerprintMismatch, UnsafeJobPath
 from batchgen.io.reader import InputFileError
 from batchgen.io.writer import CorruptIncrementalFile, IncompleteResults, WriteFailed, WriterLocked
 from batchgen.models.loader import CheckpointError, ModelNotFoundError
@@ -44,6 +44,7 @@ class PreflightFailed(Exception):
 
 EXIT_CODES = {
     InputFileError: EXIT_INPUT,
+    UnsafeJobPath: EXIT_INPUT,
     FingerprintMismatch: 3,
     CorruptBatchFile: 3,
     CorruptIncrementalFile: 3,

@@ -13,7 +13,7 @@ import orjson
 
 from batchgen.config import JobConfig
 from batchgen.io.jobfiles import FingerprintMismatch, JobPaths, make_fingerprint
-from batchgen.io.reader import scan_input
+from batchgen.io.reader import DEFAULT_MAX_LINE_BYTES, scan_input
 
 EXIT_WATCHDOG = 70
 """Exit code of a worker group ended by the watchdog (a restart resumes)."""
@@ -84,6 +84,10 @@ def fingerprint(config: JobConfig, input_sha256: str, model_identity: str,
         "parse_tool_call": out.parse_tool_call,
         "reasoning_field": out.reasoning_field,
         "include_special_tokens": out.detokenization_include_special_tokens,
+        # Decides which lines are read (custom_ids of longer ones are not); recorded only when
+        # set, so jobs started before the limit existed still resume.
+        **({} if config.storage.max_line_bytes == DEFAULT_MAX_LINE_BYTES
+           else {"max_line_bytes": config.storage.max_line_bytes}),
     })
 
 

@@ -9,30 +9,41 @@ with other settings are never reused.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from batchgen.config import ConfigError, JobConfig
-from batchgen.io.jobfiles import (FingerprintMismatch, JobPaths, check_fingerprint,
-                                  read_json_dict, write_json_atomic)
+from batchgen.io.jobfiles import (FOLDER_MODE, FingerprintMismatch, JobPaths,
+                                  check_fingerprint, check_folder_is_safe, read_json_dict,
+                                  refuse_planted_links, write_json_atomic)
 from batchgen.runner.errors import is_disk_error
 
 
 def make_job_dirs(config: JobConfig, paths: JobPaths) -> None:
-    """Refuse unusable paths, then create the job's folders."""
+    """Refuse unusable and unsafe paths, then create the job's folders (mode 0750). Unsafe:
+    a storage or incremental folder another user owns or everyone may write without the
+    sticky bit, a job file that is a symbolic link (UnsafeJobPath, exit 2)."""
     _check_outputs(config, paths)
-    for flag, folder in (("storage_path", paths.storage_path),
-                         ("incremental_output_dir", paths.incremental_dir),
-                         ("output", paths.output.parent)):
+    folders = (("storage_path", paths.storage_path),
+               ("incremental_output_dir", paths.incremental_dir),
+               ("output", paths.output.parent))
+    for flag, folder in folders:
         if folder.exists() and not folder.is_dir():
             raise ConfigError(flag, str(folder), "that is a file; give a folder")
         try:
-            folder.mkdir(parents=True, exist_ok=True)
+            folder.mkdir(FOLDER_MODE, parents=True, exist_ok=True)
         except OSError as err:
             if is_disk_error(err):
                 raise
             raise ConfigError(flag, str(folder), f"cannot create that folder ({err.strerror}): "
                                                  "choose a writable place") from None
+        if flag != "output":  # the outputs are renamed into place, which follows no link
+            check_folder_is_safe(folder, flag)
+    for sub in (paths.batch_file.parent, paths.upload_file.parent):
+        if os.path.lexists(sub):
+            check_folder_is_safe(sub, "storage_path")
     paths.make_dirs()
+    refuse_planted_links(paths)
 
 
 NOT_JSONL = {".parquet", ".pq", ".csv", ".tsv", ".arrow", ".feather", ".xlsx", ".gz", ".bz2",

@@ -16,6 +16,7 @@ import socket
 import time
 from pathlib import Path
 
+from batchgen.io.jobfiles import FOLDER_MODE, open_job_file
 
 log = logging.getLogger("batchgen.lock")
 
@@ -25,15 +26,17 @@ class JobLocked(RuntimeError):
 
 
 class JobLock:
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, what: str = "job is already running"):
         self.path = Path(path)
+        self.what = what
+        """What a live holder means, for the refusal."""
         self._fd: int | None = None
 
     def acquire(self, wait_s: float = 0.0) -> None:
         """Take the lock, waiting up to `wait_s` seconds (--wait-for-lock) for a live holder
         to let go; JobLocked naming the holder if it does not."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        self.path.parent.mkdir(FOLDER_MODE, parents=True, exist_ok=True)
+        fd = open_job_file(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             self._wait_for(fd, wait_s)
         except BaseException:  # refused, or a stop signal while waiting
@@ -54,7 +57,7 @@ class JobLock:
             except BlockingIOError:
                 if time.monotonic() >= deadline:
                     waited = f" after waiting {wait_s:g} s" if wait_s else ""
-                    raise JobLocked(f"job is already running ({_holder(fd)}, lock {self.path})"
+                    raise JobLocked(f"{self.what} ({_holder(fd)}, lock {self.path})"
                                     f"{waited}; wait for it to finish (--wait-for-lock SECONDS "
                                     "waits for you), or stop it first (a dead holder releases "
                                     "the lock itself)") from None

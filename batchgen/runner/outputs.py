@@ -1,15 +1,19 @@
-"""Finished request -> OpenAI batch result line, with reasoning / tool-call parsing when asked."""
+"""Finished request -> OpenAI batch result line, with reasoning / tool-call parsing when asked;
+and whether final output files hold this job's lines."""
 
 from __future__ import annotations
 
 import functools
 import re
+from pathlib import Path
+
+import orjson
 
 from batchgen.core import FinishedRequest
 from batchgen.io.intake import PendingRequest
 from batchgen.io.parsers import (count_reasoning_tokens, parse_output, reasoning_style_for,
                                  tool_parser_for)
-from batchgen.io.results import ParsedChoice, bytes_label, success_line
+from batchgen.io.results import ParsedChoice, bytes_label, item_id, success_line
 
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
@@ -87,3 +91,23 @@ class OutputFormatter:
             tokens = count_reasoning_tokens(completion.token_ids, self.tokenizer,
                                             self.reasoning_style)
         return ParsedChoice(message.content, message.reasoning, message.tool_calls or None, tokens)
+
+
+def outputs_belong_to(batch_id: str, *files: Path) -> bool:
+    """Whether every line of `files` is a result of batch `batch_id` (each line's id is derived
+    from the batch id and its custom_id): another job that wrote the same --output, or a file
+    edited by hand, makes the job's final files be merged again rather than called complete."""
+    for path in files:
+        try:
+            with open(path, "rb") as f:
+                for raw in f:
+                    try:
+                        line = orjson.loads(raw)
+                        ours = line["id"] == item_id(batch_id, line["custom_id"])
+                    except (orjson.JSONDecodeError, KeyError, TypeError):
+                        ours = False
+                    if not ours:
+                        return False
+        except FileNotFoundError:
+            return False
+    return True

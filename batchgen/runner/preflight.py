@@ -1,7 +1,8 @@
 """Preflight: what the machine must offer before weights load (minutes) only to fail later.
 
 Checks that an explicit --device cuda exists, /dev/shm against the host KV pool, the memlock
-limit when the pool is pinned on CUDA, and free disk for the results. Each finding names its
+limit when the pool is pinned on CUDA, that the result folders take new files, and free disk
+for the results. Each finding names its
 fix. Errors stop the job (exit 8, or 6 for disk); warnings are logged and the job goes on
 (estimates, limits that may not apply).
 """
@@ -9,14 +10,16 @@ fix. Errors stop the job (exit 8, or 6 for disk); warnings are logged and the jo
 from __future__ import annotations
 
 import logging
+import os
 import resource
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 from batchgen.config import JobConfig
-from batchgen.io.jobfiles import JobPaths
-from batchgen.runner.errors import EXIT_DISK, EXIT_PREFLIGHT, PreflightFailed
+from batchgen.io.jobfiles import NOFOLLOW, JobPaths
+from batchgen.runner.errors import (DISK_ERRNOS, EXIT_DISK, EXIT_INPUT, EXIT_PREFLIGHT,
+                                    PreflightFailed)
 from batchgen.sched.host_pool import host_memory_bytes, shm_free_bytes
 
 log = logging.getLogger("batchgen.preflight")
@@ -149,20 +152,51 @@ def check_disk(paths: JobPaths, input_bytes: int, records: int, left: int) -> li
     return findings
 
 
+def check_writable(paths: JobPaths) -> list[Finding]:
+    """The folders results go to take a new file now: a read-only output folder (a read-only
+    mount, missing permission) would otherwise fail only at the final merge, after all the
+    work. A probe file is created and removed in each (in the nearest existing folder above
+    one not created yet)."""
+    findings = []
+    for flag, folder in (("--output", paths.output.parent),
+                         ("--incremental-output-dir", paths.incremental_dir)):
+        folder = _existing(folder)
+        probe = folder / f".{paths.batch_id}.write-probe-{os.getpid()}"
+        try:
+            os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW, 0o600))
+            probe.unlink()
+        except OSError as err:
+            code = EXIT_DISK if err.errno in DISK_ERRNOS else EXIT_INPUT
+            findings.append(Finding(True, f"{folder} ({flag}) cannot take new files: "
+                                    f"{err.strerror}", "make it writable, or give "
+                                    f"{flag} a folder you can write", code))
+    return findings
+
+
 def preflight(config: JobConfig, paths: JobPaths, input_bytes: int, records: int,
               left: int) -> list[Finding]:
     """Log warnings; raise PreflightFailed naming every error and its fix. Returns findings."""
     findings = [*check_device(config), *check_host_pool(config), *check_memlock(config),
-                *check_disk(paths, input_bytes, records, left)]
+                *check_writable(paths), *check_disk(paths, input_bytes, records, left)]
     for finding in findings:
         if not finding.error:
             log.warning("preflight: %s", finding)
+    _raise_errors(findings)
+    return findings
+
+
+def refuse_unwritable(paths: JobPaths) -> None:
+    """PreflightFailed when a result folder cannot take new files (check_writable)."""
+    _raise_errors(check_writable(paths))
+
+
+def _raise_errors(findings: list[Finding]) -> None:
     errors = [f for f in findings if f.error]
     if errors:
-        code = EXIT_DISK if all(f.code == EXIT_DISK for f in errors) else EXIT_PREFLIGHT
+        codes = {f.code for f in errors}
+        code = codes.pop() if len(codes) == 1 else EXIT_PREFLIGHT
         raise PreflightFailed("preflight failed (nothing was loaded or written):\n"
                               + "\n".join(f"  - {f}" for f in errors), code)
-    return findings
 
 
 def _existing(path: Path) -> Path:

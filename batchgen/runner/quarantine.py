@@ -3,9 +3,10 @@ job becomes an error line, so one bad request cannot crash-loop a job.
 
 Files, per rank, beside the batch file:
   {batch_id}.inflight.rank{R}       journal: a {"run": id} line, then the custom_ids this run
-                                    admitted (one JSON string per line, one write per admission
-                                    wave), plus a {"crash": code} line the supervisor appends
-                                    when it saw the worker crash
+                                    read (one JSON string per line, written as each line is read,
+                                    before its template, tokenizer and grammar run), plus a
+                                    {"crash": code} line the supervisor appends when it saw the
+                                    worker crash
   {batch_id}.suspects.rank{R}.json  strikes: custom_id -> consecutive crashes it was in flight at
 
 The journal is written without fsync: it must survive the death of the process (the page cache
@@ -33,7 +34,7 @@ from pathlib import Path
 
 import orjson
 
-from batchgen.io.jobfiles import write_json_atomic
+from batchgen.io.jobfiles import open_job_file, write_json_atomic
 from batchgen.io.reader import RawRecord, record_key
 from batchgen.io.results import dumps, failure_line
 
@@ -52,7 +53,8 @@ def mark_crashed(batch_dir: Path, batch_id: str, exitcode: int) -> int:
     # On a line of its own even after a torn last line (the worker died inside a write).
     marker = b"\n" + orjson.dumps({"crash": exitcode}) + b"\n"
     for path in journal_paths(batch_dir, batch_id):
-        with open(path, "ab") as f:
+        fd = open_job_file(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        with os.fdopen(fd, "ab") as f:
             f.write(marker)
     return len(journal_paths(batch_dir, batch_id))
 
@@ -92,7 +94,7 @@ class CrashJournal:
         return LastRun(admitted, crashed, run_id)
 
     def start(self) -> None:
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
+        self._fd = open_job_file(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND)
         self._write(orjson.dumps({"run": os.urandom(8).hex()}) + b"\n")
 
     def append(self, custom_ids: list[str]) -> None:
@@ -190,7 +192,7 @@ class Quarantine:
         return [suspects[i:i + size] for i in range(0, len(suspects), size)]
 
     def admitted(self, custom_ids: list[str]) -> None:
-        """Journal an admission wave (before its first step can crash)."""
+        """Journal requests as they are read (before their intake or first step can crash)."""
         if not custom_ids:
             return
         self.journal.append(custom_ids)

@@ -35,7 +35,8 @@ from batchgen.io.jobfiles import (
 from batchgen.io.reader import InputSummary, iter_keys, scan_input
 from batchgen.io.writer import (IncompleteResults, final_files_complete, finalize,
                                 read_done_ids)
-from batchgen.models.loader import resolve_model, weights_signature
+from batchgen.models.folder_checks import check_model_folder, machine_memory
+from batchgen.models.loader import MANIFEST, resolve_model, weights_signature
 from batchgen.runner.errors import (
     EXIT_CODES,
     EXIT_CRASH,
@@ -53,8 +54,10 @@ from batchgen.runner.exits import EXIT_REQUEUE, Preempted, StopSignals
 from batchgen.runner.job import (EXIT_WATCHDOG, JobSpec, check_input_unchanged, file_version,
                                  fingerprint, now)
 from batchgen.runner.launch import WorkerFailure, is_stop_signal
+from batchgen.runner.lock import JobLock
 from batchgen.runner.members import Member, check_plan, member_failure, member_for
-from batchgen.runner.preflight import preflight
+from batchgen.runner.outputs import outputs_belong_to
+from batchgen.runner.preflight import preflight, refuse_unwritable
 from batchgen.runner.progress import ProgressReporter, read_worker_stats
 from batchgen.runner.quarantine import mark_crashed
 from batchgen.runner.watchdog import health_from_stats
@@ -83,8 +86,8 @@ def model_weights(config: JobConfig) -> str:
 
 def identify(config: JobConfig) -> tuple[InputSummary, JobPaths]:
     """Scan the input and derive the job identity; creates the job's folders, nothing else."""
-    summary = scan_input(Path(config.storage.input))
     s = config.storage
+    summary = scan_input(Path(s.input), s.max_line_bytes)
     batch_id = s.batch_id or derive_batch_id(summary.sha256)
     paths = JobPaths.for_job(s.storage_path, batch_id, s.incremental_output_dir, s.output)
     make_job_dirs(config, paths)
@@ -145,11 +148,14 @@ def _run(config: JobConfig, stops: StopSignals, member: Member) -> int:
         lock = member.lock(paths.batch_file)
         # before anything is written: a second live run changes nothing
         lock.acquire(config.storage.wait_for_lock)
+    output_lock = JobLock(paths.output_lock, f"another live job writes {paths.output}")
     try:
         with _abort_followers(group):
+            _lock_output(output_lock, paths, config.storage.wait_for_lock)
             spec, batch_file = prepare(config, summary, paths)
             if batch_file.load().status == "completed" and final_files_complete(
-                    paths.output, paths.errors_output, summary.records):
+                    paths.output, paths.errors_output, summary.records) and outputs_belong_to(
+                    spec.batch_id, paths.output, paths.errors_output):
                 log.info("job %s already completed: %s", spec.batch_id, paths.output)
                 stops.completed = True
                 if config.storage.no_incremental_save:  # a kill came before their removal
@@ -161,12 +167,25 @@ def _run(config: JobConfig, stops: StopSignals, member: Member) -> int:
             left = summary.records - already
             preflight(config, paths, summary.size_bytes, summary.records, left)
             with disk_errors("convert the model into the converted-checkpoint cache"):
-                model_folder(config.engine.model, config.dist.world_size,
-                             config.dist.tensor_parallel_size)  # not found / convert: here
+                folder, _ = model_folder(config.engine.model, config.dist.world_size,
+                                         config.dist.tensor_parallel_size)  # not found: here
+            if not (folder / MANIFEST).is_file():  # ours (converted) are checked when written
+                check_model_folder(folder, *machine_memory())
         return _run_locked(spec, batch_file, already, stops, member,
                            {"input_bytes": summary.size_bytes, "left": left}, input_version)
     finally:
+        output_lock.release()
         lock.release()
+
+
+def _lock_output(output_lock: JobLock, paths: JobPaths, wait_s: float) -> None:
+    """Two jobs given one --output: the second is refused (JobLocked, exit 4). A folder that
+    cannot take the lock file is named as preflight names it."""
+    try:
+        output_lock.acquire(wait_s)
+    except OSError:
+        refuse_unwritable(paths)
+        raise
 
 
 def done_records(config: JobConfig, paths: JobPaths, records: int) -> int:
@@ -177,7 +196,8 @@ def done_records(config: JobConfig, paths: JobPaths, records: int) -> int:
     done = read_done_ids(paths.incremental_files())
     if len(done) < records:
         return len(done)
-    answered = sum(1 for _, key in iter_keys(config.storage.input) if key in done)
+    answered = sum(1 for _, key in iter_keys(config.storage.input,
+                                              config.storage.max_line_bytes) if key in done)
     if answered < len(done):
         log.warning("%d saved results belong to no record of %s (ignored: the final files "
                     "hold one line per input record)", len(done) - answered,
@@ -410,8 +430,10 @@ def _finish(spec: JobSpec, batch_file: BatchFile, started: float, stops: StopSig
     while True:
         try:
             with disk_errors("write the final outputs"):
-                report = finalize(paths.incremental_files(), Path(spec.config.storage.input),
-                                  paths.output, paths.errors_output)
+                s = spec.config.storage
+                keys = (key for _, key in iter_keys(s.input, s.max_line_bytes))
+                report = finalize(paths.incremental_files(), keys, paths.output,
+                                  paths.errors_output)
             break
         except IncompleteResults as err:
             paths.remove_output_temps()

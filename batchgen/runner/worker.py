@@ -150,7 +150,8 @@ class Worker:
         self._last_stats = 0.0
 
     def _records(self):
-        return shard(read_records(self.spec.config.storage.input), self.place.dp_rank,
+        storage = self.spec.config.storage
+        return shard(read_records(storage.input, storage.max_line_bytes), self.place.dp_rank,
                      self.place.dp_size)
 
     def run(self) -> int:
@@ -220,8 +221,9 @@ class Worker:
                 return False
 
     def _intake(self, records, limit: int, lines: list[bytes]) -> bool:
-        """Feed requests until the engine holds `limit`; True when `records` is exhausted."""
-        admitted: list[str] = []
+        """Feed requests until the engine holds `limit`; True when `records` is exhausted. Each
+        line is journaled before its template, tokenizer and grammar run: a crash in them (a
+        native library's) gives it a strike like a crash in the engine would."""
         exhausted = False
         while self.engine.num_requests < limit:
             record = next(records, None)
@@ -231,6 +233,9 @@ class Worker:
             key = record_key(record)
             if key in self.done:
                 continue
+            if self.writer:
+                with disk_errors("journal the request read"):
+                    self.quarantine.admitted([key])
             item = intake(record, self.loaded.tokenizer, self.loaded.max_context,
                           DEFAULT_MAX_TOKENS)
             if isinstance(item, PendingRequest):
@@ -241,16 +246,12 @@ class Worker:
                 try:
                     self.engine.add_request(request)
                     self.pending[item.custom_id] = item
-                    admitted.append(item.custom_id)
                     continue
                 except RequestTooLarge as err:
                     item = IntakeError(item.custom_id, item.line, "kv_pool_too_small",
                                        f"line {item.line}: {err}")
             lines.append(dumps(error_line(self.spec.batch_id, item)))
             self.stats.failed += 1
-        if self.writer:
-            with disk_errors("journal the admitted requests"):
-                self.quarantine.admitted(admitted)
         return exhausted
 
     def _result(self, finished) -> bytes:

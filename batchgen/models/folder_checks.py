@@ -1,0 +1,228 @@
+"""Check a model folder before anything is loaded: a folder that cannot work (no weights, a
+truncated file or header, tensors that do not match config.json, a config asking for more
+memory than the machine has, no tokenizer) is refused with CheckpointError (exit 5) naming the
+file, the tensor or the config field, instead of failing inside the load after minutes.
+
+Only headers are read: a few KiB per safetensors file, whatever its size.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import struct
+from pathlib import Path
+
+from batchgen.models.loader import CheckpointError
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+MAX_HEADER_BYTES = 100 << 20
+"""safetensors' own limit on a header's size."""
+DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2,
+               "I16": 2, "U16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "I8": 1, "U8": 1,
+               "BOOL": 1, "F4": 0.5, "F6_E2M3": 0.75, "F6_E3M2": 0.75}
+MIN_WEIGHT_BYTES = 0.5
+"""Fewest bytes a weight takes (4-bit formats): the config's lower bound never overestimates."""
+ROPE_PEAK_FACTOR = 3
+"""Peak host memory of building the cos/sin tables, as a multiple of the tables."""
+HOST_SHARE = 0.125
+"""Share of the host's memory the rotary tables may take at their peak (a 1M-token context of
+128-dim heads peaks at 3 GB)."""
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def check_model_folder(folder: Path, memory_bytes: int, host_bytes: int) -> None:
+    """Everything below, in order; raises CheckpointError. `memory_bytes`: what the weights
+    may use on this machine (host memory plus every visible device's); `host_bytes`: host
+    memory alone."""
+    folder = Path(folder)
+    config = _read_config(folder)
+    check_tokenizer(folder)
+    headers = read_headers(folder)
+    check_config_bounds(config, headers, memory_bytes, host_bytes, folder)
+
+
+def _read_config(folder: Path) -> dict:
+    path = folder / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"cannot read {path}: {err}; restore the model's config.json") \
+            from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path} is not a JSON object; restore the model's config.json")
+    return config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+
+
+def check_tokenizer(folder: Path) -> None:
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise CheckpointError(f"{folder} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): "
+                              "copy the model's tokenizer files into the folder")
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """The safetensors files the loader reads (the index's, or every *.safetensors)."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+            raise CheckpointError(f"cannot read {index}: {err!r}; restore it from the model's "
+                                  "source") from None
+        missing = [n for n in names if not (folder / n).is_file()]
+        if missing:
+            raise CheckpointError(f"{index} names {', '.join(missing[:3])}, missing from "
+                                  f"{folder}: the download or copy is incomplete")
+        files = [folder / n for n in names]
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors in {folder} (batchgen loads safetensors only; "
+                              "convert .bin or .pt weights with transformers' save_pretrained)")
+    return files
+
+
+def read_headers(folder: Path) -> dict[str, tuple[Path, list[int], str]]:
+    """tensor name -> (file, shape, dtype) over every weight file, each header checked."""
+    tensors: dict[str, tuple[Path, list[int], str]] = {}
+    for path in weight_files(folder):
+        for name, (shape, dtype) in read_header(path).items():
+            tensors[name] = (path, shape, dtype)
+    return tensors
+
+
+def read_header(path: Path) -> dict[str, tuple[list[int], str]]:
+    """A safetensors file's tensors (name -> (shape, dtype)), checked against the file's size:
+    a truncated file or header is named here."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise _corrupt(path, f"it is {size} bytes, too short for a safetensors header")
+        length = struct.unpack("<Q", head)[0]
+        if length > min(MAX_HEADER_BYTES, size - 8):
+            raise _corrupt(path, f"its header claims {length} bytes but the file holds "
+                                 f"{size - 8} after the length")
+        try:
+            header = json.loads(f.read(length))
+        except ValueError as err:
+            raise _corrupt(path, f"its header is not valid JSON ({err})") from None
+    if not isinstance(header, dict):
+        raise _corrupt(path, "its header is not a JSON object")
+    data_bytes = size - 8 - length
+    tensors = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        shape, dtype = _check_entry(path, name, entry, data_bytes)
+        tensors[name] = (shape, dtype)
+    return tensors
+
+
+def _check_entry(path: Path, name: str, entry, data_bytes: int) -> tuple[list[int], str]:
+    try:
+        dtype, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
+        ok = (dtype in DTYPE_BYTES and all(isinstance(d, int) and d >= 0 for d in shape)
+              and isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end)
+    except (KeyError, TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise _corrupt(path, f"tensor {name!r} has an unreadable header entry {entry!r}")
+    if end > data_bytes:
+        raise _corrupt(path, f"tensor {name!r} ends at byte {end} of the data but the file "
+                             f"holds {data_bytes}: it is truncated")
+    expected = math.prod(shape) * DTYPE_BYTES[dtype]
+    if end - begin != math.ceil(expected):
+        raise _corrupt(path, f"tensor {name!r} ({dtype} {shape}) needs {math.ceil(expected)} "
+                             f"bytes but its header gives it {end - begin}")
+    return list(shape), dtype
+
+
+def _corrupt(path: Path, why: str) -> CheckpointError:
+    return CheckpointError(f"{path} is not a usable safetensors file: {why}. Re-download or "
+                           "re-convert it")
+
+
+def _int_field(config: dict, name: str, default: int | None = None) -> int:
+    value = config.get(name, default)
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise CheckpointError(f"config.json: {name} must be a positive integer, got {value!r}")
+    return value
+
+
+def check_config_bounds(config: dict, headers: dict, memory_bytes: int, host_bytes: int,
+                        folder: Path) -> None:
+    """Refuse a config.json that does not describe the checkpoint or asks for more memory than
+    the machine has, naming the field, before anything is allocated."""
+    where = folder / "config.json"
+    layers = _int_field(config, "num_hidden_layers")
+    hidden = _int_field(config, "hidden_size")
+    vocab = _int_field(config, "vocab_size")
+    heads = _int_field(config, "num_attention_heads")
+    positions = _int_field(config, "max_position_embeddings", 32768)
+    held = {int(m.group(1)) for name in headers for m in [_LAYER.search(name)] if m}
+    if held and layers > max(held) + 1:
+        raise CheckpointError(f"{where}: num_hidden_layers is {layers} but the checkpoint holds "
+                              f"layers 0 to {max(held)}: the config does not describe these "
+                              "weights; restore the model's config.json")
+    # attention's query and output projections alone: at least 2 x hidden^2 per layer
+    weights = (2 * layers * hidden * hidden + vocab * hidden) * MIN_WEIGHT_BYTES
+    if weights > memory_bytes:
+        raise CheckpointError(
+            f"{where}: num_hidden_layers {layers} x hidden_size {hidden} (vocab_size {vocab}) "
+            f"need at least {weights / 1e9:.1f} GB of weights, more than this machine's "
+            f"{memory_bytes / 1e9:.1f} GB of host and device memory")
+    head_dim = config.get("head_dim") or hidden // heads
+    rope = positions * int(head_dim) * 4 * 2  # float32 cos and sin tables
+    if rope * ROPE_PEAK_FACTOR > host_bytes * HOST_SHARE:
+        raise CheckpointError(
+            f"{where}: max_position_embeddings {positions} needs "
+            f"{rope * ROPE_PEAK_FACTOR / 1e9:.1f} GB of host memory for its rotary tables, "
+            f"more than {HOST_SHARE:.0%} of this host's {host_bytes / 1e9:.1f} GB: lower it to "
+            "the context the model was trained for")
+    _check_shapes(config, headers, vocab, hidden)
+
+
+def _check_shapes(config: dict, headers: dict, vocab: int, hidden: int) -> None:
+    """The tensors whose shape config.json fixes: embeddings, lm_head and the norms."""
+    expected = {"embed_tokens.weight": [vocab, hidden], "lm_head.weight": [vocab, hidden],
+                "norm.weight": [hidden]}
+    for name, (path, shape, dtype) in headers.items():
+        for suffix, want in expected.items():
+            if (name == suffix or name.endswith("." + suffix)) and not _LAYER.search(name) \
+                    and DTYPE_BYTES[dtype] >= 1 and shape != want:
+                raise CheckpointError(
+                    f"{path}: tensor {name!r} has shape {shape} but config.json (vocab_size "
+                    f"{vocab}, hidden_size {hidden}) makes it {want}: the weights and the "
+                    "config belong to different models")
+
+
+def machine_memory() -> tuple[int, int]:
+    """(host + every GPU's memory, host memory) in bytes, without creating a CUDA context in
+    this process (NVML; where it is missing, a generous MAX_DEVICE_BYTES per visible device)."""
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return host + _device_memory(), host
+
+
+MAX_DEVICE_BYTES = 512 << 30
+"""More memory than any one accelerator has: the bound used when NVML cannot tell."""
+
+
+def _device_memory() -> int:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            return sum(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(i)).total
+                       for i in range(pynvml.nvmlDeviceGetCount()))
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # noqa: BLE001 - no NVML library, no driver, no pynvml: count instead
+        import torch
+
+        return torch.cuda.device_count() * MAX_DEVICE_BYTES

@@ -1,0 +1,122 @@
+"""Unusable or hostile model folders: refused before loading with exit 5 (the documented code
+for a bad model), naming the file, tensor or config field; never a traceback nor "re-run the
+same command" (a requeueing script would loop)."""
+
+import json
+import shutil
+import struct
+
+import pytest
+
+from attacks import config_bombs
+from batchgen.models.folder_checks import check_model_folder, read_header
+from batchgen.models.loader import CheckpointError
+from job_utils import batchgen, chat_rows, write_jsonl
+
+ROOMY = (1 << 40, 1 << 40)
+"""(memory, host memory) of a machine with room for any sane model: a terabyte each."""
+
+
+def _copy(tiny_chat_model, tmp_path):
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_chat_model, folder)
+    return folder
+
+
+def _no_weights(folder):
+    (folder / "model.safetensors").unlink()
+    return "no *.safetensors"
+
+
+def _truncated_file(folder):
+    path = folder / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) // 2])
+    return "it is truncated"
+
+
+def _truncated_header(folder):
+    path = folder / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:200])
+    return "its header claims"
+
+
+def _shape_mismatch(folder):
+    config = json.loads((folder / "config.json").read_text())
+    config["vocab_size"] += 1000
+    (folder / "config.json").write_text(json.dumps(config))
+    return "model.embed_tokens.weight"
+
+
+def _no_tokenizer(folder):
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).unlink()
+    return "has no tokenizer"
+
+
+def _config_bomb(field):
+    def bomb(folder):
+        config = json.loads((folder / "config.json").read_text())
+        config.update(config_bombs()[field])
+        (folder / "config.json").write_text(json.dumps(config))
+        return field
+    return bomb
+
+
+BROKEN = {"no_weights": _no_weights, "truncated_file": _truncated_file,
+          "truncated_header": _truncated_header, "shape_mismatch": _shape_mismatch,
+          "no_tokenizer": _no_tokenizer, "layers_bomb": _config_bomb("num_hidden_layers"),
+          "hidden_bomb": _config_bomb("hidden_size")}
+
+
+@pytest.mark.parametrize("damage", sorted(BROKEN))
+def test_an_unusable_model_folder_exits_5_naming_what_is_wrong(tmp_path, tiny_chat_model,
+                                                               damage):
+    folder = _copy(tiny_chat_model, tmp_path)
+    needle = BROKEN[damage](folder)
+    inp = write_jsonl(tmp_path / "in.jsonl", chat_rows(2, max_tokens=3))
+    done = batchgen("run", "--input", inp, "--model", folder, "--storage-path", tmp_path / "s",
+                    timeout=120)
+    assert done.returncode == 5, done.stderr[-3000:]
+    assert needle in done.stderr, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and "re-run the same command" not in done.stderr
+    assert "loading" not in done.stderr  # refused before any weight was read
+
+
+def test_the_intact_model_passes_the_checks(tiny_chat_model):
+    check_model_folder(tiny_chat_model, *ROOMY)
+
+
+def test_a_truncated_file_names_the_tensor_cut_off(tiny_chat_model, tmp_path):
+    folder = _copy(tiny_chat_model, tmp_path)
+    path = folder / "model.safetensors"
+    tensors = read_header(path)
+    length = struct.unpack("<Q", path.read_bytes()[:8])[0]
+    path.write_bytes(path.read_bytes()[:8 + length + 16])  # the first bytes of data only
+    with pytest.raises(CheckpointError) as err:
+        check_model_folder(folder, *ROOMY)
+    assert str(path) in str(err.value) and any(repr(name) in str(err.value) for name in tensors)
+
+
+def test_a_context_bomb_is_refused_by_what_the_host_has(tiny_chat_model, tmp_path):
+    folder = _copy(tiny_chat_model, tmp_path)
+    _config_bomb("max_position_embeddings")(folder)
+    with pytest.raises(CheckpointError, match="max_position_embeddings 30000000"):
+        check_model_folder(folder, 64 << 30, 16 << 30)  # a 16 GB host
+    check_model_folder(folder, 4 << 40, 2 << 40)  # a 2 TB host has room for its tables
+
+
+def test_a_config_asking_for_more_than_the_machine_has_is_refused(tiny_chat_model, tmp_path):
+    folder = _copy(tiny_chat_model, tmp_path)
+    _config_bomb("hidden_size")(folder)
+    with pytest.raises(CheckpointError, match="hidden_size 1000000"):
+        check_model_folder(folder, 64 << 30, 16 << 30)
+
+
+def test_config_fields_must_be_positive_integers(tiny_chat_model, tmp_path):
+    folder = _copy(tiny_chat_model, tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    config["num_hidden_layers"] = -3
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="num_hidden_layers must be a positive integer"):
+        check_model_folder(folder, *ROOMY)
