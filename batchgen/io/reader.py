@@ -101,6 +101,12 @@ def detect_format(path: str | Path) -> str:
     first = head.removeprefix(_BOM).lstrip()
     if first.startswith(b"{") or not first:
         return "jsonl"
+    if suffix in (".csv", ".tsv"):
+        raise InputFileError(
+            f"input file {p} is {suffix[1:].upper()}: convert it to JSONL (one request object "
+            "per line; a `prompt` or `messages` column), e.g. python -c \"import csv, json, sys; "
+            "[print(json.dumps(r)) for r in csv.DictReader(open(sys.argv[1])"
+            + (", delimiter='\\t'" if suffix == ".tsv" else "") + f")]\" {p} > {p.with_suffix('.jsonl')}")
     raise InputFileError(f"input file {p} is neither JSONL nor Parquet: give it a .jsonl or "
                          ".parquet extension and one JSON object per line (or Parquet content)")
 
