@@ -241,7 +241,7 @@ class RuntimeConfig:
     default on CUDA; the flag only states it explicitly. One graph holds the whole forward;
     BATCHGEN_SEGMENTED_GRAPH=1 in the environment captures one per model segment instead."""
     disable_cuda_graphs: bool = False
-    """Run decode eagerly. Mutually exclusive with --enable-cuda-graph."""
+    """Run decode eagerly, without CUDA graphs (vLLM's name: --enforce-eager)."""
     cuda_graph_max_bucket_size: int = 128
     """Largest decode batch captured in a graph; bigger batches run eagerly."""
     cuda_graph_num_buckets: int = 16
