@@ -80,6 +80,7 @@ def launch_workers(dist: DistConfig, spec_file: Path, log_dir: Path, grace: floa
     config = LaunchConfig(**supported_launch_options(
         min_nodes=dist.nnodes, max_nodes=dist.nnodes, nproc_per_node=per_node,
         max_restarts=dist.max_restarts, monitor_interval=0.5, logs_specs=_logs_specs(log_dir),
+        **NO_LINE_PREFIX,
         signals_to_handle=",".join(STOP_SIGNALS), shutdown_timeout=agent_shutdown_timeout(grace),
         **rdzv))
     try:
@@ -89,6 +90,12 @@ def launch_workers(dist: DistConfig, spec_file: Path, log_dir: Path, grace: floa
         rank, failure = root_failure(err.failures)  # global rank; logs are per local rank
         log = _log_of(log_dir, failure.local_rank)
         raise WorkerFailure(rank, failure.exitcode, tail(log), str(log or "")) from None
+
+
+NO_LINE_PREFIX = {"role": "", "log_line_prefix_template": "${role_name}"}
+"""Worker lines reach the console as they are (their own format names the rank), not behind
+the launcher's "[default_role0]:" tag: a template that renders empty (a falsy one would mean
+the default tag)."""
 
 
 def supported_launch_options(**options) -> dict:
