@@ -26,6 +26,9 @@ def test_max_tokens_default_max_model_len_summary_and_status(tmp_path, tiny_chat
     assert "--max-model-len 64" in message and "line 3" in message
     assert (tmp_path / "out" / ".batchgen" / "batches").is_dir()  # state beside the output
     assert "done: 2 results, 1 errors (3 requests) in" in proc.stderr
+    worker_lines = [line for line in proc.stderr.splitlines() if "batchgen.models" in line]
+    assert worker_lines and all(line[:2] == "20" for line in worker_lines)  # no launcher tag
+    assert "[default" not in proc.stderr
     assert f"results: {out}" in proc.stderr and "out tok/s this run" in proc.stderr
     status = batchgen("status", out, env={"COLUMNS": "200"})
     assert status.returncode == 0 and ": completed" in status.stdout
@@ -33,3 +36,20 @@ def test_max_tokens_default_max_model_len_summary_and_status(tmp_path, tiny_chat
     batch = next(p for p in (tmp_path / "out" / ".batchgen" / "batches").glob("*.json")
                  if p.name.count(".") == 1)
     assert json.loads(batch.read_text())["timings"]["runs"] == 1
+
+
+def test_the_launchers_stop_signal_warnings_are_dropped_and_its_errors_kept(caplog):
+    import logging
+
+    from batchgen.runner.launch import LAUNCHER_LOGGERS, quiet_signal_warnings
+
+    quiet_signal_warnings()
+    quiet_signal_warnings()  # once is enough
+    logger = logging.getLogger(LAUNCHER_LOGGERS[1])
+    assert len(logger.filters) == 1
+    with caplog.at_level(logging.WARNING, logger=logger.name):
+        logger.warning("Received 15 death signal, shutting down workers")
+        logger.warning("Sending process 12 closing signal SIGTERM")
+        logger.warning("Unable to shutdown process 12 via 15, forcefully exiting via 9")
+        logger.error("failed (exitcode: 1) local_rank: 0")
+    assert [r.getMessage() for r in caplog.records] == ["failed (exitcode: 1) local_rank: 0"]
