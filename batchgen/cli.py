@@ -147,11 +147,11 @@ def bench(shape: str = typer.Option("smollm2-135m", help="Model shape: smollm2-1
     import json
 
     from batchgen.bench import BenchConfig, Workload, bench as run_bench, format_table
-    from batchgen.config import canonical_kv_dtype
+    from batchgen.config import canonical_dtype, canonical_kv_dtype
 
     _setup_logging()
     cfg = BenchConfig(
-        shape=shape, dtype=dtype, kv_dtype=canonical_kv_dtype(kv_dtype), peer=peer,
+        shape=shape, dtype=canonical_dtype(dtype), kv_dtype=canonical_kv_dtype(kv_dtype), peer=peer,
         peer_batch=peer_batch, max_decode_batch=max_decode_batch,
         max_prefill_tokens=max_prefill_tokens, initial_gpu_page_buffer=initial_gpu_page_buffer,
         gpu_kv_cache_size=gpu_kv_cache_size, host_kv_cache_size=host_kv_cache_size,
@@ -220,8 +220,10 @@ def convert(output: Path = typer.Option(..., "--output", help="Folder to write (
     from batchgen.config import ModelConfig
     from batchgen.models.convert import convert_model
 
+    from batchgen.config import canonical_dtype
+
     _setup_logging()
-    cfg = build_dataclass(ModelConfig, flags)
+    cfg = build_dataclass(ModelConfig, {**flags, "dtype": canonical_dtype(flags["dtype"])})
     try:
         cfg.validate()
     except ConfigError as err:

@@ -53,3 +53,11 @@ def test_the_launchers_stop_signal_warnings_are_dropped_and_its_errors_kept(capl
         logger.warning("Unable to shutdown process 12 via 15, forcefully exiting via 9")
         logger.error("failed (exitcode: 1) local_rank: 0")
     assert [r.getMessage() for r in caplog.records] == ["failed (exitcode: 1) local_rank: 0"]
+
+
+def test_convert_takes_the_short_dtype_names_run_takes(tmp_path, tiny_chat_model):
+    proc = batchgen("convert", "--model", tiny_chat_model, "--output", tmp_path / "c",
+                    "--dtype", "bf16", check=True)
+    assert "converted" in proc.stdout
+    manifest = json.loads((tmp_path / "c" / "batchgen_manifest.json").read_text())
+    assert manifest["dtype"] == "bfloat16"

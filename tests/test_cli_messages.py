@@ -3,6 +3,8 @@ unknown request fields, where job state goes, the end-of-run summary and `batchg
 
 import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -37,9 +39,13 @@ def test_user_errors_are_one_error_line_with_the_fix(tmp_path, make_args, needle
 
 def test_csv_and_empty_inputs_say_what_to_do(tmp_path):
     csv = tmp_path / "prompts.csv"
-    csv.write_text("prompt\nhello\n")
+    csv.write_text("prompt,max_tokens\nhello,5\n")
     line = one_error_line(batchgen("run", "-i", csv, "-o", tmp_path / "o.jsonl"))
-    assert "CSV" in line and "csv.DictReader" in line and str(tmp_path / "prompts.jsonl") in line
+    assert "CSV" in line and "Parquet" in line
+    command = line.split("e.g. ", 1)[1].replace("python ", f"{sys.executable} ", 1)
+    subprocess.run(command, shell=True, check=True)  # the advice works as given
+    result = CliRunner().invoke(app, ["validate", "-i", str(tmp_path / "prompts.parquet")])
+    assert result.exit_code == 0 and "1 request: 1 valid" in result.output
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     line = one_error_line(batchgen("run", "-i", empty, "-o", tmp_path / "o.jsonl"))

@@ -102,11 +102,13 @@ def detect_format(path: str | Path) -> str:
     if first.startswith(b"{") or not first:
         return "jsonl"
     if suffix in (".csv", ".tsv"):
+        tab = ", parse_options=c.ParseOptions(delimiter='\\t')" if suffix == ".tsv" else ""
         raise InputFileError(
-            f"input file {p} is {suffix[1:].upper()}: convert it to JSONL (one request object "
-            "per line; a `prompt` or `messages` column), e.g. python -c \"import csv, json, sys; "
-            "[print(json.dumps(r)) for r in csv.DictReader(open(sys.argv[1])"
-            + (", delimiter='\\t'" if suffix == ".tsv" else "") + f")]\" {p} > {p.with_suffix('.jsonl')}")
+            f"input file {p} is {suffix[1:].upper()}: convert it to Parquet (column types kept; "
+            "a `prompt` or `messages` column, sampling fields as columns), e.g. python -c "
+            "\"import sys, pyarrow.csv as c, pyarrow.parquet as pq; "
+            f"pq.write_table(c.read_csv(sys.argv[1]{tab}), sys.argv[2])\" {p} "
+            f"{p.with_suffix('.parquet')}")
     raise InputFileError(f"input file {p} is neither JSONL nor Parquet: give it a .jsonl or "
                          ".parquet extension and one JSON object per line (or Parquet content)")
 

@@ -164,7 +164,8 @@ def _table(state: dict, workers: list[dict]) -> Table:
     now = time.time()
     for key, value in state.get("health", {}).items():
         if key == "last_heartbeat" and isinstance(value, (int, float)) and value > 0:
-            value = f"{age(now - value)} ({time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(value))})"
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(value))
+            value = f"{age(now - value)} ({when})"
         table.add_row(f"health.{key}", str(value))
     for w in workers:  # stats files are rewritten as workers go: take what is there
         beat = w.get("heartbeat")
