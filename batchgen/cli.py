@@ -151,8 +151,8 @@ def bench(shape: str = typer.Option("smollm2-135m", help="Model shape: smollm2-1
 
     _setup_logging()
     cfg = BenchConfig(
-        shape=shape, dtype=canonical_dtype(dtype), kv_dtype=canonical_kv_dtype(kv_dtype), peer=peer,
-        peer_batch=peer_batch, max_decode_batch=max_decode_batch,
+        shape=shape, dtype=canonical_dtype(dtype), kv_dtype=canonical_kv_dtype(kv_dtype),
+        peer=peer, peer_batch=peer_batch, max_decode_batch=max_decode_batch,
         max_prefill_tokens=max_prefill_tokens, initial_gpu_page_buffer=initial_gpu_page_buffer,
         gpu_kv_cache_size=gpu_kv_cache_size, host_kv_cache_size=host_kv_cache_size,
         gpu_memory_frac=gpu_memory_frac, compare_host_tier=compare_host_tier, device=device,
@@ -217,10 +217,8 @@ def convert(output: Path = typer.Option(..., "--output", help="Folder to write (
     """Write a model in batchgen's own layout (fused projections, chosen dtype) + a manifest;
     `batchgen run --converted-ckpt-dir` then loads it without conversion."""
     from batchgen.cli_options import build_dataclass
-    from batchgen.config import ModelConfig
+    from batchgen.config import ModelConfig, canonical_dtype
     from batchgen.models.convert import convert_model
-
-    from batchgen.config import canonical_dtype
 
     _setup_logging()
     cfg = build_dataclass(ModelConfig, {**flags, "dtype": canonical_dtype(flags["dtype"])})
@@ -244,7 +242,7 @@ def _register_generated_commands() -> None:
         renames=SIMULATE_RENAMES))
     app.command("convert")(with_config_options(
         convert, [("model", ModelConfig)], skip=("converted_ckpt_dir", "enable_ep_with_offloading",
-                                                 "ep_offloading_ratio")))
+                                                 "ep_offloading_ratio", "max_model_len")))
 
 
 _register_generated_commands()

@@ -75,6 +75,9 @@ def run_app(app: typer.Typer, args: list[str] | None = None) -> int:
         message = err.format_message().replace("\n", " ")
         typer.secho(f"error: {message} (see `{command} --help`)", fg=typer.colors.RED, err=True)
         return 2
+    except click.exceptions.ClickException as err:
+        typer.secho(f"error: {err.format_message()}", fg=typer.colors.RED, err=True)
+        return err.exit_code
     except click.exceptions.Abort:
         typer.echo("aborted", err=True)
         return 130
