@@ -10,8 +10,10 @@ from typing import Optional
 
 import typer
 
-from batchgen.cli_options import build_config, with_config_options
-from batchgen.config import ConfigError
+from batchgen.cli_help import PanelCommand, given_on_command_line, run_app, version_callback, warn
+from batchgen.cli_options import (SIMULATE_RENAMES, apply_renames, build_config,
+                                  deprecated_given, with_config_options)
+from batchgen.config import ConfigError, default_storage_path
 from batchgen.runner.exits import requeue_on_stop_signals
 
 # Rich's option tables truncate long flag names ("--initial-gpu-page-…") below ~120 columns;
@@ -21,6 +23,12 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   rich_markup_mode=_RICH_HELP,
                   help="Offline batch LLM inference: a file of requests in, a file of results out.")
 log = logging.getLogger("batchgen")
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", callback=version_callback,
+                                       is_eager=True, help="Print the version and exit.")):
+    """Offline batch LLM inference: a file of requests in, a file of results out."""
 
 
 def _setup_logging() -> None:
@@ -40,12 +48,14 @@ def _config(values: dict):
         _fail(str(err))
 
 
-def run(**flags) -> None:
+def run(ctx: typer.Context, **flags) -> None:
     """Run a job: every request of --input through the model, results fsynced as they finish.
     Re-running the same command resumes: finished requests are never recomputed."""
     requeue_on_stop_signals()  # already done by the entry point, not under `-m batchgen.cli`
     from batchgen.runner.supervisor import run_job
 
+    for line in deprecated_given(given_on_command_line(ctx)):
+        warn(line)
     _setup_logging()
     config = _config(flags)
     with _user_errors():
@@ -53,11 +63,12 @@ def run(**flags) -> None:
     raise typer.Exit(code)
 
 
-app.command("run")(with_config_options(run))
+app.command("run", cls=PanelCommand)(with_config_options(run))
 
 
 @app.command()
-def validate(input: Path = typer.Option(..., "--input", help="JSONL or Parquet requests file."),
+def validate(input: Path = typer.Option(..., "--input", "-i",
+                                        help="JSONL or Parquet requests file."),
              max_tokens: int = typer.Option(256, help="Default max_tokens for lines without one.")):
     """Check an input file without loading a model: counts and the error of each bad line."""
     from batchgen.runner.validate import validate_file
@@ -70,13 +81,16 @@ def validate(input: Path = typer.Option(..., "--input", help="JSONL or Parquet r
 
 
 @app.command()
-def status(batch_id: Optional[str] = typer.Argument(
-               None, help="Job id, or a job folder (default: every job under --storage-path)."),
-           storage_path: str = typer.Option("batchgen/storage/", help="Job folder.")):
+def status(target: Optional[str] = typer.Argument(
+               None, help="Job id, a job folder, or a job's --output file (default: every job "
+                          "under --storage-path)."),
+           storage_path: Optional[str] = typer.Option(
+               None, help="Job folder (default: as `batchgen run` without --output: "
+                          "$BATCHGEN_STATE_DIR or ~/.local/state/batchgen).")):
     """Status, request counts, tokens, throughput and health of jobs."""
     from batchgen.runner.status import show_status
 
-    raise typer.Exit(show_status(Path(storage_path), batch_id))
+    raise typer.Exit(show_status(Path(storage_path or default_storage_path(None)), target))
 
 
 @app.command()
@@ -133,12 +147,12 @@ def bench(shape: str = typer.Option("smollm2-135m", help="Model shape: smollm2-1
     import json
 
     from batchgen.bench import BenchConfig, Workload, bench as run_bench, format_table
-    from batchgen.config import canonical_kv_dtype
+    from batchgen.config import canonical_dtype, canonical_kv_dtype
 
     _setup_logging()
     cfg = BenchConfig(
-        shape=shape, dtype=dtype, kv_dtype=canonical_kv_dtype(kv_dtype), peer=peer,
-        peer_batch=peer_batch, max_decode_batch=max_decode_batch,
+        shape=shape, dtype=canonical_dtype(dtype), kv_dtype=canonical_kv_dtype(kv_dtype),
+        peer=peer, peer_batch=peer_batch, max_decode_batch=max_decode_batch,
         max_prefill_tokens=max_prefill_tokens, initial_gpu_page_buffer=initial_gpu_page_buffer,
         gpu_kv_cache_size=gpu_kv_cache_size, host_kv_cache_size=host_kv_cache_size,
         gpu_memory_frac=gpu_memory_frac, compare_host_tier=compare_host_tier, device=device,
@@ -162,13 +176,17 @@ def bench(shape: str = typer.Option("smollm2-135m", help="Model shape: smollm2-1
         json_out.write_text(json.dumps(report, indent=2, default=str))
 
 
-def simulate(png: Optional[Path] = typer.Option(None, help="Write the timeline plot here."),
+def simulate(ctx: typer.Context,
+             png: Optional[Path] = typer.Option(None, help="Write the timeline plot here."),
              **flags) -> None:
     """The real scheduler driven by a cost model: size flags for machines we cannot run here."""
     from batchgen.cli_options import build_dataclass
     from batchgen.config import SchedulerConfig
     from batchgen.sched.simulate import SimulationConfig, plot_timeline, run_simulation
 
+    for line in apply_renames(flags, SIMULATE_RENAMES) + deprecated_given(
+            given_on_command_line(ctx)):
+        warn(line)
     sim = build_dataclass(SimulationConfig, flags)
     sched = build_dataclass(SchedulerConfig, flags)
     if png is not None and not png.suffix:
@@ -199,11 +217,11 @@ def convert(output: Path = typer.Option(..., "--output", help="Folder to write (
     """Write a model in batchgen's own layout (fused projections, chosen dtype) + a manifest;
     `batchgen run --converted-ckpt-dir` then loads it without conversion."""
     from batchgen.cli_options import build_dataclass
-    from batchgen.config import ModelConfig
+    from batchgen.config import ModelConfig, canonical_dtype
     from batchgen.models.convert import convert_model
 
     _setup_logging()
-    cfg = build_dataclass(ModelConfig, flags)
+    cfg = build_dataclass(ModelConfig, {**flags, "dtype": canonical_dtype(flags["dtype"])})
     try:
         cfg.validate()
     except ConfigError as err:
@@ -221,10 +239,10 @@ def _register_generated_commands() -> None:
 
     app.command("simulate")(with_config_options(
         simulate, [("simulate", SimulationConfig), ("scheduler", SchedulerConfig)],
-))
+        renames=SIMULATE_RENAMES))
     app.command("convert")(with_config_options(
         convert, [("model", ModelConfig)], skip=("converted_ckpt_dir", "enable_ep_with_offloading",
-                                                 "ep_offloading_ratio")))
+                                                 "ep_offloading_ratio", "max_model_len")))
 
 
 _register_generated_commands()
@@ -237,7 +255,7 @@ def _user_errors():
 
 
 def main() -> None:
-    app()
+    sys.exit(run_app(app))
 
 
 if __name__ == "__main__":

@@ -15,12 +15,48 @@ from typing import Any, Callable, Optional
 
 import typer
 
-from batchgen.config import JobConfig, canonical_kv_dtype, field_docs
+from batchgen.config import (ConfigError, JobConfig, canonical_dtype, canonical_kv_dtype,
+                              field_docs)
 
-ALIASES = {"enable_cuda_graph": ["--enable-cuda-graphs"]}
-PANELS = {"model": "Model", "memory": "Memory", "scheduler": "Scheduler", "runtime": "Runtime",
-          "storage": "Input and storage", "output": "Outputs", "dist": "Distributed",
-          "watchdog": "Watchdog and preemption"}
+VLLM_ALIASES = {
+    "gpu_memory_frac": ["--gpu-memory-utilization"],
+    "max_decode_batch": ["--max-num-seqs"],
+    "max_prefill_tokens": ["--max-num-batched-tokens"],
+    "kv_dtype": ["--kv-cache-dtype"],
+    "disable_cuda_graphs": ["--enforce-eager"],
+    "cache_dir": ["--download-dir"],
+}
+"""vLLM engine-argument names accepted as our flags where the meaning is the same (the ones
+spelled as ours are VLLM_SAME_NAMES; --swap-space, GiB not GB, is converted: SWAP_SPACE)."""
+VLLM_SAME_NAMES = ("model", "dtype", "seed", "max_model_len", "tensor_parallel_size",
+                   "enable_prefix_caching")
+"""vLLM engine arguments spelled as ours already."""
+SHORT = {"input": ["-i"], "output": ["-o"]}
+REQUIRED = ("input",)
+"""Shown as required in --help (an empty value is refused by validation with the fix)."""
+DEPRECATED = {
+    "enable_host_kv_eviction": "host KV eviction is always on",
+    "enable_decode_preemption": "decode preemption is always on",
+    "enable_prepack": "prompts are always packed into one prefill batch",
+    "enable_cuda_graph": "CUDA graphs are on by default on CUDA (--enforce-eager turns them off)",
+}
+"""Flags that change nothing: accepted with a one-line warning, left out of --help."""
+HIDDEN_SPELLINGS = {"enable_cuda_graph": ["--enable-cuda-graphs"]}
+SWAP_SPACE = "swap_space"
+"""--swap-space GiB (vLLM's CPU swap space) sets --host-kv-cache-size in GB."""
+RENAMED_PREFIX = "renamed__"
+SIMULATE_RENAMES = {"model": "--shape", "tensor_parallel": "--tensor-parallel-size",
+                    "host_kv_gb": "--host-kv-cache-size", "device_kv_gb": "--gpu-kv-cache-size"}
+"""`batchgen simulate` spells these as `run` and `bench` do; the old flags still work."""
+PANELS = {"storage": "Job files", "model": "Model", "runtime": "Model", "memory": "Memory",
+          "scheduler": "Scheduler", "dist": "Parallel", "output": "Outputs",
+          "watchdog": "Reliability"}
+PANEL_ORDER = ("Job files", "Model", "Memory", "Scheduler", "Parallel", "Outputs", "Reliability")
+FIELD_PANELS = {"wait_for_lock": "Reliability", "no_incremental_save": "Reliability"}
+
+
+def flag_name(name: str) -> str:
+    return "--" + name.replace("_", "-")
 
 
 def _sub_config(f: dataclasses.Field):
@@ -50,37 +86,79 @@ def _option_type(hint: Any) -> Any:
     return hint
 
 
-def _parameter(section: str, cls: type, f: dataclasses.Field) -> inspect.Parameter:
+def _parameter(section: str, cls: type, f: dataclasses.Field,
+               renames: dict[str, str] | None = None) -> inspect.Parameter:
     hint = _option_type(typing.get_type_hints(cls)[f.name])
-    flag = "--" + f.name.replace("_", "-")
+    flag = (renames or {}).get(f.name) or flag_name(f.name)
     if hint is bool and f.default is True:
         decls = [f"{flag}/--no-{f.name.replace('_', '-')}"]
     else:
-        decls = [flag, *ALIASES.get(f.name, [])]
-    panel = PANELS.get(section.split(".")[-1])
-    option = typer.Option(f.default, *decls, help=field_docs(cls).get(f.name, ""),
-                          rich_help_panel=panel, show_default=f.default is not None)
+        decls = [flag, *SHORT.get(f.name, []), *VLLM_ALIASES.get(f.name, []),
+                 *HIDDEN_SPELLINGS.get(f.name, [])]
+    panel = FIELD_PANELS.get(f.name) or PANELS.get(section.split(".")[-1])
+    default = ... if f.name in REQUIRED else f.default
+    option = typer.Option(default, *decls, help=field_docs(cls).get(f.name, ""),
+                          rich_help_panel=panel, show_default=f.default is not None,
+                          hidden=f.name in DEPRECATED)
     return inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=option,
                              annotation=hint)
 
 
+def _swap_space_parameter() -> inspect.Parameter:
+    option = typer.Option(None, "--swap-space", rich_help_panel=PANELS["memory"],
+                          help="vLLM's name: host KV pool in GiB (sets --host-kv-cache-size).")
+    return inspect.Parameter(SWAP_SPACE, inspect.Parameter.KEYWORD_ONLY, default=option,
+                             annotation=Optional[float])
+
+
+def _old_spelling(cls: type, f: dataclasses.Field) -> inspect.Parameter:
+    """A hidden option under a field's former flag name (RENAMED_PREFIX + field)."""
+    hint = _option_type(typing.get_type_hints(cls)[f.name])
+    option = typer.Option(None, flag_name(f.name), hidden=True)
+    return inspect.Parameter(RENAMED_PREFIX + f.name, inspect.Parameter.KEYWORD_ONLY,
+                             default=option, annotation=Optional[hint])
+
+
+def apply_renames(values: dict[str, Any], renames: dict[str, str]) -> list[str]:
+    """Move values given under a former flag name onto the field; one warning line each."""
+    warnings = []
+    for name, flag in renames.items():
+        old = values.pop(RENAMED_PREFIX + name, None)
+        if old is not None:
+            values[name] = old
+            warnings.append(f"warning: {flag_name(name)} is deprecated: use {flag}")
+    return warnings
+
+
 def config_parameters(sections: list[tuple[str, type]] | None = None,
-                      skip: tuple[str, ...] = ()) -> list[inspect.Parameter]:
+                      skip: tuple[str, ...] = (),
+                      renames: dict[str, str] | None = None) -> list[inspect.Parameter]:
+    """One option per field; for the whole JobConfig (sections None) in help-panel order,
+    the job files first, plus --swap-space. `renames`: field -> flag spelled otherwise than
+    the field, the field's own spelling kept as a hidden deprecated option."""
     params = []
     for section, cls in sections if sections is not None else leaf_sections():
         for f in dataclasses.fields(cls):
             if f.name not in skip:
-                params.append(_parameter(section, cls, f))
+                params.append(_parameter(section, cls, f, renames))
+                if f.name in (renames or {}):
+                    params.append(_old_spelling(cls, f))
+    if sections is None:
+        params.append(_swap_space_parameter())
+        rank = {panel: i for i, panel in enumerate(PANEL_ORDER)}
+        params.sort(key=lambda p: rank.get(p.default.rich_help_panel, len(rank)))
     return params
 
 
 def with_config_options(func: Callable, sections: list[tuple[str, type]] | None = None,
-                        skip: tuple[str, ...] = ()) -> Callable:
+                        skip: tuple[str, ...] = (),
+                        renames: dict[str, str] | None = None) -> Callable:
     """Give `func(**kwargs)` a signature Typer reads: its own parameters + every flag of the
     given config dataclasses (default: all of JobConfig)."""
     own = [p for p in inspect.signature(func).parameters.values()
            if p.kind is not inspect.Parameter.VAR_KEYWORD]
-    func.__signature__ = inspect.Signature(own + config_parameters(sections, skip))  # type: ignore[attr-defined]
+    params = own + config_parameters(sections, skip, renames)
+    func.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
     return func
 
 
@@ -94,7 +172,21 @@ def build_config(values: dict[str, Any]) -> JobConfig:
     values = dict(values)
     if values.get("kv_dtype") is not None:
         values["kv_dtype"] = canonical_kv_dtype(values["kv_dtype"])
+    if values.get("dtype") is not None:
+        values["dtype"] = canonical_dtype(values["dtype"])
+    swap = values.pop(SWAP_SPACE, None)
+    if swap is not None:
+        if values.get("host_kv_cache_size") is not None:
+            raise ConfigError(SWAP_SPACE, swap, "give --swap-space (GiB) or "
+                              "--host-kv-cache-size (GB), not both")
+        values["host_kv_cache_size"] = swap * 2**30 / 1e9
     return _build(JobConfig, values).validate()
+
+
+def deprecated_given(given: set[str]) -> list[str]:
+    """One warning line per no-op flag among the parameters given on the command line."""
+    return [f"warning: {flag_name(name)} is deprecated and ignored: {why}"
+            for name, why in DEPRECATED.items() if name in given]
 
 
 def _build(cls: type, values: dict[str, Any]):
@@ -108,25 +200,52 @@ def _build(cls: type, values: dict[str, Any]):
     return cls(**kwargs)
 
 
+def _flag_cell(f: dataclasses.Field) -> str:
+    flag = flag_name(f.name)
+    if f.default is True:
+        flag += f" / --no-{f.name.replace('_', '-')}"
+    for alias in [*SHORT.get(f.name, []), *VLLM_ALIASES.get(f.name, []),
+                  *HIDDEN_SPELLINGS.get(f.name, [])]:
+        flag += f" / {alias}"
+    return f"`{flag}`"
+
+
 def flags_markdown() -> str:
-    """docs/flags.md, generated from the same docstrings as --help."""
+    """docs/flags.md, generated from the same docstrings as --help, in --help's panels."""
     lines = ["# `batchgen run` flags", "",
              "Generated from the config dataclasses (`python -m batchgen.cli_options`); "
-             "every flag is validated before any weights load.", ""]
+             "every flag is validated before any weights load. `batchgen run --help` shows "
+             "the same flags in the same groups.", ""]
+    rows: dict[str, list[str]] = {panel: [] for panel in PANEL_ORDER}
     for section, cls in leaf_sections():
-        lines += [f"## {PANELS.get(section.split('.')[-1], section)}", "",
-                  "| flag | default | meaning |", "|---|---|---|"]
         docs = field_docs(cls)
         for f in dataclasses.fields(cls):
-            flag = "--" + f.name.replace("_", "-")
-            if f.default is True:
-                flag += f" / --no-{f.name.replace('_', '-')}"
-            for alias in ALIASES.get(f.name, []):
-                flag += f" / {alias}"
+            panel = FIELD_PANELS.get(f.name) or PANELS.get(section.split(".")[-1], section)
             doc = docs.get(f.name, "").replace("\n", " ").replace("|", "\\|")
-            lines.append(f"| `{flag}` | `{f.default}` | {doc} |")
-        lines.append("")
-    return "\n".join(lines)
+            if f.name in DEPRECATED:
+                doc = f"Deprecated, ignored (not in --help): {DEPRECATED[f.name]}."
+            default = "required" if f.name in REQUIRED else f.default
+            rows.setdefault(panel, []).append(f"| {_flag_cell(f)} | `{default}` | {doc} |")
+    for panel, table in rows.items():
+        lines += [f"## {panel}", "", "| flag | default | meaning |", "|---|---|---|", *table, ""]
+    return "\n".join(lines + _vllm_table())
+
+
+def _vllm_table() -> list[str]:
+    """vLLM engine arguments batchgen reads, and the flag each one is."""
+    lines = ["## vLLM engine-argument names", "",
+             "A vLLM command line's engine arguments work here where the meaning is the same:",
+             "", "| vLLM flag | batchgen flag | note |", "|---|---|---|"]
+    for name, aliases in VLLM_ALIASES.items():
+        for alias in aliases:
+            lines.append(f"| `{alias}` | `{flag_name(name)}` | alias |")
+    for name in VLLM_SAME_NAMES:
+        lines.append(f"| `{flag_name(name)}` | `{flag_name(name)}` | same name |")
+    lines.append("| `--swap-space` | `--host-kv-cache-size` | GiB converted to GB; batchgen's "
+                 "host pool is per node, vLLM's swap space per GPU |")
+    lines += ["", "A near miss of any flag (`--max-num-seq`) is answered with the closest "
+              "flags.", ""]
+    return lines
 
 
 if __name__ == "__main__":

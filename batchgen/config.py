@@ -10,7 +10,9 @@ from __future__ import annotations
 import ast
 import functools
 import inspect
+import os
 from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
 
 KV_DTYPE_ALIASES = {
     "auto": "auto",
@@ -20,6 +22,9 @@ KV_DTYPE_ALIASES = {
     "fp8_e4m3": "fp8_e4m3fn",
 }
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32",
+                 "fp32": "float32"}
+"""Short spellings --dtype accepts (vLLM's among them), as --kv-dtype does."""
 GPU_ARCH_CHOICES = ("auto", "hopper", "ampere", "cpu")
 REASONING_FIELD_CHOICES = ("reasoning_content", "reasoning", "both")
 
@@ -37,6 +42,11 @@ def canonical_kv_dtype(value: str) -> str:
     if key not in KV_DTYPE_ALIASES:
         raise ConfigError("kv_dtype", value, "choose one of " + ", ".join(KV_DTYPE_ALIASES))
     return KV_DTYPE_ALIASES[key]
+
+
+def canonical_dtype(value: str) -> str:
+    key = value.strip().lower()
+    return DTYPE_ALIASES.get(key, key)
 
 
 @functools.cache
@@ -71,8 +81,8 @@ class ModelConfig:
     from it skips conversion. Refused if converted for another world size, dtype or
     tensor-parallel size."""
     dtype: str = "auto"
-    """Weight and activation dtype: auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16,
-    float16."""
+    """Weight and activation dtype: auto (bfloat16 on GPU, float32 on CPU), float32|fp32|float,
+    bfloat16|bf16, float16|fp16|half."""
     kv_dtype: str = "auto"
     """KV cache dtype: auto (= model dtype), bfloat16|bf16, float16|fp16, fp8_e4m3fn|fp8
     (8-bit KV with a scale per token and head: ~2x more KV, ~3% relative error per value)."""
@@ -83,10 +93,16 @@ class ModelConfig:
     ep_offloading_ratio: float = 0.0
     """Share (0-1) of each rank's routed experts living in pinned host memory, streamed in per
     layer. Needs --enable-ep-with-offloading when > 0."""
+    max_model_len: int | None = None
+    """Longest context (prompt + max_tokens) of a request, at most the model's own; a longer
+    request becomes an error line naming both numbers. Memory is planned for this length.
+    Default: the model's context."""
 
     def validate(self) -> None:
+        _require(self.max_model_len is None or self.max_model_len >= 2, "max_model_len",
+                 self.max_model_len, "an integer >= 2 (a prompt token and an output token)")
         _require(self.dtype in DTYPE_CHOICES, "dtype", self.dtype,
-                 "one of " + ", ".join(DTYPE_CHOICES))
+                 "one of " + ", ".join((*DTYPE_CHOICES, *DTYPE_ALIASES)))
         _require(self.kv_dtype in set(KV_DTYPE_ALIASES.values()), "kv_dtype", self.kv_dtype,
                  "one of " + ", ".join(KV_DTYPE_ALIASES))
         _require(0.0 <= self.ep_offloading_ratio <= 1.0, "ep_offloading_ratio",
@@ -164,6 +180,9 @@ class SchedulerConfig:
     """Safety multiplier on the EMA estimate."""
     enable_prepack: bool = True
     """Pack many prompts into one varlen prefill batch (always on)."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV pages of a prompt prefix already computed for another request
+    (--no-enable-prefix-caching: compute every prompt in full)."""
     max_prefill_tokens: int = 8192
     """Token budget of one packed prefill step; longer prompts are prefilled in chunks.
     Larger steps are faster on big GPUs (fewer steps, fewer host gaps): 16384 / 32768 ran
@@ -222,7 +241,7 @@ class RuntimeConfig:
     default on CUDA; the flag only states it explicitly. One graph holds the whole forward;
     BATCHGEN_SEGMENTED_GRAPH=1 in the environment captures one per model segment instead."""
     disable_cuda_graphs: bool = False
-    """Run decode eagerly. Mutually exclusive with --enable-cuda-graph."""
+    """Run decode eagerly, without CUDA graphs (vLLM's name: --enforce-eager)."""
     cuda_graph_max_bucket_size: int = 128
     """Largest decode batch captured in a graph; bigger batches run eagerly."""
     cuda_graph_num_buckets: int = 16
@@ -280,6 +299,19 @@ def sub_configs(cls: type) -> list[tuple[str, type]]:
     return [(f.name, f.default_factory) for f in fields(cls)]  # type: ignore[misc]
 
 
+def default_storage_path(output: str | None) -> str:
+    """Where a job's state goes without --storage-path: `.batchgen/` beside --output, else
+    $BATCHGEN_STATE_DIR, else $XDG_STATE_HOME/batchgen (~/.local/state/batchgen). Never a
+    folder relative to the working directory: run from a source tree, that would write job
+    state into it, or create a `batchgen/` folder that shadows the package on import."""
+    if output:
+        return str(Path(output).expanduser().absolute().parent / ".batchgen")
+    if os.environ.get("BATCHGEN_STATE_DIR"):
+        return os.environ["BATCHGEN_STATE_DIR"]
+    state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return str(Path(state) / "batchgen")
+
+
 @dataclass(frozen=True)
 class StorageConfig:
     input: str = ""
@@ -287,8 +319,11 @@ class StorageConfig:
     output: str | None = None
     """Final results in input order (default {storage}/outputs/{batch_id}.jsonl); errors go to
     <stem>.errors.jsonl beside it."""
-    storage_path: str = "batchgen/storage/"
-    """Job folder: uploads/, batches/, incremental/, outputs/."""
+    max_tokens: int = 256
+    """max_tokens of request lines that give none (nor max_completion_tokens)."""
+    storage_path: str | None = None
+    """Job folder: uploads/, batches/, incremental/, outputs/. Default: .batchgen/ beside
+    --output, else $BATCHGEN_STATE_DIR or ~/.local/state/batchgen (XDG_STATE_HOME)."""
     batch_id: str | None = None
     """Job identity (default: derived from the input's sha256, so re-running resumes)."""
     save_result: bool = False
@@ -305,11 +340,16 @@ class StorageConfig:
     """Longest JSONL input line read (bytes, its newline not counted); a longer line is never
     held in memory and becomes a line_too_long error line (custom_id `line-N`)."""
 
+    def __post_init__(self) -> None:
+        if self.storage_path is None:
+            object.__setattr__(self, "storage_path", default_storage_path(self.output))
+
     def validate(self) -> None:
         _require(bool(self.input), "input", self.input, "a path to a .jsonl or .parquet file")
         _require(self.max_line_bytes >= 64, "max_line_bytes", self.max_line_bytes,
                  "bytes >= 64")
         _require(bool(self.storage_path), "storage_path", self.storage_path, "a folder path")
+        _require(self.max_tokens >= 1, "max_tokens", self.max_tokens, "an integer >= 1")
         _require(self.wait_for_lock >= 0, "wait_for_lock", self.wait_for_lock, "seconds >= 0")
         if self.batch_id is not None:
             plain = self.batch_id.replace("-", "").replace("_", "")

@@ -90,12 +90,30 @@ class _BadLine(Exception):
 
 
 def intake(record: RawRecord, tokenizer: Any, max_context: int,
-           default_max_tokens: int = 256) -> PendingRequest | IntakeError:
-    """Parse and tokenize one record (see module docstring)."""
+           default_max_tokens: int = 256,
+           max_model_len: int | None = None) -> PendingRequest | IntakeError:
+    """Parse and tokenize one record (see module docstring). `max_model_len`: the context cap
+    the user set (--max-model-len): a prompt + max_tokens above it is refused, not shortened."""
     parsed = parse_record(record, default_max_tokens)
     if isinstance(parsed, IntakeError):
         return parsed
+    if max_model_len is not None:
+        return _within_cap(tokenize_request(parsed, tokenizer, max_context), parsed,
+                           max_model_len)
     return tokenize_request(parsed, tokenizer, max_context)
+
+
+def _within_cap(item: PendingRequest | IntakeError, parsed: ParsedRequest,
+                cap: int) -> PendingRequest | IntakeError:
+    if isinstance(item, IntakeError):
+        return item
+    prompt, asked = len(item.prompt_token_ids), parsed.sampling.max_tokens
+    if prompt + asked <= cap:
+        return item
+    return IntakeError(item.custom_id, item.line, "context_length_exceeded",
+                       f"line {item.line}: the prompt ({prompt} tokens) + max_tokens ({asked}) "
+                       f"is {prompt + asked} tokens, over --max-model-len {cap}: lower "
+                       "max_tokens (or --max-tokens) or raise --max-model-len")
 
 
 def parse_record(record: RawRecord, default_max_tokens: int = 256) -> ParsedRequest | IntakeError:

@@ -104,6 +104,14 @@ def detect_format(path: str | Path) -> str:
     first = head.removeprefix(_BOM).lstrip()
     if first.startswith(b"{") or not first:
         return "jsonl"
+    if suffix in (".csv", ".tsv"):
+        tab = ", parse_options=c.ParseOptions(delimiter='\\t')" if suffix == ".tsv" else ""
+        raise InputFileError(
+            f"input file {p} is {suffix[1:].upper()}: convert it to Parquet (column types kept; "
+            "a `prompt` or `messages` column, sampling fields as columns), e.g. python -c "
+            "\"import sys, pyarrow.csv as c, pyarrow.parquet as pq; "
+            f"pq.write_table(c.read_csv(sys.argv[1]{tab}), sys.argv[2])\" {p} "
+            f"{p.with_suffix('.parquet')}")
     raise InputFileError(f"input file {p} is neither JSONL nor Parquet: give it a .jsonl or "
                          ".parquet extension and one JSON object per line (or Parquet content)")
 

@@ -90,10 +90,22 @@ def load_model(cfg: ModelConfig, device: torch.device, world_size: int = 1,
     shard = rank_shard(folder, tp)  # converted per TP rank: read only ours, slice nothing
     weights = read_safetensors(folder, [shard] if shard else None)
     model = build_model(hf_config, weights, dtype, device, cfg, tp, presharded=shard is not None)
+    model.max_context = capped_context(model.max_context, cfg.max_model_len)
     tokenizer = load_tokenizer(folder)
     log.info("model %s ready on %s in %.1fs (%s)", name, device, time.perf_counter() - start, dtype)
     return LoadedModel(model, hf_config, tokenizer, eos_token_ids(folder, hf_config, tokenizer),
                        folder, name, dtype, model.max_context)
+
+
+def capped_context(model_context: int, max_model_len: int | None) -> int:
+    """The context requests get: --max-model-len when set (memory, CUDA graph tables and
+    intake are planned for it), never above the model's own."""
+    if max_model_len is None:
+        return model_context
+    if max_model_len > model_context:
+        log.warning("--max-model-len %d is above the model's context (%d tokens): %d is used",
+                    max_model_len, model_context, model_context)
+    return min(model_context, max_model_len)
 
 
 def weight_bytes(cfg: ModelConfig, device: torch.device, world_size: int = 1) -> int:

@@ -66,32 +66,49 @@ def _classify(path: Path, name: str) -> ModelSource | None:
     return None
 
 
-def resolve_model(model: str, cache_dir: str | None = None) -> ModelSource:
-    """Locate `model` on disk; the error lists every place searched."""
-    candidates = [Path(model).expanduser()]
+def hub_cache() -> Path:
+    """The Hugging Face hub cache: $HF_HUB_CACHE, else $HF_HOME/hub (~/.cache/huggingface)."""
+    hf_home = Path(os.environ.get("HF_HOME", "~/.cache/huggingface")).expanduser()
+    return Path(os.environ.get("HF_HUB_CACHE") or hf_home / "hub").expanduser()
+
+
+def search_places(model: str, cache_dir: str | None = None) -> list[Path]:
+    """Every place `model` is looked for, in order (hub caches as their snapshots folder)."""
+    hub_name = "models--" + model.replace("/", "--")
+    places = [Path(model).expanduser()]
     if cache_dir:
         root = Path(cache_dir).expanduser()
-        candidates += [root, *_hub_snapshots(root, model), root / model,
-                       root / model.split("/")[-1]]
-    hf_home = Path(os.environ.get("HF_HOME", "~/.cache/huggingface")).expanduser()
-    hub = Path(os.environ.get("HF_HUB_CACHE") or hf_home / "hub")
-    candidates += _hub_snapshots(hub.expanduser(), model)
+        places += [root, root / hub_name / "snapshots", root / model, root / model.split("/")[-1]]
+    return list(dict.fromkeys([*places, hub_cache() / hub_name / "snapshots"]))
+
+
+def model_not_found_message(model: str, places: list[Path]) -> str:
+    """What a user reads when --model is nowhere: every place searched and how to fix it."""
+    searched = "\n  ".join(str(p) for p in places)
+    hub_name = "models--" + model.replace("/", "--")
+    return (f"model {model!r} not found on disk (batchgen never downloads). Searched:\n"
+            f"  {searched}\nPoint --model at a local folder or .gguf file, or --cache-dir at a "
+            f"folder holding {model.split('/')[-1]}/ or {hub_name}/snapshots/<rev>/ (e.g. "
+            f"`huggingface-cli download {model}` fills the HF cache above).")
+
+
+def resolve_model(model: str, cache_dir: str | None = None) -> ModelSource:
+    """Locate `model` on disk; the error lists every place searched."""
+    candidates = []
+    for place in search_places(model, cache_dir):
+        snapshots = place.name == "snapshots" and place.parent.name.startswith("models--")
+        candidates += _hub_snapshots(place.parent.parent, model) if snapshots else [place]
     for path in candidates:
         found = _classify(path, model)
         if found is not None:
             return found
-    given = candidates[0]
+    given = Path(model).expanduser()
     if given.exists():  # a path, but to something else than a model
         kind = "a folder without config.json" if given.is_dir() else "a file that is not .gguf"
         raise ModelNotFoundError(
             f"--model {model!r} is {kind}: give a folder holding config.json and "
             "*.safetensors, a folder made by `batchgen convert`, or a .gguf file")
-    searched = "\n  ".join(str(p) for p in dict.fromkeys(candidates))
-    hub_name = "models--" + model.replace("/", "--")
-    raise ModelNotFoundError(
-        f"model {model!r} not found on disk (batchgen never downloads). Searched:\n  {searched}\n"
-        f"Point --model at a local folder or .gguf file, or --cache-dir at a folder holding "
-        f"{model.split('/')[-1]}/ or {hub_name}/snapshots/<rev>/.")
+    raise ModelNotFoundError(model_not_found_message(model, search_places(model, cache_dir)))
 
 
 WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin", ".json")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import orjson
 
-from batchgen.config import JobConfig
+from batchgen.config import JobConfig, StorageConfig
 from batchgen.io.jobfiles import FingerprintMismatch, JobPaths, make_fingerprint
 from batchgen.io.reader import DEFAULT_MAX_LINE_BYTES, scan_input
 
@@ -73,7 +73,13 @@ def fingerprint(config: JobConfig, input_sha256: str, model_identity: str,
     """What decides the answers: a resume with any of it changed is refused."""
     m = config.engine.model
     out = config.output
+    lengths = {}  # absent at their defaults: jobs started before they existed still resume
+    if config.storage.max_tokens != StorageConfig.max_tokens:
+        lengths["default_max_tokens"] = config.storage.max_tokens
+    if m.max_model_len is not None:
+        lengths["max_model_len"] = m.max_model_len
     return make_fingerprint({
+        **lengths,
         "input_sha256": input_sha256,
         "model": model_identity,
         "model_weights": model_weights,

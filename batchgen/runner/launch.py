@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 import signal
 import sys
 import threading
@@ -67,6 +68,7 @@ def launch_workers(dist: DistConfig, spec_file: Path, log_dir: Path, grace: floa
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     force_safe_env()
+    quiet_signal_warnings()
     os.environ[SUPERVISOR_PID_ENV] = str(os.getpid())
     os.environ[LAUNCHED_AT_ENV] = repr(time.time())
     per_node = dist.world_size // dist.nnodes
@@ -80,6 +82,7 @@ def launch_workers(dist: DistConfig, spec_file: Path, log_dir: Path, grace: floa
     config = LaunchConfig(**supported_launch_options(
         min_nodes=dist.nnodes, max_nodes=dist.nnodes, nproc_per_node=per_node,
         max_restarts=dist.max_restarts, monitor_interval=0.5, logs_specs=_logs_specs(log_dir),
+        **NO_LINE_PREFIX,
         signals_to_handle=",".join(STOP_SIGNALS), shutdown_timeout=agent_shutdown_timeout(grace),
         **rdzv))
     try:
@@ -89,6 +92,30 @@ def launch_workers(dist: DistConfig, spec_file: Path, log_dir: Path, grace: floa
         rank, failure = root_failure(err.failures)  # global rank; logs are per local rank
         log = _log_of(log_dir, failure.local_rank)
         raise WorkerFailure(rank, failure.exitcode, tail(log), str(log or "")) from None
+
+
+LAUNCHER_LOGGERS = ("torch.distributed.elastic.agent.server.api",
+                    "torch.distributed.elastic.multiprocessing.api")
+SIGNAL_NOISE = re.compile(r"death signal|closing signal|Unable to shutdown process")
+
+
+def _not_signal_noise(record: logging.LogRecord) -> bool:
+    return SIGNAL_NOISE.search(record.getMessage()) is None
+
+
+def quiet_signal_warnings() -> None:
+    """Drop the launcher's warnings about the stop signals it forwards (received, sent, forced):
+    the supervisor says what a stop means (results safe, exit 75) in one line. Idempotent."""
+    for name in LAUNCHER_LOGGERS:
+        logger = logging.getLogger(name)
+        if _not_signal_noise not in logger.filters:
+            logger.addFilter(_not_signal_noise)
+
+
+NO_LINE_PREFIX = {"role": "", "log_line_prefix_template": "${role_name}"}
+"""Worker lines reach the console as they are (their own format names the rank), not behind
+the launcher's "[default_role0]:" tag: a template that renders empty (a falsy one would mean
+the default tag)."""
 
 
 def supported_launch_options(**options) -> dict:

@@ -67,3 +67,30 @@ class ProgressReporter(threading.Thread):
     def stop(self) -> None:
         self._stop_event.set()
         self.join(timeout=5)
+
+
+def human_seconds(seconds: float) -> str:
+    """12.3 s, 4 min 05 s, 2 h 03 min."""
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, secs = divmod(int(round(seconds)), 60)
+    if minutes < 60:
+        return f"{minutes} min {secs:02d} s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours} h {minutes:02d} min"
+
+
+def run_summary(elapsed: float, completed: int, failed: int, tokens_in: int, tokens_out: int,
+                run_tokens_out: int, output: Path, errors: Path, storage: Path) -> str:
+    """What a finished `batchgen run` prints: time, requests, tokens, speed, where things are.
+    Requests and tokens are the job's (every run of it); the speed is this run's."""
+    rate = run_tokens_out / elapsed if elapsed > 0 else 0.0
+    lines = [
+        f"done: {completed:,} results, {failed:,} errors ({completed + failed:,} requests) in "
+        f"{human_seconds(elapsed)}",
+        f"tokens: {tokens_in:,} in, {tokens_out:,} out ({rate:,.1f} out tok/s this run)",
+        f"results: {output}",
+        f"errors:  {errors}" if failed else f"errors:  none ({errors} is empty)",
+        f"job:     {storage} (`batchgen status {output}` shows it)",
+    ]
+    return "\n".join(lines)

@@ -15,27 +15,57 @@ from rich.table import Table
 from batchgen.io.jobfiles import JobPaths
 from batchgen.io.writer import CorruptIncrementalFile, read_done_ids
 from batchgen.runner.job import JobSpec
-from batchgen.runner.progress import read_worker_stats
+from batchgen.runner.progress import human_seconds, read_worker_stats
 
 
 def show_status(storage: Path, target: str | None) -> int:
     """Print each job's table. target: a batch id under `storage`, or a job folder (a storage
     path: every job in it); None: every job under `storage`."""
     batch_id = target
+    if target is not None and Path(target).is_file():
+        return _show_files(_jobs_writing(Path(target), storage), f"no job writes {target} under "
+                           f"{Path(target).absolute().parent / '.batchgen'} or {storage} (give "
+                           "the job's --storage-path)")
     if target is not None and ("/" in target or Path(target).is_dir()):
         storage, batch_id = Path(target), None
     batches = storage / "batches"
     if batch_id is None:
-        files = sorted(p for p in batches.glob("*.json") if p.stem.count(".") == 0)
+        files = _batch_files(storage)
     else:  # an id is a file name, never a pattern
         files = [p for p in [batches / f"{batch_id}.json"] if p.is_file()]
+    return _show_files(files, f"no job{' ' + batch_id if batch_id else ''} under {storage} (give "
+                       "a batch id with --storage-path, a job folder, or a job's output file)")
+
+
+def _batch_files(storage: Path) -> list[Path]:
+    return sorted(p for p in (storage / "batches").glob("*.json") if p.stem.count(".") == 0)
+
+
+def _jobs_writing(output: Path, storage: Path) -> list[Path]:
+    """Batch files of the jobs whose results file is `output`: in the default job folder
+    beside it (.batchgen/), else under `storage`."""
+    want = output.resolve()
+    for folder in (output.absolute().parent / ".batchgen", storage):
+        found = []
+        for path in _batch_files(folder):
+            try:
+                written = orjson.loads(path.read_bytes()).get("output_file")
+            except (OSError, orjson.JSONDecodeError, AttributeError):
+                continue
+            if written and Path(written).resolve() == want:
+                found.append(path)
+        if found:
+            return found
+    return []
+
+
+def _show_files(files: list[Path], missing: str) -> int:
     if not files:
-        Console(stderr=True, soft_wrap=True).print(
-            f"no job{' ' + batch_id if batch_id else ''} under {storage} (give a batch id with "
-            "--storage-path, or a job folder)")
+        Console(stderr=True, soft_wrap=True).print(missing)
         return 1
     console, failed = Console(), 0
     for path in files:
+        storage, batches = path.parent.parent, path.parent
         try:
             state = orjson.loads(path.read_bytes())
             batch_id = state["batch_id"]
@@ -94,6 +124,31 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def age(seconds: float) -> str:
+    """How long ago, as a person says it: 3 s ago, 4 min ago, 2 h ago."""
+    seconds = max(0.0, seconds)
+    if seconds < 90:
+        return f"{seconds:.0f} s ago"
+    if seconds < 90 * 60:
+        return f"{seconds / 60:.0f} min ago"
+    return f"{seconds / 3600:.1f} h ago"
+
+
+def _speed(state: dict) -> str:
+    """Output tokens per second over every run of the job (and the last run's)."""
+    timings, usage = state.get("timings", {}), state.get("usage", {})
+    last = state.get("throughput", {}).get("output_tokens_per_s")
+    seconds, runs = timings.get("all_runs_seconds"), timings.get("runs")
+    parts = []
+    if seconds and runs:
+        rate = usage.get("completion_tokens", 0) / seconds
+        parts.append(f"{rate:,.1f} out tok/s over {runs} run{'s' * (runs != 1)} "
+                     f"({human_seconds(seconds)})")
+    if last is not None:
+        parts.append(f"last run {last:,.1f} out tok/s")
+    return "; ".join(parts) or "not measured yet"
+
+
 def _table(state: dict, workers: list[dict]) -> Table:
     table = Table(title=f"{state['batch_id']}: {state['status']}", show_header=False)
     counts = state.get("request_counts", {})
@@ -101,18 +156,21 @@ def _table(state: dict, workers: list[dict]) -> Table:
                   f"failed, {counts.get('total', 0)} total"
                   + ("" if state.get("status") == "completed" else " (counted at the end)"))
     usage = state.get("usage", {})
-    table.add_row("tokens", f"{usage.get('prompt_tokens', 0)} prompt, "
-                  f"{usage.get('completion_tokens', 0)} completion")
-    for key, value in state.get("throughput", {}).items():
-        table.add_row(key, f"{value:,.1f}")
+    table.add_row("tokens", f"{usage.get('prompt_tokens', 0):,} in, "
+                  f"{usage.get('completion_tokens', 0):,} out (all runs)")
+    table.add_row("speed", _speed(state))
     table.add_row("output", state.get("output_file", ""))
-    for key, value in state.get("health", {}).items():
-        table.add_row(f"health.{key}", str(value))
+    table.add_row("errors", state.get("errors_file", ""))
     now = time.time()
+    for key, value in state.get("health", {}).items():
+        if key == "last_heartbeat" and isinstance(value, (int, float)) and value > 0:
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(value))
+            value = f"{age(now - value)} ({when})"
+        table.add_row(f"health.{key}", str(value))
     for w in workers:  # stats files are rewritten as workers go: take what is there
         beat = w.get("heartbeat")
         table.add_row(f"rank {w.get('rank', '?')}",
                       f"{w.get('completed', 0)} done, {w.get('failed', 0)} failed, "
                       f"{w.get('output_tokens_per_s', 0):,.1f} out tok/s, heartbeat "
-                      + (f"{now - beat:.0f}s ago" if isinstance(beat, (int, float)) else "none"))
+                      + (age(now - beat) if isinstance(beat, (int, float)) else "none"))
     return table

@@ -19,6 +19,7 @@ import logging
 import os
 import shutil
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -32,7 +33,7 @@ from batchgen.io.jobfiles import (
     errors_path_for,
     record_upload,
 )
-from batchgen.io.reader import InputSummary, iter_keys, scan_input
+from batchgen.io.reader import InputFileError, InputSummary, iter_keys, scan_input
 from batchgen.io.writer import (IncompleteResults, final_files_complete, finalize,
                                 read_done_ids)
 from batchgen.models.folder_checks import check_model_folder, machine_memory
@@ -58,7 +59,7 @@ from batchgen.runner.lock import JobLock
 from batchgen.runner.members import Member, check_plan, member_failure, member_for
 from batchgen.runner.outputs import outputs_belong_to
 from batchgen.runner.preflight import preflight, refuse_unwritable
-from batchgen.runner.progress import ProgressReporter, read_worker_stats
+from batchgen.runner.progress import ProgressReporter, read_worker_stats, run_summary
 from batchgen.runner.quarantine import mark_crashed
 from batchgen.runner.watchdog import health_from_stats
 
@@ -88,6 +89,9 @@ def identify(config: JobConfig) -> tuple[InputSummary, JobPaths]:
     """Scan the input and derive the job identity; creates the job's folders, nothing else."""
     s = config.storage
     summary = scan_input(Path(s.input), s.max_line_bytes)
+    if summary.records == 0:
+        raise InputFileError(f"input file {s.input} holds no requests (it is "
+                             "empty): write one JSON request per line")
     batch_id = s.batch_id or derive_batch_id(summary.sha256)
     paths = JobPaths.for_job(s.storage_path, batch_id, s.incremental_output_dir, s.output)
     make_job_dirs(config, paths)
@@ -128,7 +132,7 @@ def run_job(config: JobConfig) -> int:
                 if member.group is not None:
                     member.group.close()
     except (GroupError, ConfigError) as err:  # members disagree, or the launcher's world does
-        log.error("%s", err)
+        print(f"error: {err}", file=sys.stderr, flush=True)  # a user's fix, not a log event
         return getattr(err, "code", 2)
     except Preempted as stop:
         log.warning("stopped by %s: finished results are safe; re-run the same command to "
@@ -237,7 +241,8 @@ def _run_locked(spec: JobSpec, batch_file: BatchFile, already: int, stops: StopS
     log.info("job %s: %d requests, %d already done; results -> %s", spec.batch_id,
              spec.total_records, already, paths.output)
     started = time.time()
-    batch_file.update(spec.batch_id, status="in_progress", timings={"started_at": int(started)})
+    batch_file.update(spec.batch_id, status="in_progress", timings={"started_at": int(started)},
+                      **_result_files(paths))
     for stale in paths.batch_file.parent.glob(f"{spec.batch_id}.worker*.json"):
         stale.unlink()
     paths.remove_write_temps()
@@ -458,8 +463,11 @@ def _finish(spec: JobSpec, batch_file: BatchFile, started: float, stops: StopSig
         raise
     if s.no_incremental_save:  # only once "completed" is on record: a rerun skips the job
         paths.remove_incremental()
-    log.info("done: %d results -> %s, %d errors -> %s", report.completed, paths.output,
-             report.failed, paths.errors_output)
+    stats = read_worker_stats(paths.batch_file.parent, spec.batch_id)
+    print(run_summary(time.time() - started, report.completed, report.failed,
+                      report.prompt_tokens, report.completion_tokens,
+                      sum(s.get("completion_tokens", 0) for s in stats), paths.output,
+                      paths.errors_output, paths.storage_path), file=sys.stderr, flush=True)
     return 0
 
 
@@ -501,11 +509,25 @@ def _record_end(spec: JobSpec, batch_file: BatchFile, started: float, status: st
         "timings": {"finished_at": int(time.time()), "last_run_seconds": round(elapsed, 3)},
         "throughput": {"output_tokens_per_s": round(completion / elapsed, 2),
                        "total_tokens_per_s": round((completion + prompt) / elapsed, 2)},
-        "output_file": str(spec.paths.output), "errors_file": str(spec.paths.errors_output),
-        "usage": usage or _usage_after(batch_file, prompt, completion)}
+        **_result_files(spec.paths), "usage": usage or _usage_after(batch_file, prompt, completion)}
+    changes["timings"].update(_all_runs(batch_file, elapsed))
     if counts:
         changes["request_counts"] = counts
     batch_file.update(spec.batch_id, **changes)
+
+
+def _result_files(paths: JobPaths) -> dict:
+    """Absolute, so `batchgen status OUTPUT` finds the job from any working directory."""
+    return {"output_file": str(paths.output.absolute()),
+            "errors_file": str(paths.errors_output.absolute())}
+
+
+def _all_runs(batch_file: BatchFile, elapsed: float) -> dict:
+    """Runs of the job so far and their seconds together, this one included."""
+    state = batch_file.load()
+    timings = state.timings if state else {}
+    return {"runs": int(timings.get("runs", 0)) + 1,
+            "all_runs_seconds": round(float(timings.get("all_runs_seconds", 0.0)) + elapsed, 3)}
 
 
 def _engine_counters(stats: list[dict]) -> dict:

@@ -2,22 +2,62 @@
 
 from __future__ import annotations
 
+import difflib
 from collections import Counter
+from dataclasses import fields
 from pathlib import Path
 
 import typer
 
-from batchgen.io.intake import IntakeError, parse_record
+from batchgen.core import SamplingParams
+from batchgen.io.intake import EXTRA_FIELDS, IntakeError, parse_record
 from batchgen.io.reader import read_records, scan_input
 
 SHOWN_ERRORS = 50
+SHOWN_WARNINGS = 20
+ENVELOPE_FIELDS = ("custom_id", "method", "url", "body")
+REQUEST_FIELDS = frozenset({"messages", "prompt", "max_completion_tokens", *EXTRA_FIELDS,
+                            *(f.name for f in fields(SamplingParams))})
+"""Request fields batchgen reads (the body of an OpenAI batch line, or a plain line)."""
+IGNORED_FIELDS = frozenset({"model", "user", "stream", "stream_options", "metadata", "store",
+                            "service_tier"})
+"""OpenAI request fields that change nothing in a batch job here: accepted silently."""
+
+
+def unknown_fields(data: dict) -> list[str]:
+    """One message per field batchgen does not read (a typo runs with the default), with the
+    closest field it does read."""
+    known = sorted(REQUEST_FIELDS | IGNORED_FIELDS)
+    if any(k in data for k in ENVELOPE_FIELDS[1:]):  # an OpenAI batch line
+        body = data.get("body")
+        checks = [(k, "", ENVELOPE_FIELDS) for k in data if k not in ENVELOPE_FIELDS]
+        checks += [(k, "body.", known) for k in (body if isinstance(body, dict) else ())
+                   if k not in known]
+    else:
+        checks = [(k, "", [*known, "custom_id"]) for k in data
+                  if k not in known and k != "custom_id"]
+    messages = []
+    for name, where, options in checks:
+        close = difflib.get_close_matches(name, options, 1, 0.7)
+        hint = f"did you mean {close[0]!r}?" if close else "it is ignored"
+        messages.append(f"unknown field {where}{name!r}: {hint}")
+    return messages
+
+
+def _count_words(counts: Counter[str]) -> str:
+    return ", ".join(f"{n} {code.replace('_', ' ')}" for code, n in counts.most_common())
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
 def validate_file(path: Path, max_tokens: int) -> int:
-    """0 when every line is a valid request, 1 when some lines would become error results."""
+    """0 when every line is a valid request, 1 when some lines would become error results.
+    Unknown fields are warnings: the line still runs, with defaults for what it misspelled."""
     summary = scan_input(path)  # file-level problems (duplicates, unreadable) raise here
     codes: Counter[str] = Counter()
-    shown = 0
+    shown = warned = 0
     for record in read_records(path):
         parsed = parse_record(record, max_tokens)
         if isinstance(parsed, IntakeError):
@@ -25,8 +65,18 @@ def validate_file(path: Path, max_tokens: int) -> int:
             if shown < SHOWN_ERRORS:
                 typer.echo(f"line {parsed.line}: {parsed.code}: {parsed.message}")
                 shown += 1
+            continue
+        problems = unknown_fields(record.data) if isinstance(record.data, dict) else []
+        warned += bool(problems)
+        for problem in problems[:SHOWN_WARNINGS] if warned <= SHOWN_WARNINGS else []:
+            typer.echo(f"line {record.line}: warning: {problem}")
+    if summary.records == 0:
+        typer.echo(f"{path}: the file holds no requests (it is empty): nothing to run")
+        return 1
     bad = sum(codes.values())
-    typer.echo(f"{path}: {summary.format}, {summary.records} requests, {summary.records - bad} "
-               f"valid, {bad} invalid" + (f" ({dict(codes)})" if bad else ""))
+    line = (f"{path}: {summary.format}, {_plural(summary.records, 'request')}: "
+            f"{summary.records - bad} valid, {bad} invalid")
+    typer.echo(line + (f" ({_count_words(codes)})" if bad else "")
+               + (f"; {_plural(warned, 'line')} with unknown fields" if warned else ""))
     typer.echo(f"sha256 {summary.sha256}")
     return 1 if bad else 0

@@ -43,7 +43,6 @@ from batchgen.runner.watchdog import StatsFile, Watchdog, guard_decode_steps
 from batchgen.sched.scheduler import RequestTooLarge
 
 log = logging.getLogger("batchgen.worker")
-DEFAULT_MAX_TOKENS = 256
 STATS_EVERY_S = 2.0
 ORPHAN_WAIT_S = 10.0
 DISK_FULL_ENV = "BATCHGEN_TEST_DISK_FULL_AT"
@@ -237,7 +236,8 @@ class Worker:
                 with disk_errors("journal the request read"):
                     self.quarantine.admitted([key])
             item = intake(record, self.loaded.tokenizer, self.loaded.max_context,
-                          DEFAULT_MAX_TOKENS)
+                          self.spec.config.storage.max_tokens,
+                          self.spec.config.engine.model.max_model_len)
             if isinstance(item, PendingRequest):
                 request = self.grammars.request(item)
                 if isinstance(request, IntakeError):

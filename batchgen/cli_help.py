@@ -1,0 +1,90 @@
+"""How the command line talks to people: options grouped in panels in every layout, usage
+mistakes as one `error:` line, warnings for deprecated spellings, and the version."""
+
+from __future__ import annotations
+
+import sys
+from importlib import metadata
+
+import typer
+import typer.core
+from typer.core import TyperCommand
+
+
+def _click():
+    """The click typer runs on: its own copy in newer typer releases, click itself before."""
+    return getattr(typer.core, "_click", None) or typer.core.click  # type: ignore[attr-defined]
+
+
+class PanelCommand(TyperCommand):
+    """A command whose plain (non-rich) help groups options under their help panels, in the
+    order the parameters are declared, as the rich layout does."""
+
+    def format_options(self, ctx, formatter) -> None:
+        if self.rich_markup_mode is not None:
+            return super().format_options(ctx, formatter)
+        args, panels = [], {}  # type: ignore[var-annotated]
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is None:
+                continue
+            if param.param_type_name == "argument":
+                args.append(record)
+            else:
+                panel = getattr(param, "rich_help_panel", None) or "Options"
+                panels.setdefault(panel, []).append(record)
+        if args:
+            with formatter.section("Arguments"):
+                formatter.write_dl(args)
+        for panel, records in panels.items():
+            with formatter.section(panel):
+                formatter.write_dl(records)
+
+
+def warn(message: str) -> None:
+    typer.secho(message, fg=typer.colors.YELLOW, err=True)
+
+
+def given_on_command_line(ctx: typer.Context) -> set[str]:
+    """Names of the command's parameters the user gave (not defaults)."""
+    return {name for name in ctx.params
+            if getattr(ctx.get_parameter_source(name), "name", None) == "COMMANDLINE"}
+
+
+def version() -> str:
+    try:
+        return metadata.version("batchgen")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def version_callback(value: bool) -> None:
+    if value:
+        typer.echo(f"batchgen {version()}")
+        raise typer.Exit()
+
+
+def run_app(app: typer.Typer, args: list[str] | None = None) -> int:
+    """Run the app; a usage mistake (unknown flag, missing value) is one `error:` line naming
+    the fix, with click's did-you-mean when a flag is a near miss."""
+    click = _click()
+    try:
+        code = app(args=args, standalone_mode=False)
+    except click.exceptions.UsageError as err:
+        command = err.ctx.command_path if err.ctx is not None else "batchgen"
+        message = err.format_message().replace("\n", " ")
+        typer.secho(f"error: {message} (see `{command} --help`)", fg=typer.colors.RED, err=True)
+        return 2
+    except click.exceptions.ClickException as err:
+        typer.secho(f"error: {err.format_message()}", fg=typer.colors.RED, err=True)
+        return err.exit_code
+    except click.exceptions.Abort:
+        typer.echo("aborted", err=True)
+        return 130
+    return code if isinstance(code, int) else 0
+
+
+def main() -> None:
+    from batchgen.cli import app
+
+    sys.exit(run_app(app))

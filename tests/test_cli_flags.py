@@ -1,0 +1,134 @@
+"""The run command line a vLLM user already knows: vLLM engine-argument names as aliases of
+ours, short forms, --version, help in panels with the job files first, deprecated flags hidden
+with a warning, usage mistakes as one `error:` line with a did-you-mean."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import typer.main
+
+from batchgen.cli import app
+from batchgen.cli_options import (DEPRECATED, PANEL_ORDER, VLLM_ALIASES, VLLM_SAME_NAMES,
+                                  build_config, flag_name)
+from batchgen.config import JobConfig
+
+RUN = typer.main.get_command(app).commands["run"]
+
+
+def parsed(*args) -> JobConfig:
+    """The JobConfig `batchgen run ARGS` builds, without running it."""
+    ctx = RUN.make_context("run", ["--input", "x.jsonl", *map(str, args)])
+    return build_config(ctx.params)
+
+
+def leaf(config: JobConfig, name: str):
+    for part in (config.engine.model, config.engine.memory, config.engine.scheduler,
+                 config.engine.runtime, config.storage, config.output, config.dist,
+                 config.watchdog):
+        if hasattr(part, name):
+            return getattr(part, name)
+    raise KeyError(name)
+
+
+VALUES = {"gpu_memory_frac": "0.55", "max_decode_batch": "17", "max_prefill_tokens": "4096",
+          "kv_dtype": "fp8", "cache_dir": "/models", "max_model_len": "1000", "seed": "9",
+          "dtype": "float16", "tensor_parallel_size": "1", "model": "org/name"}
+FLAG_VALUES = {"disable_cuda_graphs": True, "enable_prefix_caching": False}
+
+
+@pytest.mark.parametrize("name,alias", [(n, a) for n, aliases in VLLM_ALIASES.items()
+                                        for a in aliases])
+def test_each_vllm_alias_sets_the_same_field_as_our_flag(name, alias):
+    default = leaf(JobConfig(), name)
+    if name in FLAG_VALUES:
+        ours, theirs = parsed(flag_name(name)), parsed(alias)
+    else:
+        ours, theirs = parsed(flag_name(name), VALUES[name]), parsed(alias, VALUES[name])
+    assert leaf(theirs, name) == leaf(ours, name) != default
+    assert theirs == ours  # nothing else moved
+
+
+@pytest.mark.parametrize("name", VLLM_SAME_NAMES)
+def test_vllm_names_spelled_as_ours_are_our_flags(name):
+    if name == "enable_prefix_caching":
+        assert leaf(parsed("--no-enable-prefix-caching"), name) is False
+        assert leaf(parsed("--enable-prefix-caching"), name) is True
+        return
+    assert str(leaf(parsed(flag_name(name), VALUES[name]), name)) == VALUES[name]
+
+
+def test_swap_space_is_gib_and_sets_the_host_pool_in_gb():
+    assert parsed("--swap-space", "4").engine.memory.host_kv_cache_size == pytest.approx(
+        4 * 2**30 / 1e9)
+    from batchgen.config import ConfigError
+
+    with pytest.raises(ConfigError, match="--swap-space"):
+        parsed("--swap-space", "4", "--host-kv-cache-size", "4")
+
+
+def test_short_forms_max_tokens_and_dtype_spellings():
+    config = parsed("-o", "out.jsonl", "--max-tokens", "33", "--dtype", "bf16")
+    assert config.storage.output == "out.jsonl" and config.storage.max_tokens == 33
+    assert config.engine.model.dtype == "bfloat16"
+    ctx = RUN.make_context("run", ["-i", "in.jsonl"])
+    assert ctx.params["input"] == "in.jsonl" and ctx.params["max_tokens"] == 256
+
+
+def cli(*args, columns=80):
+    env = {**os.environ, "COLUMNS": str(columns)}
+    return subprocess.run([sys.executable, "-m", "batchgen", *args], env=env,
+                          capture_output=True, text=True, cwd="/")
+
+
+@pytest.mark.parametrize("columns", [80, 160])
+def test_run_help_is_grouped_in_panels_job_files_first(columns):
+    out = cli("run", "--help", columns=columns).stdout
+    positions = [out.find(panel) for panel in PANEL_ORDER]
+    assert -1 not in positions and positions == sorted(positions), positions
+    head, panels = out[:positions[0]], out[positions[0]:]
+    assert "--model" not in head and "--output" not in head  # no option before the panel
+    assert re.search(r"--[a-z]", panels).group(0) == "--i"  # --input comes first
+    assert "required" in panels[:panels.find("--output")]
+    for name in DEPRECATED:
+        assert flag_name(name) not in out
+    if columns == 80:
+        assert max(len(line) for line in out.splitlines()) <= 80
+
+
+def test_version():
+    proc = cli("--version")
+    assert proc.returncode == 0 and proc.stdout.startswith("batchgen ")
+
+
+def test_near_miss_flag_is_one_error_line_with_a_suggestion():
+    proc = cli("run", "-i", "x.jsonl", "--max-num-seq", "8")
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "--max-num-seqs" in lines[0]
+    proc = cli("run")
+    assert proc.stderr.startswith("error: ") and "--input" in proc.stderr
+
+
+def test_deprecated_flags_are_accepted_with_one_warning_line(tmp_path):
+    missing = tmp_path / "missing.jsonl"
+    proc = cli("run", "-i", missing, "--enable-prepack", "--enable-cuda-graph",
+               "--enable-decode-preemption", "--enable-host-kv-eviction")
+    warnings = [line for line in proc.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 4 and all("deprecated and ignored" in w for w in warnings)
+    assert "No such option" not in proc.stderr
+
+
+def test_simulate_spells_flags_as_run_and_keeps_old_spellings_with_a_warning():
+    new = cli("simulate", "--shape", "smollm2-135m", "--tensor-parallel-size", "1",
+              "--host-kv-cache-size", "50", "--gpu-kv-cache-size", "2", "--num-requests", "20")
+    old = cli("simulate", "--model", "smollm2-135m", "--tensor-parallel", "1",
+              "--host-kv-gb", "50", "--device-kv-gb", "2", "--num-requests", "20")
+    assert new.returncode == 0 and old.returncode == 0, old.stderr
+    assert new.stdout == old.stdout and "warning" not in new.stderr
+    assert old.stderr.count("is deprecated: use") == 4
+    assert "--tensor-parallel-size" in old.stderr and "--shape" in old.stderr
+    shown = cli("simulate", "--help").stdout
+    assert "--host-kv-gb" not in shown and "--host-kv-cache-size" in shown

@@ -1,0 +1,138 @@
+"""What a user reads: one `error:` line with the fix for each mistake, validate's warnings about
+unknown request fields, where job state goes, the end-of-run summary and `batchgen status`."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from batchgen.cli import app
+from batchgen.config import StorageConfig, default_storage_path
+from batchgen.runner.progress import run_summary
+from batchgen.runner.status import age
+from job_utils import batchgen, chat_rows, write_jsonl
+
+
+def one_error_line(proc) -> str:
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error: ") and "Traceback" not in proc.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("make_args,needles", [
+    (lambda t, inp: ["-o", t / "x.parquet"], ["--output", "JSONL", ".jsonl"]),
+    (lambda t, inp: ["-o", inp], ["--output", "is the input file"]),
+    (lambda t, inp: ["--storage-path", "/proc/no/such"], ["--storage-path", "writable"]),
+    (lambda t, inp: ["--dtype", "bf17"], ["--dtype", "bf16"]),
+])
+def test_user_errors_are_one_error_line_with_the_fix(tmp_path, make_args, needles):
+    inp = write_jsonl(tmp_path / "in.jsonl", chat_rows(1))
+    line = one_error_line(batchgen("run", "-i", inp, *make_args(tmp_path, inp)))
+    assert all(n in line for n in needles), line
+
+
+def test_csv_and_empty_inputs_say_what_to_do(tmp_path):
+    csv = tmp_path / "prompts.csv"
+    csv.write_text("prompt,max_tokens\nhello,5\n")
+    line = one_error_line(batchgen("run", "-i", csv, "-o", tmp_path / "o.jsonl"))
+    assert "CSV" in line and "Parquet" in line
+    command = line.split("e.g. ", 1)[1].replace("python ", f"{sys.executable} ", 1)
+    subprocess.run(command, shell=True, check=True)  # the advice works as given
+    result = CliRunner().invoke(app, ["validate", "-i", str(tmp_path / "prompts.parquet")])
+    assert result.exit_code == 0 and "1 request: 1 valid" in result.output
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    line = one_error_line(batchgen("run", "-i", empty, "-o", tmp_path / "o.jsonl"))
+    assert "no requests" in line and "empty" in line
+    result = CliRunner().invoke(app, ["validate", "-i", str(empty)])
+    assert result.exit_code == 1 and "no requests" in result.output
+
+
+def test_missing_model_lists_the_hf_cache_among_the_places_searched(tmp_path):
+    inp = write_jsonl(tmp_path / "in.jsonl", chat_rows(1))
+    proc = batchgen("run", "-i", inp, "-o", tmp_path / "o.jsonl", "--model", "org/absent",
+                    env={"HF_HOME": str(tmp_path / "hf"), "HF_HUB_CACHE": ""})
+    assert proc.returncode == 5 and proc.stderr.startswith("error: ")
+    assert str(tmp_path / "hf" / "hub" / "models--org--absent" / "snapshots") in proc.stderr
+
+
+def test_validate_warns_about_unknown_fields_with_the_closest_known_one(tmp_path):
+    rows = [
+        {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"messages": [{"role": "user", "content": "hi"}], "max_token": 5,
+                  "model": "m"}},
+        {"custom_id": "b", "prompt": "hi", "temprature": 0.5},
+        {"custom_id": "c", "prompt": "hi", "max_completion_token": 9, "colour": "red"},
+        {"custom_id": "d", "messages": "not a list"},
+        {"custom_id": "e", "prompt": "fine", "max_tokens": 3},
+    ]
+    result = CliRunner().invoke(app, ["validate", "-i", str(write_jsonl(tmp_path / "in.jsonl",
+                                                                          rows))])
+    out = result.output
+    assert result.exit_code == 1
+    assert "line 1: warning: unknown field body.'max_token': did you mean 'max_tokens'?" in out
+    assert "line 2: warning: unknown field 'temprature': did you mean 'temperature'?" in out
+    assert "'max_completion_token': did you mean 'max_completion_tokens'?" in out
+    assert "'colour': it is ignored" in out and "'model'" not in out  # an OpenAI field
+    assert "5 requests: 4 valid, 1 invalid (1 invalid messages); 3 lines with unknown " \
+           "fields" in out
+    assert "{" not in out.splitlines()[-2]  # counts as words, not a dict
+
+
+def test_job_state_goes_beside_the_output_or_in_the_user_state_folder(tmp_path, monkeypatch):
+    out = tmp_path / "results" / "r.jsonl"
+    assert StorageConfig(input="x", output=str(out)).storage_path == str(
+        tmp_path / "results" / ".batchgen")
+    monkeypatch.delenv("BATCHGEN_STATE_DIR", raising=False)
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    assert StorageConfig(input="x").storage_path == str(tmp_path / "state" / "batchgen")
+    monkeypatch.setenv("BATCHGEN_STATE_DIR", str(tmp_path / "mine"))
+    assert default_storage_path(None) == str(tmp_path / "mine")
+    monkeypatch.chdir(tmp_path)  # never relative to the working directory
+    assert Path(default_storage_path("r.jsonl")).is_absolute()
+    assert StorageConfig(input="x", storage_path="given").storage_path == "given"
+
+
+def test_run_summary_names_time_counts_tokens_speed_and_places(tmp_path):
+    text = run_summary(125.0, 7, 1, 1234, 5000, 2500, tmp_path / "o.jsonl",
+                       tmp_path / "o.errors.jsonl", tmp_path / ".batchgen")
+    assert "done: 7 results, 1 errors (8 requests) in 2 min 05 s" in text
+    assert "1,234 in, 5,000 out (20.0 out tok/s this run)" in text
+    assert f"results: {tmp_path / 'o.jsonl'}" in text and "o.errors.jsonl" in text
+    assert "batchgen status" in text
+
+
+def test_age_reads_as_a_person_says_it():
+    assert age(3.2) == "3 s ago" and age(600) == "10 min ago" and age(7200) == "2.0 h ago"
+
+
+def test_status_finds_a_job_from_its_output_and_shows_totals_and_heartbeat_age(tmp_path):
+    out = tmp_path / "r.jsonl"
+    out.write_text("")
+    batches = tmp_path / ".batchgen" / "batches"
+    batches.mkdir(parents=True)
+    (batches / "batch_x.json").write_text(json.dumps({
+        "batch_id": "batch_x", "status": "completed", "output_file": str(out),
+        "errors_file": str(tmp_path / "r.errors.jsonl"),
+        "request_counts": {"total": 4, "completed": 3, "failed": 1},
+        "usage": {"prompt_tokens": 100, "completion_tokens": 600},
+        "timings": {"runs": 2, "all_runs_seconds": 30.0},
+        "throughput": {"output_tokens_per_s": 50.0},
+        "health": {"last_heartbeat": time.time() - 3}}))
+    (batches / "batch_other.json").write_text(json.dumps({
+        "batch_id": "batch_other", "status": "completed", "output_file": "/elsewhere.jsonl"}))
+    result = CliRunner().invoke(app, ["status", str(out)], env={"COLUMNS": "200"})
+    text = result.output
+    assert result.exit_code == 0 and "batch_x: completed" in text and "batch_other" not in text
+    assert "20.0 out tok/s over 2 runs" in text and "last run 50.0" in text
+    assert "600 out (all runs)" in text and "r.errors.jsonl" in text
+    assert "3 s ago" in text or "4 s ago" in text
+    os.remove(batches / "batch_x.json")
+    result = CliRunner().invoke(app, ["status", str(out)])
+    assert result.exit_code == 1 and "no job writes" in result.output
