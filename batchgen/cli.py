@@ -44,11 +44,13 @@ def run(**flags) -> None:
     """Run a job: every request of --input through the model, results fsynced as they finish.
     Re-running the same command resumes: finished requests are never recomputed."""
     requeue_on_stop_signals()  # already done by the entry point, not under `-m batchgen.cli`
+    from batchgen.io.locations import refuse_storage_urls
     from batchgen.runner.supervisor import run_job
 
     _setup_logging()
     config = _config(flags)
     with _user_errors():
+        refuse_storage_urls(config.storage)
         code = run_job(config)
     raise typer.Exit(code)
 
@@ -60,12 +62,14 @@ app.command("run")(with_config_options(run))
 def validate(input: Path = typer.Option(..., "--input", help="JSONL or Parquet requests file."),
              max_tokens: int = typer.Option(256, help="Default max_tokens for lines without one.")):
     """Check an input file without loading a model: counts and the error of each bad line."""
+    from batchgen.io.locations import refuse_urls
     from batchgen.runner.validate import validate_file
 
     if max_tokens < 1:
         _fail(f"--max-tokens={max_tokens} is not allowed: an integer >= 1 (the max_tokens of "
               "lines that give none)")
     with _user_errors():
+        refuse_urls(input=str(input))
         raise typer.Exit(validate_file(input, max_tokens))
 
 

@@ -143,7 +143,7 @@ class Worker:
         guard_decode_steps(self.engine, watchdog, cfg.watchdog.watchdog_test_stuck_time)
         self.formatter = OutputFormatter(spec, self.loaded)
         self.grammars = Grammars(self.loaded.tokenizer, self.loaded.hf_config.vocab_size,
-                                 self.loaded.eos_token_ids)
+                                 self.loaded.eos_token_ids, self.formatter.tool_parser)
         self.pending: dict[str, PendingRequest] = {}
         self.handled: set[str] = set()
         """Suspects served (or quarantined) before the main pass, which must skip them."""
