@@ -15,6 +15,8 @@ from typing import Any
 import orjson
 
 from batchgen.core import Request, SamplingParams
+from batchgen.io.embeddings import (EMBEDDINGS_URL, EmbeddingLineError, EmbeddingRequest,
+                                    parse_embedding, tokenize_embedding)
 from batchgen.io.reader import RawRecord, custom_id_of, record_key
 
 CHAT_URL = "/v1/chat/completions"
@@ -81,7 +83,7 @@ class _BadLine(Exception):
 
 
 def intake(record: RawRecord, tokenizer: Any, max_context: int,
-           default_max_tokens: int = 256) -> PendingRequest | IntakeError:
+           default_max_tokens: int = 256) -> PendingRequest | EmbeddingRequest | IntakeError:
     """Parse and tokenize one record (see module docstring)."""
     parsed = parse_record(record, default_max_tokens)
     if isinstance(parsed, IntakeError):
@@ -89,7 +91,8 @@ def intake(record: RawRecord, tokenizer: Any, max_context: int,
     return tokenize_request(parsed, tokenizer, max_context)
 
 
-def parse_record(record: RawRecord, default_max_tokens: int = 256) -> ParsedRequest | IntakeError:
+def parse_record(record: RawRecord,
+                 default_max_tokens: int = 256) -> ParsedRequest | EmbeddingRequest | IntakeError:
     """Check a record's shape and fields without a tokenizer."""
     key = record_key(record)
     if record.error is not None:
@@ -104,7 +107,8 @@ def parse_record(record: RawRecord, default_max_tokens: int = 256) -> ParsedRequ
                            "is nested too deeply to check: flatten it")
 
 
-def _parse(data: dict, key: str, line: int, default_max_tokens: int) -> ParsedRequest:
+def _parse(data: dict, key: str, line: int,
+           default_max_tokens: int) -> ParsedRequest | EmbeddingRequest:
     if data.get("custom_id") is not None and custom_id_of(data) is None:
         hint = (": a number this large has lost digits in JSON, quote it"
                 if isinstance(data["custom_id"], float) else "")
@@ -122,6 +126,11 @@ def _parse(data: dict, key: str, line: int, default_max_tokens: int) -> ParsedRe
         raise _BadLine("invalid_request", "the request must not be sent in stream mode: batch "
                                           "lines are answered whole; drop \"stream\" or set it "
                                           "to false", "stream")
+    if kind == "embedding":
+        try:
+            return parse_embedding(body, key, line)
+        except EmbeddingLineError as bad:
+            raise _BadLine(bad.code, str(bad), bad.param) from None
     messages = _messages(body.get("messages")) if kind == "chat" else None
     prompt = _prompt(body.get("prompt")) if kind == "completion" else None
     sampling = parse_sampling(body, kind, default_max_tokens)
@@ -137,12 +146,12 @@ def _openai_envelope(data: dict) -> tuple[str, dict]:
         raise _BadLine("unsupported_method", f"method {method!r} is not supported: use \"POST\"",
                        "method")
     url = data.get("url")
-    kinds = {CHAT_URL: "chat", COMPLETIONS_URL: "completion"}
+    kinds = {CHAT_URL: "chat", COMPLETIONS_URL: "completion", EMBEDDINGS_URL: "embedding"}
     if url not in kinds:
         said = ("an OpenAI batch line needs a url" if url is None
                 else f"url {url!r} is not supported")
-        raise _BadLine("unsupported_url", f"{said}: use \"{CHAT_URL}\" or \"{COMPLETIONS_URL}\"",
-                       "url")
+        raise _BadLine("unsupported_url", f"{said}: use \"{CHAT_URL}\", \"{COMPLETIONS_URL}\" or "
+                                          f"\"{EMBEDDINGS_URL}\"", "url")
     body = _maybe_json(data.get("body"))  # Parquet may hold the body as JSON text
     if not isinstance(body, dict):
         raise _BadLine("not_an_object", "body must be a JSON object holding the request", "body")
@@ -161,7 +170,10 @@ def _plain_kind(data: dict) -> str:
         return "completion"
     if has_messages:
         return "chat"
-    raise _BadLine("invalid_messages", "a line needs messages (chat) or prompt (completion)",
+    if data.get("input") is not None:
+        return "embedding"
+    raise _BadLine("invalid_messages", "a line needs messages (chat) or prompt (completion), or "
+                                       "input (embeddings)",
                    "messages")
 
 
@@ -357,9 +369,15 @@ def parse_sampling(body: dict, kind: str, default_max_tokens: int = 256) -> Samp
 _SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
 
 
-def tokenize_request(parsed: ParsedRequest, tokenizer: Any,
-                     max_context: int) -> PendingRequest | IntakeError:
+def tokenize_request(parsed: ParsedRequest | EmbeddingRequest, tokenizer: Any,
+                     max_context: int) -> PendingRequest | EmbeddingRequest | IntakeError:
     """Render (chat template) and tokenize; refuse prompts that leave no room to generate."""
+    if isinstance(parsed, EmbeddingRequest):
+        try:
+            return tokenize_embedding(parsed, tokenizer, max_context)
+        except EmbeddingLineError as bad:
+            return IntakeError(parsed.custom_id, parsed.line, bad.code,
+                               f"line {parsed.line}: {bad}", bad.param)
     try:
         ids = _prompt_ids(parsed, tokenizer)
         # Stop ids index the logits (min_tokens masks them): one past the vocabulary would
