@@ -158,3 +158,77 @@ def test_embeddings_object_float_and_base64():
     floats = embeddings_body(EmbeddingRequest("c", 1, ("a",), "float", None, ((1,),)),
                              vectors[:1], "m")
     assert floats["data"][0]["embedding"] == [0.5, -1.25]
+
+
+@pytest.fixture(scope="module")
+def embed_model(tmp_path_factory):
+    """A tiny random Qwen3 with SmolLM2's real tokenizer: a job-ready embedding model."""
+    from tiny_models import embedded_tokenizer
+
+    tokenizer = embedded_tokenizer()
+    folder = save_tiny_model("qwen3", tmp_path_factory.mktemp("qwen3-job"), seed=5,
+                             vocab_size=len(tokenizer))
+    tokenizer.save_pretrained(str(folder))
+    return folder, tokenizer
+
+
+def _job_rows():
+    texts = ["the sea", "a mountain at dawn", "bread", "rain on a tin roof", "owls", "snow"]
+    rows = [{"custom_id": f"e{i}", "method": "POST", "url": "/v1/embeddings",
+             "body": {"model": "m", "input": text}} for i, text in enumerate(texts)]
+    rows.append({"custom_id": "many", "method": "POST", "url": "/v1/embeddings",
+                 "body": {"input": texts[:3], "encoding_format": "base64"}})
+    rows.append({"custom_id": "ids", "method": "POST", "url": "/v1/embeddings",
+                 "body": {"input": [[5, 6, 7], [8]], "dimensions": 16}})
+    rows.append({"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions",
+                 "body": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}})
+    rows.append({"custom_id": "cmpl", "prompt": "Once", "max_tokens": 3})
+    rows.append({"custom_id": "bad", "method": "POST", "url": "/v1/embeddings",
+                 "body": {"input": "x", "dimensions": 4096}})
+    return texts, rows
+
+
+def test_mixed_job_file_answers_embeddings_like_transformers_and_resumes(embed_model, tmp_path):
+    from job_utils import batchgen, read_jsonl, write_jsonl
+
+    folder, tokenizer = embed_model
+    texts, rows = _job_rows()
+    inp = write_jsonl(tmp_path / "in.jsonl", rows)
+    storage, out = tmp_path / "s", tmp_path / "out.jsonl"
+    args = ["run", "--input", inp, "--storage-path", storage, "--model", folder,
+            "--output", out, "--dtype", "float32", "--device", "cpu"]
+    batchgen(*args, check=True)
+    results = {r["custom_id"]: r for r in read_jsonl(out)}
+    errors = read_jsonl(out.with_name("out.errors.jsonl"))
+    assert [e["custom_id"] for e in errors] == ["bad"]
+    assert errors[0]["response"]["body"]["error"]["param"] == "dimensions"
+    assert results["chat"]["response"]["body"]["object"] == "chat.completion"
+    assert results["cmpl"]["response"]["body"]["object"] == "text_completion"
+    ids = [tokenizer.encode(t) for t in texts]
+    expected = _hf_embeddings(folder, ids)
+    for i, vector in enumerate(expected):
+        body = results[f"e{i}"]["response"]["body"]
+        assert body["object"] == "list" and body["model"] == str(folder)
+        assert body["usage"] == {"prompt_tokens": len(ids[i]), "total_tokens": len(ids[i])}
+        got = torch.tensor(body["data"][0]["embedding"])
+        assert torch.nn.functional.cosine_similarity(got, vector, dim=0) >= 0.9999
+    many = results["many"]["response"]["body"]["data"]
+    assert [d["index"] for d in many] == [0, 1, 2]
+    for d, vector in zip(many, expected):
+        got = torch.from_numpy(np.frombuffer(base64.b64decode(d["embedding"]), "<f4").copy())
+        assert torch.nn.functional.cosine_similarity(got, vector, dim=0) >= 0.9999
+    assert [len(d["embedding"]) for d in results["ids"]["response"]["body"]["data"]] == [16, 16]
+
+    # Killed after two results were saved: the rerun keeps them and computes only the rest.
+    incremental = next((storage / "incremental").glob("*.jsonl"))
+    kept = b"".join(incremental.read_bytes().splitlines(keepends=True)[:2])
+    incremental.write_bytes(kept)
+    batch_id = incremental.name.split(".")[0]
+    record = storage / "batches" / f"{batch_id}.json"
+    record.write_text(json.dumps({**json.loads(record.read_text()), "status": "in_progress"}))
+    first = out.read_bytes()
+    out.unlink()
+    batchgen(*args, check=True)
+    assert incremental.read_bytes().startswith(kept)
+    assert len(incremental.read_bytes().splitlines()) == len(rows)
+    assert out.read_bytes() == first
