@@ -132,9 +132,28 @@ def bench(shape: str = typer.Option("smollm2-135m", help="Model shape: smollm2-1
           tensor_parallel_size: int = typer.Option(
               1, help="Split the model over this many GPUs (DeepSeek: experts too), one "
               "process each (--device cpu: CPU processes over gloo)."),
-          json_out: Optional[Path] = typer.Option(None, "--json", help="Write the report here.")):
+          json_out: Optional[Path] = typer.Option(None, "--json", help="Write the report here."),
+          mode: str = typer.Option(
+              "generate", help="generate, or embeddings: prefill-only embedding vs transformers' "
+              "batched forward (--shape qwen3-embedding-0.6b; --peer-batch, --max-prefill-tokens).")):
     """Synthetic throughput benchmark on a random-init model of a real shape (EOS ignored)."""
     import json
+
+    if mode not in ("generate", "embeddings"):
+        _fail(f"--mode {mode!r} is not allowed: generate or embeddings")
+    if mode == "embeddings":
+        from batchgen.bench_embed import EmbedBench, format_table as embed_table, run as embed_run
+
+        _setup_logging()
+        try:
+            report = embed_run(EmbedBench(shape, requests, input_len, max_prefill_tokens,
+                                          peer_batch, dtype, device, tiny))
+        except ValueError as err:
+            _fail(str(err))
+        typer.echo(embed_table(report))
+        if json_out:
+            json_out.write_text(json.dumps(report, indent=2))
+        return
 
     from batchgen.bench import BenchConfig, Workload, bench as run_bench, format_table
     from batchgen.config import canonical_kv_dtype

@@ -232,3 +232,25 @@ def test_mixed_job_file_answers_embeddings_like_transformers_and_resumes(embed_m
     assert incremental.read_bytes().startswith(kept)
     assert len(incremental.read_bytes().splitlines()) == len(rows)
     assert out.read_bytes() == first
+
+
+def test_bench_embeddings_mode_runs_tiny_on_cpu_and_agrees_with_transformers():
+    from batchgen.bench_embed import EmbedBench, format_table, run
+
+    report = run(EmbedBench(requests=6, input_len=20, max_step_tokens=50, peer_batch=4,
+                            device="cpu", tiny=True))
+    assert report["min_cosine"] >= 0.9999
+    assert report["ours"]["tokens_per_s"] > 0 and report["hf"]["tokens_per_s"] > 0
+    assert report["speedup"] == pytest.approx(report["hf"]["seconds"] / report["ours"]["seconds"])
+    assert "speedup" in format_table(report)
+    with pytest.raises(ValueError, match="qwen3-embedding-0.6b"):
+        run(EmbedBench(shape="llama3-8b", tiny=True))
+
+
+def test_bench_cli_mode_is_checked():
+    from typer.testing import CliRunner
+
+    from batchgen.cli import app
+
+    result = CliRunner().invoke(app, ["bench", "--mode", "rerank"])
+    assert result.exit_code == 2 and "generate or embeddings" in result.output
