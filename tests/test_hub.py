@@ -191,3 +191,30 @@ def test_a_repo_without_safetensors_is_refused(fake_hub, tmp_path):
     fake_hub.add("org/pickled", folder)
     with pytest.raises(ModelNotFoundError, match="no \\*.safetensors"):
         resolve_model("org/pickled", cache_dir=str(tmp_path / "cache"))
+
+
+def test_only_top_level_weights_and_no_duplicate_mistral_layout():
+    files = [hub.RepoFile(p, 1) for p in (
+        "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+        "model.safetensors.index.json", "consolidated.safetensors", "original/params.json",
+        "original/model.safetensors", "onnx/model.onnx", "pytorch_model.bin", "README.md",
+        "tokenizer.json", "tokenizer.model", "1_Pooling/config.json", "modules.json",
+        "2_Dense/model.safetensors", "2_Dense/pytorch_model.bin")]
+    assert [f.path for f in hub.select(files)] == [
+        "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+        "model.safetensors.index.json", "tokenizer.json", "tokenizer.model",
+        "1_Pooling/config.json", "modules.json", "2_Dense/model.safetensors"]
+    assert [f.path for f in hub.select([hub.RepoFile("consolidated.safetensors", 1)])] == [
+        "consolidated.safetensors"]
+
+
+def test_redirects_to_another_host_drop_the_token():
+    import urllib.request
+
+    handler = hub._SameHostAuth()
+    req = urllib.request.Request("http://hub.example/a", headers={"Authorization": "Bearer t",
+                                                                    "Range": "bytes=5-"})
+    other = handler.redirect_request(req, None, 302, "Found", {}, "http://cdn.example/blob")
+    assert other.get_header("Authorization") is None and other.get_header("Range") == "bytes=5-"
+    same = handler.redirect_request(req, None, 302, "Found", {}, "http://hub.example/b")
+    assert same.get_header("Authorization") == "Bearer t"

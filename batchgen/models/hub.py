@@ -103,22 +103,36 @@ def commit_of(folder: Path) -> str | None:
 
 
 def wanted(path: str) -> bool:
+    """Whether a repo file is fetched: ALLOWED, never pickled, and weights only at the top
+    level or in a sentence-transformers module folder (not `original/`, `onnx/`, ...)."""
     if path.lower().endswith(PICKLED):
         return False
+    if "/" in path and not fnmatch.fnmatchcase(path, "*_Pooling/*") \
+            and not fnmatch.fnmatchcase(path, "*_Dense/*"):
+        return False
     return any(fnmatch.fnmatchcase(path, p) for p in ALLOWED)
+
+
+def select(paths: list[RepoFile]) -> list[RepoFile]:
+    """The wanted files; Mistral's `consolidated*.safetensors` (the same weights in its own
+    layout) only when the repo has no other top-level weights."""
+    files = [f for f in paths if wanted(f.path)]
+    hf_weights = any(f.path.endswith(".safetensors") and "/" not in f.path
+                     and not f.path.startswith("consolidated") for f in files)
+    return [f for f in files if not (hf_weights and f.path.startswith("consolidated"))]
 
 
 def download(repo: str, revision: str | None, root: Path) -> Path:
     """Fetch `repo` at `revision` into the HF cache `root` (see module docstring); the snapshot
     folder. Raises HubError."""
-    from filelock import FileLock
+    from filelock import FileLock, Timeout
 
     folder = repo_folder(root, repo)
     folder.mkdir(parents=True, exist_ok=True)
     lock = FileLock(str(folder / ".batchgen-download.lock"))
     try:
         lock.acquire(timeout=0)
-    except Exception:  # noqa: BLE001 - filelock.Timeout: another process is downloading
+    except Timeout:  # another process (another rank of this node) is downloading
         log.info("another process is downloading %s into %s: waiting for it", repo, root)
         lock.acquire()
     try:
@@ -161,9 +175,8 @@ def repo_files(repo: str, revision: str) -> tuple[str, list[RepoFile]]:
         info = api.model_info(repo, revision=revision, files_metadata=True)
     except Exception as err:  # noqa: BLE001 - huggingface_hub's HTTP errors, connection errors
         raise HubError(explain(err, repo, revision)) from None
-    files = [RepoFile(s.rfilename, int(s.size or 0)) for s in info.siblings or []
-             if wanted(s.rfilename)]
-    return info.sha, files
+    return info.sha, select([RepoFile(s.rfilename, int(s.size or 0))
+                             for s in info.siblings or []])
 
 
 def explain(err: Exception, repo: str, revision: str) -> str:
@@ -234,9 +247,9 @@ def fetch_file(repo: str, commit: str, f: RepoFile, snapshot: Path, bar) -> None
         headers["Authorization"] = f"Bearer {token()}"
     if have:
         headers["Range"] = f"bytes={have}-"
+    opener = urllib.request.build_opener(_SameHostAuth())
     try:
-        with urllib.request.urlopen(urllib.request.Request(url, headers=headers),
-                                    timeout=60) as response:
+        with opener.open(urllib.request.Request(url, headers=headers), timeout=60) as response:
             if have and response.status != 206:  # the server sent the whole file
                 bar.update(-have)
                 have = 0
@@ -258,6 +271,18 @@ def fetch_file(repo: str, commit: str, f: RepoFile, snapshot: Path, bar) -> None
         raise HubError(f"{f.path} of {repo} arrived with {size} bytes, the Hub lists {f.size}: "
                        "run again to download it afresh")
     os.replace(partial, dest)
+
+
+class _SameHostAuth(urllib.request.HTTPRedirectHandler):
+    """Follow redirects (the Hub sends large files to a CDN) without sending the token to
+    another host."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        new = super().redirect_request(req, fp, code, msg, headers, newurl)
+        if new is not None and urllib.parse.urlsplit(newurl).netloc != \
+                urllib.parse.urlsplit(req.full_url).netloc:
+            new.remove_header("Authorization")
+        return new
 
 
 def _write_ref(folder: Path, revision: str, commit: str) -> None:
