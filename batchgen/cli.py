@@ -134,8 +134,9 @@ def bench(shape: str = typer.Option("smollm2-135m", help="Model shape: smollm2-1
               "process each (--device cpu: CPU processes over gloo)."),
           json_out: Optional[Path] = typer.Option(None, "--json", help="Write the report here."),
           mode: str = typer.Option(
-              "generate", help="generate, or embeddings: prefill-only embedding vs transformers' "
-              "batched forward (--shape qwen3-embedding-0.6b; --peer-batch, --max-prefill-tokens).")):
+              "generate", help="generate, or embeddings: prefill-only embedding vs "
+              "transformers' batched forward (--shape qwen3-embedding-0.6b; --peer-batch, "
+              "--max-prefill-tokens).")):
     """Synthetic throughput benchmark on a random-init model of a real shape (EOS ignored)."""
     import json
 

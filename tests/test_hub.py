@@ -218,3 +218,20 @@ def test_redirects_to_another_host_drop_the_token():
     assert other.get_header("Authorization") is None and other.get_header("Range") == "bytes=5-"
     same = handler.redirect_request(req, None, 302, "Found", {}, "http://hub.example/b")
     assert same.get_header("Authorization") == "Bearer t"
+
+
+def test_a_resume_is_pinned_to_the_commit(tmp_path):
+    """The same files under another commit sign differently, so a resume after the branch
+    moved is refused (the fingerprint's model_weights); a plain folder signs without one."""
+    signatures = []
+    for sha in ("a" * 40, "b" * 40):
+        snapshot = tmp_path / "models--org--x" / "snapshots" / sha
+        snapshot.mkdir(parents=True)
+        (snapshot / "config.json").write_text("{}")
+        signatures.append(weights_signature(snapshot))
+    assert signatures[0].endswith("@" + "a" * 40) and signatures[1].endswith("@" + "b" * 40)
+    assert signatures[0].split("@")[0] == signatures[1].split("@")[0]
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "config.json").write_text("{}")
+    assert weights_signature(plain) == signatures[0].split("@")[0]

@@ -10,7 +10,6 @@ normalises, as the model folder's sentence-transformers files say (`read_pooling
 from __future__ import annotations
 
 import json
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +19,6 @@ from batchgen.core import PAGE_SIZE
 from batchgen.engine.forward_batch import ForwardBatch
 from batchgen.engine.kv_cache import KVLayout, KVPool
 
-log = logging.getLogger("batchgen.embed")
 POOLING_MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean",
                  "pooling_mode_cls_token": "cls", "pooling_mode_max_tokens": "max"}
 """sentence-transformers' Pooling config keys -> our pooling modes."""

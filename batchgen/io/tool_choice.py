@@ -4,8 +4,8 @@ parameter schemas and enforced during sampling like a response_format.
 
   hermes       <tool_call>\\n{"name": NAME, "arguments": {...}}\\n</tool_call>
   llama3_json  {"name": NAME, "parameters": {...}}
-  deepseek_v3  <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\n{...}\\n```
-               <｜tool▁call▁end｜><｜tool▁calls▁end｜>
+  deepseek_v3  <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME
+               \\n```json\\n{...}\\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>
 """
 
 from __future__ import annotations
