@@ -52,6 +52,7 @@ def run(ctx: typer.Context, **flags) -> None:
     """Run a job: every request of --input through the model, results fsynced as they finish.
     Re-running the same command resumes: finished requests are never recomputed."""
     requeue_on_stop_signals()  # already done by the entry point, not under `-m batchgen.cli`
+    from batchgen.io.locations import refuse_storage_urls
     from batchgen.runner.supervisor import run_job
 
     for line in deprecated_given(given_on_command_line(ctx)):
@@ -59,6 +60,7 @@ def run(ctx: typer.Context, **flags) -> None:
     _setup_logging()
     config = _config(flags)
     with _user_errors():
+        refuse_storage_urls(config.storage)
         code = run_job(config)
     raise typer.Exit(code)
 
@@ -71,12 +73,14 @@ def validate(input: Path = typer.Option(..., "--input", "-i",
                                         help="JSONL or Parquet requests file."),
              max_tokens: int = typer.Option(256, help="Default max_tokens for lines without one.")):
     """Check an input file without loading a model: counts and the error of each bad line."""
+    from batchgen.io.locations import refuse_urls
     from batchgen.runner.validate import validate_file
 
     if max_tokens < 1:
         _fail(f"--max-tokens={max_tokens} is not allowed: an integer >= 1 (the max_tokens of "
               "lines that give none)")
     with _user_errors():
+        refuse_urls(input=str(input))
         raise typer.Exit(validate_file(input, max_tokens))
 
 
@@ -142,9 +146,29 @@ def bench(shape: str = typer.Option("smollm2-135m", help="Model shape: smollm2-1
           tensor_parallel_size: int = typer.Option(
               1, help="Split the model over this many GPUs (DeepSeek: experts too), one "
               "process each (--device cpu: CPU processes over gloo)."),
-          json_out: Optional[Path] = typer.Option(None, "--json", help="Write the report here.")):
+          json_out: Optional[Path] = typer.Option(None, "--json", help="Write the report here."),
+          mode: str = typer.Option(
+              "generate", help="generate, or embeddings: prefill-only embedding vs "
+              "transformers' batched forward (--shape qwen3-embedding-0.6b; --peer-batch, "
+              "--max-prefill-tokens).")):
     """Synthetic throughput benchmark on a random-init model of a real shape (EOS ignored)."""
     import json
+
+    if mode not in ("generate", "embeddings"):
+        _fail(f"--mode {mode!r} is not allowed: generate or embeddings")
+    if mode == "embeddings":
+        from batchgen.bench_embed import EmbedBench, format_table as embed_table, run as embed_run
+
+        _setup_logging()
+        try:
+            report = embed_run(EmbedBench(shape, requests, input_len, max_prefill_tokens,
+                                          peer_batch, dtype, device, tiny))
+        except ValueError as err:
+            _fail(str(err))
+        typer.echo(embed_table(report))
+        if json_out:
+            json_out.write_text(json.dumps(report, indent=2))
+        return
 
     from batchgen.bench import BenchConfig, Workload, bench as run_bench, format_table
     from batchgen.config import canonical_dtype, canonical_kv_dtype

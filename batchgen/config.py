@@ -71,11 +71,15 @@ def _require(ok: bool, name: str, value: object, allowed: str) -> None:
 @dataclass(frozen=True)
 class ModelConfig:
     model: str | None = None
-    """Model name (org/name, looked up under --cache-dir and the HF cache) or a local folder or
-    .gguf file. Default: the embedded SmolLM2-135M-Instruct."""
+    """Model name (org/name, looked up under --cache-dir and the HF cache, downloaded from the
+    Hub when absent: safetensors only) or a local folder or .gguf file. Default: the embedded
+    SmolLM2-135M-Instruct."""
+    revision: str | None = None
+    """Branch, tag or commit of a Hub --model (default: main). The job's resume fingerprint
+    records the commit it resolved to."""
     cache_dir: str | None = None
     """Folder holding downloaded weights: a model folder itself, or an HF hub cache
-    (models--org--name/snapshots/REV/). Nothing is ever downloaded."""
+    (models--org--name/snapshots/REV/), where Hub downloads go (default: the HF cache)."""
     converted_ckpt_dir: str | None = None
     """Folder written by `batchgen convert` (or the embedded model's conversion cache); loading
     from it skips conversion. Refused if converted for another world size, dtype or

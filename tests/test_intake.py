@@ -85,7 +85,7 @@ def test_fixture_file_end_to_end(tok):
     results = [intake(r, tok, 64) for r in read_records(DATA / "mixed.jsonl")]
     codes = [r.code if isinstance(r, IntakeError) else r.kind for r in results]
     assert codes == ["chat", "completion", "chat", "completion", "invalid_json", "invalid_utf8",
-                     "not_an_object", "unsupported_url"]
+                     "not_an_object", "embedding"]
     assert [r.custom_id for r in results][4:7] == ["line-7", "line-8", "line-9"]
 
 
@@ -184,7 +184,8 @@ BAD_LINES = [
      "missing_custom_id", "custom_id"),
     ({"custom_id": ["x"], "prompt": "hi"}, "missing_custom_id", "non-empty string"),
     (chat_line({"messages": USER}, method="GET"), "unsupported_method", "GET"),
-    (chat_line({"messages": USER}, url="/v1/embeddings"), "unsupported_url", "/v1/embeddings"),
+    (chat_line({"messages": USER}, url="/v1/embeddings"), "invalid_input", "needs input"),
+    (chat_line({"messages": USER}, url="/v1/responses"), "unsupported_url", "/v1/embeddings"),
     (chat_line("not a body"), "not_an_object", "body"),
     (chat_line({"prompt": "hi"}), "invalid_messages", "messages"),
     ({"messages": []}, "invalid_messages", "non-empty"),

@@ -108,13 +108,17 @@ def test_error_line_schema():
     assert line["custom_id"] == "line-4" and line["error"] is None and not is_success(line)
     assert line["response"]["status_code"] == 400
     assert line["response"]["body"] == {"error": {"code": "invalid_json", "message": "line 4: bad",
-                                                  "line": 4, "type": "invalid_request_error"}}
+                                                  "param": None, "line": 4,
+                                                  "type": "invalid_request_error"}}
+    with_param = error_line("b", IntakeError("c", 2, "invalid_sampling_param", "m", "top_p"))
+    assert with_param["response"]["body"]["error"]["param"] == "top_p"
 
 
 def test_failure_line_schema():
     line = failure_line("batch_x", "req-9", 9, "quarantined", "crashed 3 times")
     assert line["response"] is None and not is_success(line)
-    assert line["error"] == {"code": "quarantined", "message": "crashed 3 times", "line": 9}
+    assert line["error"] == {"code": "quarantined", "message": "crashed 3 times", "param": None,
+                             "line": 9}
 
 
 def test_lines_are_deterministic_per_batch_and_custom_id():

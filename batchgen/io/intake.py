@@ -18,6 +18,8 @@ from typing import Any
 import orjson
 
 from batchgen.core import Request, SamplingParams
+from batchgen.io.embeddings import (EMBEDDINGS_URL, EmbeddingLineError, EmbeddingRequest,
+                                    parse_embedding, tokenize_embedding)
 from batchgen.io.grammar_limits import GrammarTooComplex, check_grammar_limits
 from batchgen.io.reader import RawRecord, custom_id_of, record_key
 
@@ -57,6 +59,8 @@ class IntakeError:
     line: int
     code: str
     message: str
+    param: str | None = None
+    """The request field at fault (OpenAI's error `param`), None when no one field is."""
 
 
 @dataclass(frozen=True)
@@ -84,14 +88,14 @@ class PendingRequest(ParsedRequest):
 
 
 class _BadLine(Exception):
-    def __init__(self, code: str, message: str):
+    def __init__(self, code: str, message: str, param: str | None = None):
         super().__init__(message)
-        self.code = code
+        self.code, self.param = code, param
 
 
 def intake(record: RawRecord, tokenizer: Any, max_context: int,
            default_max_tokens: int = 256,
-           max_model_len: int | None = None) -> PendingRequest | IntakeError:
+           max_model_len: int | None = None) -> PendingRequest | EmbeddingRequest | IntakeError:
     """Parse and tokenize one record (see module docstring). `max_model_len`: the context cap
     the user set (--max-model-len): a prompt + max_tokens above it is refused, not shortened."""
     parsed = parse_record(record, default_max_tokens)
@@ -103,9 +107,9 @@ def intake(record: RawRecord, tokenizer: Any, max_context: int,
     return tokenize_request(parsed, tokenizer, max_context)
 
 
-def _within_cap(item: PendingRequest | IntakeError, parsed: ParsedRequest,
-                cap: int) -> PendingRequest | IntakeError:
-    if isinstance(item, IntakeError):
+def _within_cap(item: PendingRequest | EmbeddingRequest | IntakeError, parsed,
+                cap: int) -> PendingRequest | EmbeddingRequest | IntakeError:
+    if not isinstance(item, PendingRequest):
         return item
     prompt, asked = len(item.prompt_token_ids), parsed.sampling.max_tokens
     if prompt + asked <= cap:
@@ -116,7 +120,8 @@ def _within_cap(item: PendingRequest | IntakeError, parsed: ParsedRequest,
                        "max_tokens (or --max-tokens) or raise --max-model-len")
 
 
-def parse_record(record: RawRecord, default_max_tokens: int = 256) -> ParsedRequest | IntakeError:
+def parse_record(record: RawRecord,
+                 default_max_tokens: int = 256) -> ParsedRequest | EmbeddingRequest | IntakeError:
     """Check a record's shape and fields without a tokenizer."""
     key = record_key(record)
     if record.error is not None:
@@ -125,30 +130,41 @@ def parse_record(record: RawRecord, default_max_tokens: int = 256) -> ParsedRequ
     try:
         return _parse(record.data, key, record.line, default_max_tokens)
     except _BadLine as bad:
-        return IntakeError(key, record.line, bad.code, f"line {record.line}: {bad}")
+        return IntakeError(key, record.line, bad.code, f"line {record.line}: {bad}", bad.param)
     except RecursionError:  # valid JSON nested past what repr() and the checks recurse into
         return IntakeError(key, record.line, "invalid_request", f"line {record.line}: a field "
                            "is nested too deeply to check: flatten it")
 
 
-def _parse(data: dict, key: str, line: int, default_max_tokens: int) -> ParsedRequest:
+def _parse(data: dict, key: str, line: int,
+           default_max_tokens: int) -> ParsedRequest | EmbeddingRequest:
     if data.get("custom_id") is not None and custom_id_of(data) is None:
         hint = (": a number this large has lost digits in JSON, quote it"
                 if isinstance(data["custom_id"], float) else "")
         raise _BadLine("missing_custom_id", "custom_id must be a non-empty string, got "
-                                            f"{data['custom_id']!r}{hint}")
+                                            f"{data['custom_id']!r}{hint}", "custom_id")
     if any(k in data for k in ("url", "method", "body")):
         kind, body = _openai_envelope(data)
     else:
         kind, body = _plain_kind(data), data
     extra = {k: _maybe_json(body[k]) for k in EXTRA_FIELDS if body.get(k) is not None}
     if "chat_template_kwargs" in extra and not isinstance(extra["chat_template_kwargs"], dict):
-        raise _BadLine("invalid_messages", "chat_template_kwargs must be an object")
+        raise _BadLine("invalid_messages", "chat_template_kwargs must be an object",
+                       "chat_template_kwargs")
+    if body.get("stream") not in (None, False):
+        raise _BadLine("invalid_request", "the request must not be sent in stream mode: batch "
+                                          "lines are answered whole; drop \"stream\" or set it "
+                                          "to false", "stream")
+    if kind == "embedding":
+        try:
+            return parse_embedding(body, key, line)
+        except EmbeddingLineError as bad:
+            raise _BadLine(bad.code, str(bad), bad.param) from None
     if "response_format" in extra:
         try:
             check_grammar_limits(extra["response_format"])
         except GrammarTooComplex as err:
-            raise _BadLine("unsupported_response_format", str(err)) from None
+            raise _BadLine("unsupported_response_format", str(err), "response_format") from None
     messages = _messages(body.get("messages")) if kind == "chat" else None
     prompt = _prompt(body.get("prompt")) if kind == "completion" else None
     sampling = parse_sampling(body, kind, default_max_tokens)
@@ -158,22 +174,24 @@ def _parse(data: dict, key: str, line: int, default_max_tokens: int) -> ParsedRe
 def _openai_envelope(data: dict) -> tuple[str, dict]:
     if custom_id_of(data) is None:
         raise _BadLine("missing_custom_id", "an OpenAI batch line needs a custom_id "
-                                            "(a non-empty string unique in the file)")
+                                            "(a non-empty string unique in the file)", "custom_id")
     method = data.get("method", "POST")
     if not isinstance(method, str) or method.upper() != "POST":
-        raise _BadLine("unsupported_method", f"method {method!r} is not supported: use \"POST\"")
+        raise _BadLine("unsupported_method", f"method {method!r} is not supported: use \"POST\"",
+                       "method")
     url = data.get("url")
-    kinds = {CHAT_URL: "chat", COMPLETIONS_URL: "completion"}
+    kinds = {CHAT_URL: "chat", COMPLETIONS_URL: "completion", EMBEDDINGS_URL: "embedding"}
     if url not in kinds:
         said = ("an OpenAI batch line needs a url" if url is None
                 else f"url {url!r} is not supported")
-        raise _BadLine("unsupported_url", f"{said}: use \"{CHAT_URL}\" or \"{COMPLETIONS_URL}\"")
+        raise _BadLine("unsupported_url", f"{said}: use \"{CHAT_URL}\", \"{COMPLETIONS_URL}\" or "
+                                          f"\"{EMBEDDINGS_URL}\"", "url")
     body = _maybe_json(data.get("body"))  # Parquet may hold the body as JSON text
     if not isinstance(body, dict):
-        raise _BadLine("not_an_object", "body must be a JSON object holding the request")
+        raise _BadLine("not_an_object", "body must be a JSON object holding the request", "body")
     if body.get("messages") is not None and body.get("prompt") is not None:
         raise _BadLine("invalid_messages", "give either messages (chat) or prompt (completion), "
-                                           "not both")
+                                           "not both", "messages")
     return kinds[url], body
 
 
@@ -181,12 +199,16 @@ def _plain_kind(data: dict) -> str:
     has_messages, has_prompt = data.get("messages") is not None, data.get("prompt") is not None
     if has_messages and has_prompt:
         raise _BadLine("invalid_messages", "give either messages (chat) or prompt (completion), "
-                                           "not both")
+                                           "not both", "messages")
     if has_prompt:
         return "completion"
     if has_messages:
         return "chat"
-    raise _BadLine("invalid_messages", "a line needs messages (chat) or prompt (completion)")
+    if data.get("input") is not None:
+        return "embedding"
+    raise _BadLine("invalid_messages", "a line needs messages (chat) or prompt (completion), or "
+                                       "input (embeddings)",
+                   "messages")
 
 
 def _maybe_json(value: Any) -> Any:
@@ -203,27 +225,30 @@ def _messages(value: Any) -> list[dict]:
     value = _maybe_json(value)
     if not isinstance(value, list) or not value:
         raise _BadLine("invalid_messages", "messages must be a non-empty list of "
-                                           "{\"role\", \"content\"} objects")
+                                           "{\"role\", \"content\"} objects", "messages")
     return [_message(m, i) for i, m in enumerate(value)]
 
 
 def _message(message: Any, index: int) -> dict:
     if not isinstance(message, dict):
-        raise _BadLine("invalid_messages", f"messages[{index}] must be an object")
+        raise _BadLine("invalid_messages", f"messages[{index}] must be an object",
+                       f"messages[{index}]")
     # Parquet structs carry every field of the schema, absent ones as null: drop them, or a
     # template would render "None" for a missing name.
     message = {k: v for k, v in message.items() if v is not None}
     role = message.get("role")
     if not isinstance(role, str) or not role:
-        raise _BadLine("invalid_messages", f"messages[{index}].role must be a non-empty string")
+        raise _BadLine("invalid_messages", f"messages[{index}].role must be a non-empty string",
+                       f"messages[{index}].role")
     content = message.get("content")
     if isinstance(content, list):
         message["content"] = _flatten_parts(content, index)
     elif content is None and not (role == "assistant" and message.get("tool_calls")):
-        raise _BadLine("invalid_messages", f"messages[{index}].content is missing")
+        raise _BadLine("invalid_messages", f"messages[{index}].content is missing",
+                       f"messages[{index}].content")
     elif content is not None and not isinstance(content, str):
         raise _BadLine("invalid_messages", f"messages[{index}].content must be a string or a "
-                                           "list of text parts")
+                                           "list of text parts", f"messages[{index}].content")
     return message
 
 
@@ -235,7 +260,7 @@ def _flatten_parts(parts: list, index: int) -> str:
                 or not isinstance(part.get("text"), str):
             raise _BadLine("invalid_messages", f"messages[{index}].content: only text parts "
                                                "({\"type\": \"text\", \"text\": ...}) are "
-                                               "supported")
+                                               "supported", f"messages[{index}].content")
         texts.append(part["text"])
     return "\n".join(texts)
 
@@ -249,7 +274,8 @@ def _prompt(value: Any) -> str | list[int]:
     if ids:
         return ids
     raise _BadLine("invalid_prompt", "prompt must be a string or a list of token ids "
-                                     "(one prompt per line; batched prompts are not supported)")
+                                     "(one prompt per line; batched prompts are not supported)",
+                   "prompt")
 
 
 def _is_int(value: Any) -> bool:
@@ -272,7 +298,7 @@ def _token_ids(value: Any) -> list[int] | None:
 
 def _bad_type(name: str, value: Any) -> _BadLine:
     return _BadLine("invalid_sampling_param",
-                    f"{name} must be {_ALLOWED[name]}, got {type(value).__name__} {value!r}")
+                    f"{name} must be {_ALLOWED[name]}, got {type(value).__name__} {value!r}", name)
 
 
 def _get_int(body: dict, name: str) -> int | None:
@@ -319,14 +345,17 @@ def _get_logprobs(body: dict, kind: str) -> tuple[bool, int]:
         value = _whole(value)
         if value is not None and not (_is_int(value) and 0 <= value <= 20):
             raise _BadLine("invalid_sampling_param", "logprobs for completions must be an "
-                                                     f"integer in [0, 20], got {value!r}")
+                                                     f"integer in [0, 20], got {value!r}",
+                           "logprobs")
         if value is not None:
             return True, value
         return top is not None, top or 0
     if value is not None and not isinstance(value, bool):
-        raise _BadLine("invalid_sampling_param", f"logprobs must be true or false, got {value!r}")
+        raise _BadLine("invalid_sampling_param", f"logprobs must be true or false, got {value!r}",
+                       "logprobs")
     if top and not value:
-        raise _BadLine("invalid_sampling_param", "top_logprobs needs logprobs: true")
+        raise _BadLine("invalid_sampling_param", "top_logprobs needs logprobs: true",
+                       "top_logprobs")
     return bool(value), top or 0
 
 
@@ -366,16 +395,23 @@ def parse_sampling(body: dict, kind: str, default_max_tokens: int = 256) -> Samp
         got = f", got {getattr(params, name)!r}" if name in _SAMPLING_FIELDS else ""
         if name == "max_tokens" and body.get("max_completion_tokens") is not None:
             name = "max_completion_tokens"  # the field the line spelled
-        raise _BadLine("invalid_sampling_param", f"{name} {rest}{got}".strip()) from None
+        raise _BadLine("invalid_sampling_param", f"{name} {rest}{got}".strip(),
+                       name if name in _SAMPLING_FIELDS or name in _ALLOWED else None) from None
     return params
 
 
 _SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
 
 
-def tokenize_request(parsed: ParsedRequest, tokenizer: Any,
-                     max_context: int) -> PendingRequest | IntakeError:
+def tokenize_request(parsed: ParsedRequest | EmbeddingRequest, tokenizer: Any,
+                     max_context: int) -> PendingRequest | EmbeddingRequest | IntakeError:
     """Render (chat template) and tokenize; refuse prompts that leave no room to generate."""
+    if isinstance(parsed, EmbeddingRequest):
+        try:
+            return tokenize_embedding(parsed, tokenizer, max_context)
+        except EmbeddingLineError as bad:
+            return IntakeError(parsed.custom_id, parsed.line, bad.code,
+                               f"line {parsed.line}: {bad}", bad.param)
     try:
         ids = _prompt_ids(parsed, tokenizer, max_context)
         # Stop ids index the logits (min_tokens masks them): one past the vocabulary would
@@ -383,15 +419,17 @@ def tokenize_request(parsed: ParsedRequest, tokenizer: Any,
         _check_in_vocabulary("stop_token_ids", parsed.sampling.stop_token_ids, len(tokenizer),
                              "invalid_sampling_param")
     except _BadLine as bad:
-        return IntakeError(parsed.custom_id, parsed.line, bad.code, f"line {parsed.line}: {bad}")
+        return IntakeError(parsed.custom_id, parsed.line, bad.code, f"line {parsed.line}: {bad}",
+                           bad.param)
+    field = "messages" if parsed.kind == "chat" else "prompt"
     if not ids:
         return IntakeError(parsed.custom_id, parsed.line, "invalid_prompt",
-                           f"line {parsed.line}: the prompt is empty after tokenization")
+                           f"line {parsed.line}: the prompt is empty after tokenization", field)
     if len(ids) >= max_context:
         return IntakeError(parsed.custom_id, parsed.line, "context_length_exceeded",
                            f"line {parsed.line}: the prompt is {len(ids)} tokens but the model "
                            f"context is {max_context} tokens (at least one token must be left "
-                           "to generate); shorten the prompt: it is never truncated")
+                           "to generate); shorten the prompt: it is never truncated", field)
     sampling = parsed.sampling.fit_context(max_context - len(ids))
     values = {f.name: getattr(parsed, f.name) for f in fields(ParsedRequest)}
     values["sampling"] = sampling
@@ -400,7 +438,8 @@ def tokenize_request(parsed: ParsedRequest, tokenizer: Any,
 
 def _check_in_vocabulary(what: str, token_ids, vocab: int, code: str) -> None:
     if any(t >= vocab for t in token_ids):
-        raise _BadLine(code, f"{what} must be < {vocab} (the tokenizer's vocabulary size)")
+        raise _BadLine(code, f"{what} must be < {vocab} (the tokenizer's vocabulary size)",
+                       "stop_token_ids" if what == "stop_token_ids" else "prompt")
 
 
 def _prompt_ids(parsed: ParsedRequest, tokenizer: Any, max_context: int) -> list[int]:
@@ -451,26 +490,38 @@ def _time_limit(seconds: float):
 
 
 def render_chat(parsed: ParsedRequest, tokenizer: Any) -> str:
-    """The prompt text of a chat request (transformers renders it in a sandboxed jinja env),
+    """The prompt text of a chat request (transformers renders it in a sandboxed jinja env,
     within TEMPLATE_TIMEOUT_S and MAX_RENDERED_CHARS: a template that loops or grows without
-    end becomes this line's template_error."""
+    end becomes this line's template_error). Tools the template does not render (the text is
+    the same without them) are refused: the model would answer without ever seeing them."""
+    tools = parsed.extra.get("tools")
+    text = _render(parsed, tokenizer, tools)
+    if tools and text == _render(parsed, tokenizer, None):
+        raise _BadLine("unsupported_tools", "this model's chat template does not render tools, "
+                                            "so the model would never see them: drop \"tools\" "
+                                            "or use a model whose template supports tool use",
+                       "tools")
+    return text
+
+
+def _render(parsed: ParsedRequest, tokenizer: Any, tools) -> str:
     kwargs = {k: v for k, v in (parsed.extra.get("chat_template_kwargs") or {}).items()
               if k not in _RESERVED_TEMPLATE_KWARGS}
     try:
         with _time_limit(TEMPLATE_TIMEOUT_S):
             text = tokenizer.apply_chat_template(parsed.messages, tokenize=False,
-                                                 add_generation_prompt=True,
-                                                 tools=parsed.extra.get("tools"), **kwargs)
+                                                 add_generation_prompt=True, tools=tools,
+                                                 **kwargs)
     except TemplateTimeout:
         raise _BadLine("template_error", f"the chat template ran past {TEMPLATE_TIMEOUT_S:g} s "
                                          "for this line (a loop without end?) and was "
-                                         "stopped") from None
+                                         "stopped", "messages") from None
     # A template is foreign code that may raise anything; one line must never stop the job.
     except Exception as e:  # noqa: BLE001
         raise _BadLine("template_error",
-                       f"the chat template failed: {type(e).__name__}: {e}") from None
+                       f"the chat template failed: {type(e).__name__}: {e}", "messages") from None
     if not isinstance(text, str) or len(text) > MAX_RENDERED_CHARS:
         size = f"{len(text)} characters" if isinstance(text, str) else type(text).__name__
         raise _BadLine("template_error", f"the chat template rendered {size}, over the limit "
-                                         f"of {MAX_RENDERED_CHARS}")
+                                         f"of {MAX_RENDERED_CHARS}", "messages")
     return text

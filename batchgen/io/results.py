@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import orjson
 
 from batchgen.core import Completion, FinishedRequest, TokenLogprob
+from batchgen.io.embeddings import EmbeddingRequest, embeddings_body
 from batchgen.io.intake import IntakeError, PendingRequest
 
 LOGPROB_FLOOR = -9999.0
@@ -70,8 +71,8 @@ def _envelope(batch_id: str, custom_id: str, response: dict | None, error: dict 
 
 def error_line(batch_id: str, error: IntakeError, status_code: int = 400) -> dict:
     """A request refused at intake (bad line, too long, template error): an HTTP-style error."""
-    body = {"error": {"code": error.code, "message": error.message, "line": error.line,
-                      "type": "invalid_request_error"}}
+    body = {"error": {"code": error.code, "message": error.message, "param": error.param,
+                      "line": error.line, "type": "invalid_request_error"}}
     response = {"status_code": status_code,
                 "request_id": request_id(batch_id, error.custom_id), "body": body}
     return _envelope(batch_id, error.custom_id, response, None)
@@ -79,7 +80,15 @@ def error_line(batch_id: str, error: IntakeError, status_code: int = 400) -> dic
 
 def failure_line(batch_id: str, custom_id: str, line: int, code: str, message: str) -> dict:
     """A request that failed outside HTTP semantics (e.g. quarantined after repeated crashes)."""
-    return _envelope(batch_id, custom_id, None, {"code": code, "message": message, "line": line})
+    return _envelope(batch_id, custom_id, None, {"code": code, "message": message, "param": None,
+                                                 "line": line})
+
+
+def embedding_line(batch_id: str, request: EmbeddingRequest, vectors, model: str) -> dict:
+    """The 200 result of an embeddings line: OpenAI's embeddings object (io/embeddings.py)."""
+    response = {"status_code": 200, "request_id": request_id(batch_id, request.custom_id),
+                "body": embeddings_body(request, vectors, model)}
+    return _envelope(batch_id, request.custom_id, response, None)
 
 
 def success_line(pending: PendingRequest, finished: FinishedRequest, *, batch_id: str,

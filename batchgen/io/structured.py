@@ -150,6 +150,15 @@ class GrammarCompiler:
         return CompiledGrammar(grammar, self.vocab_size, tuple(self._info.stop_token_ids))
 
 
+    def compile_grammar(self, grammar: xgr.Grammar) -> CompiledGrammar:
+        """Compile a grammar built elsewhere (a forced tool call: tool_choice.py)."""
+        try:
+            compiled = self._compiler.compile_grammar(grammar)
+        except (RuntimeError, ValueError) as exc:
+            raise StructuredOutputError(f"invalid grammar: {_first_line(exc)}") from None
+        return CompiledGrammar(compiled, self.vocab_size, tuple(self._info.stop_token_ids))
+
+
 def _schema_of(response_format: dict | None) -> tuple[dict | None, bool]:
     """(schema, strict) of a response_format; (None, False) for plain text."""
     if response_format is None:

@@ -42,7 +42,7 @@ def model_folder(cfg: ModelConfig, world_size: int = 1,
         return converted, cfg.model or EMBEDDED_NAME
     if cfg.model is None:
         return converted_for_gguf(embedded_gguf(), cfg.converted_ckpt_dir), EMBEDDED_NAME
-    source = resolve_model(cfg.model, cfg.cache_dir)
+    source = resolve_model(cfg.model, cfg.cache_dir, cfg.revision)
     if source.kind == "gguf":
         return converted_for_gguf(source.path, cfg.converted_ckpt_dir), cfg.model
     if source.kind == "converted":

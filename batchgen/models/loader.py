@@ -1,8 +1,10 @@
-"""Find a model on disk and load it into our own model classes. Never touches the network.
+"""Find a model on disk (or download it from the Hub) and load it into our own model classes.
 
 Sources, in the order tried: a local folder or .gguf file; under --cache-dir (the folder itself,
-`models--org--name/snapshots/REV/`, `org/name`, `name`); the default HF hub cache. Weights are
-read with safetensors only (never pickle) and `trust_remote_code` is never set.
+`models--org--name/snapshots/REV/`, `org/name`, `name`); the default HF hub cache; then, for a
+Hub id (org/name) unless HF_HUB_OFFLINE is set, a download into --cache-dir or the HF cache
+(hub.py). Weights are read with safetensors only (never pickle) and `trust_remote_code` is
+never set.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from batchgen.models import hub
 from batchgen.models.registry import model_class
 from batchgen.parallel import TensorParallel
 
@@ -40,16 +43,9 @@ class ModelSource:
     name: str
 
 
-def _hub_snapshots(root: Path, name: str) -> list[Path]:
-    repo = root / ("models--" + name.replace("/", "--")) / "snapshots"
-    if not repo.is_dir():
-        return []
-    refs = root / ("models--" + name.replace("/", "--")) / "refs" / "main"
-    if refs.is_file():
-        preferred = repo / refs.read_text().strip()
-        if preferred.is_dir():
-            return [preferred]
-    return sorted(p for p in repo.iterdir() if p.is_dir())
+def _hub_snapshots(root: Path, name: str, revision: str | None = None) -> list[Path]:
+    found = hub.cached_snapshot(root, name, revision)
+    return [found] if found is not None else []
 
 
 def _classify(path: Path, name: str) -> ModelSource | None:
@@ -66,12 +62,6 @@ def _classify(path: Path, name: str) -> ModelSource | None:
     return None
 
 
-def hub_cache() -> Path:
-    """The Hugging Face hub cache: $HF_HUB_CACHE, else $HF_HOME/hub (~/.cache/huggingface)."""
-    hf_home = Path(os.environ.get("HF_HOME", "~/.cache/huggingface")).expanduser()
-    return Path(os.environ.get("HF_HUB_CACHE") or hf_home / "hub").expanduser()
-
-
 def search_places(model: str, cache_dir: str | None = None) -> list[Path]:
     """Every place `model` is looked for, in order (hub caches as their snapshots folder)."""
     hub_name = "models--" + model.replace("/", "--")
@@ -79,25 +69,32 @@ def search_places(model: str, cache_dir: str | None = None) -> list[Path]:
     if cache_dir:
         root = Path(cache_dir).expanduser()
         places += [root, root / hub_name / "snapshots", root / model, root / model.split("/")[-1]]
-    return list(dict.fromkeys([*places, hub_cache() / hub_name / "snapshots"]))
+    return list(dict.fromkeys([*places, hub.default_cache() / hub_name / "snapshots"]))
 
 
 def model_not_found_message(model: str, places: list[Path]) -> str:
-    """What a user reads when --model is nowhere: every place searched and how to fix it."""
+    """What a user reads when --model is nowhere and is not downloaded: every place searched,
+    why nothing was downloaded, and how to fix it."""
     searched = "\n  ".join(str(p) for p in places)
     hub_name = "models--" + model.replace("/", "--")
-    return (f"model {model!r} not found on disk (batchgen never downloads). Searched:\n"
-            f"  {searched}\nPoint --model at a local folder or .gguf file, or --cache-dir at a "
-            f"folder holding {model.split('/')[-1]}/ or {hub_name}/snapshots/<rev>/ (e.g. "
-            f"`huggingface-cli download {model}` fills the HF cache above).")
+    why = ("HF_HUB_OFFLINE is set, so nothing is downloaded" if hub.offline()
+           else "not a Hub id (org/name), so nothing is downloaded")
+    return (f"model {model!r} not found on disk ({why}). Searched:\n  {searched}\n"
+            f"Point --model at a local folder or .gguf file, or --cache-dir at a folder holding "
+            f"{model.split('/')[-1]}/ or {hub_name}/snapshots/<rev>/"
+            + (", or unset HF_HUB_OFFLINE to download it." if hub.offline() else "."))
 
 
-def resolve_model(model: str, cache_dir: str | None = None) -> ModelSource:
-    """Locate `model` on disk; the error lists every place searched."""
-    candidates = []
-    for place in search_places(model, cache_dir):
-        snapshots = place.name == "snapshots" and place.parent.name.startswith("models--")
-        candidates += _hub_snapshots(place.parent.parent, model) if snapshots else [place]
+def resolve_model(model: str, cache_dir: str | None = None,
+                  revision: str | None = None) -> ModelSource:
+    """Locate `model` on disk, or download a Hub id (org/name) not found there into --cache-dir
+    (default: the HF cache); the error lists every place searched."""
+    candidates = [Path(model).expanduser()]
+    if cache_dir:
+        root = Path(cache_dir).expanduser()
+        candidates += [root, *_hub_snapshots(root, model, revision), root / model,
+                       root / model.split("/")[-1]]
+    candidates += _hub_snapshots(hub.default_cache(), model, revision)
     for path in candidates:
         found = _classify(path, model)
         if found is not None:
@@ -108,6 +105,12 @@ def resolve_model(model: str, cache_dir: str | None = None) -> ModelSource:
         raise ModelNotFoundError(
             f"--model {model!r} is {kind}: give a folder holding config.json and "
             "*.safetensors, a folder made by `batchgen convert`, or a .gguf file")
+    if hub.is_hub_id(model) and not hub.offline():
+        root = Path(cache_dir).expanduser() if cache_dir else hub.default_cache()
+        try:
+            return ModelSource(hub.download(model, revision, root), "hf", model)
+        except hub.HubError as err:
+            raise ModelNotFoundError(str(err)) from None
     raise ModelNotFoundError(model_not_found_message(model, search_places(model, cache_dir)))
 
 
@@ -119,7 +122,8 @@ def weights_signature(path: Path) -> str:
     """A cheap content signature of a model file or folder: each weight/config file's name,
     size and eight 64 KiB samples spread over it (plus its last bytes). Replacing the weights
     behind an unchanged path changes it; copying the model elsewhere does not. A few hundred
-    KiB read per file, whatever its size."""
+    KiB read per file, whatever its size. A Hub snapshot's commit is appended ("@sha"), so a
+    resume is pinned to the commit its job started with."""
     files = [path] if path.is_file() else sorted(
         p for p in path.iterdir() if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES))
     digest = hashlib.blake2b(digest_size=16)
@@ -132,7 +136,8 @@ def weights_signature(path: Path) -> str:
             for offset in sorted(offsets):
                 f.seek(offset)
                 digest.update(f.read(SAMPLE_BYTES))
-    return digest.hexdigest()
+    commit = hub.commit_of(path if path.is_dir() else path.parent)
+    return digest.hexdigest() + (f"@{commit}" if commit else "")
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:

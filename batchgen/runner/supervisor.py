@@ -82,7 +82,7 @@ def model_weights(config: JobConfig) -> str:
     m = config.engine.model
     if m.model is None:
         return "embedded"
-    return weights_signature(resolve_model(m.model, m.cache_dir).path)
+    return weights_signature(resolve_model(m.model, m.cache_dir, m.revision).path)
 
 
 def identify(config: JobConfig) -> tuple[InputSummary, JobPaths]:

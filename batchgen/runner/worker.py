@@ -21,6 +21,7 @@ import torch
 
 from batchgen.engine.engine import Engine, pick_device
 from batchgen.engine.heap import frozen_heap
+from batchgen.io.embeddings import EmbeddingRequest
 from batchgen.io.intake import IntakeError, PendingRequest, intake
 from batchgen.io.reader import InputFileError, read_records, record_key, shard
 from batchgen.io.results import dumps, error_line
@@ -33,6 +34,7 @@ from batchgen.models.loader import MANIFEST
 from batchgen.parallel import Placement, default_tp_size, init_tensor_parallel
 from batchgen.runner.errors import (EXIT_DEVICE_OOM, EXIT_DISK, EXIT_INPUT, EXIT_LOCKED, DiskError,
                                     disk_errors)
+from batchgen.runner.embed_jobs import EmbeddingJobs
 from batchgen.runner.grammars import Grammars
 from batchgen.runner.exits import EXIT_REQUEUE
 from batchgen.runner.job import JobSpec
@@ -142,7 +144,9 @@ class Worker:
         guard_decode_steps(self.engine, watchdog, cfg.watchdog.watchdog_test_stuck_time)
         self.formatter = OutputFormatter(spec, self.loaded)
         self.grammars = Grammars(self.loaded.tokenizer, self.loaded.hf_config.vocab_size,
-                                 self.loaded.eos_token_ids)
+                                 self.loaded.eos_token_ids, self.formatter.tool_parser)
+        self.embeddings = EmbeddingJobs(self.loaded, spec.batch_id,
+                                        cfg.engine.scheduler.max_prefill_tokens)
         self.pending: dict[str, PendingRequest] = {}
         self.handled: set[str] = set()
         """Suspects served (or quarantined) before the main pass, which must skip them."""
@@ -203,6 +207,7 @@ class Worker:
                 lines: list[bytes] = []
                 if not stopping and not exhausted:
                     exhausted = self._intake(records, limit, lines)
+                lines.extend(self._embedded())
                 if self.engine.has_unfinished():
                     lines.extend(self._result(f) for f in self.engine.step())
                 if lines and self.writer:
@@ -224,7 +229,7 @@ class Worker:
         line is journaled before its template, tokenizer and grammar run: a crash in them (a
         native library's) gives it a strike like a crash in the engine would."""
         exhausted = False
-        while self.engine.num_requests < limit:
+        while self.engine.num_requests + len(self.embeddings) < limit:
             record = next(records, None)
             if record is None:
                 exhausted = True
@@ -238,6 +243,10 @@ class Worker:
             item = intake(record, self.loaded.tokenizer, self.loaded.max_context,
                           self.spec.config.storage.max_tokens,
                           self.spec.config.engine.model.max_model_len)
+            if isinstance(item, EmbeddingRequest):
+                item = self.embeddings.add(item)  # None: queued for this step's embedding
+                if item is None:
+                    continue
             if isinstance(item, PendingRequest):
                 request = self.grammars.request(item)
                 if isinstance(request, IntakeError):
@@ -253,6 +262,12 @@ class Worker:
             lines.append(dumps(error_line(self.spec.batch_id, item)))
             self.stats.failed += 1
         return exhausted
+
+    def _embedded(self) -> list[bytes]:
+        done = self.embeddings.run()
+        self.stats.completed += len(done)
+        self.stats.prompt_tokens += sum(tokens for _, tokens in done)
+        return [dumps(line) for line, _ in done]
 
     def _result(self, finished) -> bytes:
         pending = self.pending.pop(finished.request_id)

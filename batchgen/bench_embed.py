@@ -1,0 +1,127 @@
+"""`batchgen bench --mode embeddings`: the Embedder against transformers' batched forward.
+
+Both run in one process on the same random weights (`hf_twin`: HF's model holds our tensors),
+over the same inputs (`--requests` inputs of `--input-len` random tokens): ours packs them into
+prefill-only steps of `--max-prefill-tokens` tokens; transformers runs its base model on
+`[--peer-batch, input_len]` batches (equal lengths: no padding) and pools the last token. The
+report gives both throughputs (input tokens/s), their ratio and the worst cosine between the
+two sets of vectors.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+EMBED_SHAPES = {
+    "qwen3-embedding-0.6b": dict(
+        architectures=["Qwen3ForCausalLM"], vocab_size=151669, hidden_size=1024,
+        intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=128, max_position_embeddings=32768,
+        rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True),
+}
+TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+
+
+@dataclass(frozen=True)
+class EmbedBench:
+    shape: str = "qwen3-embedding-0.6b"
+    """One of EMBED_SHAPES."""
+    requests: int = 256
+    """Inputs embedded."""
+    input_len: int = 512
+    """Tokens per input."""
+    max_step_tokens: int = 8192
+    """Token budget of one packed step of ours."""
+    peer_batch: int = 32
+    """Inputs per transformers forward."""
+    dtype: str = "auto"
+    device: str = "auto"
+    tiny: bool = False
+    """The shape at toy widths (CPU smoke runs)."""
+
+    def validate(self) -> None:
+        if self.shape not in EMBED_SHAPES:
+            raise ValueError(f"--shape {self.shape!r} has no embeddings mode; one of "
+                             f"{', '.join(EMBED_SHAPES)}")
+        for name in ("requests", "input_len", "max_step_tokens", "peer_batch"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+
+
+def hf_config(cfg: EmbedBench):
+    from transformers import AutoConfig
+
+    spec = dict(EMBED_SHAPES[cfg.shape], **(TINY if cfg.tiny else {}))
+    return AutoConfig.for_model("qwen3", **spec)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _timed(fn, device: torch.device):
+    _sync(device)
+    start = time.perf_counter()
+    out = fn()
+    _sync(device)
+    return out, time.perf_counter() - start
+
+
+def run(cfg: EmbedBench) -> dict:
+    from batchgen.bench_models import hf_twin, random_model
+    from batchgen.engine.embed import Embedder, Pooling
+    from batchgen.engine.engine import pick_device
+    from batchgen.models.loader import resolve_dtype
+
+    cfg.validate()
+    device = pick_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    config = hf_config(cfg)
+    model = random_model(config, dtype, device)
+    gen = torch.Generator().manual_seed(0)
+    inputs = torch.randint(3, config.vocab_size, (cfg.requests, cfg.input_len), generator=gen)
+    embedder = Embedder(model, Pooling("last", True), cfg.max_step_tokens)
+    ours_inputs = [tuple(row.tolist()) for row in inputs]
+    embedder.embed(ours_inputs[:2])  # warm-up: kernels, scratch pool
+    ours, ours_s = _timed(lambda: embedder.embed(ours_inputs), device)
+    hf = hf_twin(model, config).model
+    peer_batch = min(cfg.peer_batch, cfg.requests)
+
+    def hf_embed():
+        out = []
+        with torch.inference_mode():
+            for first in range(0, cfg.requests, peer_batch):
+                chunk = inputs[first:first + peer_batch].to(device)
+                hidden = hf(chunk).last_hidden_state[:, -1].float()
+                out.extend(torch.nn.functional.normalize(hidden, dim=-1).cpu())
+        return out
+
+    with torch.inference_mode():
+        hf(inputs[:1].to(device))  # warm-up
+    theirs, hf_s = _timed(hf_embed, device)
+    cosine = min(float(torch.nn.functional.cosine_similarity(a, b, dim=0))
+                 for a, b in zip(ours, theirs))
+    tokens = cfg.requests * cfg.input_len
+    return {"shape": cfg.shape, "tiny": cfg.tiny, "device": str(device), "dtype": str(dtype),
+            "requests": cfg.requests, "input_len": cfg.input_len,
+            "ours": {"seconds": ours_s, "tokens_per_s": tokens / ours_s},
+            "hf": {"seconds": hf_s, "tokens_per_s": tokens / hf_s, "batch": peer_batch},
+            "speedup": hf_s / ours_s, "min_cosine": cosine}
+
+
+def format_table(report: dict) -> str:
+    return "\n".join([
+        f"embeddings bench: {report['shape']}{' (tiny)' if report['tiny'] else ''} on "
+        f"{report['device']} ({report['dtype']}), {report['requests']} inputs x "
+        f"{report['input_len']} tokens",
+        f"  batchgen      {report['ours']['tokens_per_s']:12.0f} tokens/s "
+        f"({report['ours']['seconds']:.2f} s)",
+        f"  transformers  {report['hf']['tokens_per_s']:12.0f} tokens/s "
+        f"({report['hf']['seconds']:.2f} s, batch {report['hf']['batch']})",
+        f"  speedup {report['speedup']:.2f}x, worst cosine between the two "
+        f"{report['min_cosine']:.6f}"])

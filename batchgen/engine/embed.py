@@ -1,0 +1,149 @@
+"""Embeddings: prefill-only forwards of a decoder model, pooled per input.
+
+`Embedder` packs inputs into steps of at most `max_step_tokens` tokens (no padding), runs the
+model's own layers up to the final norm (not the LM head) over a scratch KV pool that is
+overwritten by the next step (no KV outlives its step, nothing is cached), and pools each
+input's rows: last token, mean, first token (cls) or max, then cuts to `dimensions` and L2
+normalises, as the model folder's sentence-transformers files say (`read_pooling`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from batchgen.core import PAGE_SIZE
+from batchgen.engine.forward_batch import ForwardBatch
+from batchgen.engine.kv_cache import KVLayout, KVPool
+
+POOLING_MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean",
+                 "pooling_mode_cls_token": "cls", "pooling_mode_max_tokens": "max"}
+"""sentence-transformers' Pooling config keys -> our pooling modes."""
+
+
+class EmbeddingModelError(ValueError):
+    """The model folder's sentence-transformers files ask for what batchgen cannot do."""
+
+
+@dataclass(frozen=True)
+class Pooling:
+    mode: str = "last"
+    """last, mean, cls or max."""
+    normalize: bool = True
+    """L2-normalise each vector (after cutting it to `dimensions`)."""
+    dimensions: tuple[int, ...] | None = None
+    """The sizes a Matryoshka model was trained to be cut to (None: any size)."""
+
+
+def read_pooling(folder: Path | None, hf_config) -> Pooling:
+    """The pooling of a model folder: sentence-transformers' modules.json (a Pooling module and
+    its config.json, a Normalize module). Without modules.json: last-token pooling and L2
+    normalisation, what decoder embedding models (Qwen3-Embedding, e5-mistral, gte-Qwen) use."""
+    sizes = getattr(hf_config, "matryoshka_dimensions", None)
+    dimensions = tuple(int(d) for d in sizes) if sizes else None
+    modules_file = folder / "modules.json" if folder is not None else None
+    if modules_file is None or not modules_file.is_file():
+        return Pooling("last", True, dimensions)
+    modules = json.loads(modules_file.read_text())
+    kinds = {m.get("type", "").rsplit(".", 1)[-1]: m for m in modules}
+    unsupported = sorted(set(kinds) - {"Transformer", "Pooling", "Normalize"})
+    if unsupported:
+        raise EmbeddingModelError(f"{modules_file} uses sentence-transformers modules "
+                                  f"{', '.join(unsupported)}, which batchgen does not run "
+                                  "(it runs Transformer, Pooling and Normalize)")
+    mode = "last"
+    if "Pooling" in kinds:
+        config = json.loads((folder / kinds["Pooling"]["path"] / "config.json").read_text())
+        chosen = [POOLING_MODES.get(k, k) for k, v in config.items()
+                  if k.startswith("pooling_mode") and v]
+        if len(chosen) != 1 or chosen[0] not in POOLING_MODES.values():
+            raise EmbeddingModelError(f"{folder / kinds['Pooling']['path']}/config.json asks "
+                                      f"for pooling {chosen}: batchgen pools one way, of "
+                                      f"{', '.join(POOLING_MODES.values())}")
+        mode = chosen[0]
+    return Pooling(mode, "Normalize" in kinds, dimensions)
+
+
+class Embedder:
+    """Embeds token-id sequences with `model` (a PagedCausalLM); see the module docstring."""
+
+    def __init__(self, model: torch.nn.Module, pooling: Pooling, max_step_tokens: int = 8192):
+        self.model = model
+        self.pooling = pooling
+        self.max_step_tokens = max_step_tokens
+        param = next(model.parameters())
+        self.device, dtype = param.device, param.dtype
+        self.layout = KVLayout(model.config.num_hidden_layers, tuple(model.kv_token_shape),
+                               dtype, dtype)
+        self.width = model.config.hidden_size
+        self._pool: KVPool | None = None
+
+    def embed(self, inputs: list[tuple[int, ...]],
+              dimensions: list[int | None] | None = None) -> list[torch.Tensor]:
+        """One float32 vector (on the CPU) per input; `dimensions[i]` cuts vector i."""
+        dimensions = dimensions or [None] * len(inputs)
+        out: list[torch.Tensor] = []
+        for first, last in self._steps(inputs):
+            pooled = self._step(inputs[first:last])
+            for row, dims in zip(pooled, dimensions[first:last]):
+                out.append(self._finish(row, dims))
+        return out
+
+    def _steps(self, inputs) -> list[tuple[int, int]]:
+        """[first, last) index ranges of inputs packed into one step each."""
+        steps, first, tokens = [], 0, 0
+        for i, ids in enumerate(inputs):
+            if i > first and tokens + len(ids) > self.max_step_tokens:
+                steps.append((first, i))
+                first, tokens = i, 0
+            tokens += len(ids)
+        if first < len(inputs):
+            steps.append((first, len(inputs)))
+        return steps
+
+    def _scratch(self, pages: int) -> KVPool:
+        if self._pool is None or self._pool.num_pages < pages:
+            self._pool = None  # free the old one first
+            self._pool = KVPool(self.layout, pages, self.device)
+        return self._pool
+
+    @torch.inference_mode()
+    def _step(self, group: list[tuple[int, ...]]) -> torch.Tensor:
+        counts = [-(-len(ids) // PAGE_SIZE) for ids in group]
+        pool = self._scratch(sum(counts))
+        tables, next_page = [], 0
+        for n in counts:
+            tables.append(list(range(next_page, next_page + n)))
+            next_page += n
+        batch = ForwardBatch.build([list(ids) for ids in group], [0] * len(group), tables,
+                                   [False] * len(group), pool, self.device)
+        hidden = None
+        for segment in self.model.segments()[:-1]:  # everything but the LM head
+            hidden = segment(hidden, batch)
+        return self._pool_rows(hidden.float(), [len(ids) for ids in group])
+
+    def _pool_rows(self, hidden: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        ends = torch.tensor(lengths, device=hidden.device).cumsum(0)
+        starts = ends - torch.tensor(lengths, device=hidden.device)
+        mode = self.pooling.mode
+        if mode == "last":
+            return hidden[ends - 1]
+        if mode == "cls":
+            return hidden[starts]
+        owner = torch.repeat_interleave(torch.arange(len(lengths), device=hidden.device),
+                                        torch.tensor(lengths, device=hidden.device))
+        if mode == "mean":
+            sums = torch.zeros(len(lengths), hidden.shape[1], device=hidden.device)
+            sums.index_add_(0, owner, hidden)
+            return sums / torch.tensor(lengths, device=hidden.device)[:, None]
+        return torch.stack([hidden[s:e].amax(0) for s, e in zip(starts.tolist(), ends.tolist())])
+
+    def _finish(self, vector: torch.Tensor, dims: int | None) -> torch.Tensor:
+        if dims is not None:
+            vector = vector[:dims]
+        if self.pooling.normalize:
+            vector = torch.nn.functional.normalize(vector, dim=0)
+        return vector.cpu()

@@ -1,0 +1,142 @@
+"""`/v1/embeddings` lines: OpenAI's embeddings body in, OpenAI's embeddings object out.
+
+Body: `input` (a string, a list of strings, a list of token ids, or a list of token-id lists),
+`encoding_format` ("float", default, or "base64": little-endian float32 bytes), `dimensions`
+(keep the first N values, then re-normalise: Matryoshka models). A line with several inputs is
+one request with one vector per input, `data[i].index` = its position in `input`.
+"""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+EMBEDDINGS_URL = "/v1/embeddings"
+MAX_INPUTS = 2048
+"""OpenAI's limit of inputs per embeddings request."""
+
+
+class EmbeddingLineError(Exception):
+    def __init__(self, code: str, message: str, param: str | None):
+        super().__init__(message)
+        self.code, self.param = code, param
+
+
+@dataclass(frozen=True)
+class EmbeddingRequest:
+    """An embeddings line, parsed (token_ids empty) or tokenized."""
+
+    custom_id: str
+    line: int
+    inputs: tuple
+    """Each input: a string, or a tuple of token ids given by the user."""
+    encoding_format: str
+    """"float" or "base64"."""
+    dimensions: int | None
+    """Keep this many leading values (None: all)."""
+    token_ids: tuple[tuple[int, ...], ...] = ()
+    """One token-id tuple per input, after tokenization."""
+    kind: str = "embedding"
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(t) for t in self.token_ids)
+
+
+def _ids(value: Any) -> tuple[int, ...] | None:
+    if not isinstance(value, list) or not value:
+        return None
+    ids = [int(v) if isinstance(v, float) and v.is_integer() else v for v in value]
+    if all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+        return tuple(ids)
+    return None
+
+
+def _inputs(value: Any) -> tuple:
+    bad = EmbeddingLineError("invalid_input", "input must be a non-empty string, a list of "
+                             "strings, a list of token ids or a list of token-id lists", "input")
+    if isinstance(value, str):
+        items: list = [value]
+    elif _ids(value) is not None:
+        items = [_ids(value)]
+    elif isinstance(value, list) and value:
+        items = [v if isinstance(v, str) else _ids(v) for v in value]
+    else:
+        raise bad
+    if any(v is None or v == "" for v in items):
+        raise bad
+    if len(items) > MAX_INPUTS:
+        raise EmbeddingLineError("invalid_input", f"input holds {len(items)} items, at most "
+                                 f"{MAX_INPUTS} are allowed per line: split it", "input")
+    return tuple(items)
+
+
+def parse_embedding(body: dict, custom_id: str, line: int) -> EmbeddingRequest:
+    """An embeddings body; raises EmbeddingLineError naming the field at fault."""
+    if body.get("input") is None:
+        raise EmbeddingLineError("invalid_input", "an embeddings line needs input", "input")
+    encoding = body.get("encoding_format") or "float"
+    if encoding not in ("float", "base64"):
+        raise EmbeddingLineError("invalid_request", "encoding_format must be \"float\" or "
+                                 f"\"base64\", got {encoding!r}", "encoding_format")
+    dimensions = body.get("dimensions")
+    if isinstance(dimensions, float) and dimensions.is_integer():
+        dimensions = int(dimensions)
+    if dimensions is not None and (not isinstance(dimensions, int) or isinstance(dimensions, bool)
+                                   or dimensions < 1):
+        raise EmbeddingLineError("invalid_request", "dimensions must be an integer >= 1, got "
+                                 f"{dimensions!r}", "dimensions")
+    return EmbeddingRequest(custom_id, line, _inputs(body["input"]), encoding, dimensions)
+
+
+def tokenize_embedding(parsed: EmbeddingRequest, tokenizer: Any,
+                       max_context: int) -> EmbeddingRequest:
+    """Tokenize every input (as the tokenizer does by default: its special tokens, e.g. the
+    EOS last-token pooling reads, are added); raises EmbeddingLineError."""
+    ids = []
+    for i, item in enumerate(parsed.inputs):
+        tokens = tuple(tokenizer.encode(item)) if isinstance(item, str) else item
+        where = "input" if len(parsed.inputs) == 1 else f"input[{i}]"
+        if isinstance(item, tuple) and max(tokens) >= len(tokenizer):
+            raise EmbeddingLineError("invalid_input", f"{where}: token ids must be < "
+                                     f"{len(tokenizer)} (the tokenizer's vocabulary size)", where)
+        if not tokens:
+            raise EmbeddingLineError("invalid_input", f"{where} is empty after tokenization",
+                                     where)
+        if len(tokens) > max_context:
+            raise EmbeddingLineError("context_length_exceeded", f"{where} is {len(tokens)} "
+                                     f"tokens but the model context is {max_context} tokens; "
+                                     "shorten it: it is never truncated", where)
+        ids.append(tokens)
+    return EmbeddingRequest(parsed.custom_id, parsed.line, parsed.inputs,
+                            parsed.encoding_format, parsed.dimensions, tuple(ids))
+
+
+def check_dimensions(request: EmbeddingRequest, width: int, allowed=None) -> None:
+    """Raise EmbeddingLineError when `dimensions` does not fit the model: `width` is its
+    embedding size, `allowed` the sizes a Matryoshka model lists (None: any up to width)."""
+    d = request.dimensions
+    if d is not None and (d > width or (allowed and d not in allowed)):
+        sizes = f"one of {sorted(allowed)}" if allowed else f"at most {width}"
+        raise EmbeddingLineError("invalid_request", f"dimensions must be {sizes} for this "
+                                 f"model, got {d}", "dimensions")
+
+
+def encode_vector(vector: np.ndarray, encoding_format: str) -> list[float] | str:
+    values = np.ascontiguousarray(vector, dtype="<f4")
+    if encoding_format == "base64":
+        return base64.b64encode(values.tobytes()).decode("ascii")
+    return values.tolist()
+
+
+def embeddings_body(request: EmbeddingRequest, vectors: list[np.ndarray], model: str) -> dict:
+    """OpenAI's embeddings object for a request's vectors (already pooled and cut)."""
+    data = [{"object": "embedding", "index": i,
+             "embedding": encode_vector(v, request.encoding_format)}
+            for i, v in enumerate(vectors)]
+    tokens = request.prompt_tokens
+    return {"object": "list", "data": data, "model": model,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}

@@ -1,0 +1,302 @@
+"""Download a model from the Hugging Face Hub into the HF cache layout, once per node.
+
+What is fetched: safetensors weights, config, tokenizer, generation and sentence-transformers
+files only (ALLOWED); pickled formats (`*.bin`, `*.pt`, ...) never are. The repo's file metadata
+(sizes) comes from `huggingface_hub` (`HfApi.model_info`, which also classifies 401/403/404);
+the files are written as `{cache}/models--org--name/snapshots/{commit}/{file}` and `refs/{rev}`
+names the commit, so the loader and transformers find them like any cached model.
+
+Files are fetched with HTTP Range requests: a download killed mid-file continues where it
+stopped (the bytes so far sit in `{file}.incomplete`). A snapshot folder holding INCOMPLETE is
+being downloaded and is never loaded. One process per cache folder downloads (a file lock);
+the others wait for it and then find the files on disk.
+
+Environment: HF_ENDPOINT (the Hub's address), HF_TOKEN (or a saved `hf auth login`),
+HF_HUB_OFFLINE=1 (nothing is downloaded; `offline()`).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import os
+import shutil
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger("batchgen.hub")
+ALLOWED = ("*.safetensors", "*.safetensors.index.json", "config.json", "generation_config.json",
+           "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
+           "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt", "*.tiktoken",
+           "chat_template.json", "chat_template.jinja", "preprocessor_config.json",
+           "modules.json", "config_sentence_transformers.json", "sentence_bert_config.json",
+           "*_Pooling/config.json", "*_Dense/config.json", "*_Dense/model.safetensors")
+"""Repo files fetched (fnmatch patterns over the path in the repo)."""
+PICKLED = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt", ".h5", ".msgpack", ".joblib")
+INCOMPLETE = ".batchgen-incomplete"
+"""Marker file inside a snapshot folder while its download is unfinished."""
+CHUNK = 1 << 20
+HUB_ID = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_."
+
+
+class HubError(Exception):
+    """A download that cannot happen (unknown, gated or unauthorised repo, no space, offline);
+    the message is one line naming the fix."""
+
+
+@dataclass(frozen=True)
+class RepoFile:
+    path: str
+    size: int
+
+
+def is_hub_id(model: str) -> bool:
+    """`org/name` as the Hub spells repo ids (a local path never reaches here if it exists)."""
+    parts = model.split("/")
+    return (len(parts) == 2 and all(parts) and all(set(p) <= set(HUB_ID) for p in parts)
+            and not any(p.startswith(".") for p in parts))
+
+
+def offline() -> bool:
+    value = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
+    return value.strip().upper() in {"1", "ON", "YES", "TRUE"}
+
+
+def default_cache() -> Path:
+    hf_home = Path(os.environ.get("HF_HOME", "~/.cache/huggingface")).expanduser()
+    return Path(os.environ.get("HF_HUB_CACHE") or hf_home / "hub").expanduser()
+
+
+def repo_folder(root: Path, repo: str) -> Path:
+    return root / ("models--" + repo.replace("/", "--"))
+
+
+def cached_snapshot(root: Path, repo: str, revision: str | None) -> Path | None:
+    """The complete snapshot of `repo` at `revision` (a branch, tag or commit; default: main,
+    else the only snapshot) under the HF cache `root`, or None."""
+    folder = repo_folder(root, repo)
+    snapshots = folder / "snapshots"
+    if not snapshots.is_dir():
+        return None
+    rev = revision or "main"
+    ref = folder / "refs" / rev
+    candidates = [snapshots / ref.read_text().strip()] if ref.is_file() else []
+    candidates.append(snapshots / rev)
+    if revision is None:
+        candidates += sorted(p for p in snapshots.iterdir() if p.is_dir())
+    for path in candidates:
+        if path.is_dir() and not (path / INCOMPLETE).exists():
+            return path
+    return None
+
+
+def commit_of(folder: Path) -> str | None:
+    """The commit a HF-cache snapshot folder holds, None for any other folder."""
+    name = folder.name
+    if folder.parent.name == "snapshots" and len(name) == 40 and \
+            all(c in "0123456789abcdef" for c in name):
+        return name
+    return None
+
+
+def wanted(path: str) -> bool:
+    """Whether a repo file is fetched: ALLOWED, never pickled, and weights only at the top
+    level or in a sentence-transformers module folder (not `original/`, `onnx/`, ...)."""
+    if path.lower().endswith(PICKLED):
+        return False
+    if "/" in path and not fnmatch.fnmatchcase(path, "*_Pooling/*") \
+            and not fnmatch.fnmatchcase(path, "*_Dense/*"):
+        return False
+    return any(fnmatch.fnmatchcase(path, p) for p in ALLOWED)
+
+
+def select(paths: list[RepoFile]) -> list[RepoFile]:
+    """The wanted files; Mistral's `consolidated*.safetensors` (the same weights in its own
+    layout) only when the repo has no other top-level weights."""
+    files = [f for f in paths if wanted(f.path)]
+    hf_weights = any(f.path.endswith(".safetensors") and "/" not in f.path
+                     and not f.path.startswith("consolidated") for f in files)
+    return [f for f in files if not (hf_weights and f.path.startswith("consolidated"))]
+
+
+def download(repo: str, revision: str | None, root: Path) -> Path:
+    """Fetch `repo` at `revision` into the HF cache `root` (see module docstring); the snapshot
+    folder. Raises HubError."""
+    from filelock import FileLock, Timeout
+
+    folder = repo_folder(root, repo)
+    folder.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(folder / ".batchgen-download.lock"))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:  # another process (another rank of this node) is downloading
+        log.info("another process is downloading %s into %s: waiting for it", repo, root)
+        lock.acquire()
+    try:
+        found = cached_snapshot(root, repo, revision)  # downloaded while we waited
+        if found is not None:
+            return found
+        return _download_locked(repo, revision or "main", root, folder)
+    finally:
+        lock.release()
+
+
+def _download_locked(repo: str, revision: str, root: Path, folder: Path) -> Path:
+    commit, files = repo_files(repo, revision)
+    if not any(f.path.endswith(".safetensors") for f in files):
+        raise HubError(f"{repo}@{revision} has no *.safetensors weights (batchgen never loads "
+                       "pickled *.bin/*.pt files): convert the repo to safetensors or choose "
+                       "another repo")
+    snapshot = folder / "snapshots" / commit
+    snapshot.mkdir(parents=True, exist_ok=True)
+    marker = snapshot / INCOMPLETE
+    marker.touch()
+    check_space(snapshot, files)
+    total = sum(f.size for f in files)
+    log.info("downloading %s@%s (commit %s): %d files, %.2f GB into %s", repo, revision, commit,
+             len(files), total / 1e9, snapshot)
+    with _progress(total, sum(_have(snapshot, f) for f in files)) as bar:
+        for f in files:
+            fetch_file(repo, commit, f, snapshot, bar)
+    _write_ref(folder, revision, commit)
+    marker.unlink()
+    return snapshot
+
+
+def repo_files(repo: str, revision: str) -> tuple[str, list[RepoFile]]:
+    """(commit sha, the wanted files with their sizes) from the Hub's file metadata."""
+    from huggingface_hub import HfApi
+
+    api = HfApi(endpoint=endpoint(), token=token() or False)
+    try:
+        info = api.model_info(repo, revision=revision, files_metadata=True)
+    except Exception as err:  # noqa: BLE001 - huggingface_hub's HTTP errors, connection errors
+        raise HubError(explain(err, repo, revision)) from None
+    return info.sha, select([RepoFile(s.rfilename, int(s.size or 0))
+                             for s in info.siblings or []])
+
+
+def explain(err: Exception, repo: str, revision: str) -> str:
+    """One line saying why `repo` cannot be fetched and what fixes it."""
+    from huggingface_hub.errors import GatedRepoError, RevisionNotFoundError
+
+    response = getattr(err, "response", None)
+    status = getattr(response, "status_code", None)
+    if isinstance(err, RevisionNotFoundError):
+        return (f"{repo} has no revision {revision!r} on {endpoint()}: give an existing branch, "
+                "tag or commit to --revision")
+    if isinstance(err, GatedRepoError):
+        return (f"{repo} is gated on {endpoint()} ({status}): accept its licence on the repo's "
+                "page, then set HF_TOKEN to a token of that account")
+    if status == 404:
+        return (f"model {repo!r} not found on {endpoint()} (404): check the spelling of --model, "
+                "or point --model at a local folder")
+    if status in (401, 403):
+        said = "private or unknown" if status == 401 else "not readable with this token"
+        return (f"{repo} is {said} on {endpoint()} ({status}): set HF_TOKEN to a token allowed "
+                "to read it (or check the spelling of --model)")
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return (f"cannot reach {endpoint()} to download {repo}: {first}. Check the network (or "
+            "HF_ENDPOINT), or download the model elsewhere and pass its folder to --model")
+
+
+def endpoint() -> str:
+    from huggingface_hub import constants
+
+    return os.environ.get("HF_ENDPOINT", constants.ENDPOINT).rstrip("/")
+
+
+def token() -> str | None:
+    from huggingface_hub import get_token
+
+    return os.environ.get("HF_TOKEN") or get_token()
+
+
+def _have(snapshot: Path, f: RepoFile) -> int:
+    """Bytes of `f` already on disk (whole or partial)."""
+    done = snapshot / f.path
+    if done.is_file():
+        return f.size
+    partial = snapshot / (f.path + ".incomplete")
+    return partial.stat().st_size if partial.is_file() else 0
+
+
+def check_space(snapshot: Path, files: list[RepoFile]) -> None:
+    need = sum(f.size - _have(snapshot, f) for f in files)
+    free = shutil.disk_usage(snapshot).free
+    if need > free:
+        raise HubError(f"not enough disk space to download the model: {need / 1e9:.2f} GB "
+                       f"needed, {free / 1e9:.2f} GB free under {snapshot.parent.parent}: free "
+                       "space or point --cache-dir (or HF_HUB_CACHE) at a larger disk")
+
+
+def fetch_file(repo: str, commit: str, f: RepoFile, snapshot: Path, bar) -> None:
+    """Fetch one file, continuing a partial `.incomplete` with a Range request."""
+    dest = snapshot / f.path
+    if dest.is_file():
+        return
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    partial = dest.with_name(dest.name + ".incomplete")
+    have = partial.stat().st_size if partial.is_file() else 0
+    url = f"{endpoint()}/{repo}/resolve/{commit}/{urllib.parse.quote(f.path)}"
+    headers = {"User-Agent": "batchgen", "Accept-Encoding": "identity"}
+    if token():
+        headers["Authorization"] = f"Bearer {token()}"
+    if have:
+        headers["Range"] = f"bytes={have}-"
+    opener = urllib.request.build_opener(_SameHostAuth())
+    try:
+        with opener.open(urllib.request.Request(url, headers=headers), timeout=60) as response:
+            if have and response.status != 206:  # the server sent the whole file
+                bar.update(-have)
+                have = 0
+            with open(partial, "ab" if have else "wb") as out:
+                while chunk := response.read1(CHUNK):
+                    out.write(chunk)
+                    bar.update(len(chunk))
+                out.flush()
+                os.fsync(out.fileno())
+    except urllib.error.HTTPError as err:
+        raise HubError(f"cannot download {f.path} of {repo}: HTTP {err.code} from {url}; run "
+                       "again to continue the download") from None
+    except OSError as err:
+        raise HubError(f"download of {f.path} of {repo} was cut ({err}); run again to "
+                       "continue where it stopped") from None
+    size = partial.stat().st_size
+    if f.size and size != f.size:
+        partial.unlink()
+        raise HubError(f"{f.path} of {repo} arrived with {size} bytes, the Hub lists {f.size}: "
+                       "run again to download it afresh")
+    os.replace(partial, dest)
+
+
+class _SameHostAuth(urllib.request.HTTPRedirectHandler):
+    """Follow redirects (the Hub sends large files to a CDN) without sending the token to
+    another host."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        new = super().redirect_request(req, fp, code, msg, headers, newurl)
+        if new is not None and urllib.parse.urlsplit(newurl).netloc != \
+                urllib.parse.urlsplit(req.full_url).netloc:
+            new.remove_header("Authorization")
+        return new
+
+
+def _write_ref(folder: Path, revision: str, commit: str) -> None:
+    if revision == commit:
+        return
+    ref = folder / "refs" / revision
+    ref.parent.mkdir(parents=True, exist_ok=True)
+    tmp = ref.with_name(ref.name + ".tmp")
+    tmp.write_text(commit)
+    os.replace(tmp, ref)
+
+
+def _progress(total: int, initial: int):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, unit="B", unit_scale=True, desc="download",
+                disable=None if os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS") is None else True)

@@ -1,0 +1,55 @@
+"""Embeddings lines in a worker: queued at intake, embedded together once per step by the
+`Embedder` (prefill only, packed, no KV kept), written as result lines like any other."""
+
+from __future__ import annotations
+
+from batchgen.engine.embed import Embedder, read_pooling
+from batchgen.io.embeddings import EmbeddingLineError, EmbeddingRequest, check_dimensions
+from batchgen.io.intake import IntakeError
+from batchgen.io.results import embedding_line
+
+
+class EmbeddingJobs:
+    """The embeddings lines admitted since the last step. The Embedder (and its pooling,
+    read from the model folder) is built on the first line, so generation-only jobs never
+    read sentence-transformers files."""
+
+    def __init__(self, loaded, batch_id: str, max_step_tokens: int):
+        self.loaded, self.batch_id, self.max_step_tokens = loaded, batch_id, max_step_tokens
+        self.queue: list[EmbeddingRequest] = []
+        self._embedder: Embedder | None = None
+
+    def __len__(self) -> int:
+        return len(self.queue)
+
+    def embedder(self) -> Embedder:
+        if self._embedder is None:
+            pooling = read_pooling(self.loaded.folder, self.loaded.hf_config)
+            self._embedder = Embedder(self.loaded.model, pooling, self.max_step_tokens)
+        return self._embedder
+
+    def add(self, item: EmbeddingRequest) -> IntakeError | None:
+        """Queue `item`; an IntakeError when the model cannot answer it as asked."""
+        try:
+            embedder = self.embedder()
+            check_dimensions(item, embedder.width, embedder.pooling.dimensions)
+        except EmbeddingLineError as bad:
+            return IntakeError(item.custom_id, item.line, bad.code, f"line {item.line}: {bad}",
+                               bad.param)
+        except ValueError as bad:  # EmbeddingModelError: the model folder's pooling
+            return IntakeError(item.custom_id, item.line, "unsupported_model",
+                               f"line {item.line}: {bad}", "model")
+        self.queue.append(item)
+        return None
+
+    def run(self) -> list[tuple[dict, int]]:
+        """Embed every queued line: (result line, prompt tokens) per line, in queue order."""
+        if not self.queue:
+            return []
+        queue, self.queue = self.queue, []
+        inputs = [ids for item in queue for ids in item.token_ids]
+        dims = [item.dimensions for item in queue for _ in item.token_ids]
+        vectors = iter(v.numpy() for v in self.embedder().embed(inputs, dims))
+        return [(embedding_line(self.batch_id, item,
+                                [next(vectors) for _ in item.token_ids], self.loaded.name),
+                 item.prompt_tokens) for item in queue]

@@ -1,0 +1,256 @@
+"""Embedding jobs: /v1/embeddings lines parsed and answered as OpenAI does, pooling read from
+sentence-transformers files, vectors equal to transformers' on a tiny random Qwen3, and a job
+file of embeddings lines that runs and resumes like any job."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from batchgen.config import ModelConfig
+from batchgen.engine.embed import Embedder, EmbeddingModelError, Pooling, read_pooling
+from batchgen.io.embeddings import (EmbeddingLineError, EmbeddingRequest, check_dimensions,
+                                    embeddings_body)
+from batchgen.io.intake import IntakeError, intake, parse_record
+from batchgen.io.reader import RawRecord
+from batchgen.models.factory import load_model
+from tiny_models import save_tiny_model
+
+
+def embedding_line(body, custom_id="e1"):
+    return RawRecord(3, {"custom_id": custom_id, "method": "POST", "url": "/v1/embeddings",
+                         "body": body})
+
+
+@pytest.fixture(scope="module")
+def qwen3_folder(tmp_path_factory):
+    return save_tiny_model("qwen3", tmp_path_factory.mktemp("qwen3-embed"), seed=3)
+
+
+@pytest.fixture(scope="module")
+def qwen3(qwen3_folder):
+    return load_model(ModelConfig(model=str(qwen3_folder), dtype="float32"), torch.device("cpu"))
+
+
+def _hf_embeddings(folder, inputs, pooling="last"):
+    from transformers import AutoModel
+
+    hf = AutoModel.from_pretrained(str(folder), dtype=torch.float32).eval()
+    out = []
+    with torch.inference_mode():
+        for ids in inputs:
+            hidden = hf(torch.tensor([ids])).last_hidden_state[0]
+            vector = hidden[-1] if pooling == "last" else hidden.mean(0)
+            out.append(torch.nn.functional.normalize(vector, dim=0))
+    return out
+
+
+@pytest.mark.parametrize("max_step_tokens", [8192, 40])  # one packed step; several steps
+def test_last_token_pooling_matches_transformers(qwen3, qwen3_folder, max_step_tokens):
+    rng = np.random.default_rng(0)
+    inputs = [tuple(int(t) for t in rng.integers(3, 500, n)) for n in (1, 7, 64, 65, 130, 33)]
+    embedder = Embedder(qwen3.model, Pooling("last", True), max_step_tokens)
+    ours = embedder.embed(inputs)
+    for a, b in zip(ours, _hf_embeddings(qwen3_folder, inputs)):
+        assert torch.nn.functional.cosine_similarity(a, b, dim=0) >= 0.9999
+        assert abs(float(a.norm()) - 1.0) < 1e-5
+
+
+def test_mean_pooling_and_matryoshka_cut(qwen3, qwen3_folder):
+    inputs = [(5, 9, 11, 40), (7,) * 70]
+    ours = Embedder(qwen3.model, Pooling("mean", True)).embed(inputs, [None, 16])
+    theirs = _hf_embeddings(qwen3_folder, inputs, "mean")
+    assert torch.nn.functional.cosine_similarity(ours[0], theirs[0], dim=0) >= 0.9999
+    assert ours[1].shape == (16,) and abs(float(ours[1].norm()) - 1.0) < 1e-5
+    full = Embedder(qwen3.model, Pooling("mean", False)).embed(inputs[1:])[0]
+    cut = torch.nn.functional.normalize(full[:16], dim=0)
+    assert torch.allclose(ours[1], cut, atol=1e-6)
+
+
+def test_pooling_is_read_from_sentence_transformers_files(tmp_path, qwen3):
+    cfg = qwen3.hf_config
+    assert read_pooling(tmp_path, cfg) == Pooling("last", True, None)
+    (tmp_path / "1_Pooling").mkdir()
+    (tmp_path / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling",
+         "type": "sentence_transformers.models.Pooling"}]))
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": 64, "pooling_mode_mean_tokens": True,
+         "pooling_mode_lasttoken": False, "pooling_mode_cls_token": False}))
+    assert read_pooling(tmp_path, cfg) == Pooling("mean", False, None)
+    modules = json.loads((tmp_path / "modules.json").read_text())
+    modules.append({"idx": 2, "name": "2", "path": "2_Normalize",
+                    "type": "sentence_transformers.models.Normalize"})
+    (tmp_path / "modules.json").write_text(json.dumps(modules))
+    assert read_pooling(tmp_path, cfg).normalize
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"pooling_mode_weightedmean_tokens": True}))
+    with pytest.raises(EmbeddingModelError, match="pooling"):
+        read_pooling(tmp_path, cfg)
+    modules.append({"idx": 3, "name": "3", "path": "3_Dense",
+                    "type": "sentence_transformers.models.Dense"})
+    (tmp_path / "modules.json").write_text(json.dumps(modules))
+    with pytest.raises(EmbeddingModelError, match="Dense"):
+        read_pooling(tmp_path, cfg)
+
+
+class _Tok:
+    def __len__(self):
+        return 100
+
+    def encode(self, text):
+        return [ord(c) % 90 + 3 for c in text] + [2]
+
+
+@pytest.mark.parametrize("value, expected", [
+    ("hi", [[3 + ord("h") % 90, 3 + ord("i") % 90, 2]]),
+    (["a", "b"], [[3 + ord("a") % 90, 2], [3 + ord("b") % 90, 2]]),
+    ([5, 6, 7], [[5, 6, 7]]),
+    ([[5, 6], [7]], [[5, 6], [7]]),
+])
+def test_input_shapes(value, expected):
+    item = intake(embedding_line({"input": value}), _Tok(), 32)
+    assert isinstance(item, EmbeddingRequest), item
+    assert [list(t) for t in item.token_ids] == expected
+    assert item.prompt_tokens == sum(map(len, expected))
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"input": []}, "input"), ({"input": ""}, "input"), ({"input": [1, "a"]}, "input"),
+    ({"input": "x", "encoding_format": "int8"}, "encoding_format"),
+    ({"input": "x", "dimensions": 0}, "dimensions"), ({"input": [[500]]}, "input"),
+    ({"input": "x" * 40}, "input"), ({"input": "x", "stream": True}, "stream"),
+])
+def test_bad_embedding_lines_name_the_field(body, param):
+    item = intake(embedding_line(body), _Tok(), 32)
+    assert isinstance(item, IntakeError) and item.param == param, item
+
+
+def test_plain_lines_with_input_are_embeddings():
+    item = parse_record(RawRecord(1, {"custom_id": "p", "input": "hello"}))
+    assert isinstance(item, EmbeddingRequest) and item.inputs == ("hello",)
+
+
+def test_dimensions_are_checked_against_the_model():
+    item = EmbeddingRequest("c", 1, ("x",), "float", 32)
+    check_dimensions(item, 64)
+    with pytest.raises(EmbeddingLineError, match="at most 64"):
+        check_dimensions(EmbeddingRequest("c", 1, ("x",), "float", 65), 64)
+    with pytest.raises(EmbeddingLineError, match="one of"):
+        check_dimensions(item, 64, (16, 64))
+
+
+def test_embeddings_object_float_and_base64():
+    request = EmbeddingRequest("c", 1, ("a", "b"), "base64", None, ((1, 2), (3,)))
+    vectors = [np.array([0.5, -1.25], dtype=np.float32), np.array([2.0, 3.0], np.float32)]
+    body = embeddings_body(request, vectors, "org/emb")
+    assert body["object"] == "list" and body["model"] == "org/emb"
+    assert body["usage"] == {"prompt_tokens": 3, "total_tokens": 3}
+    assert [d["index"] for d in body["data"]] == [0, 1]
+    assert all(d["object"] == "embedding" for d in body["data"])
+    raw = np.frombuffer(base64.b64decode(body["data"][0]["embedding"]), dtype="<f4")
+    assert raw.tolist() == [0.5, -1.25]
+    floats = embeddings_body(EmbeddingRequest("c", 1, ("a",), "float", None, ((1,),)),
+                             vectors[:1], "m")
+    assert floats["data"][0]["embedding"] == [0.5, -1.25]
+
+
+@pytest.fixture(scope="module")
+def embed_model(tmp_path_factory):
+    """A tiny random Qwen3 with SmolLM2's real tokenizer: a job-ready embedding model."""
+    from tiny_models import embedded_tokenizer
+
+    tokenizer = embedded_tokenizer()
+    folder = save_tiny_model("qwen3", tmp_path_factory.mktemp("qwen3-job"), seed=5,
+                             vocab_size=len(tokenizer))
+    tokenizer.save_pretrained(str(folder))
+    return folder, tokenizer
+
+
+def _job_rows():
+    texts = ["the sea", "a mountain at dawn", "bread", "rain on a tin roof", "owls", "snow"]
+    rows = [{"custom_id": f"e{i}", "method": "POST", "url": "/v1/embeddings",
+             "body": {"model": "m", "input": text}} for i, text in enumerate(texts)]
+    rows.append({"custom_id": "many", "method": "POST", "url": "/v1/embeddings",
+                 "body": {"input": texts[:3], "encoding_format": "base64"}})
+    rows.append({"custom_id": "ids", "method": "POST", "url": "/v1/embeddings",
+                 "body": {"input": [[5, 6, 7], [8]], "dimensions": 16}})
+    rows.append({"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions",
+                 "body": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}})
+    rows.append({"custom_id": "cmpl", "prompt": "Once", "max_tokens": 3})
+    rows.append({"custom_id": "bad", "method": "POST", "url": "/v1/embeddings",
+                 "body": {"input": "x", "dimensions": 4096}})
+    return texts, rows
+
+
+def test_mixed_job_file_answers_embeddings_like_transformers_and_resumes(embed_model, tmp_path):
+    from job_utils import batchgen, read_jsonl, write_jsonl
+
+    folder, tokenizer = embed_model
+    texts, rows = _job_rows()
+    inp = write_jsonl(tmp_path / "in.jsonl", rows)
+    storage, out = tmp_path / "s", tmp_path / "out.jsonl"
+    args = ["run", "--input", inp, "--storage-path", storage, "--model", folder,
+            "--output", out, "--dtype", "float32", "--device", "cpu"]
+    batchgen(*args, check=True)
+    results = {r["custom_id"]: r for r in read_jsonl(out)}
+    errors = read_jsonl(out.with_name("out.errors.jsonl"))
+    assert [e["custom_id"] for e in errors] == ["bad"]
+    assert errors[0]["response"]["body"]["error"]["param"] == "dimensions"
+    assert results["chat"]["response"]["body"]["object"] == "chat.completion"
+    assert results["cmpl"]["response"]["body"]["object"] == "text_completion"
+    ids = [tokenizer.encode(t) for t in texts]
+    expected = _hf_embeddings(folder, ids)
+    for i, vector in enumerate(expected):
+        body = results[f"e{i}"]["response"]["body"]
+        assert body["object"] == "list" and body["model"] == str(folder)
+        assert body["usage"] == {"prompt_tokens": len(ids[i]), "total_tokens": len(ids[i])}
+        got = torch.tensor(body["data"][0]["embedding"])
+        assert torch.nn.functional.cosine_similarity(got, vector, dim=0) >= 0.9999
+    many = results["many"]["response"]["body"]["data"]
+    assert [d["index"] for d in many] == [0, 1, 2]
+    for d, vector in zip(many, expected):
+        got = torch.from_numpy(np.frombuffer(base64.b64decode(d["embedding"]), "<f4").copy())
+        assert torch.nn.functional.cosine_similarity(got, vector, dim=0) >= 0.9999
+    assert [len(d["embedding"]) for d in results["ids"]["response"]["body"]["data"]] == [16, 16]
+
+    # Killed after two results were saved: the rerun keeps them and computes only the rest.
+    incremental = next((storage / "incremental").glob("*.jsonl"))
+    kept = b"".join(incremental.read_bytes().splitlines(keepends=True)[:2])
+    incremental.write_bytes(kept)
+    batch_id = incremental.name.split(".")[0]
+    record = storage / "batches" / f"{batch_id}.json"
+    record.write_text(json.dumps({**json.loads(record.read_text()), "status": "in_progress"}))
+    first = out.read_bytes()
+    out.unlink()
+    batchgen(*args, check=True)
+    assert incremental.read_bytes().startswith(kept)
+    assert len(incremental.read_bytes().splitlines()) == len(rows)
+    assert out.read_bytes() == first
+
+
+def test_bench_embeddings_mode_runs_tiny_on_cpu_and_agrees_with_transformers():
+    from batchgen.bench_embed import EmbedBench, format_table, run
+
+    report = run(EmbedBench(requests=6, input_len=20, max_step_tokens=50, peer_batch=4,
+                            device="cpu", tiny=True))
+    assert report["min_cosine"] >= 0.9999
+    assert report["ours"]["tokens_per_s"] > 0 and report["hf"]["tokens_per_s"] > 0
+    assert report["speedup"] == pytest.approx(report["hf"]["seconds"] / report["ours"]["seconds"])
+    assert "speedup" in format_table(report)
+    with pytest.raises(ValueError, match="qwen3-embedding-0.6b"):
+        run(EmbedBench(shape="llama3-8b", tiny=True))
+
+
+def test_bench_cli_mode_is_checked():
+    from typer.testing import CliRunner
+
+    from batchgen.cli import app
+
+    result = CliRunner().invoke(app, ["bench", "--mode", "rerank"])
+    assert result.exit_code == 2 and "generate or embeddings" in result.output

@@ -1,0 +1,237 @@
+"""Hub downloads against a Hub served on loopback (fake_hub.py): download, resume after a kill,
+one download per node, errors, offline. No test touches the network."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import huggingface_hub.constants
+import pytest
+
+from batchgen.models import hub
+from batchgen.models.loader import ModelNotFoundError, resolve_model, weights_signature
+from fake_hub import FakeHub
+from job_utils import batchgen, read_jsonl, write_jsonl
+
+WEIGHTS = "model.safetensors"
+
+
+@pytest.fixture
+def repo_folder(tiny_chat_model, tmp_path):
+    folder = tmp_path / "repo"
+    shutil.copytree(tiny_chat_model, folder)
+    (folder / "pytorch_model.bin").write_bytes(b"pickle, never fetched")
+    (folder / "training_args.pt").write_bytes(b"pickle")
+    return folder
+
+
+@pytest.fixture
+def fake_hub(repo_folder, monkeypatch):
+    server = FakeHub()
+    server.add("org/tiny", repo_folder)
+    monkeypatch.setenv("HF_ENDPOINT", server.url)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "0")
+    # huggingface_hub reads HF_HUB_OFFLINE once, at import (conftest sets it for every test).
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    yield server
+    server.close()
+
+
+def _fetched(server: FakeHub) -> list[str]:
+    return [path for method, path, _ in server.requests if method == "GET" and "/resolve/" in path]
+
+
+def test_download_fetches_safetensors_config_tokenizer_only(fake_hub, repo_folder, tmp_path):
+    source = resolve_model("org/tiny", cache_dir=str(tmp_path / "cache"))
+    sha = fake_hub.repos["org/tiny"].sha
+    assert source.path == tmp_path / "cache" / "models--org--tiny" / "snapshots" / sha
+    names = sorted(p.name for p in source.path.iterdir())
+    assert WEIGHTS in names and "config.json" in names and "tokenizer.json" in names
+    assert not any(n.endswith((".bin", ".pt", ".incomplete")) for n in names)
+    assert not any(p.endswith((".bin", ".pt")) for p in _fetched(fake_hub))
+    assert (source.path / WEIGHTS).read_bytes() == (repo_folder / WEIGHTS).read_bytes()
+    assert weights_signature(source.path).endswith("@" + sha)  # the resume fingerprint pins it
+    before = len(fake_hub.requests)
+    assert resolve_model("org/tiny", cache_dir=str(tmp_path / "cache")).path == source.path
+    assert len(fake_hub.requests) == before  # on disk: no request
+
+
+def test_run_downloads_answers_and_a_second_run_makes_no_request(fake_hub, tmp_path):
+    env = {"HF_ENDPOINT": fake_hub.url, "HF_HUB_OFFLINE": "0", "TRANSFORMERS_OFFLINE": "0",
+           "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+    rows = [{"custom_id": f"r{i}", "prompt": f"count {i}", "max_tokens": 3} for i in range(2)]
+    args = ["--model", "org/tiny", "--cache-dir", tmp_path / "cache", "--device", "cpu"]
+    first = write_jsonl(tmp_path / "a.jsonl", rows)
+    batchgen("run", "--input", first, "--storage-path", tmp_path / "s1",
+             "--output", tmp_path / "a.out.jsonl", *args, env=env, check=True)
+    assert len(read_jsonl(tmp_path / "a.out.jsonl")) == 2
+    assert _fetched(fake_hub)
+    batch = next((tmp_path / "s1" / "batches").glob("*.json"))
+    sha = fake_hub.repos["org/tiny"].sha
+    assert json.loads(batch.read_text())["fingerprint"]["model_weights"].endswith("@" + sha)
+    before = len(fake_hub.requests)
+    second = write_jsonl(tmp_path / "b.jsonl", rows[::-1] + [{"custom_id": "x", "prompt": "y"}])
+    batchgen("run", "--input", second, "--storage-path", tmp_path / "s2",
+             "--output", tmp_path / "b.out.jsonl", *args, env=env, check=True)
+    assert len(read_jsonl(tmp_path / "b.out.jsonl")) == 3
+    assert len(fake_hub.requests) == before
+
+
+def _download_process(cache: Path, url: str) -> subprocess.Popen:
+    code = ("import sys; from batchgen.models.loader import resolve_model; "
+            "print(resolve_model('org/tiny', sys.argv[1]).path)")
+    env = {**os.environ, "HF_ENDPOINT": url, "HF_HUB_OFFLINE": "0",
+           "TRANSFORMERS_OFFLINE": "0", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+    return subprocess.Popen([sys.executable, "-c", code, str(cache)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait(condition, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_killed_download_continues_where_it_stopped_and_others_wait(fake_hub, repo_folder,
+                                                                    tmp_path):
+    size = (repo_folder / WEIGHTS).stat().st_size
+    cut = size // 2
+    fake_hub.stall_after[WEIGHTS] = cut
+    cache = tmp_path / "cache"
+    sha = fake_hub.repos["org/tiny"].sha
+    partial = cache / "models--org--tiny" / "snapshots" / sha / (WEIGHTS + ".incomplete")
+    first = _download_process(cache, fake_hub.url)
+    _wait(lambda: partial.is_file() and partial.stat().st_size == cut)
+    # A second process (another rank of the node) waits for the lock: no request of its own.
+    second = _download_process(cache, fake_hub.url)
+    time.sleep(3.0)
+    seen = len(fake_hub.requests)
+    assert second.poll() is None
+    first.kill()
+    first.wait()
+    assert hub.cached_snapshot(cache, "org/tiny", None) is None  # half-downloaded: not a model
+    fake_hub.release()
+    out, err = second.communicate(timeout=120)
+    assert second.returncode == 0, err
+    assert Path(out.strip()).name == sha
+    ranges = [r for m, p, r in fake_hub.requests[seen:] if p.endswith(WEIGHTS) and m == "GET"]
+    assert ranges == [f"bytes={cut}-"]  # continued, not started over
+    done = partial.with_name(WEIGHTS)
+    assert done.read_bytes() == (repo_folder / WEIGHTS).read_bytes()
+    assert not partial.exists()
+
+
+def test_unknown_repo_is_one_line_404(fake_hub, tmp_path):
+    with pytest.raises(ModelNotFoundError) as err:
+        resolve_model("org/absent", cache_dir=str(tmp_path))
+    message = str(err.value)
+    assert "404" in message and "org/absent" in message and "\n" not in message
+
+
+def test_private_repo_without_token_is_exit_5_one_line(fake_hub, repo_folder, tmp_path):
+    fake_hub.add("org/private", repo_folder, private_token="secret")
+    rows = write_jsonl(tmp_path / "in.jsonl", [{"custom_id": "a", "prompt": "x"}])
+    env = {"HF_ENDPOINT": fake_hub.url, "HF_HUB_OFFLINE": "0", "TRANSFORMERS_OFFLINE": "0"}
+    proc = batchgen("run", "--input", rows, "--model", "org/private", "--cache-dir",
+                    tmp_path / "cache", "--storage-path", tmp_path / "s", env=env)
+    assert proc.returncode == 5
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "401" in errors[0] and "HF_TOKEN" in errors[0]
+    assert not _fetched(fake_hub)
+    # With the token the same repo downloads.
+    os.environ["HF_TOKEN"] = "secret"
+    try:
+        assert resolve_model("org/private", str(tmp_path / "cache")).path.is_dir()
+    finally:
+        del os.environ["HF_TOKEN"]
+
+
+def test_gated_repo_says_accept_the_licence(fake_hub, repo_folder, tmp_path):
+    fake_hub.add("org/gated", repo_folder, gated=True)
+    with pytest.raises(ModelNotFoundError, match="gated.*HF_TOKEN"):
+        resolve_model("org/gated", cache_dir=str(tmp_path))
+
+
+def test_offline_uses_the_warm_cache_and_names_every_place_when_cold(fake_hub, tmp_path,
+                                                                     monkeypatch):
+    cache = str(tmp_path / "cache")
+    path = resolve_model("org/tiny", cache_dir=cache, revision="v1").path
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    before = len(fake_hub.requests)
+    assert resolve_model("org/tiny", cache_dir=cache, revision="v1").path == path
+    assert len(fake_hub.requests) == before
+    with pytest.raises(ModelNotFoundError) as err:
+        resolve_model("org/tiny", cache_dir=cache, revision="v2")
+    assert "HF_HUB_OFFLINE" in str(err.value) and cache in str(err.value)
+    assert len(fake_hub.requests) == before
+
+
+def test_not_enough_disk_space_fails_before_the_first_byte(fake_hub, tmp_path, monkeypatch):
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(hub.shutil, "disk_usage", lambda _: usage._replace(free=1000))
+    with pytest.raises(ModelNotFoundError, match="not enough disk space"):
+        resolve_model("org/tiny", cache_dir=str(tmp_path))
+    assert not _fetched(fake_hub)
+
+
+def test_a_repo_without_safetensors_is_refused(fake_hub, tmp_path):
+    folder = tmp_path / "pickled"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    (folder / "pytorch_model.bin").write_bytes(b"x")
+    fake_hub.add("org/pickled", folder)
+    with pytest.raises(ModelNotFoundError, match="no \\*.safetensors"):
+        resolve_model("org/pickled", cache_dir=str(tmp_path / "cache"))
+
+
+def test_only_top_level_weights_and_no_duplicate_mistral_layout():
+    files = [hub.RepoFile(p, 1) for p in (
+        "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+        "model.safetensors.index.json", "consolidated.safetensors", "original/params.json",
+        "original/model.safetensors", "onnx/model.onnx", "pytorch_model.bin", "README.md",
+        "tokenizer.json", "tokenizer.model", "1_Pooling/config.json", "modules.json",
+        "2_Dense/model.safetensors", "2_Dense/pytorch_model.bin")]
+    assert [f.path for f in hub.select(files)] == [
+        "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+        "model.safetensors.index.json", "tokenizer.json", "tokenizer.model",
+        "1_Pooling/config.json", "modules.json", "2_Dense/model.safetensors"]
+    assert [f.path for f in hub.select([hub.RepoFile("consolidated.safetensors", 1)])] == [
+        "consolidated.safetensors"]
+
+
+def test_redirects_to_another_host_drop_the_token():
+    import urllib.request
+
+    handler = hub._SameHostAuth()
+    req = urllib.request.Request("http://hub.example/a", headers={"Authorization": "Bearer t",
+                                                                    "Range": "bytes=5-"})
+    other = handler.redirect_request(req, None, 302, "Found", {}, "http://cdn.example/blob")
+    assert other.get_header("Authorization") is None and other.get_header("Range") == "bytes=5-"
+    same = handler.redirect_request(req, None, 302, "Found", {}, "http://hub.example/b")
+    assert same.get_header("Authorization") == "Bearer t"
+
+
+def test_a_resume_is_pinned_to_the_commit(tmp_path):
+    """The same files under another commit sign differently, so a resume after the branch
+    moved is refused (the fingerprint's model_weights); a plain folder signs without one."""
+    signatures = []
+    for sha in ("a" * 40, "b" * 40):
+        snapshot = tmp_path / "models--org--x" / "snapshots" / sha
+        snapshot.mkdir(parents=True)
+        (snapshot / "config.json").write_text("{}")
+        signatures.append(weights_signature(snapshot))
+    assert signatures[0].endswith("@" + "a" * 40) and signatures[1].endswith("@" + "b" * 40)
+    assert signatures[0].split("@")[0] == signatures[1].split("@")[0]
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "config.json").write_text("{}")
+    assert weights_signature(plain) == signatures[0].split("@")[0]

@@ -1,0 +1,193 @@
+"""The OpenAI batch format to the letter: forced tool calls (tool_choice), templates that cannot
+render tools, stream mode, error objects' code/message/param, URLs refused as paths."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from batchgen.config import ModelConfig
+from batchgen.io.intake import IntakeError, PendingRequest, intake
+from batchgen.io.locations import refuse_urls, url_scheme
+from batchgen.io.parsers import parse_tool_calls
+from batchgen.io.reader import InputFileError, RawRecord
+from batchgen.io.results import error_line
+from batchgen.io.tool_choice import ToolChoiceError, forced_functions, tool_call_grammar
+from batchgen.models.factory import load_model, load_tokenizer, model_folder
+from batchgen.runner.grammars import Grammars
+from engine_utils import make_engine
+from job_utils import batchgen, read_jsonl, write_jsonl
+
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nTools: {{ tools | tojson }}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]},
+                                     "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+    "required": ["city", "days"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+    "additionalProperties": False}}}
+USER = [{"role": "user", "content": "What is the weather like?"}]
+
+
+@pytest.fixture(scope="module")
+def smol():
+    return load_model(ModelConfig(), torch.device("cpu"))
+
+
+@pytest.fixture(scope="module")
+def tools_tokenizer():
+    """SmolLM2's tokenizer with a template that renders tools (its own ignores them)."""
+    tokenizer = load_tokenizer(model_folder(ModelConfig())[0])
+    tokenizer.chat_template = TOOLS_TEMPLATE
+    return tokenizer
+
+
+def line(body, custom_id="c1", url="/v1/chat/completions"):
+    return RawRecord(1, {"custom_id": custom_id, "method": "POST", "url": url, "body": body})
+
+
+def test_stream_true_is_a_400_line_error_naming_stream(tools_tokenizer):
+    err = intake(line({"messages": USER, "stream": True}), tools_tokenizer, 512)
+    assert isinstance(err, IntakeError) and err.param == "stream"
+    assert "must not be sent in stream mode" in err.message
+    body = error_line("b", err)["response"]
+    assert body["status_code"] == 400 and body["body"]["error"]["param"] == "stream"
+    ok = intake(line({"messages": USER, "stream": False}), tools_tokenizer, 512)
+    assert isinstance(ok, PendingRequest)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"messages": USER, "temperature": "hot"}, "temperature"),
+    ({"messages": USER, "top_p": 2.0}, "top_p"),
+    ({"messages": [{"role": "", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user"}]}, "messages[0].content"),
+    ({"prompt": {"a": 1}}, "prompt"),
+    ({"messages": USER, "logprobs": 3}, "logprobs"),
+])
+def test_error_objects_carry_code_message_and_param(tools_tokenizer, body, param):
+    url = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
+    err = intake(line(body, url=url), tools_tokenizer, 512)
+    assert isinstance(err, IntakeError), err
+    error = error_line("b", err)["response"]["body"]["error"]
+    assert error["param"] == param and error["code"] and error["message"]
+
+
+def test_url_and_method_errors_name_their_field(tools_tokenizer):
+    err = intake(line({"messages": USER}, url="/v1/responses"), tools_tokenizer, 512)
+    assert err.code == "unsupported_url" and err.param == "url"
+
+
+def test_a_template_that_cannot_render_tools_is_a_line_error(smol, tools_tokenizer):
+    body = {"messages": USER, "tools": [WEATHER]}
+    err = intake(line(body), smol.tokenizer, 2048)  # SmolLM2's own template ignores tools
+    assert isinstance(err, IntakeError) and err.code == "unsupported_tools"
+    assert err.param == "tools"
+    ok = intake(line(body), tools_tokenizer, 2048)
+    assert isinstance(ok, PendingRequest)
+    assert isinstance(intake(line({"messages": USER}), smol.tokenizer, 2048), PendingRequest)
+
+
+def test_forced_functions_reads_tool_choice():
+    assert forced_functions([WEATHER], "auto") is None
+    assert forced_functions([WEATHER], "none") is None
+    assert forced_functions([WEATHER], None) is None
+    assert [f["name"] for f in forced_functions([WEATHER, TIME], "required")] == [
+        "get_weather", "get_time"]
+    named = {"type": "function", "function": {"name": "get_time"}}
+    assert [f["name"] for f in forced_functions([WEATHER, TIME], named)] == ["get_time"]
+    with pytest.raises(ToolChoiceError, match="not in tools"):
+        forced_functions([WEATHER], {"type": "function", "function": {"name": "nope"}})
+    with pytest.raises(ToolChoiceError, match="non-empty tools"):
+        forced_functions(None, "required")
+    with pytest.raises(ToolChoiceError, match="tool_choice must be"):
+        forced_functions([WEATHER], "always")
+
+
+def test_formats_that_cannot_be_forced_are_refused():
+    functions = forced_functions([WEATHER], "required")
+    with pytest.raises(ToolChoiceError, match="harmony"):
+        tool_call_grammar(functions, "harmony")
+    with pytest.raises(ToolChoiceError, match="no tool-call format"):
+        tool_call_grammar(functions, None)
+
+
+def _pending(tokenizer, tool_choice, tools=(WEATHER, TIME), **body) -> PendingRequest:
+    item = intake(line({"messages": USER, "tools": list(tools), "tool_choice": tool_choice,
+                        "max_tokens": 300, "temperature": 0.9, **body}), tokenizer, 2048)
+    assert isinstance(item, PendingRequest), item
+    return item
+
+
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json", "deepseek_v3"])
+def test_forced_tool_choice_yields_a_parsable_call(smol, tools_tokenizer, parser):
+    grammars = Grammars(smol.tokenizer, smol.hf_config.vocab_size, smol.eos_token_ids, parser)
+    engine = make_engine(smol.model, smol.tokenizer, smol.eos_token_ids, device_gb=0.3,
+                         host_gb=0.3)
+    named = {"type": "function", "function": {"name": "get_time"}}
+    choices = ["required", "required", named, named]
+    requests = []
+    for i, choice in enumerate(choices):
+        request = grammars.request(_pending(tools_tokenizer, choice, seed=i))
+        request.request_id = f"r{i}"
+        requests.append(request)
+    for choice, result in zip(choices, engine.generate(requests)):
+        completion = result.completions[0]
+        assert completion.finish_reason.value == "stop", completion.text
+        content, calls = parse_tool_calls(completion.text, parser)
+        assert len(calls) == 1, completion.text
+        function = calls[0]["function"]
+        if choice == named:
+            assert function["name"] == "get_time"
+        arguments = json.loads(function["arguments"])
+        expected = {"get_weather": {"city", "days"}, "get_time": {"zone"}}[function["name"]]
+        assert set(arguments) == expected
+
+
+def test_free_text_without_a_forced_choice_and_conflicts_are_errors(smol, tools_tokenizer):
+    grammars = Grammars(smol.tokenizer, smol.hf_config.vocab_size, smol.eos_token_ids, "hermes")
+    assert grammars.request(_pending(tools_tokenizer, "auto")).grammar is None
+    both = _pending(tools_tokenizer, "required", response_format={"type": "json_object"})
+    err = grammars.request(both)
+    assert isinstance(err, IntakeError) and err.param == "tool_choice"
+    unnamed = _pending(tools_tokenizer, {"type": "function", "function": {"name": "x"}})
+    err = grammars.request(unnamed)
+    assert isinstance(err, IntakeError) and "not in tools" in err.message
+    harmony = Grammars(smol.tokenizer, smol.hf_config.vocab_size, smol.eos_token_ids, "harmony")
+    assert isinstance(harmony.request(_pending(tools_tokenizer, "required")), IntakeError)
+
+
+@pytest.mark.parametrize("value, scheme", [
+    ("https://example.com/out.jsonl", "https"), ("http://x/y", "http"),
+    ("s3://bucket/key.jsonl", "s3"), ("gs://bucket/in.jsonl", "gs"), ("hf://datasets/a/b", "hf"),
+    ("https:/example.com/out.jsonl", "https"),  # a path library collapsed the "//"
+    ("out/results.jsonl", None), ("/abs/https/x.jsonl", None), ("c:x", None),
+])
+def test_url_schemes_are_recognised(value, scheme):
+    assert url_scheme(value) == scheme
+
+
+def test_refuse_urls_says_what_is_supported():
+    with pytest.raises(InputFileError, match="--output 'https://example.com/o.jsonl' is a "
+                                             "https:// URL.*local or mounted"):
+        refuse_urls(input="in.jsonl", output="https://example.com/o.jsonl")
+    refuse_urls(input="in.jsonl", output=None)
+
+
+@pytest.mark.parametrize("flag, value", [("--output", "https://example.com/out.jsonl"),
+                                         ("--input", "s3://bucket/in.jsonl")])
+def test_run_refuses_urls_before_any_work(tmp_path, flag, value):
+    rows = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "x"}])
+    args = {"--input": rows, "--output": tmp_path / "out.jsonl", flag: value}
+    proc = batchgen("run", *[str(a) for kv in args.items() for a in kv],
+                    "--storage-path", tmp_path / "s")
+    assert proc.returncode == 2
+    assert "URL" in proc.stderr and "not supported" in proc.stderr
+    assert not (tmp_path / "s").exists() and not list(tmp_path.glob("https*"))
+    assert read_jsonl(rows)  # the input is untouched
+    proc = batchgen("validate", "--input", "gs://bucket/in.jsonl")
+    assert proc.returncode == 2 and "gs:// URL" in proc.stderr
