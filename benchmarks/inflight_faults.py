@@ -130,6 +130,9 @@ def interrupted_run(inp: Path, storage: Path, model: str, extra: list[str], sig:
                                     for w in stats),
             "checkpoint_tokens_at_exit": sum(w.get("checkpoint", {}).get("tokens", 0)
                                              for w in stats),
+            "unsaved_at_exit": sum(w.get("engine", {}).get("generated_tokens", 0)
+                                   - w.get("checkpoint", {}).get("generated_at_save", 0)
+                                   for w in stats),
             "checkpoint_max_s": max((w.get("checkpoint", {}).get("max_seconds", 0.0)
                                      for w in stats), default=0.0),
             "checkpoint_saves": sum(w.get("checkpoint", {}).get("saves", 0) for w in stats)})

@@ -208,3 +208,19 @@ def test_the_counter_is_the_absolute_position(model, tok):
     chunk = engine.scheduler.schedule().chunks[0]
     rows = engine._sampling_rows([chunk], 1)[0]
     assert isinstance(rows, SamplingRows) and rows.steps == [3]
+
+
+def test_the_worker_starts_over_a_request_its_checkpoint_cannot_continue(model, tok):
+    from batchgen.runner.worker import RankInfo, Worker
+
+    request = requests_of(tok, 1, max_tokens=4, temperature=0.0, ignore_eos=True)[0]
+    fresh = run_whole(model, tok, [request])["r0"].completions[0].token_ids
+    worker = Worker.__new__(Worker)  # only what admission uses
+    worker.engine, worker.rank = make_engine(model, tok), RankInfo()
+    worker.resumable = {"r0": [ChoiceProgress([5] * 4)], "other": [ChoiceProgress([1])]}
+    worker._admit(request)
+    assert worker.resumable == {"other": [ChoiceProgress([1])]}  # taken once
+    results = []
+    while worker.engine.has_unfinished():
+        results.extend(worker.engine.step())
+    assert results[0].completions[0].token_ids == fresh

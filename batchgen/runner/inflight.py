@@ -41,13 +41,15 @@ class InflightCheckpoints:
         self.stats = {"saves": 0, "bytes": 0, "last_seconds": 0.0, "max_seconds": 0.0,
                       "total_seconds": 0.0, "requests": len(self.resumable),
                       "tokens": report.tokens, "resumed_requests": report.requests,
-                      "resumed_tokens": report.tokens}
+                      "resumed_tokens": report.tokens, "generated_at_save": 0}
 
     def due(self) -> bool:
         return self.interval > 0 and time.monotonic() - self._last >= self.interval
 
-    def save(self, state: dict[str, list[ChoiceProgress]]) -> None:
-        """Make the progress of every request in flight durable (fsynced)."""
+    def save(self, state: dict[str, list[ChoiceProgress]], generated: int) -> None:
+        """Make the progress of every request in flight durable (fsynced); `generated`: the
+        engine's count of tokens drawn so far (what a kill now would lose is counted from
+        it)."""
         start = time.perf_counter()
         written = self.file.save(state)
         seconds = time.perf_counter() - start
@@ -59,6 +61,7 @@ class InflightCheckpoints:
         s["max_seconds"] = max(s["max_seconds"], seconds)
         s["total_seconds"] += seconds
         s["requests"], s["tokens"] = len(state), self.file.tokens
+        s["generated_at_save"] = generated
 
     def remove(self) -> None:
         """Nothing is in flight any more (the shard is done)."""

@@ -242,7 +242,7 @@ class Worker:
         if self.checkpoints is None or not (stopping or self.checkpoints.due()):
             return
         with disk_errors("write the in-flight checkpoint"):
-            self.checkpoints.save(self.engine.inflight_state())
+            self.checkpoints.save(self.engine.inflight_state(), self.engine.generated_tokens)
 
     def _admit(self, request) -> None:
         """Add `request`, continued from its checkpoint when it has one; a checkpoint that
