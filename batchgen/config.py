@@ -433,6 +433,10 @@ class WatchdogConfig:
     """Seconds between SIGTERM/SIGUSR1 and exit (flush included); exit code 75 means requeue."""
     quarantine_after: int = 3
     """A request in flight during this many consecutive crashes becomes an error line."""
+    inflight_checkpoint_interval: float = 30.0
+    """Seconds between saves of the requests in flight (their tokens so far, fsynced, between
+    steps): a kill loses at most this much decoding, and a resume continues their answers.
+    0 saves only on a stop signal."""
 
     def validate(self) -> None:
         for name in ("watchdog_timeout", "decode_step_timeout", "startup_timeout",
@@ -444,6 +448,8 @@ class WatchdogConfig:
         _require(self.preempt_grace > 0, "preempt_grace", self.preempt_grace, "seconds > 0")
         _require(self.quarantine_after >= 1, "quarantine_after", self.quarantine_after,
                  "an integer >= 1")
+        _require(self.inflight_checkpoint_interval >= 0, "inflight_checkpoint_interval",
+                 self.inflight_checkpoint_interval, "seconds >= 0 (0: only on a stop)")
 
 
 @dataclass(frozen=True)

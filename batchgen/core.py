@@ -84,6 +84,20 @@ class SamplingParams:
 
 
 @dataclass
+class ChoiceProgress:
+    """How far one choice of an unfinished request got: what an in-flight checkpoint keeps
+    and what the engine needs to continue it exactly (grammar, penalty, stop and min_tokens
+    state are all rebuilt from the tokens)."""
+
+    token_ids: list[int]
+    """Tokens generated so far (the prompt not included)."""
+    logprobs: list[TokenLogprob] | None = None
+    """One per generated token, when the request asked for logprobs."""
+    done: Completion | None = None
+    """The choice's result when it finished while another choice of its request ran on."""
+
+
+@dataclass
 class Request:
     """One unit of work as the engine sees it: tokens in, tokens out."""
 
@@ -93,6 +107,9 @@ class Request:
     grammar: object | None = None
     """A compiled structured-output grammar (io.structured.CompiledGrammar) or None; each
     choice gets its own matcher and may only emit tokens the grammar allows."""
+    resume: list[ChoiceProgress] | None = None
+    """One entry per choice (index order) when the request continues from an in-flight
+    checkpoint: the tokens it had generated (and finished choices' results); None: new."""
 
 
 class FinishReason(str, enum.Enum):

@@ -13,12 +13,13 @@ from typing import Iterable
 import torch
 
 from batchgen.config import EAGER_DECODE_BATCH, EngineConfig
-from batchgen.core import Completion, FinishedRequest, FinishReason, Request
+from batchgen.core import ChoiceProgress, Completion, FinishedRequest, FinishReason, Request
 from batchgen.engine.burst import QueuedBurst
 from batchgen.engine.kv_cache import KVLayout
 from batchgen.engine.memory import PoolSizes, detect_gpu_arch, plan_pools
 from batchgen.engine.penalties import Penalties
 from batchgen.engine.replicas import ReplicaCheck
+from batchgen.engine.resume import progress_of, restore
 from batchgen.engine.runner import ModelRunner
 from batchgen.engine.sampler import SamplingRows
 from batchgen.engine.stops import StopChecker, StopMatch
@@ -146,11 +147,33 @@ class Engine:
                          len(request.prompt_token_ids), params, choice_seed(base_seed, i),
                          matcher=request.grammar.matcher() if request.grammar else None)
                 for i in range(params.n)]
+        finished = restore(seqs, request)  # a request continued from a checkpoint
         for seq in seqs:
-            self.scheduler.add(seq)  # raises RequestTooLarge before anything is queued twice
+            if seq.state is not SeqState.FINISHED:
+                self.scheduler.add(seq)  # raises RequestTooLarge before anything is queued twice
         self._next_seq += params.n
         self._groups[request.request_id] = seqs
-        self._done[request.request_id] = []
+        self._done[request.request_id] = finished
+
+    def inflight_state(self) -> dict[str, list[ChoiceProgress]]:
+        """Each unfinished request's progress per choice, as the host holds it (a burst still
+        on the device is not in it): what `Request.resume` takes to continue it exactly."""
+        return {rid: progress_of(seqs, self._done[rid]) for rid, seqs in self._groups.items()}
+
+    def settle(self) -> list[FinishedRequest]:
+        """Collect the burst the last step() queued, queueing nothing after it (a stop: its
+        tokens reach the host, and so a checkpoint, instead of being drawn again); the
+        requests that finished."""
+        if self._queued is None:
+            return []
+        burst, self._queued = self._queued, None
+        finished: list[FinishedRequest] = []
+        start = time.perf_counter()
+        self.runner.collect(burst, lambda step, result: finished.extend(
+            self._accept_step(burst.chunks, step, result)))
+        self.steps += burst.steps
+        self._time(True, burst.steps, 0.0, time.perf_counter() - start, 0.0)
+        return finished
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work or self._queued is not None

@@ -12,6 +12,7 @@ import orjson
 from rich.console import Console
 from rich.table import Table
 
+from batchgen.io.checkpoints import checkpoint_files, load
 from batchgen.io.jobfiles import JobPaths
 from batchgen.io.writer import CorruptIncrementalFile, read_done_ids
 from batchgen.runner.job import JobSpec
@@ -72,6 +73,7 @@ def _show_files(files: list[Path], missing: str) -> int:
             table = _table(state, read_worker_stats(batches, batch_id))
             if state.get("status") != "completed":
                 table.add_row("saved", _saved(storage, batch_id, state))
+                table.add_row("checkpoint", _checkpointed(storage, batch_id))
                 table.add_row("run", _liveness(batches / f"{batch_id}.lock", state["status"]))
             console.print(table)
         except (OSError, orjson.JSONDecodeError, KeyError, TypeError) as err:
@@ -83,17 +85,37 @@ def _show_files(files: list[Path], missing: str) -> int:
 def _saved(storage: Path, batch_id: str, state: dict) -> str:
     """Results fsynced so far: the incremental files' complete lines (the batch file's counts
     are only written when the job ends)."""
-    spec = storage / "batches" / f"{batch_id}.spec.json"
-    try:
-        paths = JobSpec.load(spec).paths  # where this job's --incremental-output-dir points
-    except (OSError, ValueError, KeyError, TypeError):
-        paths = JobPaths.for_job(storage, batch_id)
+    paths = _job_paths(storage, batch_id)
     try:
         done = len(read_done_ids(paths.incremental_files()))
     except CorruptIncrementalFile as err:
         return f"unreadable: {err}"
     total = state.get("request_counts", {}).get("total", 0)
     return f"{done} of {total} results (incremental files)"
+
+
+def _checkpointed(storage: Path, batch_id: str) -> str:
+    """Requests in flight whose progress an in-flight checkpoint holds (those whose results
+    are saved since are not counted), and the tokens a resume does not draw again."""
+    paths = _job_paths(storage, batch_id)
+    try:
+        done = read_done_ids(paths.incremental_files())
+    except CorruptIncrementalFile:
+        done = set()
+    requests = tokens = 0
+    for path in checkpoint_files(paths.batch_file, batch_id):
+        _, report = load(path, None, done)
+        requests += report.requests
+        tokens += report.tokens
+    return f"{requests} requests in flight hold {tokens} generated tokens (resume continues them)"
+
+
+def _job_paths(storage: Path, batch_id: str) -> JobPaths:
+    spec = storage / "batches" / f"{batch_id}.spec.json"
+    try:
+        return JobSpec.load(spec).paths  # where this job's --incremental-output-dir points
+    except (OSError, ValueError, KeyError, TypeError):
+        return JobPaths.for_job(storage, batch_id)
 
 
 def _liveness(lock: Path, status: str) -> str:

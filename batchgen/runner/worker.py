@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from batchgen.engine.engine import Engine, pick_device
+from batchgen.engine.resume import ResumeError
 from batchgen.engine.heap import frozen_heap
 from batchgen.io.embeddings import EmbeddingRequest
 from batchgen.io.intake import IntakeError, PendingRequest, intake
@@ -36,6 +37,7 @@ from batchgen.runner.errors import (EXIT_DEVICE_OOM, EXIT_DISK, EXIT_INPUT, EXIT
                                     disk_errors)
 from batchgen.runner.embed_jobs import EmbeddingJobs
 from batchgen.runner.grammars import Grammars
+from batchgen.runner.inflight import InflightCheckpoints, with_progress
 from batchgen.runner.exits import EXIT_REQUEUE
 from batchgen.runner.job import JobSpec
 from batchgen.runner.launch import StopFlag, die_with_supervisor, launched_at
@@ -134,7 +136,16 @@ class Worker:
                 self.writer, self.done = open_results(paths, self.place.dp_rank,
                                                       self.place.dp_size)
                 self.quarantine.recover(self.done, rank.restarted)
+        self.checkpoints = None
+        if self.place.writes_results:
+            with disk_errors("open the in-flight checkpoint"):
+                self.checkpoints = InflightCheckpoints(
+                    paths, spec.batch_id, self.place.dp_rank, self.place.dp_size,
+                    cfg.watchdog.inflight_checkpoint_interval, self.done)
         self.done = self.tp.broadcast(self.done if self.writer else None)
+        # A TP group's ranks must admit the same requests the same way.
+        self.resumable = self.tp.broadcast(self.checkpoints.resumable if self.checkpoints
+                                           else None)
         self.loaded = load_model(cfg.engine.model, device, rank.world, self.tp)
         self.engine = Engine(self.loaded.model, cfg.engine, self.loaded.tokenizer,
                              self.loaded.eos_token_ids,
@@ -171,6 +182,9 @@ class Worker:
         rest = (r for r in self._records() if record_key(r) not in self.handled)
         if self._serve(rest, min(sched.max_intake_capacity, sched.max_pool_size)):
             return EXIT_REQUEUE
+        if self.checkpoints:
+            self.checkpoints.remove()
+            self._report(force=True)
         return 0
 
     def _isolate_suspects(self) -> list[list]:
@@ -210,19 +224,40 @@ class Worker:
                 lines.extend(self._embedded())
                 if self.engine.has_unfinished():
                     lines.extend(self._result(f) for f in self.engine.step())
+                if stopping:  # a burst still on the device: its tokens go into the checkpoint
+                    lines.extend(self._result(f) for f in self.engine.settle())
                 if lines and self.writer:
                     self.writer.write_batch(lines)
+                self._checkpoint(stopping)
             self.watchdog.started()
             self._report()
             if stopping:
                 log.warning("rank %d: stop requested; finished results are on disk, %d in flight "
-                            "will be recomputed on resume", self.rank.rank,
+                            "continue from their checkpoint on resume", self.rank.rank,
                             self.engine.num_requests)
                 self._report(force=True)
                 return True
             if exhausted and not self.engine.has_unfinished():
                 self._report(force=True)
                 return False
+
+    def _checkpoint(self, stopping: bool) -> None:
+        """Save the progress of the requests in flight, after the results they depend on are
+        durable: on a stop, and every --inflight-checkpoint-interval seconds."""
+        if self.checkpoints is None or not (stopping or self.checkpoints.due()):
+            return
+        with disk_errors("write the in-flight checkpoint"):
+            self.checkpoints.save(self.engine.inflight_state(), self.engine.generated_tokens)
+
+    def _admit(self, request) -> None:
+        """Add `request`, continued from its checkpoint when it has one; a checkpoint that
+        cannot continue it is dropped and the request starts over."""
+        resumed = with_progress(request, self.resumable)
+        try:
+            self.engine.add_request(resumed)
+        except ResumeError as err:
+            log.warning("rank %d: %s; it starts over", self.rank.rank, err)
+            self.engine.add_request(request)
 
     def _intake(self, records, limit: int, lines: list[bytes]) -> bool:
         """Feed requests until the engine holds `limit`; True when `records` is exhausted. Each
@@ -253,7 +288,7 @@ class Worker:
                     item = request
             if isinstance(item, PendingRequest):
                 try:
-                    self.engine.add_request(request)
+                    self._admit(request)
                     self.pending[item.custom_id] = item
                     continue
                 except RequestTooLarge as err:
@@ -295,7 +330,9 @@ class Worker:
             "prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.completion_tokens,
             "output_tokens_per_s": self.engine.generated_tokens / elapsed if counted else 0.0,
             "engine": self.engine.stats() if counted else {}, "suspects": len(q.strikes),
-            "quarantined": list(q.quarantined), **self.watchdog.health()})
+            "quarantined": list(q.quarantined),
+            "checkpoint": dict(self.checkpoints.stats) if self.checkpoints else {},
+            **self.watchdog.health()})
 
     def close(self) -> None:
         if self.writer:
