@@ -77,9 +77,11 @@ def test_each_line_is_journaled_before_its_risky_intake(tmp_path, monkeypatch):
         raise SystemExit("crash while reading the line")
 
     monkeypatch.setattr(worker_module, "intake", spy_intake)
+    config = SimpleNamespace(storage=SimpleNamespace(max_tokens=16),
+                             engine=SimpleNamespace(model=SimpleNamespace(max_model_len=None)))
     fake = SimpleNamespace(engine=SimpleNamespace(num_requests=0), done=set(), writer=object(),
-                           quarantine=quarantine, loaded=SimpleNamespace(
-                               tokenizer=None, max_context=64))
+                           quarantine=quarantine, embeddings=[], spec=SimpleNamespace(config=config),
+                           loaded=SimpleNamespace(tokenizer=None, max_context=64))
     records = iter([RawRecord(1, {"custom_id": "poison", "prompt": "x"})])
     with pytest.raises(SystemExit):
         worker_module.Worker._intake(fake, records, 8, [])
