@@ -191,3 +191,34 @@ def test_run_refuses_urls_before_any_work(tmp_path, flag, value):
     assert read_jsonl(rows)  # the input is untouched
     proc = batchgen("validate", "--input", "gs://bucket/in.jsonl")
     assert proc.returncode == 2 and "gs:// URL" in proc.stderr
+
+
+def test_a_job_forces_tool_calls_without_parse_flags(tiny_chat_model, tmp_path):
+    """Default flags (no --parse-tool-call): a forced call is generated in the model's format
+    (llama3_json for this Llama) and answered as tool_calls; free lines stay text."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_chat_model, model)
+    (model / "chat_template.jinja").write_text(TOOLS_TEMPLATE)
+    named = {"type": "function", "function": {"name": "get_time"}}
+    rows = [{"custom_id": f"t{i}", "method": "POST", "url": "/v1/chat/completions",
+             "body": {"messages": USER, "tools": [WEATHER, TIME], "tool_choice": choice,
+                      "max_tokens": 300, "temperature": 0.8, "seed": i}}
+            for i, choice in enumerate(["required", named])]
+    rows.append({"custom_id": "s", "messages": USER, "stream": True})
+    inp = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.jsonl"
+    batchgen("run", "--input", inp, "--model", model, "--storage-path", tmp_path / "s",
+             "--output", out, "--device", "cpu", check=True)
+    results = {r["custom_id"]: r for r in read_jsonl(out)}
+    for custom_id in ("t0", "t1"):
+        choice = results[custom_id]["response"]["body"]["choices"][0]
+        assert choice["finish_reason"] == "tool_calls", choice
+        call = choice["message"]["tool_calls"][0]["function"]
+        assert set(json.loads(call["arguments"])) == (
+            {"zone"} if call["name"] == "get_time" else {"city", "days"})
+    assert results["t1"]["response"]["body"]["choices"][0]["message"]["tool_calls"][0][
+        "function"]["name"] == "get_time"
+    error = read_jsonl(out.with_name("out.errors.jsonl"))[0]["response"]
+    assert error["status_code"] == 400 and error["body"]["error"]["param"] == "stream"

@@ -40,6 +40,14 @@ def forced_functions(tools, tool_choice) -> list[dict] | None:
                           f"{tool_choice!r}")
 
 
+def forces_call(extra: dict) -> bool:
+    """Whether a request's tool_choice forces a call (a bad one is no request: False)."""
+    try:
+        return forced_functions(extra.get("tools"), extra.get("tool_choice")) is not None
+    except ToolChoiceError:
+        return False
+
+
 def _functions(tools) -> list[dict]:
     if not isinstance(tools, list):
         return []

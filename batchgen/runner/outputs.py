@@ -14,6 +14,7 @@ from batchgen.io.intake import PendingRequest
 from batchgen.io.parsers import (count_reasoning_tokens, parse_output, reasoning_style_for,
                                  tool_parser_for)
 from batchgen.io.results import ParsedChoice, bytes_label, item_id, success_line
+from batchgen.io.tool_choice import forces_call
 
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
@@ -47,7 +48,10 @@ class OutputFormatter:
         model_type = getattr(loaded.hf_config, "model_type", "") or ""
         self.reasoning_style = reasoning_style_for(model_type) if out.parse_thinking else None
         override = None if out.tool_call_parser == "auto" else out.tool_call_parser
-        self.tool_parser = tool_parser_for(model_type, override) if out.parse_tool_call else None
+        self.tool_format = tool_parser_for(model_type, override)
+        """The model's tool-call format: forced calls (tool_choice) are generated in it and
+        parsed from it even without --parse-tool-call."""
+        self.tool_parser = self.tool_format if out.parse_tool_call else None
         self.reasoning_field = out.reasoning_field
         self.skip_special = not out.detokenization_include_special_tokens
         """As the engine decodes the choices' texts."""
@@ -72,20 +76,21 @@ class OutputFormatter:
 
     def success(self, pending: PendingRequest, finished: FinishedRequest) -> dict:
         parsed = None
-        if pending.kind == "chat" and (self.reasoning_style or self.tool_parser):
-            parsed = [self._parse(c) for c in finished.completions]
+        tools = self.tool_parser or (self.tool_format if forces_call(pending.extra) else None)
+        if pending.kind == "chat" and (self.reasoning_style or tools):
+            parsed = [self._parse(c, tools) for c in finished.completions]
         return success_line(pending, finished, batch_id=self.spec.batch_id, model=self.model_name,
                             created=self.spec.created, decode_token=self.decode_token,
                             decode_text=self.decode_text,
                             parsed=parsed, reasoning_field=self.reasoning_field)
 
-    def _parse(self, completion) -> ParsedChoice:
+    def _parse(self, completion, tool_parser: str | None) -> ParsedChoice:
         text = completion.text or ""
-        if "harmony" in (self.reasoning_style, self.tool_parser):
+        if "harmony" in (self.reasoning_style, tool_parser):
             # Harmony's channel markers are special tokens: parse the text that keeps them.
             text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=False)
         message = parse_output(text, reasoning_style=self.reasoning_style,
-                               tool_parser=self.tool_parser)
+                               tool_parser=tool_parser)
         tokens = 0
         if self.reasoning_style and message.reasoning:
             tokens = count_reasoning_tokens(completion.token_ids, self.tokenizer,

@@ -155,7 +155,7 @@ class Worker:
         guard_decode_steps(self.engine, watchdog, cfg.watchdog.watchdog_test_stuck_time)
         self.formatter = OutputFormatter(spec, self.loaded)
         self.grammars = Grammars(self.loaded.tokenizer, self.loaded.hf_config.vocab_size,
-                                 self.loaded.eos_token_ids, self.formatter.tool_parser)
+                                 self.loaded.eos_token_ids, self.formatter.tool_format)
         self.embeddings = EmbeddingJobs(self.loaded, spec.batch_id,
                                         cfg.engine.scheduler.max_prefill_tokens)
         self.pending: dict[str, PendingRequest] = {}
