@@ -36,6 +36,7 @@ from batchgen.io.reader import InputSummary, iter_keys, scan_input
 from batchgen.io.writer import (IncompleteResults, final_files_complete, finalize,
                                 read_done_ids)
 from batchgen.models.loader import resolve_model, weights_signature
+from batchgen.phases import format_phases, process_start_time
 from batchgen.runner.errors import (
     EXIT_CODES,
     EXIT_CRASH,
@@ -483,7 +484,23 @@ def _record_end(spec: JobSpec, batch_file: BatchFile, started: float, status: st
         "usage": usage or _usage_after(batch_file, prompt, completion)}
     if counts:
         changes["request_counts"] = counts
+    startup = startup_phases(stats)
+    if startup:
+        changes["timings"]["startup"] = startup
+        log.info("start-up: %s; whole run %.1f s", format_phases(startup),
+                 time.time() - process_start_time())
     batch_file.update(spec.batch_id, **changes)
+
+
+def startup_phases(stats: list[dict]) -> dict[str, float]:
+    """Seconds of each start-up phase of this command: until the workers were launched (flag
+    checks, input scan, lock, preflight), then the first worker's own phases (process start and
+    imports, config, weights, host pool, graphs, first token, first result written)."""
+    first = next((s for s in stats if s.get("startup")), None)
+    if first is None:
+        return {}
+    launch = max(0.0, first.get("startup_origin", 0.0) - process_start_time())
+    return {"launch": round(launch, 3), **dict(first["startup"])}  # pairs: in phase order
 
 
 def _engine_counters(stats: list[dict]) -> dict:
