@@ -3,7 +3,8 @@
 Ranks are grouped into tensor-parallel (TP) groups of `tp_size` consecutive ranks (so a group
 stays inside a node when TP <= GPUs per node); the groups are the data-parallel (DP) replicas.
 Every rank of a TP group runs the same scheduler on the same input shard, so their decisions
-agree without messages (DESIGN.md); only the group's first rank writes results.
+agree without messages (docs/architecture.md, "Determinism across ranks"); only the group's
+first rank writes results.
 
 Nothing here is a module global: a worker builds one `Placement` and one `TensorParallel` and
 passes them down.

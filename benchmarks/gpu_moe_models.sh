@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# GPU runs for the MoE shapes (issues 7 and 8), from the repo root on one H200 (~15 min):
+# GPU runs for the MoE shapes, from the repo root on one H200 (~15 min), with the README's
+# install and its test extras (`bash scripts/install.sh test`, then `source .venv/bin/activate`;
+# on a GPU machine install a CUDA build of torch first):
 #   1. the MLA kernels' CUDA tests (kernel vs float64 reference, model wiring, DeepSeek on CUDA
 #      vs CPU float32) and their timing against the PyTorch path (+ a launch-config sweep);
 #   2. `batchgen bench` on deepseek-v3-4l (37 B, 69 GiB bf16): batch 64 512in/128out with the
@@ -10,12 +12,6 @@
 set -u
 OUT=${OUT:-/tmp/moe_bench}
 mkdir -p "$OUT"
-if [ -d .bench/whl ]; then  # the lead's offline wheels and import paths (see .bench/gpu*.sh)
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site .bench/whl/*.whl 2>&1 | tail -1
-    mkdir -p /tmp/pp && ln -sfn "$PWD/batchgen" /tmp/pp/batchgen
-    ln -sfn "$PWD/kernels" /tmp/pp/batchgen_kernels
-    export PYTHONPATH=/tmp/pp:/tmp/site
-fi
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
 

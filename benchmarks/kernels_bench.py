@@ -28,8 +28,8 @@ BF16 = torch.bfloat16
 def paged_pool(batch: int, ctx: int, kv_dtype: torch.dtype, num_layers: int = 2,
                scale_layout: str = "pool"):
     """A pool whose layer-1 view holds `ctx` tokens for each of `batch` sequences. fp8 scales
-    as the engine stores them ("pool": a page's slots innermost) or token-major ("token",
-    the layout before the fifth session: one strided 4-byte load per slot)."""
+    as the engine stores them ("pool": a page's slots innermost) or token-major ("token":
+    one strided 4-byte load per slot, for comparison)."""
     pages = -(-ctx // PAGE)
     data = torch.randn(batch * pages, num_layers, PAGE, 2, KV_HEADS, HEAD_DIM, device="cuda")
     data = data.to(kv_dtype)
@@ -81,8 +81,8 @@ def sweep_decode() -> list:
     """The decode kernel per launch setting (warps x stages), for fp8 and bf16 KV at B=256
     ctx 1k and B=512 ctx 1.5k: picks decode_attention's FP8_LAUNCH / FP8_FULL_LAUNCH and
     BF16_LAUNCH. The "torch ms" column holds the current setting's time (speed-up > 1: better
-    than it). Walking two or four pages per loop iteration was measured too (sixth session)
-    and was slower throughout."""
+    than it). Walking two or four pages per loop iteration is slower throughout
+    (docs/performance.md, "Measured and not adopted")."""
     from batchgen_kernels import decode_attention as DA
 
     names = ("FP8_LAUNCH", "FP8_FULL_LAUNCH", "BF16_LAUNCH")
@@ -110,7 +110,7 @@ def sweep_decode() -> list:
 def bench_mixed(decodes: int, ctx: int, prompts: int, prompt_len: int):
     """A mixed step's attention: `decodes` one-row sequences at context `ctx` packed before
     `prompts` whole prompts. Ours: one-row sequences through the decode kernel (skip_one_row);
-    "torch" column: the prefill kernel over every row (before the sixth session)."""
+    "torch" column: the prefill kernel over every row, for comparison."""
     kv, scales, table = paged_pool(decodes + prompts, max(ctx, prompt_len), BF16)
     q_lens = [1] * decodes + [prompt_len] * prompts
     q = torch.randn(sum(q_lens), HEADS, HEAD_DIM, device="cuda", dtype=BF16)

@@ -169,8 +169,8 @@ def event_ms(fn, repeats: int = 5) -> float:
 def disjoint_green_streams(first_sms: int) -> tuple[tuple[int, int], list]:
     """Two streams on green contexts that share no SM: one of at least `first_sms` SMs (the
     driver rounds up to its partition granularity) and one of all the SMs left. torch's
-    `GreenContext.create(num_sms=n)` splits the whole device on each call (the first probe of
-    the sixteenth session used two of them: they may share SMs); the driver's split also
+    `GreenContext.create(num_sms=n)` splits the whole device on each call (two contexts made
+    that way may share SMs); the driver's split also
     returns the remainder, which is the second context here. Returns ((SMs of each),
     [the two torch streams, then the handles to keep alive])."""
     import ctypes

@@ -1,17 +1,19 @@
 """Compile the paged decode kernel for an H100/H200 (sm_90) on a machine without a GPU and
 print what its SASS costs: registers, spill (stack) bytes, shared memory, and the instruction
-mix of the page loop. Device time is scarce; this answers "does the variant spill", "how many
-instructions per page" and "does the V tile reach the tensor cores through ldmatrix" for free.
+mix of the page loop. No GPU is needed; this answers "does the variant spill", "how many
+instructions per page" and "does the V tile reach the tensor cores through ldmatrix".
 
-    pip install triton==3.6.0 --target /tmp/t36     # the GPU machine's Triton (any works)
-    PYTHONPATH=/tmp/t36 python benchmarks/sass_report.py [--warps 2 4] [--stages 2 3]
-    PYTHONPATH=/tmp/t36 python benchmarks/sass_report.py --quantizers
+    python benchmarks/sass_report.py [--warps 2 4] [--stages 2 3]
+    python benchmarks/sass_report.py --quantizers
+
+It uses the installed Triton and the cuobjdump that ships inside it. Counts depend on the
+Triton version: to see exactly what a GPU machine compiles, run it in an environment with
+that machine's Triton (e.g. `pip install triton==3.6.0`).
 
 The compile reproduces a launch's specialisation (pointers and ints divisible by 16, ints
-equal to 1 folded), so the numbers match the GPU's: fp8 KV with 2 warps, 2 stages reported 255
-registers and 23,040 bytes of shared memory, as `ncu` did on the H200 (seventh session, before
-fp8 pools stored V transposed; 202 registers since). Counts are SASS instructions per thread;
-a loop body is the span a backward branch jumps over.
+equal to 1 folded), so the numbers match the GPU's: `ncu` on an H200 reports the same
+registers and shared memory for the same kernel and Triton version. Counts are SASS
+instructions per thread; a loop body is the span a backward branch jumps over.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from batchgen.engine.graphs import DecodeGraphs
 from batchgen.engine.kv_cache import KVLayout, KVPool
 
 PEAK_BF16_FLOPS = 790e12
-"""Dense bf16 matmul rate measured on the H200 (DEVICE-NOTES)."""
+"""Dense bf16 matmul rate measured on an H200 (docs/architecture.md, "Measured transfer costs")."""
 
 
 def timed(fn, repeat: int) -> float:

@@ -12,7 +12,8 @@
 #   "Off" = a host pool of exactly the device pool's pages, same device pool (see the
 #   batchgen/bench.py docstring for why that is "off" in batchgen).
 #
-# Usage (from the repo root):
+# Usage (from the repo root, with the README's install: `bash scripts/install.sh`, then
+# `source .venv/bin/activate`; on a GPU machine install a CUDA build of torch first):
 #   benchmarks/w2_host_tier.sh            both runs in one process (--compare-host-tier)
 #   benchmarks/w2_host_tier.sh on         the "on" run only  -> $OUT/w2_on.json
 #   benchmarks/w2_host_tier.sh off        the "off" run only (sized from $OUT/w2_on.json), then
@@ -21,28 +22,18 @@
 #   HOST_KV_GB (100), MAX_DECODE_BATCH (256), INITIAL_GPU_PAGE_BUFFER (32),
 #   OUT (/tmp/w2_host_tier: the JSON reports).
 #
-# Duration: `batchgen simulate` (llama3-8b, same flags) predicts ~4,200 out tok/s on and
-# ~3,600 off (ratio 1.17) with 0.5 ms of host work per step, ~2,840 / ~2,320 (1.22) with 5 ms:
-# each run takes 35-60 min, the pair 1.2-1.8 h. Use the `on` / `off` halves (or a smaller
-# REQUESTS) where one command may only run for minutes; REQUESTS=1024 still takes ~10 min per
-# run. Those figures predate the adaptive device buffer (default since the fifth session; its
-# rule since the sixth: while other sequences wait, to be admitted or on the host, a sequence
-# admitted or loaded reserves one extension instead of the 32-page initial buffer, knob
-# INITIAL_GPU_PAGE_BUFFER). Simulated with the default flags: 1.32x at 1,024 requests, 1.35x
-# at 4,096. Measured at 160 requests (max 7,680 out): 1.31x with the default flags, 1.07x
-# with the buffer always 32 pages, 1.33-1.34x always 4 (docs/performance.md).
+# Duration: each run takes 35-60 min, the pair 1.2-1.8 h. Use the `on` / `off` halves (or a
+# smaller REQUESTS) where one command may only run for minutes; REQUESTS=1024 still takes ~10
+# min per run. With the adaptive device buffer (the default: while other sequences wait, to be
+# admitted or on the host, a sequence admitted or loaded reserves one extension instead of the
+# INITIAL_GPU_PAGE_BUFFER pages) `batchgen simulate` gives 1.32x at 1,024 requests and 1.35x at
+# 4,096. Measured at 160 requests (max 7,680 out): 1.33x with the default flags, 1.07x with
+# the buffer always 32 pages (docs/performance.md).
 set -euo pipefail
 
 MODE=${1:-compare}
 OUT=${OUT:-/tmp/w2_host_tier}
 mkdir -p "$OUT"
-if [ -d .bench/whl ]; then  # the lead's offline wheels and import paths (see .bench/gpu*.sh)
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site .bench/whl/*.whl \
-        2>&1 | tail -1 || true
-    mkdir -p /tmp/pp && ln -sfn "$PWD/batchgen" /tmp/pp/batchgen
-    ln -sfn "$PWD/kernels" /tmp/pp/batchgen_kernels
-    export PYTHONPATH=/tmp/pp:/tmp/site
-fi
 export PYTHONUNBUFFERED=1
 W2=(--shape "${SHAPE:-llama3-8b}" --requests "${REQUESTS:-4096}" --input-len 512
     --output-len 2048 --output-dist lognormal --max-output-len 16384 --max-tokens-mode cap

@@ -148,11 +148,11 @@ def _reduce_kernel(part_out_ptr, part_lse_ptr, sinks_ptr, out_ptr, num_splits,
 # bf16 KV, and again for fp8 KV with f16 dots (`kernels_bench.py --only decode_sweep`).
 # fp8 pools store V transposed (`load_page_kv`), which took the fp8 kernel's page loop from
 # 1,092 to ~800 instructions (`benchmarks/sass_report.py`) and 255 to 202 registers: 3.0 ->
-# 3.3 TB/s at batch 512 (eighth session). With that, one warp per program is faster still
+# 3.3 TB/s at batch 512. With that, one warp per program is faster still
 # (3.53-3.66 TB/s at batch 512) once there are programs enough to fill every SM several times
 # over, and slower below (batch 48-64 at ctx 1k: 1.09-1.52 against 1.16-1.58); between, the
-# two trade places within 10%. Measured slower before the transposed layout (seventh
-# session, docs/performance.md): 2-4 pages or 16-32-key chunks per iteration; register caps;
+# two trade places within 10%. Measured slower than this kernel (docs/performance.md,
+# "Measured and not adopted"): 2-4 pages or 16-32-key chunks per iteration; register caps;
 # prefetching the next page into registers; evict-first loads; K loaded token-major; e4m3
 # tensor-core dots (also 2.7% off the reference).
 FP8_LAUNCH = {"num_warps": 2, "num_stages": 2}

@@ -5,7 +5,8 @@ page src_pages[i] to dst_pages[i] is a flat block copy. Both pools are viewed as
 (every page's byte size is a multiple of 4), so one kernel serves every dtype, fp8 included.
 Program (i, j) copies the j-th BLOCK-word chunk of the i-th page pair.
 
-Issuing one cudaMemcpy per page (or per page per layer) costs ~13 us each (DEVICE-NOTES);
+Issuing one cudaMemcpy per page (or per page per layer) costs ~13 us each (docs/architecture.md,
+"Measured transfer costs");
 this kernel costs one launch. On GPU either pool may live in pinned host memory: the kernel
 reads or writes it through its device-visible (UVA) address, so host <-> device transfers of
 scattered pages need no staging buffer. Scales of fp8 pools take a second launch.

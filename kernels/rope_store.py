@@ -7,7 +7,7 @@ attention kernels read q from memory) and its k heads, which go straight from re
 the token's slot with v. On an H200 (`kernels_bench.py --only rope_store`, Llama-3-8B heads)
 a decode step's 512 tokens take 28.6 us against 53.3 us for the two kernels with fp8 KV, an
 8k-token prompt batch 116 against 142 us; rotating q and storing k/v in two programs per
-token, side by side, was slower (30.6 and 133 us).
+token, side by side, are slower (30.6 and 133 us).
 
 The arithmetic is that of the two kernels in sequence: k is rotated in float32 and rounded to
 the activation dtype before it is stored (or, for fp8 pools, before its row scale amax / 448

@@ -83,7 +83,7 @@ def test_request_larger_than_pool_is_refused(tiny_llama):
 def test_answers_stop_at_the_model_context(tiny_llama):
     """Requests given straight to the engine (the bench, library users) are bounded by the
     model's positions as the job intake bounds them: max_tokens past the context ends the
-    answer "length" at the last position (it used to index past the rope table), and a prompt
+    answer "length" at the last position (never an index past the rope table), and a prompt
     that fills the context is refused."""
     limit = tiny_llama.max_context
     engine = make_engine(tiny_llama, device_gb=0.2, host_gb=0.4)

@@ -1,7 +1,7 @@
 """Shared helpers of the tests/test_reliability_*.py fault-injection suite (no tests here).
 
 Every fault test runs the same small greedy job, compares its final output with one clean run
-(computed once per session and cached), and counts records lost and duplicated.
+(computed once per pytest run and cached), and counts records lost and duplicated.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def launch(inp, storage, model, *extra, env=None):
 
 
 def clean_storage(model: Path) -> Path:
-    """Storage of one uninterrupted run of ROWS (session cache: the suite pays for it once)."""
+    """Storage of one uninterrupted run of ROWS (cached: the suite pays for it once)."""
     key = str(model)
     if key not in _CLEAN:
         root = Path(tempfile.mkdtemp(prefix="batchgen-clean-"))

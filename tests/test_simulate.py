@@ -130,7 +130,7 @@ def test_bad_configs_are_refused():
 
 
 def test_decode_cost_matches_the_llama_roofline():
-    """DEVICE-NOTES: Llama-3-8B bf16 at 4.3 TB/s, batch 256 at 1k context -> ~21.8k tok/s."""
+    """Llama-3-8B bf16 at 4.3 TB/s, batch 256 at 1k context -> ~21.8k tok/s (docs/simulate.md)."""
     hw = Hardware(1, 790e12, 4.3e12, 55e9, 300e9, 0.0, 0.5, 0.0)
     shape = PRESETS["llama3-8b"]
     cost = CostModel(shape, hw, shape.kv_values_per_token_layer * shape.num_layers * 2)

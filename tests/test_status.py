@@ -1,5 +1,5 @@
 """`batchgen status`: a job by id, every job of a storage path, or a job folder given as the
-argument (as DESIGN.md writes it); ids are names, never patterns; unreadable files are named."""
+argument; ids are names, never patterns; unreadable files are named."""
 
 import json
 

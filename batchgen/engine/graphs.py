@@ -6,7 +6,7 @@ to slot -1 (the KV store skips negative slots) and attend to one key of page 0, 
 little compute and touch no real sequence. Batches above the largest bucket run eagerly.
 
 By default the whole forward is one graph per bucket. Per-segment mode
-(BATCHGEN_SEGMENTED_GRAPH=1, as in the reference) captures one graph per segment of the model's
+(BATCHGEN_SEGMENTED_GRAPH=1) captures one graph per segment of the model's
 chain (embedding, each decoder layer, final norm, LM head: `PagedCausalLM.segments`), each
 reading the previous one's output buffer, and replays them in order; a capture that fails
 names its segment.

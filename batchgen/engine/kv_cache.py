@@ -2,7 +2,8 @@
 
 Layout of a pool: `data[num_pages, num_layers, PAGE_SIZE, *token_shape]`. One page holds every
 layer's KV for 64 tokens in one contiguous block, so moving a page between tiers is one large
-copy (DEVICE-NOTES: per-layer 32 KiB copies run ~25x slower than MiB-sized ones).
+copy (per-layer 32 KiB copies run ~22x slower than MiB-sized ones: docs/architecture.md,
+"Measured transfer costs").
 `token_shape` comes from the model: (2, kv_heads, head_dim) for K and V of GQA attention,
 (1, latent + rope dims) for DeepSeek's MLA. fp8 pools keep one float32 scale per token and
 leading index (per token and head for GQA). They are stored page-major too, with the page's 64

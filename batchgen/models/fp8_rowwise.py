@@ -6,7 +6,7 @@ as a QuantizedWeight with scales [N, 1] and block (1, K), i.e. one block spannin
 Such a weight needs no per-128-column scale steps inside the GEMM: activations are quantized
 with one scale per row and torch's `_scaled_mm` applies the two scale vectors to the
 accumulated product (measured on an H200 at M = 512..8192: 10-17% faster than the 128x128
-blockwise recipe; docs/performance.md, ninth session).
+blockwise recipe; docs/performance.md).
 
 A fused RMSNorm or SiLU-and-mul can hand such a projection its input already quantized
 (`QuantizedRows`), so the activation-dtype row is never written and read back.

@@ -5,7 +5,7 @@ A daemon thread checks the armed deadlines every TICK_S. A miss dumps every thre
 (faulthandler) to the worker log, writes the cause into the rank's stats file (the supervisor,
 sole writer of the batch file, copies it into `health`) and ends the process with
 EXIT_WATCHDOG, so the job is restarted and resumes; finished lines are already durable.
-The watchdog is off unless a timeout is given (the reference's default) and --no-watchdog
+The watchdog is off unless a timeout is given (the default) and --no-watchdog
 turns every deadline off.
 
 The thread needs the GIL to run, so a C call that hangs while holding it (a wedged extension)

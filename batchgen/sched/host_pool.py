@@ -3,7 +3,7 @@
 Backings: POSIX shm in /dev/shm (default; O_EXCL, mode 0600, unlinked as soon as it is mapped so
 a crash cannot leak it), memfd_create + MADV_HUGEPAGE (`--fast-init`), or a hugetlbfs file
 (`--enable-hugetlbfs`). On CUDA the mapping is pinned with cudaHostRegister so copies run at
-PCIe speed (pageable copies are ~9x slower, DEVICE-NOTES).
+PCIe speed (pageable copies are ~9x slower: docs/architecture.md, "Measured transfer costs").
 """
 
 from __future__ import annotations

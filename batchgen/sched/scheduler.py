@@ -292,7 +292,7 @@ class Scheduler:
         device bounds the decode batch, and a 2,048-token buffer per sequence, mostly unused
         by answers of ~2k tokens, keeps a large share of the pool from running sequences.
         Measured on an H200 (W2-lite, host tier on/off): 1.07x with the buffer always 32
-        pages, 1.26x shrinking it only while sequences waited on the host, 1.31x with this
+        pages, 1.26x shrinking it only while sequences wait on the host, 1.31x with this
         rule (1.33-1.34x with the buffer always 4 pages); W1 and DeepSeek-R1 long-tail
         simulations unchanged."""
         buffer = self.cfg.initial_gpu_page_buffer

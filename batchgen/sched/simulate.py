@@ -6,10 +6,11 @@ token, a sequence whose output reached its length finishes). Instead of running 
 advances a clock by `CostModel.step` (see cost_model.py). Token values never matter to the
 scheduler, which only takes len(token_ids), so a `range` stands in for each token list.
 
-Speed: between decisions the decode set is fixed (DESIGN.md), so a run of pure decode steps with
-no decision due and no sequence finishing is applied in one go (`fast_forward`) instead of
-calling `schedule()` once per token. That needs the scheduler's private `_steps_left` and
-`_decision_due()`; `tests/test_simulate.py` checks the result is identical to stepping.
+Speed: between decisions the decode set is fixed (docs/architecture.md, "Decision points"),
+so a run of pure decode steps with no decision due and no sequence finishing is applied in one
+go (`fast_forward`) instead of calling `schedule()` once per token. That needs the scheduler's
+private `_steps_left` and `_decision_due()`; `tests/test_simulate.py` checks the result is
+identical to stepping.
 """
 
 from __future__ import annotations
