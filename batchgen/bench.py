@@ -61,6 +61,7 @@ from batchgen.core import FinishReason, Request, SamplingParams
 from batchgen.engine.engine import Engine
 from batchgen.engine.heap import frozen_heap
 from batchgen.parallel import TensorParallel
+from batchgen.phases import StartupClock, format_phases
 
 log = logging.getLogger("batchgen.bench")
 
@@ -162,11 +163,13 @@ def run_ours(model, tokenizer, engine_cfg: EngineConfig, work: Workload,
              tp: TensorParallel = TensorParallel()) -> dict:
     prompts, outputs = work.prompts(model.config.vocab_size), work.lengths()
     ids = [f"b{i}" for i in range(work.requests)]
+    demand = work.requests * (work.input_len + work.output_len)
     if work.max_tokens_mode == "cap":
         engine = LengthStopEngine(model, engine_cfg, tokenizer, (), tp=tp,
-                                  stop_after=dict(zip(ids, outputs)))
+                                  stop_after=dict(zip(ids, outputs)), demand_tokens=demand)
     else:
-        engine = Engine(model, engine_cfg, tokenizer, (), tp=tp)
+        engine = Engine(model, engine_cfg, tokenizer, (), tp=tp, demand_tokens=demand)
+    startup = dict(engine.runner.startup)
     warmup_s = warm_up(engine, model, work, engine_cfg.scheduler.max_prefill_tokens)
     with frozen_heap():  # as a job's worker: no collection re-scans the startup objects
         elapsed, produced, digests, variants = _timed_run(engine, model, ids, prompts, outputs,
@@ -186,6 +189,7 @@ def run_ours(model, tokenizer, engine_cfg: EngineConfig, work: Workload,
              elapsed, produced / elapsed, stats.get("steps", 0))
     tokens_sha256 = hashlib.sha256(b"".join(digests[rid] for rid in ids)).hexdigest()
     return {"seconds": elapsed, "output_tokens": produced, "stats": stats, "warmup_s": warmup_s,
+            "startup": startup,
             "layout": layout, "outputs": outputs, "tokens_sha256": tokens_sha256}
 
 
@@ -316,7 +320,7 @@ class BenchConfig:
     gpu_kv_cache_size: float | None = None
     """Device KV pool in GB (overrides gpu_memory_frac)."""
     host_kv_cache_size: float | None = None
-    """Host KV pool in GB (default 8)."""
+    """Host KV pool in GB (default: what the workload can use, as `run` sizes it)."""
     gpu_memory_frac: float = 0.9
     """Share of device memory for weights + KV when gpu_kv_cache_size is unset (CUDA)."""
     compare_host_tier: bool = False
@@ -379,6 +383,8 @@ def bench(cfg: BenchConfig, work: Workload, tp: TensorParallel | None = None) ->
 
         return bench_tensor_parallel(cfg, work)
     tp = tp or TensorParallel()
+    clock = StartupClock()
+    clock.mark("process")
     work.validate()
     device = pick_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
@@ -386,10 +392,11 @@ def bench(cfg: BenchConfig, work: Workload, tp: TensorParallel | None = None) ->
     options = cfg.model_config()
     model = random_model(hf_config, dtype, device, options, tp=tp)
     stats = weight_stats(model)
+    clock.mark("weights")
     engine_cfg = EngineConfig(
         model=options,
         memory=MemoryConfig(gpu_kv_cache_size=cfg.gpu_kv_cache_size,
-                            host_kv_cache_size=cfg.host_kv_cache_size or 8.0,
+                            host_kv_cache_size=cfg.host_kv_cache_size,
                             gpu_memory_frac=cfg.gpu_memory_frac),
         scheduler=SchedulerConfig(max_decode_batch=cfg.max_decode_batch,
                                   max_prefill_tokens=cfg.max_prefill_tokens,
@@ -399,6 +406,7 @@ def bench(cfg: BenchConfig, work: Workload, tp: TensorParallel | None = None) ->
                               disable_cuda_graphs=cfg.disable_cuda_graphs,
                               decode_burst_steps=cfg.decode_burst_steps)).validate()
     ours = run_ours(model, None, engine_cfg, work, tp)
+    timed_end = clock.since_origin()
     bandwidth = measure_hbm_bandwidth(device)
     bound = roofline_seconds(stats, ours["layout"], work, ours["outputs"], cfg.max_decode_batch,
                              bandwidth, device)
@@ -409,7 +417,8 @@ def bench(cfg: BenchConfig, work: Workload, tp: TensorParallel | None = None) ->
               "hbm_bytes_per_s": bandwidth, "roofline_seconds": bound, "results": rows,
               "kv_bytes_per_page": ours["layout"].bytes_per_page,
               "tokens_sha256": ours["tokens_sha256"], "engine_stats": _scalars(ours["stats"]),
-              "warmup_seconds": ours["warmup_s"]}
+              "warmup_seconds": ours["warmup_s"],
+              "startup": _startup(clock, ours, timed_end)}
     if cfg.compare_host_tier:
         free_kv_memory(device)
         off = run_ours(model, None, host_tier_off(engine_cfg, ours["stats"]["device_pages"],
@@ -426,6 +435,19 @@ def bench(cfg: BenchConfig, work: Workload, tp: TensorParallel | None = None) ->
         rows["hf_generate"] = _row(peer, total_in)
         rows["ratio"] = rows["batchgen"]["output_tok_s"] / rows["hf_generate"]["output_tok_s"]
     return report
+
+
+def _startup(clock: StartupClock, ours: dict, timed_end: float) -> dict:
+    """Seconds from the process start to the end of batchgen's timed run, by phase: process
+    start and imports, weights, host pool, CUDA graphs, warm-up, timed run."""
+    phases = clock.durations()
+    phases.update({name: round(seconds, 3) for name, seconds in ours["startup"].items()})
+    phases["warm_up"] = round(ours["warmup_s"], 3)
+    phases["timed_run"] = round(ours["seconds"], 3)
+    # What the engine's start did apart from the pools and graphs (e.g. pool planning).
+    phases["engine_other"] = round(max(0.0, timed_end - sum(phases.values())), 3)
+    return {"phases": phases, "whole_seconds": round(timed_end, 3),
+            "whole_over_timed": round(timed_end / max(ours["seconds"], 1e-9), 3)}
 
 
 def _row(run: dict, total_in: int) -> dict:
@@ -464,6 +486,11 @@ def format_table(report: dict) -> str:
             f"{times['bursts']:,} bursts), other forwards {times['forward_other_s']:.2f} s, "
             f"postprocess {times['postprocess_s']:.2f} s; untimed warm-up "
             f"{report['warmup_seconds']:.1f} s")
+    startup = report.get("startup")
+    if startup:
+        lines.append(f"whole command to the end of the timed run: {startup['whole_seconds']:.1f} s "
+                     f"({startup['whole_over_timed']:.2f}x the timed run): "
+                     + format_phases(startup["phases"]))
     variants = report["engine_stats"].get("triton_variants_in_timed_run")
     if variants:
         lines.append(f"note: {variants} Triton kernel variants were first launched inside the "

@@ -119,7 +119,10 @@ class ModelConfig:
 @dataclass(frozen=True)
 class MemoryConfig:
     host_kv_cache_size: float | None = None
-    """Host KV pool in GB. Default: min(host_mem*0.9 - model_size, /dev/shm free)."""
+    """Host KV pool in GB, exactly. Default: what the job can use (KV bytes per token x the
+    requests it may hold in flight x their context), at most min(host_mem*0.9 - model_size,
+    /dev/shm free). On CUDA the pool is pinned in the background: the first step never waits
+    for it."""
     gpu_memory_frac: float = 0.9
     """Fraction (0-1] of device memory for weights + KV; the KV pool gets
     device_memory*frac - model_size."""

@@ -6,7 +6,8 @@ chat template, scheduler and writer, timed from the command's start to its exit.
 Writes a JSONL of chat requests (varied questions, greedy, no `ignore_eos`: the model stops
 when it wants, as in a user's job), runs `python -m batchgen run` on it in a fresh folder, runs
 the same command again (it must find the job finished and recompute nothing), and prints a
-table: results, errors, prompt and output tokens, the first run's wall time (model load and
+table: results, errors, prompt and output tokens, seconds from the command to the first result
+line on disk, the first run's wall time (model load and
 warm-up included) and its output tok/s. `--keep DIR` leaves the job folder there (the
 first run's log in `run.log`, the engine's counters in `storage/batches/`).
 """
@@ -46,16 +47,34 @@ def write_requests(path: Path, count: int, max_tokens: int, seed: int) -> None:
             out.write(orjson.dumps(line) + b"\n")
 
 
-def run_job(folder: Path, extra: list[str]) -> tuple[float, str]:
+def run_job(folder: Path, extra: list[str]) -> tuple[float, float | None, str]:
+    """(wall seconds, seconds until the first result line was on disk or None, the log)."""
     command = [sys.executable, "-m", "batchgen", "run", "--input", str(folder / "requests.jsonl"),
                "--output", str(folder / "results.jsonl"),
                "--storage-path", str(folder / "storage"), *extra]
     start = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True)
-    wall = time.perf_counter() - start
-    if done.returncode != 0:
-        sys.exit(f"batchgen run exited {done.returncode}:\n{done.stderr[-4000:]}")
-    return wall, done.stderr
+    first = None
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True)
+        while proc.poll() is None:
+            if first is None and _results_written(folder / "storage"):
+                first = time.perf_counter() - start
+            time.sleep(0.05)
+        wall = time.perf_counter() - start
+        log.seek(0)
+        text = log.read()
+    if proc.returncode != 0:
+        sys.exit(f"batchgen run exited {proc.returncode}:\n{text[-4000:]}")
+    return wall, first, text
+
+
+def _results_written(storage: Path) -> bool:
+    """Whether a result line (or an error line) is in the job's incremental files."""
+    folder = storage / "incremental"
+    try:
+        return any(p.stat().st_size > 0 for p in folder.glob("*.jsonl"))
+    except OSError:
+        return False
 
 
 def usage_totals(results: Path) -> tuple[int, int, int]:
@@ -77,18 +96,24 @@ def main() -> None:
     folder.mkdir(parents=True, exist_ok=True)
     write_requests(folder / "requests.jsonl", args.requests, args.max_tokens, args.seed)
 
-    wall, log = run_job(folder, args.extra)
+    wall, first, log = run_job(folder, args.extra)
     (folder / "run.log").write_text(log)
+    first_log = log
     results, prompt_tokens, output_tokens = usage_totals(folder / "results.jsonl")
     errors_file = folder / "results.errors.jsonl"
     errors = len(errors_file.read_bytes().splitlines()) if errors_file.exists() else 0
-    again, log = run_job(folder, args.extra)
+    again, _, log = run_job(folder, args.extra)
     unchanged = usage_totals(folder / "results.jsonl") == (results, prompt_tokens, output_tokens)
 
-    print(f"| requests | results | errors | prompt tokens | output tokens | wall s | out tok/s "
-          f"| rerun s | rerun unchanged |\n|---|---|---|---|---|---|---|---|---|\n"
+    first_s = "-" if first is None else f"{first:.1f}"
+    print(f"| requests | results | errors | prompt tokens | output tokens | first result s "
+          f"| wall s | out tok/s | rerun s | rerun unchanged |\n"
+          f"|---|---|---|---|---|---|---|---|---|---|\n"
           f"| {args.requests} | {results} | {errors} | {prompt_tokens} | {output_tokens} "
-          f"| {wall:.1f} | {output_tokens / wall:,.0f} | {again:.1f} | {unchanged} |")
+          f"| {first_s} | {wall:.1f} | {output_tokens / wall:,.0f} | {again:.1f} | {unchanged} |")
+    startup = [line for line in first_log.splitlines() if "start-up:" in line]
+    if startup:
+        print(startup[-1].split("batchgen: ", 1)[-1])
     print("rerun said:", log.strip().splitlines()[-1] if log.strip() else "(nothing)")
 
 

@@ -78,10 +78,12 @@ class StepTimes:
 class Engine:
     def __init__(self, model: torch.nn.Module, config: EngineConfig, tokenizer=None,
                  eos_token_ids: Iterable[int] = (), skip_special_tokens: bool = True,
-                 tp: TensorParallel = TensorParallel(), host_share: float = 1.0):
+                 tp: TensorParallel = TensorParallel(), host_share: float = 1.0,
+                 demand_tokens: int | None = None):
         """`tp`: the model's tensor-parallel group (its ranks agree on pool sizes and may check
         that their decisions agree); `host_share`: this worker's share of the node's host KV
-        budget (1 / workers per node)."""
+        budget (1 / workers per node); `demand_tokens`: the most KV tokens the job can hold
+        at once, which bounds the pools left to their default size (memory.plan_pools)."""
         self.config = config
         if config.scheduler.enable_host_kv_eviction:
             log.warning("--enable-host-kv-eviction is deprecated and ignored: "
@@ -96,7 +98,8 @@ class Engine:
                                model_dtype if kv == "auto" else KV_DTYPES[kv], model_dtype)
         model_bytes = sum(t.numel() * t.element_size()
                           for t in (*model.parameters(), *model.buffers()))
-        sizes = plan_pools(config.memory, self.layout, model_bytes, self.device, host_share)
+        sizes = plan_pools(config.memory, self.layout, model_bytes, self.device, host_share,
+                           demand_tokens)
         # Free memory differs a little between devices; the replicas' schedulers must not.
         sizes = PoolSizes(*tp.agree_min([sizes.device_pages, sizes.host_pages]))
         self.replicas = ReplicaCheck.from_env(tp)

@@ -39,20 +39,27 @@ class PoolSizes:
 
 
 def plan_pools(cfg: MemoryConfig, layout: KVLayout, model_bytes: int,
-               device: torch.device, host_share: float = 1.0) -> PoolSizes:
+               device: torch.device, host_share: float = 1.0,
+               demand_tokens: int | None = None) -> PoolSizes:
     """Pages of each tier. --host-kv-cache-size (and the auto size) is per node: a worker
-    gets `host_share` of it (1 / workers on the node)."""
+    gets `host_share` of it (1 / workers on the node).
+
+    `demand_tokens`: the most KV tokens this worker's job can hold at once (requests it may
+    keep in flight x tokens each may reach). Pools left to their default are no larger than
+    that: a small job pins (and, on CPU, commits) only what it can use. Explicit sizes are
+    kept exactly."""
+    demand = None if demand_tokens is None else max(1, demand_tokens) * layout.bytes_per_token
     if cfg.gpu_kv_cache_size is not None:
         device_bytes = cfg.gpu_kv_cache_size * 1e9
     elif device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
         device_bytes = total * (cfg.gpu_memory_frac - ACTIVATION_RESERVE) - model_bytes
     else:
-        device_bytes = CPU_DEVICE_POOL_BYTES
+        device_bytes = _capped(CPU_DEVICE_POOL_BYTES, demand, layout)
     if cfg.host_kv_cache_size is not None:
         host_bytes = cfg.host_kv_cache_size * 1e9 * host_share
     else:
-        host_bytes = auto_host_pool_bytes(model_bytes) * host_share
+        host_bytes = _capped(auto_host_pool_bytes(model_bytes) * host_share, demand, layout)
     sizes = PoolSizes(layout.pages_for_bytes(device_bytes), layout.pages_for_bytes(host_bytes))
     page_mb = layout.bytes_per_page / 1e6
     device_flags = "--gpu-kv-cache-size or --gpu-memory-frac"
@@ -65,3 +72,16 @@ def plan_pools(cfg: MemoryConfig, layout: KVLayout, model_bytes: int,
              sizes.device_pages, sizes.device_pages * page_mb / 1e3, sizes.host_pages,
              sizes.host_pages * page_mb / 1e3, page_mb)
     return sizes
+
+
+def _capped(default_bytes: float, demand_bytes: float | None, layout: KVLayout) -> float:
+    """A default pool size no larger than the job's demand (rounded up to a whole page)."""
+    if demand_bytes is None:
+        return default_bytes
+    return min(default_bytes, -(-demand_bytes // layout.bytes_per_page) * layout.bytes_per_page)
+
+
+def job_demand_tokens(requests: int, in_flight_cap: int, tokens_per_request: int) -> int:
+    """KV tokens a worker can hold at once: the requests it may keep in flight (its share of
+    the job, at most `in_flight_cap`) times the context each may reach."""
+    return max(1, min(requests, in_flight_cap)) * max(1, tokens_per_request)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import threading
 import time
 
 import torch
@@ -19,7 +20,7 @@ from batchgen.engine.burst import DecodeBurst, QueuedBurst
 from batchgen.engine.forward_batch import ForwardBatch
 from batchgen.engine.kv_cache import KVLayout, KVPool, copy_pages
 from batchgen.engine.sampler import HostSample, SamplingRows, sample, sample_on_device
-from batchgen.sched.host_pool import HostSegment
+from batchgen.sched.host_pool import HostSegment, lazy_zeros
 from batchgen.sched.scheduler import ScheduleOutput, SeqChunk
 
 log = logging.getLogger("batchgen.runner")
@@ -36,25 +37,43 @@ class ModelRunner:
         is computed as it is queued: queueing the next one before reading the last would
         overlap nothing, only hold back this burst's results and compute rows that finished."""
         self.layout = layout
-        self.device_pool = KVPool(layout, device_pages, device)
+        self.startup: dict[str, float] = {}
+        """Seconds of the runner's start-up phases: `host_pool` (mapping the pools),
+        `graphs` (CUDA-graph capture)."""
+        start = time.perf_counter()
+        self.device_pool = self._device_pool(device_pages)
         self.host_segment = HostSegment(host_pages * layout.bytes_per_page, fast_init, hugetlbfs)
         self.host_pool = self._host_pool(host_pages)
+        self.startup["host_pool"] = time.perf_counter() - start
         self.graphs = None
         if device.type == "cuda":
-            self._pin_host_pool()
-            if runtime is not None and runtime.use_cuda_graphs:
-                self.graphs = self._capture(runtime)
+            captured = threading.Event()
+            self.host_segment.pin_in_background(device, captured)
+            start = time.perf_counter()
+            try:
+                if runtime is not None and runtime.use_cuda_graphs:
+                    self.graphs = self._capture(runtime)
+            finally:
+                captured.set()
+            self.startup["graphs"] = time.perf_counter() - start
 
-    def _pin_host_pool(self) -> None:
-        """Page-lock the host pool. The kernel faults in and locks every 4 KiB page: ~1.4 GB/s
-        on an H200 host (121 GB took 84 s), so a long pin is named, with its remedies."""
-        start = time.perf_counter()
-        self.host_segment.pin()
-        took = time.perf_counter() - start
-        if took > 10:
-            log.warning("pinning the %.1f GB host KV pool took %.0f s; a smaller "
-                        "--host-kv-cache-size, or --fast-init (huge pages), shortens it",
-                        self.host_segment.num_bytes / 1e9, took)
+    def _device_pool(self, pages: int) -> KVPool:
+        """The device tier; on CPU its memory is committed page by page as it is first used,
+        so a pool sized for the worst case costs resident memory only for what a job uses."""
+        if self.device.type != "cpu":
+            return KVPool(self.layout, pages, self.device)
+        shape = (pages, self.layout.num_layers, 64, *self.layout.token_shape)
+        raw = lazy_zeros(math.prod(shape) * self.layout.dtype.itemsize)
+        return KVPool(self.layout, pages, self.device, data=raw.view(self.layout.dtype).view(shape))
+
+    def host_pin_state(self) -> str:
+        """"pinned", "pinning", "pageable" (CPU), or why the pin failed."""
+        segment = self.host_segment
+        if segment.pinned:
+            return "pinned"
+        if segment.pin_error is not None:
+            return f"failed: {segment.pin_error}"
+        return "pinning" if self.device.type == "cuda" else "pageable"
 
     def _capture(self, runtime):
         from batchgen.engine.graphs import DecodeGraphs

@@ -20,6 +20,7 @@ import torch
 
 from batchgen.models import hub
 from batchgen.models.registry import model_class
+from batchgen.models.weight_stream import stream_to_device
 from batchgen.parallel import TensorParallel
 
 log = logging.getLogger("batchgen.loader")
@@ -220,7 +221,7 @@ def build_model(hf_config, weights, dtype: torch.dtype, device: torch.device,
     `presharded`: `weights` are already this rank's slice (`batchgen convert
     --tensor-parallel-size`), so the model copies them as they are."""
     model = materialize(meta_model(hf_config, options, tp).to(dtype), device)
-    weights = ((n, t.to(device=device)) for n, t in weights)
+    weights = stream_to_device(weights, device)
     if presharded:  # only TP-capable models take the switch (meta_model checked that)
         model.load_weights(weights, presharded=True)
     else:

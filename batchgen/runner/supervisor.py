@@ -38,6 +38,7 @@ from batchgen.io.writer import (IncompleteResults, final_files_complete, finaliz
                                 read_done_ids)
 from batchgen.models.folder_checks import check_model_folder, machine_memory
 from batchgen.models.loader import MANIFEST, resolve_model, weights_signature
+from batchgen.phases import format_phases, process_start_time
 from batchgen.runner.errors import (
     EXIT_CODES,
     EXIT_CRASH,
@@ -513,6 +514,11 @@ def _record_end(spec: JobSpec, batch_file: BatchFile, started: float, status: st
     changes["timings"].update(_all_runs(batch_file, elapsed))
     if counts:
         changes["request_counts"] = counts
+    startup = startup_phases(stats)
+    if startup:
+        changes["timings"]["startup"] = startup
+        log.info("start-up: %s; whole run %.1f s", format_phases(startup),
+                 time.time() - process_start_time())
     batch_file.update(spec.batch_id, **changes)
 
 
@@ -528,6 +534,17 @@ def _all_runs(batch_file: BatchFile, elapsed: float) -> dict:
     timings = state.timings if state else {}
     return {"runs": int(timings.get("runs", 0)) + 1,
             "all_runs_seconds": round(float(timings.get("all_runs_seconds", 0.0)) + elapsed, 3)}
+
+
+def startup_phases(stats: list[dict]) -> dict[str, float]:
+    """Seconds of each start-up phase of this command: until the workers were launched (flag
+    checks, input scan, lock, preflight), then the first worker's own phases (process start and
+    imports, config, weights, host pool, graphs, first token, first result written)."""
+    first = next((s for s in stats if s.get("startup")), None)
+    if first is None:
+        return {}
+    launch = max(0.0, first.get("startup_origin", 0.0) - process_start_time())
+    return {"launch": round(launch, 3), **dict(first["startup"])}  # pairs: in phase order
 
 
 def _engine_counters(stats: list[dict]) -> dict:

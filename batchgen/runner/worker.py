@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from batchgen.engine.engine import Engine, pick_device
+from batchgen.engine.memory import job_demand_tokens
 from batchgen.engine.resume import ResumeError
 from batchgen.engine.heap import frozen_heap
 from batchgen.io.embeddings import EmbeddingRequest
@@ -33,6 +34,7 @@ from batchgen.models.convert import read_manifest
 from batchgen.models.factory import load_model, model_folder, weight_bytes
 from batchgen.models.loader import MANIFEST
 from batchgen.parallel import Placement, default_tp_size, init_tensor_parallel
+from batchgen.phases import StartupClock
 from batchgen.runner.errors import (EXIT_DEVICE_OOM, EXIT_DISK, EXIT_INPUT, EXIT_LOCKED, DiskError,
                                     disk_errors)
 from batchgen.runner.embed_jobs import EmbeddingJobs
@@ -118,6 +120,8 @@ class Worker:
 
     def __init__(self, spec: JobSpec, rank: RankInfo, stop: StopFlag, watchdog: Watchdog):
         self.spec, self.rank, self.stop, self.watchdog = spec, rank, stop, watchdog
+        self.clock = StartupClock(origin=launched_at() or None)
+        self.clock.mark("process")
         cfg = spec.config
         paths = spec.paths
         self.stats = WorkerStats()
@@ -146,12 +150,20 @@ class Worker:
         # A TP group's ranks must admit the same requests the same way.
         self.resumable = self.tp.broadcast(self.checkpoints.resumable if self.checkpoints
                                            else None)
+        self.clock.mark("config")
         self.loaded = load_model(cfg.engine.model, device, rank.world, self.tp)
+        self.clock.mark("weights")
+        sched = cfg.engine.scheduler
+        demand = job_demand_tokens(-(-spec.total_records // self.place.dp_size),
+                                   min(sched.max_intake_capacity, sched.max_pool_size),
+                                   self.loaded.max_context)
         self.engine = Engine(self.loaded.model, cfg.engine, self.loaded.tokenizer,
                              self.loaded.eos_token_ids,
                              skip_special_tokens=(
                                  not cfg.output.detokenization_include_special_tokens),
-                             tp=self.tp, host_share=1.0 / rank.local_world)
+                             tp=self.tp, host_share=1.0 / rank.local_world,
+                             demand_tokens=demand)
+        self._mark_engine_phases()
         guard_decode_steps(self.engine, watchdog, cfg.watchdog.watchdog_test_stuck_time)
         self.formatter = OutputFormatter(spec, self.loaded)
         self.grammars = Grammars(self.loaded.tokenizer, self.loaded.hf_config.vocab_size,
@@ -162,6 +174,15 @@ class Worker:
         self.handled: set[str] = set()
         """Suspects served (or quarantined) before the main pass, which must skip them."""
         self._last_stats = 0.0
+
+    def _mark_engine_phases(self) -> None:
+        """The engine's start-up (pools, then CUDA graphs) as phases of this worker."""
+        phases = self.engine.runner.startup
+        end = time.time()
+        graphs = phases.get("graphs", 0.0)
+        self.clock.mark("host_pool", end - graphs)
+        if "graphs" in phases:
+            self.clock.mark("graphs", end)
 
     def _records(self):
         storage = self.spec.config.storage
@@ -224,10 +245,12 @@ class Worker:
                 lines.extend(self._embedded())
                 if self.engine.has_unfinished():
                     lines.extend(self._result(f) for f in self.engine.step())
+                    self.clock.mark("first_token")
                 if stopping:  # a burst still on the device: its tokens go into the checkpoint
                     lines.extend(self._result(f) for f in self.engine.settle())
                 if lines and self.writer:
                     self.writer.write_batch(lines)
+                    self.clock.mark("first_result")
                 self._checkpoint(stopping)
             self.watchdog.started()
             self._report()
@@ -332,6 +355,8 @@ class Worker:
             "engine": self.engine.stats() if counted else {}, "suspects": len(q.strikes),
             "quarantined": list(q.quarantined),
             "checkpoint": dict(self.checkpoints.stats) if self.checkpoints else {},
+            "startup": list(self.clock.durations().items()), "startup_origin": self.clock.origin,
+            "host_pool_pin": self.engine.runner.host_pin_state(),
             **self.watchdog.health()})
 
     def close(self) -> None:

@@ -8,17 +8,24 @@ PCIe speed (pageable copies are ~9x slower: docs/architecture.md, "Measured tran
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import mmap
 import os
 import secrets
 import shutil
+import threading
+import time
 
 import torch
 
 log = logging.getLogger("batchgen.host_pool")
 SHM_DIR = "/dev/shm"
 HUGETLBFS_DIR = "/dev/hugepages"
+MADV_POPULATE_WRITE = 23
+"""Linux 5.14+: fault in a range of a mapping for writing without changing its contents."""
+PREFAULT_SLICE = 256 << 20
+"""Bytes one prefault call covers: a stop request is noticed within one slice."""
 
 
 def host_memory_bytes() -> int:
@@ -30,6 +37,14 @@ def shm_free_bytes() -> int:
         return shutil.disk_usage(SHM_DIR).free
     except OSError:
         return 0
+
+
+def lazy_zeros(num_bytes: int) -> torch.Tensor:
+    """A zeroed uint8 tensor whose memory the kernel commits page by page on first touch (an
+    anonymous mapping): a pool sized for the worst case costs resident memory only for the
+    pages a job uses."""
+    mapping = mmap.mmap(-1, max(num_bytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(mapping, dtype=torch.uint8, count=max(num_bytes, 1))
 
 
 def auto_host_pool_bytes(model_bytes: int) -> int:
@@ -88,6 +103,10 @@ class HostSegment:
             self._advise_hugepages()
         self.tensor = torch.frombuffer(self._map, dtype=torch.uint8, count=self.num_bytes)
         self.pinned = False
+        self._pinning: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.pin_error: BaseException | None = None
+        """Why the background pin failed (the pool then stays pageable: slower, correct)."""
 
     def _open(self, fast_init: bool, hugetlbfs: bool) -> int:
         if hugetlbfs:
@@ -120,6 +139,67 @@ class HostSegment:
         if hasattr(self._map, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
             self._map.madvise(mmap.MADV_HUGEPAGE)
 
+    def pin_in_background(self, device: torch.device, ready: threading.Event,
+                          threads: int | None = None) -> None:
+        """Page-lock the mapping without blocking the caller: fault its memory in with
+        `threads` parallel threads (contents unchanged: the pool may already be in use), then,
+        once `ready` is set (CUDA graphs captured: no capture may see a registration),
+        cudaHostRegister it. Until then copies to and from the pool run pageable (slower,
+        equally correct). `close()` stops and joins it."""
+        if self._pinning is not None or self.pinned:
+            return
+        workers = threads or min(16, os.cpu_count() or 1)
+        self._pinning = threading.Thread(target=self._pin_worker, args=(device, ready, workers),
+                                         name="batchgen-host-pin", daemon=True)
+        self._pinning.start()
+
+    def wait_pinned(self, timeout: float | None = None) -> bool:
+        """Wait for a background pin; True when the pool is pinned."""
+        if self._pinning is not None:
+            self._pinning.join(timeout)
+        return self.pinned
+
+    def _pin_worker(self, device: torch.device, ready: threading.Event, workers: int) -> None:
+        try:
+            self.prefault(workers)
+            while not ready.wait(0.1):
+                if self._stop.is_set():
+                    return
+            if not self._stop.is_set():
+                torch.cuda.set_device(device)
+                start = time.perf_counter()
+                self.pin()
+                log.info("host KV pool (%.1f GB) pinned in the background; registration %.1f s",
+                         self.num_bytes / 1e9, time.perf_counter() - start)
+        except BaseException as err:  # reported by the runner; the pool works unpinned
+            self.pin_error = err
+
+    def prefault(self, workers: int) -> None:
+        """Fault the whole mapping in, `workers` threads each over its share, contents
+        unchanged (MADV_POPULATE_WRITE; ctypes releases the GIL). Registering memory that is
+        already present takes ~0.05 s per GB; faulting it in inside the registration, one
+        4 KiB page at a time, ~0.7 s per GB. Kernels without the advice skip this step."""
+        libc = ctypes.CDLL(None, use_errno=True)
+        base = self.tensor.data_ptr()
+        slices = [(start, min(PREFAULT_SLICE, self.num_bytes - start))
+                  for start in range(0, self.num_bytes, PREFAULT_SLICE)]
+        unsupported = threading.Event()
+
+        def work(mine):
+            for start, length in mine:
+                if self._stop.is_set() or unsupported.is_set():
+                    return
+                if libc.madvise(ctypes.c_void_p(base + start), ctypes.c_size_t(length),
+                                MADV_POPULATE_WRITE) != 0:
+                    unsupported.set()
+
+        pool = [threading.Thread(target=work, args=(slices[i::workers],), daemon=True)
+                for i in range(max(1, workers))]
+        for thread in pool:
+            thread.start()
+        for thread in pool:
+            thread.join()
+
     def pin(self) -> None:
         """cudaHostRegister the mapping (CUDA only)."""
         if not torch.cuda.is_available() or self.pinned:
@@ -132,6 +212,9 @@ class HostSegment:
         self.pinned = True
 
     def close(self) -> None:
+        self._stop.set()
+        if self._pinning is not None:
+            self._pinning.join()  # a registration in progress ends before the unmap
         if self.pinned:
             torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
             self.pinned = False

@@ -1,0 +1,157 @@
+"""Start-up that scales with the job: pools sized from what the job can use, CPU pools that
+cost memory only as they fill, a host pool pinned off the caller's thread, and the start-up
+phases reported."""
+
+import json
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+from batchgen.config import MemoryConfig
+from batchgen.engine.kv_cache import KVLayout, KVPool
+from batchgen.engine.memory import CPU_DEVICE_POOL_BYTES, job_demand_tokens, plan_pools
+from batchgen.phases import StartupClock, format_phases, process_start_time
+from batchgen.sched import host_pool
+from batchgen.sched.host_pool import HostSegment, lazy_zeros
+
+from job_utils import batchgen, chat_rows, write_jsonl
+
+LAYOUT = KVLayout(4, (2, 2, 16), torch.float32, torch.float32)
+CPU = torch.device("cpu")
+
+
+def test_default_pools_follow_the_jobs_demand():
+    demand = job_demand_tokens(requests=3, in_flight_cap=10240, tokens_per_request=1000)
+    assert demand == 3000
+    sizes = plan_pools(MemoryConfig(), LAYOUT, 0, CPU, demand_tokens=demand)
+    pages = -(-3000 // 64)
+    assert sizes.host_pages == pages and sizes.device_pages == pages
+    # Without a demand the old defaults hold: the CPU "device" pool is 2 GiB.
+    unbounded = plan_pools(MemoryConfig(), LAYOUT, 0, CPU)
+    assert unbounded.device_pages == LAYOUT.pages_for_bytes(CPU_DEVICE_POOL_BYTES)
+
+
+def test_in_flight_requests_are_capped_by_the_intake():
+    assert job_demand_tokens(requests=1_000_000, in_flight_cap=256, tokens_per_request=10) == 2560
+    assert job_demand_tokens(requests=0, in_flight_cap=256, tokens_per_request=10) == 10
+
+
+def test_explicit_sizes_are_kept_exactly_whatever_the_demand():
+    cfg = MemoryConfig(host_kv_cache_size=0.01, gpu_kv_cache_size=0.02)
+    sizes = plan_pools(cfg, LAYOUT, 0, CPU, demand_tokens=64)
+    assert sizes.host_pages == LAYOUT.pages_for_bytes(0.01e9)
+    assert sizes.device_pages == LAYOUT.pages_for_bytes(0.02e9)
+
+
+def test_demand_never_exceeds_the_machines_cap(monkeypatch):
+    monkeypatch.setattr("batchgen.engine.memory.auto_host_pool_bytes", lambda model: 10 * 2**20)
+    sizes = plan_pools(MemoryConfig(), LAYOUT, 0, CPU, demand_tokens=10**9)
+    assert sizes.host_pages == LAYOUT.pages_for_bytes(10 * 2**20)
+
+
+def _rss() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS"))
+
+
+def test_lazy_pool_costs_memory_only_for_pages_used():
+    before = _rss()
+    raw = lazy_zeros(1 << 30)  # 1 GiB of address space
+    assert _rss() - before < 64 << 20
+    shape = (1024, 4, 64, 2, 2, 16)
+    pool = KVPool(KVLayout(4, (2, 2, 16), torch.float32, torch.float32), 1024, CPU,
+                  data=raw[: 1024 * 4 * 64 * 64 * 4].view(torch.float32).view(shape))
+    assert float(pool.data[7].abs().sum()) == 0.0  # reads as zeros, like torch.zeros
+    pool.store(0, torch.tensor([5]), torch.ones(1, 2, 2, 16))
+    assert float(pool.data[0, 0, 5].sum()) == 64.0
+    assert _rss() - before < 64 << 20
+
+
+def test_prefault_keeps_contents():
+    segment = HostSegment(3 * host_pool.PREFAULT_SLICE // 2)
+    try:
+        segment.tensor[::4096] = 7
+        segment.prefault(workers=2)
+        assert int(segment.tensor[::4096].min()) == 7 and int(segment.tensor[1::4096].max()) == 0
+    finally:
+        segment.close()
+
+
+def test_background_pin_waits_for_ready_and_never_blocks(monkeypatch):
+    pinned_at = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+
+    def fake_pin(self):
+        time.sleep(0.2)
+        pinned_at.append(time.perf_counter())
+        self.pinned = True
+
+    monkeypatch.setattr(HostSegment, "pin", fake_pin)
+    segment = HostSegment(1 << 20)
+    ready = threading.Event()
+    start = time.perf_counter()
+    segment.pin_in_background(CPU, ready)
+    assert time.perf_counter() - start < 0.1  # the caller goes on at once
+    time.sleep(0.3)
+    assert not pinned_at  # graphs not captured yet: no registration
+    ready.set()
+    assert segment.wait_pinned(5)
+    assert pinned_at
+    monkeypatch.setattr(HostSegment, "close", lambda self: None)  # fake pin: nothing to unpin
+
+
+def test_close_stops_a_pending_pin(monkeypatch):
+    monkeypatch.setattr(HostSegment, "pin", lambda self: pytest.fail("pinned after close"))
+    segment = HostSegment(1 << 20)
+    segment.pin_in_background(CPU, threading.Event())
+    start = time.perf_counter()
+    segment.close()
+    assert time.perf_counter() - start < 2 and not segment.pinned
+
+
+def test_a_failed_pin_is_reported_not_raised(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+
+    def broken(self):
+        raise RuntimeError("cudaHostRegister failed")
+
+    monkeypatch.setattr(HostSegment, "pin", broken)
+    segment = HostSegment(1 << 20)
+    ready = threading.Event()
+    ready.set()
+    segment.pin_in_background(CPU, ready)
+    assert not segment.wait_pinned(5)
+    assert "cudaHostRegister failed" in str(segment.pin_error)
+    segment.close()
+
+
+def test_clock_phases_in_order_from_process_start():
+    origin = process_start_time()
+    assert time.time() - 7 * 86400 < origin <= time.time()
+    clock = StartupClock(origin=100.0)
+    clock.mark("weights", at=103.0)
+    clock.mark("process", at=101.5)
+    clock.mark("graphs", at=103.25)
+    clock.mark("process", at=200.0)  # the first end is kept
+    assert list(clock.durations().items()) == [("process", 1.5), ("weights", 1.5),
+                                               ("graphs", 0.25)]
+    assert format_phases({"host_pool": 1.25}) == "host pool 1.2 s"
+
+
+@pytest.mark.slow
+def test_run_reports_its_startup_phases(tmp_path, tiny_chat_model):
+    inp = write_jsonl(tmp_path / "in.jsonl", chat_rows(3, max_tokens=4))
+    proc = batchgen("run", "--input", inp, "--storage-path", tmp_path / "s", "--model",
+                    tiny_chat_model, check=True)
+    line = next(line for line in proc.stderr.splitlines() if "start-up:" in line)
+    names = [part.strip().rsplit(" ", 2)[0] for part in line.split("start-up:")[1]
+             .split(";")[0].split(",")]
+    assert names[:4] == ["launch", "process", "config", "weights"], line
+    assert "whole run" in line
+    batch = next(p for p in (tmp_path / "s" / "batches").glob("*.json") if p.name.count(".") == 1)
+    phases = json.loads(batch.read_text())["timings"]["startup"]
+    assert {"launch", "process", "weights", "host_pool", "first_token"} <= set(phases)
+    assert all(v >= 0 for v in phases.values())
