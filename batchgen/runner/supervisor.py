@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from batchgen.config import ConfigError, JobConfig
+from batchgen.io.checkpoints import checkpoint_files
 from batchgen.io.jobfiles import (
     BatchFile,
     JobPaths,
@@ -464,6 +465,10 @@ def _finish(spec: JobSpec, batch_file: BatchFile, started: float, stops: StopSig
         raise
     if s.no_incremental_save:  # only once "completed" is on record: a rerun skips the job
         paths.remove_incremental()
+    # Every request has its result: no checkpoint holds anything a rerun would resume (a stop
+    # after the last result was saved leaves one behind, and no worker runs again to drop it).
+    for leftover in checkpoint_files(paths.batch_file, spec.batch_id):
+        leftover.unlink(missing_ok=True)
     stats = read_worker_stats(paths.batch_file.parent, spec.batch_id)
     print(run_summary(time.time() - started, report.completed, report.failed,
                       report.prompt_tokens, report.completion_tokens,
