@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 import torch
 
 from batchgen.engine.engine import Engine, pick_device
-from batchgen.engine.resume import ResumeError
 from batchgen.engine.heap import frozen_heap
+from batchgen.engine.resume import ResumeError
 from batchgen.io.intake import IntakeError, PendingRequest, intake
 from batchgen.io.reader import InputFileError, read_records, record_key, shard
 from batchgen.io.results import dumps, error_line
