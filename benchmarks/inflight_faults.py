@@ -112,7 +112,7 @@ def interrupted_run(inp: Path, storage: Path, model: str, extra: list[str], sig:
             path.unlink()  # the attempt's own figures only
         proc = start(args_for(inp, storage, model, extra))
         last = len(attempts) == stops
-        if not last and wait(lambda: _generating(storage), 600):
+        if not last and wait(lambda: _generating(storage) or proc.poll() is not None, 600):
             time.sleep(rng.uniform(0, window))
             if sig is signal.SIGKILL:  # right after a stats write: its token count is current
                 mark = time.time()

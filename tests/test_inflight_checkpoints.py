@@ -60,9 +60,12 @@ def test_a_finished_choice_keeps_its_result(tmp_path):
 def test_a_request_started_over_replaces_its_old_progress(tmp_path):
     path = tmp_path / "c"
     log = CheckpointLog(path, FP)
-    log.start({"a": [progress([1, 2, 3])]})
-    log.save({"a": [progress([9])]})
-    assert load(path, FP)[0] == {"a": [progress([9])]}
+    log.start({"a": [progress([1, 2, 3])], "b": [progress([4, 5])]})
+    log.save({"a": [progress([9])], "b": [progress([4, 5])]})  # fewer tokens: seen as restart
+    assert load(path, FP)[0] == {"a": [progress([9])], "b": [progress([4, 5])]}
+    log.restart("b")  # as many tokens as before or more: only the worker knows
+    log.save({"a": [progress([9])], "b": [progress([7, 7, 7])]})
+    assert load(path, FP)[0] == {"a": [progress([9])], "b": [progress([7, 7, 7])]}
 
 
 def test_a_torn_tail_is_ignored_from_where_it_tears(tmp_path):
@@ -112,17 +115,27 @@ def test_another_jobs_checkpoint_is_refused(tmp_path):
 
 
 def test_the_file_is_compacted_into_one_snapshot(tmp_path, monkeypatch):
+    """Appends of finished and restarted requests pile up; the file is rewritten as one
+    snapshot once it holds several times the tokens in flight."""
+
+    def grow(path) -> int:
+        log, tokens, largest = CheckpointLog(path, FP), [], 0
+        log.start({})
+        for step in range(400):  # b runs on while a new request "a<k>" comes every 20 steps
+            tokens.append(step)
+            state = {f"a{step // 20}": [progress(tokens[-(step % 20 + 1):])],
+                     "b": [progress(tokens)]}
+            log.save(state)
+            largest = max(largest, path.stat().st_size)
+        assert load(path, FP)[0] == state
+        return largest
+
+    monkeypatch.setattr(checkpoints, "COMPACT_MIN_BYTES", 1 << 40)
+    never = grow(tmp_path / "never")
     monkeypatch.setattr(checkpoints, "COMPACT_MIN_BYTES", 2000)
-    path = tmp_path / "c"
-    log = CheckpointLog(path, FP)
-    log.start({})
-    tokens = []
-    for step in range(400):
-        tokens.append(step)
-        log.save({"a": [progress(tokens[-20:])], "b": [progress(tokens)]})
-        assert path.stat().st_size <= 2000 + 4 * 8 * len(tokens) + 200
-    assert path.read_bytes().count(b"\n") < 400
-    assert load(path, FP)[0] == {"a": [progress(tokens[-20:])], "b": [progress(tokens)]}
+    compacted = grow(tmp_path / "c")
+    assert (tmp_path / "c").read_bytes().count(b"\n") < 100
+    assert compacted < never / 3
 
 
 def test_missing_file_is_an_empty_state(tmp_path):

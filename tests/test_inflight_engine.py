@@ -216,7 +216,7 @@ def test_the_worker_starts_over_a_request_its_checkpoint_cannot_continue(model, 
     request = requests_of(tok, 1, max_tokens=4, temperature=0.0, ignore_eos=True)[0]
     fresh = run_whole(model, tok, [request])["r0"].completions[0].token_ids
     worker = Worker.__new__(Worker)  # only what admission uses
-    worker.engine, worker.rank = make_engine(model, tok), RankInfo()
+    worker.engine, worker.rank, worker.checkpoints = make_engine(model, tok), RankInfo(), None
     worker.resumable = {"r0": [ChoiceProgress([5] * 4)], "other": [ChoiceProgress([1])]}
     worker._admit(request)
     assert worker.resumable == {"other": [ChoiceProgress([1])]}  # taken once

@@ -24,8 +24,10 @@ from test_reliability_support import (
 )
 
 ROWS = chat_rows(8, max_tokens=24, temperature=0.8)
-EXTRA = ("--preempt-grace", "60", "--decode-burst-steps", "2")
-"""A slow shared CPU may take seconds per step: the grace must not cut the stop short."""
+EXTRA = ("--preempt-grace", "60", "--decode-burst-steps", "2", "--watchdog-test-stuck-time",
+         "0.05")
+"""A slow shared CPU may take seconds per step: the grace must not cut the stop short; on a
+fast one each decode step sleeps 50 ms, so that a stop lands mid-answer."""
 
 
 def stats(storage) -> dict:
@@ -84,9 +86,10 @@ def stopped_job(tmp_path, model, sig, stops: int, *extra) -> tuple[list[dict], i
         if sig is signal.SIGTERM:
             held = attempts[-1]["requests"]
             assert f"{held} requests in flight hold {attempts[-1]['tokens']}" in status(storage)
+    for path in (storage / "batches").glob("*.worker*.json"):
+        path.unlink()
     run(inp, storage, model, *EXTRA, *extra, check=True)
-    # A last stop may land after every line was saved: the rerun then has nothing to run and
-    # launches no worker (no figures of its own).
+    # No worker runs when the last stop came after the last result was saved.
     attempts.append({"exit": 0, "generated": generated(storage),
                      **stats(storage).get("checkpoint", {})})
     print(json.dumps(attempts))

@@ -33,8 +33,10 @@ from batchgen.io.jobfiles import atomic_file
 log = logging.getLogger("batchgen.checkpoints")
 
 COMPACT_RATIO = 4
-"""Rewrite the file as one snapshot once it is this many times the snapshot's size."""
+"""Rewrite the file as one snapshot once it is this many times the size a snapshot of the
+state would have (the tokens of finished requests and each line's framing accumulate)."""
 COMPACT_MIN_BYTES = 1 << 20
+"""...and is at least this large."""
 
 
 def checkpoint_path(batch_file: Path, batch_id: str, dp_rank: int) -> Path:
@@ -102,6 +104,9 @@ class CheckpointLog:
         self._written: dict[str, list[tuple[int, bool]]] = {}
         """Per request, per choice: (tokens on file, finished on file)."""
         self._snapshot_bytes = 0
+        self._snapshot_tokens = 0
+        """Tokens in the last snapshot."""
+        self._restarted: set[str] = set()
 
     def start(self, state: dict[str, list[ChoiceProgress]]) -> None:
         """Replace the file with one snapshot of `state` (also drops a torn tail)."""
@@ -114,7 +119,7 @@ class CheckpointLog:
     def save(self, state: dict[str, list[ChoiceProgress]]) -> int:
         """Make `state` (every request in flight) durable; bytes written (0: nothing new)."""
         size = self._file_size()
-        if size > max(COMPACT_MIN_BYTES, COMPACT_RATIO * self._snapshot_bytes):
+        if size > COMPACT_MIN_BYTES and size > COMPACT_RATIO * self._snapshot_size(state):
             self.start(state)
             return self._snapshot_bytes
         line = self._line(state, full=False)
@@ -130,6 +135,12 @@ class CheckpointLog:
             os.close(fd)
         return len(line)
 
+    def restart(self, cid: str) -> None:
+        """`cid` starts over (its saved progress could not continue it): the next line drops
+        what the file holds for it before adding its new tokens."""
+        if self._written.pop(cid, None) is not None:
+            self._restarted.add(cid)
+
     def remove(self) -> None:
         self.path.unlink(missing_ok=True)
         self._written = {}
@@ -138,6 +149,12 @@ class CheckpointLog:
     def tokens(self) -> int:
         """Tokens the file holds for the requests in flight."""
         return sum(n for choices in self._written.values() for n, _ in choices)
+
+    def _snapshot_size(self, state: dict[str, list[ChoiceProgress]]) -> float:
+        """About the bytes of a snapshot of `state`, at the last snapshot's bytes per token."""
+        per_token = self._snapshot_bytes / self._snapshot_tokens if self._snapshot_tokens else 8.0
+        tokens = sum(len(c.token_ids) for choices in state.values() for c in choices)
+        return 100 + 40 * len(state) + per_token * tokens
 
     def _file_size(self) -> int:
         try:
@@ -148,6 +165,8 @@ class CheckpointLog:
     def _line(self, state: dict[str, list[ChoiceProgress]], full: bool) -> bytes | None:
         changed, written = {}, {}
         gone = [] if full else [cid for cid in self._written if cid not in state]
+        gone += [] if full else sorted(self._restarted)
+        self._restarted = set()
         for cid, choices in state.items():
             before = [] if full else self._written.get(cid, [])
             if before and not _follows(before, choices):
@@ -160,6 +179,8 @@ class CheckpointLog:
         self._written = written
         if not (full or changed or gone):
             return None
+        if full:
+            self._snapshot_tokens = sum(len(e["t"]) for entry in changed.values() for e in entry)
         body = orjson.dumps({"fp": self.fingerprint, "full": full, "req": changed, "gone": gone})
         return f"{zlib.crc32(body):08x} ".encode() + body + b"\n"
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 from batchgen.core import ChoiceProgress, Request
@@ -46,11 +47,13 @@ class InflightCheckpoints:
     def due(self) -> bool:
         return self.interval > 0 and time.monotonic() - self._last >= self.interval
 
-    def save(self, state: dict[str, list[ChoiceProgress]], generated: int) -> None:
-        """Make the progress of every request in flight durable (fsynced); `generated`: the
-        engine's count of tokens drawn so far (what a kill now would lose is counted from
-        it)."""
+    def save(self, state_of: Callable[[], dict[str, list[ChoiceProgress]]],
+             generated: int) -> None:
+        """Make the progress of every request in flight (`state_of()`) durable, fsynced;
+        `generated`: the engine's count of tokens drawn so far (what a kill now would lose
+        is counted from it). Timed whole: export, encoding, write and fsync."""
         start = time.perf_counter()
+        state = state_of()
         written = self.file.save(state)
         seconds = time.perf_counter() - start
         self._last = time.monotonic()

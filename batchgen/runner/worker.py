@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 import torch
 
 from batchgen.engine.engine import Engine, pick_device
+from batchgen.engine.heap import frozen_heap
 from batchgen.engine.memory import job_demand_tokens
 from batchgen.engine.resume import ResumeError
-from batchgen.engine.heap import frozen_heap
 from batchgen.io.embeddings import EmbeddingRequest
 from batchgen.io.intake import IntakeError, PendingRequest, intake
 from batchgen.io.reader import InputFileError, read_records, record_key, shard
@@ -269,8 +269,10 @@ class Worker:
         durable: on a stop, and every --inflight-checkpoint-interval seconds."""
         if self.checkpoints is None or not (stopping or self.checkpoints.due()):
             return
+        # Saved progress not admitted yet (a long input admits as it goes) stays in the file.
         with disk_errors("write the in-flight checkpoint"):
-            self.checkpoints.save(self.engine.inflight_state(), self.engine.generated_tokens)
+            self.checkpoints.save(lambda: {**self.resumable, **self.engine.inflight_state()},
+                                  self.engine.generated_tokens)
 
     def _admit(self, request) -> None:
         """Add `request`, continued from its checkpoint when it has one; a checkpoint that
@@ -280,6 +282,8 @@ class Worker:
             self.engine.add_request(resumed)
         except ResumeError as err:
             log.warning("rank %d: %s; it starts over", self.rank.rank, err)
+            if self.checkpoints:
+                self.checkpoints.file.restart(request.request_id)
             self.engine.add_request(request)
 
     def _intake(self, records, limit: int, lines: list[bytes]) -> bool:
