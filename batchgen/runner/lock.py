@@ -44,7 +44,7 @@ class JobLock:
         while True:
             fd = open_job_file(self.path, os.O_RDWR | os.O_CREAT, 0o600)
             try:
-                self._wait_for(fd, max(0.0, deadline - time.monotonic()))
+                self._wait_for(fd, deadline, wait_s)
             except BaseException:  # refused, or a stop signal while waiting
                 os.close(fd)
                 raise
@@ -55,9 +55,9 @@ class JobLock:
         os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
         self._fd = fd
 
-    def _wait_for(self, fd: int, wait_s: float) -> None:
-        """flock `fd`, retrying every 0.5 s until `wait_s` has passed."""
-        deadline = time.monotonic() + wait_s
+    def _wait_for(self, fd: int, deadline: float, wait_s: float) -> None:
+        """flock `fd`, retrying every 0.5 s until `deadline` (monotonic; `wait_s`: the wait
+        asked for, as the messages say it)."""
         announced = False
         while True:
             try:
