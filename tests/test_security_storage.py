@@ -159,3 +159,25 @@ def test_a_read_only_output_folder_is_found_before_any_work(tmp_path, tiny_chat_
     assert "cannot take new files" in done.stderr and "--output" in done.stderr
     assert "loading" not in done.stderr  # found before the model loads
     assert not list((tmp_path / "s" / "incremental").glob("*.jsonl"))
+
+
+def test_the_output_lock_leaves_no_file_and_stays_exclusive(tmp_path):
+    """The output's lock file is removed on release; a run that was waiting on the removed
+    file locks the new one, so a third run is still refused."""
+    import threading
+
+    from batchgen.runner.lock import JobLocked
+
+    path = tmp_path / ".out.jsonl.lock"
+    first = JobLock(path, "busy", remove_on_release=True)
+    first.acquire()
+    waiter = JobLock(path, "busy", remove_on_release=True)
+    thread = threading.Thread(target=waiter.acquire, args=(30,))
+    thread.start()
+    first.release()
+    thread.join(30)
+    assert path.exists() and os.stat(path).st_ino == os.fstat(waiter._fd).st_ino
+    with pytest.raises(JobLocked, match="busy"):
+        JobLock(path, "busy").acquire()
+    waiter.release()
+    assert not path.exists()

@@ -26,29 +26,38 @@ class JobLocked(RuntimeError):
 
 
 class JobLock:
-    def __init__(self, path: Path, what: str = "job is already running"):
+    def __init__(self, path: Path, what: str = "job is already running",
+                 remove_on_release: bool = False):
         self.path = Path(path)
         self.what = what
         """What a live holder means, for the refusal."""
+        self.remove_on_release = remove_on_release
+        """Unlink the lock file on release (it sits in a user's folder): a waiter that locked
+        the unlinked file notices and locks the path's new file instead."""
         self._fd: int | None = None
 
     def acquire(self, wait_s: float = 0.0) -> None:
         """Take the lock, waiting up to `wait_s` seconds (--wait-for-lock) for a live holder
         to let go; JobLocked naming the holder if it does not."""
         self.path.parent.mkdir(FOLDER_MODE, parents=True, exist_ok=True)
-        fd = open_job_file(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            self._wait_for(fd, wait_s)
-        except BaseException:  # refused, or a stop signal while waiting
-            os.close(fd)
-            raise
+        deadline = time.monotonic() + wait_s
+        while True:
+            fd = open_job_file(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                self._wait_for(fd, deadline, wait_s)
+            except BaseException:  # refused, or a stop signal while waiting
+                os.close(fd)
+                raise
+            if _is_current(fd, self.path):
+                break
+            os.close(fd)  # its holder removed it while we waited: lock the new one
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
         self._fd = fd
 
-    def _wait_for(self, fd: int, wait_s: float) -> None:
-        """flock `fd`, retrying every 0.5 s until `wait_s` has passed."""
-        deadline = time.monotonic() + wait_s
+    def _wait_for(self, fd: int, deadline: float, wait_s: float) -> None:
+        """flock `fd`, retrying every 0.5 s until `deadline` (monotonic; `wait_s`: the wait
+        asked for, as the messages say it)."""
         announced = False
         while True:
             try:
@@ -72,6 +81,8 @@ class JobLock:
         if self._fd is not None:
             with contextlib.suppress(OSError):
                 os.ftruncate(self._fd, 0)  # no stale holder name for the next run to report
+                if self.remove_on_release:
+                    self.path.unlink()  # still locked: a waiter sees it is gone (_is_current)
             os.close(self._fd)  # closing drops the flock
             self._fd = None
 
@@ -80,6 +91,16 @@ def member_lock(batch_file: Path, kind: str, member: int) -> JobLock:
     """The lock of member `member` (> 0) of a group: kind "node" or "rank"."""
     batch_file = Path(batch_file)
     return JobLock(batch_file.with_name(f"{batch_file.name.split('.')[0]}.{kind}{member}.lock"))
+
+
+def _is_current(fd: int, path: Path) -> bool:
+    """Whether `fd` is still the file at `path` (not removed or replaced by its last holder)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
 
 
 def _holder(fd: int) -> str:

@@ -154,7 +154,8 @@ def _run(config: JobConfig, stops: StopSignals, member: Member) -> int:
         lock = member.lock(paths.batch_file)
         # before anything is written: a second live run changes nothing
         lock.acquire(config.storage.wait_for_lock)
-    output_lock = JobLock(paths.output_lock, f"another live job writes {paths.output}")
+    output_lock = JobLock(paths.output_lock, f"another live job writes {paths.output}",
+                          remove_on_release=True)
     try:
         with _abort_followers(group):
             _lock_output(output_lock, paths, config.storage.wait_for_lock)
