@@ -200,7 +200,7 @@ def convert(output: Path = typer.Option(..., "--output", help="Folder to write (
     `batchgen run --converted-ckpt-dir` then loads it without conversion."""
     from batchgen.cli_options import build_dataclass
     from batchgen.config import ModelConfig
-    from batchgen.models.convert import convert_model
+    from batchgen.models.export import convert_model
 
     _setup_logging()
     cfg = build_dataclass(ModelConfig, flags)

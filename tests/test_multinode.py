@@ -37,7 +37,7 @@ from batchgen.runner.group import (
     PlanRefused,
     open_store,
 )
-from batchgen.runner.launch import NCCL_SAFE_ENV
+from batchgen.parallel import NCCL_SAFE_ENV
 from batchgen.runner.lock import JobLock, member_lock
 
 

@@ -1,5 +1,5 @@
 """The files of a job: where they live, the batch metadata file, the upload record, the
-fingerprint that makes a resume refuse changed settings, and atomic file replacement.
+fingerprint that makes a resume refuse changed settings.
 
 JOB_DIR/uploads/{batch_id}.json       input path + sha256 (the input is referenced, not copied)
 JOB_DIR/batches/{batch_id}.json       status, counts, usage, timings, fingerprint, health
@@ -9,16 +9,15 @@ JOB_DIR/outputs/{batch_id}.jsonl      final results in input order (+ .errors.js
 
 from __future__ import annotations
 
-import contextlib
-import os
 import re
 import time
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import orjson
+
+from batchgen.atomic import write_json_atomic
 
 BATCH_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 STATUSES = ("validating", "in_progress", "finalizing", "completed", "failed")
@@ -108,54 +107,6 @@ class JobPaths:
         for path in self.incremental_files():
             path.unlink(missing_ok=True)
         self.incremental_owner.unlink(missing_ok=True)
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a rename in `path` durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-@contextlib.contextmanager
-def atomic_file(path: Path) -> Iterator[IO[bytes]]:
-    """Write `path` all or nothing: temp file beside it, fsync, rename, fsync the folder.
-    On an exception the temp file is removed and `path` is untouched."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    f = open(tmp, "wb")
-    try:
-        yield f
-        f.flush()
-        os.fsync(f.fileno())
-        f.close()
-        os.replace(tmp, path)
-        fsync_dir(path.parent)
-    except BaseException:
-        try:
-            f.close()  # may raise again (ENOSPC while flushing): the temp file still goes
-        except OSError:
-            pass
-        finally:
-            tmp.unlink(missing_ok=True)
-        raise
-
-
-def read_json_dict(path: Path) -> dict | None:
-    """A small JSON record file written by write_json_atomic: its object, or None when it is
-    missing, unreadable or not an object (callers treat it as absent and rewrite it)."""
-    try:
-        data = orjson.loads(path.read_bytes())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
-def write_json_atomic(path: Path, data: Any) -> None:
-    with atomic_file(path) as f:
-        f.write(orjson.dumps(data, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS) + b"\n")
 
 
 def record_upload(paths: JobPaths, input_path: Path, sha256: str, size_bytes: int,

@@ -24,7 +24,8 @@ from pathlib import Path
 import numpy as np
 import orjson
 
-from batchgen.io.jobfiles import atomic_file, errors_path_for
+from batchgen.atomic import atomic_file
+from batchgen.io.jobfiles import errors_path_for
 from batchgen.io.reader import digest64, iter_keys
 from batchgen.io.results import is_success
 

@@ -9,7 +9,7 @@ from typing import Iterable, NamedTuple
 import torch
 from torch import nn
 
-from batchgen.engine.forward_batch import ForwardBatch
+from batchgen.forward_batch import ForwardBatch
 from batchgen.models.base import DecoderStack, PagedCausalLM, PreNormDecoderLayer
 from batchgen.models.attention import paged_attention
 from batchgen.models.fp8 import (QuantizedWeight, dequantize_blocks, narrow_quantized,

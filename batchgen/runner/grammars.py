@@ -36,7 +36,7 @@ class Grammars:
 
     def _compile(self, response_format):
         if self._compiler is None:
-            from batchgen.io.structured import GrammarCompiler  # xgrammar loads only if used
+            from batchgen.engine.structured import GrammarCompiler  # xgrammar loads only if used
 
             self._compiler = GrammarCompiler(self.tokenizer, self.vocab_size,
                                              stop_token_ids=self.stop_token_ids)

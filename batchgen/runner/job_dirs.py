@@ -12,8 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from batchgen.config import ConfigError, JobConfig
-from batchgen.io.jobfiles import (FingerprintMismatch, JobPaths, check_fingerprint,
-                                  read_json_dict, write_json_atomic)
+from batchgen.atomic import read_json_dict, write_json_atomic
+from batchgen.io.jobfiles import FingerprintMismatch, JobPaths, check_fingerprint
 from batchgen.runner.errors import is_disk_error
 
 

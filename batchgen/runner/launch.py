@@ -24,13 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from batchgen.config import DistConfig
+from batchgen.parallel import NCCL_SAFE_ENV
 from batchgen.runner.exits import EXIT_REQUEUE, STOP_SIGNALS  # the signals the agent forwards
 
-NCCL_SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                 "NVSHMEM_DISABLE_NVLS": "1"}
-"""NVLink multicast stays off in NCCL, PyTorch symmetric memory and NVSHMEM on every machine we
-run on, whatever the caller's environment says: on shared hosts a program using it can put the
-host's GPUs out of service (/work/.library/device/KINDS.md)."""
 WORKER_STOP_SIGNALS = tuple(getattr(signal, name) for name in STOP_SIGNALS)
 """A worker stops at its next step on each signal that stops the job. The agent forwards the
 supervisor's own signal and Slurm may signal every process: SIGQUIT left at its default

@@ -17,7 +17,7 @@ from pathlib import Path
 from batchgen.config import JobConfig
 from batchgen.io.jobfiles import JobPaths
 from batchgen.runner.errors import EXIT_DISK, EXIT_PREFLIGHT, PreflightFailed
-from batchgen.sched.host_pool import host_memory_bytes, shm_free_bytes
+from batchgen.engine.host_pool import host_memory_bytes, shm_free_bytes
 
 log = logging.getLogger("batchgen.preflight")
 MIN_LINE_BYTES = 300

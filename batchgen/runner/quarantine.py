@@ -33,7 +33,7 @@ from pathlib import Path
 
 import orjson
 
-from batchgen.io.jobfiles import write_json_atomic
+from batchgen.atomic import write_json_atomic
 from batchgen.io.reader import RawRecord, record_key
 from batchgen.io.results import dumps, failure_line
 

@@ -22,11 +22,11 @@ import signal
 import time
 from pathlib import Path
 
+from batchgen.atomic import atomic_file
 from batchgen.config import ConfigError, JobConfig
 from batchgen.io.jobfiles import (
     BatchFile,
     JobPaths,
-    atomic_file,
     check_fingerprint,
     derive_batch_id,
     errors_path_for,

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from batchgen.config import WatchdogConfig
-from batchgen.io.jobfiles import write_json_atomic
+from batchgen.atomic import write_json_atomic
 from batchgen.runner.job import EXIT_WATCHDOG
 
 log = logging.getLogger("batchgen.watchdog")

@@ -1,0 +1,61 @@
+"""Files replaced all or nothing (temp file, fsync, rename, fsync the folder), and the small
+JSON records written that way. Used by every layer that keeps state on disk (job files, the
+conversion cache, the watchdog and quarantine records), so it depends on nothing in batchgen."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+import orjson
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename in `path` durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_file(path: Path) -> Iterator[IO[bytes]]:
+    """Write `path` all or nothing: temp file beside it, fsync, rename, fsync the folder.
+    On an exception the temp file is removed and `path` is untouched."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    f = open(tmp, "wb")
+    try:
+        yield f
+        f.flush()
+        os.fsync(f.fileno())
+        f.close()
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    except BaseException:
+        try:
+            f.close()  # may raise again (ENOSPC while flushing): the temp file still goes
+        except OSError:
+            pass
+        finally:
+            tmp.unlink(missing_ok=True)
+        raise
+
+
+def read_json_dict(path: Path) -> dict | None:
+    """A small JSON record file written by write_json_atomic: its object, or None when it is
+    missing, unreadable or not an object (callers treat it as absent and rewrite it)."""
+    try:
+        data = orjson.loads(path.read_bytes())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    with atomic_file(path) as f:
+        f.write(orjson.dumps(data, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS) + b"\n")
