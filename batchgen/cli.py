@@ -12,7 +12,7 @@ import typer
 
 from batchgen.cli_options import build_config, with_config_options
 from batchgen.config import ConfigError
-from batchgen.runner.exits import requeue_on_stop_signals
+from batchgen.runner.exits import ExitCode, requeue_on_stop_signals
 
 # Rich's option tables truncate long flag names ("--initial-gpu-page-…") below ~120 columns;
 # click's plain layout wraps instead, so narrow terminals and pipes get that one.
@@ -28,7 +28,7 @@ def _setup_logging() -> None:
                         stream=sys.stderr)
 
 
-def _fail(message: str, code: int = 2) -> None:
+def _fail(message: str, code: int = ExitCode.INPUT) -> None:
     typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
     raise typer.Exit(code)
 

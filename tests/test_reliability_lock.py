@@ -142,7 +142,7 @@ def test_a_worker_refused_by_the_results_lock_is_reported_as_such(tmp_path):
     """Exit 4 from a worker is another live process, not a crash with retries in isolation."""
     from types import SimpleNamespace
 
-    from batchgen.runner.errors import EXIT_LOCKED
+    from batchgen.runner.exits import ExitCode
     from batchgen.runner.launch import WorkerFailure
     from batchgen.runner.supervisor import _failure_cause
 
@@ -150,5 +150,5 @@ def test_a_worker_refused_by_the_results_lock_is_reported_as_such(tmp_path):
     (tmp_path / "batch_1.worker0.json").write_text(f'{{"rank": 0, "failure": "{said}"}}')
     spec = SimpleNamespace(batch_id="batch_1",
                            paths=SimpleNamespace(batch_file=tmp_path / "batch_1.json"))
-    cause = _failure_cause(spec, WorkerFailure(0, EXIT_LOCKED, ""))
+    cause = _failure_cause(spec, WorkerFailure(0, ExitCode.LOCKED, ""))
     assert said in cause and "stop the other process" in cause and "crashed" not in cause

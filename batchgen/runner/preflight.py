@@ -16,7 +16,8 @@ from pathlib import Path
 
 from batchgen.config import JobConfig
 from batchgen.io.jobfiles import JobPaths
-from batchgen.runner.errors import EXIT_DISK, EXIT_PREFLIGHT, PreflightFailed
+from batchgen.runner.errors import PreflightFailed
+from batchgen.runner.exits import ExitCode
 from batchgen.engine.host_pool import host_memory_bytes, shm_free_bytes
 
 log = logging.getLogger("batchgen.preflight")
@@ -32,7 +33,7 @@ class Finding:
     error: bool
     what: str
     fix: str
-    code: int = EXIT_PREFLIGHT
+    code: int = ExitCode.PREFLIGHT
 
     def __str__(self) -> str:
         return f"{self.what}. Fix: {self.fix}"
@@ -142,7 +143,7 @@ def check_disk(paths: JobPaths, input_bytes: int, records: int, left: int) -> li
                "--incremental-output-dir)")
         if free < floor:
             findings.append(Finding(True, f"{where}: {_human(free)} free, results need at least "
-                                    f"{_human(floor)}", fix, EXIT_DISK))
+                                    f"{_human(floor)}", fix, ExitCode.DISK))
         elif free < estimate:
             findings.append(Finding(False, f"{where}: {_human(free)} free, results may need about "
                                     f"{_human(estimate)} (estimated from the input)", fix))
@@ -159,7 +160,7 @@ def preflight(config: JobConfig, paths: JobPaths, input_bytes: int, records: int
             log.warning("preflight: %s", finding)
     errors = [f for f in findings if f.error]
     if errors:
-        code = EXIT_DISK if all(f.code == EXIT_DISK for f in errors) else EXIT_PREFLIGHT
+        code = ExitCode.DISK if all(f.code == ExitCode.DISK for f in errors) else ExitCode.PREFLIGHT
         raise PreflightFailed("preflight failed (nothing was loaded or written):\n"
                               + "\n".join(f"  - {f}" for f in errors), code)
     return findings

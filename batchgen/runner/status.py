@@ -14,6 +14,7 @@ from rich.table import Table
 
 from batchgen.io.jobfiles import JobPaths
 from batchgen.io.writer import CorruptIncrementalFile, read_done_ids
+from batchgen.runner.exits import ExitCode
 from batchgen.runner.job import JobSpec
 from batchgen.runner.progress import read_worker_stats
 
@@ -33,8 +34,8 @@ def show_status(storage: Path, target: str | None) -> int:
         Console(stderr=True, soft_wrap=True).print(
             f"no job{' ' + batch_id if batch_id else ''} under {storage} (give a batch id with "
             "--storage-path, or a job folder)")
-        return 1
-    console, failed = Console(), 0
+        return ExitCode.FAILED
+    console, failed = Console(), ExitCode.OK
     for path in files:
         try:
             state = orjson.loads(path.read_bytes())
@@ -46,7 +47,7 @@ def show_status(storage: Path, target: str | None) -> int:
             console.print(table)
         except (OSError, orjson.JSONDecodeError, KeyError, TypeError) as err:
             Console(stderr=True, soft_wrap=True).print(f"cannot read {path}: {err!r}")
-            failed = 1
+            failed = ExitCode.FAILED
     return failed
 
 

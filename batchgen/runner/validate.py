@@ -9,6 +9,7 @@ import typer
 
 from batchgen.io.intake import IntakeError, parse_record
 from batchgen.io.reader import read_records, scan_input
+from batchgen.runner.exits import ExitCode
 
 SHOWN_ERRORS = 50
 
@@ -29,4 +30,4 @@ def validate_file(path: Path, max_tokens: int) -> int:
     typer.echo(f"{path}: {summary.format}, {summary.records} requests, {summary.records - bad} "
                f"valid, {bad} invalid" + (f" ({dict(codes)})" if bad else ""))
     typer.echo(f"sha256 {summary.sha256}")
-    return 1 if bad else 0
+    return ExitCode.FAILED if bad else ExitCode.OK

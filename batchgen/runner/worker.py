@@ -31,10 +31,9 @@ from batchgen.models.convert import read_manifest
 from batchgen.models.factory import load_model, model_folder, weight_bytes
 from batchgen.models.loader import MANIFEST
 from batchgen.parallel import Placement, default_tp_size, init_tensor_parallel
-from batchgen.runner.errors import (EXIT_DEVICE_OOM, EXIT_DISK, EXIT_INPUT, EXIT_LOCKED, DiskError,
-                                    disk_errors)
+from batchgen.runner.errors import DiskError, disk_errors
 from batchgen.runner.grammars import Grammars
-from batchgen.runner.exits import EXIT_REQUEUE
+from batchgen.runner.exits import ExitCode
 from batchgen.runner.job import JobSpec
 from batchgen.runner.launch import StopFlag, die_with_supervisor, launched_at
 from batchgen.runner.outputs import OutputFormatter
@@ -162,12 +161,12 @@ class Worker:
         for group in groups:
             self.handled.update(record_key(r) for r in group)
             if self._serve(iter(group), limit=len(group)):
-                return EXIT_REQUEUE
+                return ExitCode.REQUEUE
         sched = self.spec.config.engine.scheduler
         rest = (r for r in self._records() if record_key(r) not in self.handled)
         if self._serve(rest, min(sched.max_intake_capacity, sched.max_pool_size)):
-            return EXIT_REQUEUE
-        return 0
+            return ExitCode.REQUEUE
+        return ExitCode.OK
 
     def _isolate_suspects(self) -> list[list]:
         """Quarantine the convicted suspects; the others are served first, in small groups."""
@@ -365,16 +364,16 @@ def serve(spec: JobSpec, rank: RankInfo, stop: StopFlag, watchdog: Watchdog) -> 
     except (WriteFailed, DiskError) as err:
         log.error("rank %d: %s", rank.rank, err)  # one clear line, no traceback
         watchdog.stats.update({"failure": str(err)})
-        code = EXIT_DISK
+        code = ExitCode.DISK
     # Another live writer of the results file, or an input gone since the scan.
     except (WriterLocked, InputFileError) as err:
         log.error("rank %d: %s", rank.rank, err)
         watchdog.stats.update({"failure": str(err)})  # the supervisor's report names it
-        return EXIT_LOCKED if isinstance(err, WriterLocked) else EXIT_INPUT
+        return ExitCode.LOCKED if isinstance(err, WriterLocked) else ExitCode.INPUT
     except torch.cuda.OutOfMemoryError as err:
         log.error("rank %d: device out of memory (%s); the requests in flight will be retried "
                   "in smaller groups on restart", rank.rank, str(err).splitlines()[0])
-        return EXIT_DEVICE_OOM
+        return ExitCode.DEVICE_OOM
     finally:
         if worker is not None:
             worker.close()
