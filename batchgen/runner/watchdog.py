@@ -219,8 +219,8 @@ def guard_decode_steps(engine, watchdog: Watchdog, stuck_time: float = 0.0) -> N
 
     The engine has no step hook, so the runner's bound `execute` (single steps), `queue_burst`
     and `collect` (decode bursts: queueing computes on a CPU, waiting on a GPU) are wrapped in
-    place; --watchdog-test-stuck-time (testing only) sleeps inside the guarded iteration, once
-    per decode step."""
+    place; `stuck_time` (batchgen.testing.faults.stuck_seconds, testing only) sleeps inside the
+    guarded iteration, once per decode step."""
     runner = engine.runner
     execute, queue_burst, collect = runner.execute, runner.queue_burst, runner.collect
 

@@ -9,7 +9,6 @@ Exit codes: 0 shard done, 75 stopped by a signal, 4 results file locked, 6 disk,
 
 from __future__ import annotations
 
-import errno
 import faulthandler
 import logging
 import os
@@ -40,13 +39,12 @@ from batchgen.runner.outputs import OutputFormatter
 from batchgen.runner.quarantine import Quarantine
 from batchgen.runner.watchdog import StatsFile, Watchdog, guard_decode_steps
 from batchgen.sched.scheduler import RequestTooLarge
+from batchgen.testing import faults
 
 log = logging.getLogger("batchgen.worker")
 DEFAULT_MAX_TOKENS = 256
 STATS_EVERY_S = 2.0
 ORPHAN_WAIT_S = 10.0
-DISK_FULL_ENV = "BATCHGEN_TEST_DISK_FULL_AT"
-"""Testing only: the results file behaves as if its disk filled up at this many bytes."""
 
 
 @dataclass(frozen=True)
@@ -139,7 +137,7 @@ class Worker:
                              skip_special_tokens=(
                                  not cfg.output.detokenization_include_special_tokens),
                              tp=self.tp, host_share=1.0 / rank.local_world)
-        guard_decode_steps(self.engine, watchdog, cfg.watchdog.watchdog_test_stuck_time)
+        guard_decode_steps(self.engine, watchdog, faults.stuck_seconds())
         self.formatter = OutputFormatter(spec, self.loaded)
         self.grammars = Grammars(self.loaded.tokenizer, self.loaded.hf_config.vocab_size,
                                  self.loaded.eos_token_ids)
@@ -293,22 +291,6 @@ def cpu_threads() -> int:
     return int(first) if first.isdigit() and int(first) > 0 else max(1, os.cpu_count() or 1)
 
 
-class DiskFullAt(IncrementalWriter):
-    """Testing only (DISK_FULL_ENV): a results file whose disk fills up at `limit` bytes. It
-    writes what fits, then fails with ENOSPC, so the real writer's rollback runs."""
-
-    def __init__(self, path, limit: int):
-        super().__init__(path)
-        self.limit = limit
-
-    def _write_all(self, data: memoryview) -> None:
-        room = self.limit - os.fstat(self._fd).st_size
-        if len(data) > room:
-            super()._write_all(data[:max(room, 0)])
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.path))
-        super()._write_all(data)
-
-
 def open_results(paths: JobPaths, dp_rank: int, dp_size: int,
                  wait_s: float = ORPHAN_WAIT_S) -> tuple[IncrementalWriter, IdSet]:
     """This rank's results file, locked, and the ids finished in any rank's file, read once
@@ -321,10 +303,10 @@ def open_writer(path, wait_s: float = ORPHAN_WAIT_S) -> IncrementalWriter:
     """Open this rank's results file. The worker of a killed run dies of PDEATHSIG
     asynchronously and holds the file's lock until it is gone: give it a moment."""
     deadline = time.monotonic() + wait_s
-    full_at = os.environ.get(DISK_FULL_ENV)
+    fault = faults.writer_fault()
     while True:
         try:
-            return DiskFullAt(path, int(full_at)) if full_at else IncrementalWriter(path)
+            return IncrementalWriter(path, fault=fault)
         except WriterLocked:
             if time.monotonic() > deadline:
                 raise
