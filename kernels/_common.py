@@ -80,6 +80,16 @@ def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name}: last dim must have stride 1")
 
 
+def check_output(name: str, out: torch.Tensor, shape: tuple[int, ...],
+                 dtype: torch.dtype) -> None:
+    """An output buffer given by the caller: this shape and dtype, last dim contiguous."""
+    check_shape(name, out, shape)
+    if out.dtype != dtype:
+        raise TypeError(f"{name}: dtype {out.dtype}, expected {dtype}")
+    if out.stride(-1) != 1:
+        raise ValueError(f"{name}: last dim must be contiguous")
+
+
 def use_f32_dot(dtype: torch.dtype) -> bool:
     """Whether attention dots must run on float32 operands (see the module docstring)."""
     return dtype == torch.float32 or interpreting()

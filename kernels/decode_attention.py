@@ -30,6 +30,7 @@ from ._common import (
     check_device,
     check_dtype,
     check_last_dim_contiguous,
+    check_output,
     check_shape,
     dot,
     finish_softmax,
@@ -242,9 +243,7 @@ def paged_decode_attention(q: torch.Tensor, kv: torch.Tensor, kv_scales: torch.T
         raise ValueError("window must be >= 1")
     if out is None:
         out = torch.empty_like(q)
-    check_shape("out", out, tuple(q.shape))
-    if not (out.dtype == q.dtype and out.stride(-1) == 1):
-        raise ValueError("out: q's dtype, last dim contiguous")
+    check_output("out", out, tuple(q.shape), q.dtype)
     if batch == 0:
         return out
     if batch > 65535:

@@ -32,6 +32,7 @@ from ._common import (
     check_device,
     check_dtype,
     check_last_dim_contiguous,
+    check_output,
     check_shape,
     dot,
     finish_softmax,
@@ -193,9 +194,7 @@ def mla_decode_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, kv: torch.Ten
         raise ValueError(f"block_h {block_h}: power of 2 >= 16")
     if out is None:
         out = torch.empty_like(q_nope)
-    check_shape("out", out, (batch, heads, latent))
-    if not (out.dtype == q_nope.dtype and out.stride(-1) == 1):
-        raise ValueError("out: q's dtype, last dim contiguous")
+    check_output("out", out, (batch, heads, latent), q_nope.dtype)
     if batch == 0:
         return out
 

@@ -40,6 +40,7 @@ from ._common import (
     FP8_MAX_C,
     check_device,
     check_dtype,
+    check_output,
     check_shape,
     dot,
     interpreting,
@@ -213,9 +214,7 @@ def _row_tiling(m: int, groups: int, block_m: int | None, cap: int) -> tuple[int
 def _out_buffer(out, shape, dtype, device) -> torch.Tensor:
     if out is None:
         return torch.empty(shape, dtype=dtype, device=device)
-    check_shape("out", out, shape)
-    if not (out.dtype == dtype and out.stride(-1) == 1):
-        raise ValueError(f"out: {dtype}, last dim contiguous")
+    check_output("out", out, shape, dtype)
     return out
 
 

@@ -33,6 +33,7 @@ from ._common import (
     check_device,
     check_dtype,
     check_last_dim_contiguous,
+    check_output,
     check_shape,
     dot,
     finish_softmax,
@@ -225,9 +226,7 @@ def paged_prefill_attention(q: torch.Tensor, kv: torch.Tensor, kv_scales: torch.
         raise ValueError("block_m: a power of two >= 16")
     if out is None:
         out = torch.empty_like(q)
-    check_shape("out", out, tuple(q.shape))
-    if not (out.dtype == q.dtype and out.stride(-1) == 1):
-        raise ValueError("out: q's dtype, last dim contiguous")
+    check_output("out", out, tuple(q.shape), q.dtype)
     if tokens == 0 or batch == 0:
         return out
 

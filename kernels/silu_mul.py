@@ -17,7 +17,7 @@ from ._common import (
     FLOAT_DTYPES,
     check_device,
     check_dtype,
-    check_shape,
+    check_output,
     hardware_fp8_cast,
     next_pow2,
     quantize_row_e4m3,
@@ -74,9 +74,7 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None,
         raise ValueError("x: last dim must be contiguous")
     rows, inter = x.shape[0], x.shape[1] // 2
     out = x.new_empty(rows, inter) if out is None else out
-    check_shape("out", out, (rows, inter))
-    if not (out.dtype == x.dtype and out.stride(-1) == 1):
-        raise ValueError("out: x's dtype, last dim contiguous")
+    check_output("out", out, (rows, inter), x.dtype)
     if rows == 0 or inter == 0:
         return out
     block = min(next_pow2(block), next_pow2(inter))
