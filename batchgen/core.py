@@ -91,7 +91,7 @@ class Request:
     prompt_token_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     grammar: object | None = None
-    """A compiled structured-output grammar (io.structured.CompiledGrammar) or None; each
+    """A compiled structured-output grammar (engine.structured.CompiledGrammar) or None; each
     choice gets its own matcher and may only emit tokens the grammar allows."""
 
 
