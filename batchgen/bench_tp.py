@@ -34,8 +34,9 @@ def bench_tensor_parallel(run_rank: Callable, cfg, work) -> dict:
     size = cfg.tensor_parallel_size
     with tempfile.TemporaryDirectory(prefix="batchgen-bench-tp-") as tmp:
         report_path = Path(tmp) / "report.pkl"
-        torch.multiprocessing.spawn(_rank_main, args=(run_rank, cfg, work, free_port(), str(report_path)),
-                                    nprocs=size, join=True)
+        torch.multiprocessing.spawn(
+            _rank_main, args=(run_rank, cfg, work, free_port(), str(report_path)), nprocs=size,
+            join=True)
         report = pickle.loads(report_path.read_bytes())
     kind = report["device"].split(":")[0]
     report["device"] = f"{size} x {kind} (TP {size}; sizes per rank)"

@@ -1,8 +1,9 @@
 """Triton kernels for batchgen, installed as `batchgen_kernels`.
 
 Each module holds one kernel, its typed launcher (shapes in the docstring; a broken precondition
-raises ValueError, a wrong dtype TypeError) and notes on the algorithm; `reference` holds the pure-PyTorch definitions they are
-tested against. On a machine without a GPU they run under TRITON_INTERPRET=1.
+raises ValueError, a wrong dtype TypeError) and notes on the algorithm; `reference` holds the
+pure-PyTorch definitions they are tested against. On a machine without a GPU they run under
+TRITON_INTERPRET=1.
 """
 
 from .decode_attention import paged_decode_attention

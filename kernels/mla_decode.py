@@ -172,7 +172,8 @@ def mla_decode_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, kv: torch.Ten
         raise TypeError(f"q_pe dtype {q_pe.dtype} != q_nope dtype {q_nope.dtype}")
     check_dtype("kv", kv, FLOAT_DTYPES + (FP8_DTYPE,))
     if (page, one, width) != (PAGE_SIZE, 1, latent + rope):
-        raise ValueError(f"kv shape {tuple(kv.shape)}: expected [pages, {PAGE_SIZE}, 1, {latent} + {rope}]")
+        raise ValueError(f"kv shape {tuple(kv.shape)}: expected "
+                         f"[pages, {PAGE_SIZE}, 1, {latent} + {rope}]")
     for name, t in (("q_nope", q_nope), ("q_pe", q_pe), ("kv", kv)):
         check_last_dim_contiguous(name, t)
     fp8 = kv.dtype == FP8_DTYPE

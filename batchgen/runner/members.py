@@ -109,7 +109,8 @@ def check_plan(config: JobConfig, spec: JobSpec, spec_bytes: bytes, who: str) ->
     differ = _differences(config, spec.config)
     if differ:
         raise GroupError(f"{who} was started with other flags than the leader: "
-                         + "; ".join(differ) + ". Start every member with the same flags", ExitCode.INPUT)
+                         + "; ".join(differ) + ". Start every member with the same flags",
+                         ExitCode.INPUT)
     deadline = time.monotonic() + SHARED_FS_WAIT_S
     path = spec.spec_file()
     while True:

@@ -339,7 +339,8 @@ def _run_follower_ranks(spec: JobSpec, config: JobConfig, member: Member,
 
 
 def _worker_exit_code(code: int) -> int:
-    if code in (ExitCode.REQUEUE, ExitCode.WATCHDOG, ExitCode.DISK, ExitCode.DEVICE_OOM, ExitCode.LOCKED):
+    if code in (ExitCode.REQUEUE, ExitCode.WATCHDOG, ExitCode.DISK, ExitCode.DEVICE_OOM,
+                ExitCode.LOCKED):
         return code
     return code if 0 < code < 256 else ExitCode.CRASH
 
