@@ -56,6 +56,7 @@ from batchgen.bench_models import (
     random_model,
     weight_stats,
 )
+from batchgen.bench_tp import bench_tensor_parallel
 from batchgen.config import EngineConfig, MemoryConfig, ModelConfig, RuntimeConfig, SchedulerConfig
 from batchgen.core import FinishReason, Request, SamplingParams
 from batchgen.engine.engine import Engine
@@ -379,9 +380,7 @@ def bench(cfg: BenchConfig, work: Workload, tp: TensorParallel | None = None) ->
     from batchgen.models.loader import resolve_dtype
 
     if tp is None and cfg.tensor_parallel_size > 1:
-        from batchgen.bench_tp import bench_tensor_parallel
-
-        return bench_tensor_parallel(cfg, work)
+        return bench_tensor_parallel(bench, cfg, work)
     tp = tp or TensorParallel()
     clock = StartupClock()
     clock.mark("process")

@@ -14,7 +14,7 @@ from batchgen.cli_help import PanelCommand, given_on_command_line, run_app, vers
 from batchgen.cli_options import (SIMULATE_RENAMES, apply_renames, build_config,
                                   deprecated_given, with_config_options)
 from batchgen.config import ConfigError, default_storage_path
-from batchgen.runner.exits import requeue_on_stop_signals
+from batchgen.runner.exits import ExitCode, requeue_on_stop_signals
 
 # Rich's option tables truncate long flag names ("--initial-gpu-page-…") below ~120 columns;
 # click's plain layout wraps instead, so narrow terminals and pipes get that one.
@@ -36,7 +36,7 @@ def _setup_logging() -> None:
                         stream=sys.stderr)
 
 
-def _fail(message: str, code: int = 2) -> None:
+def _fail(message: str, code: int = ExitCode.INPUT) -> None:
     typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
     raise typer.Exit(code)
 
@@ -242,7 +242,7 @@ def convert(output: Path = typer.Option(..., "--output", help="Folder to write (
     `batchgen run --converted-ckpt-dir` then loads it without conversion."""
     from batchgen.cli_options import build_dataclass
     from batchgen.config import ModelConfig, canonical_dtype
-    from batchgen.models.convert import convert_model
+    from batchgen.models.export import convert_model
 
     _setup_logging()
     cfg = build_dataclass(ModelConfig, {**flags, "dtype": canonical_dtype(flags["dtype"])})

@@ -431,8 +431,6 @@ class WatchdogConfig:
     """Disable every watchdog deadline."""
     watchdog_heartbeat_interval: float | None = None
     """Seconds between heartbeats written to the batch file's health section."""
-    watchdog_test_stuck_time: float = 0.0
-    """Testing only: sleep this long inside each decode step."""
     preempt_grace: float = 20.0
     """Seconds between SIGTERM/SIGUSR1 and exit (flush included); exit code 75 means requeue."""
     quarantine_after: int = 3
@@ -447,8 +445,6 @@ class WatchdogConfig:
                      "watchdog_heartbeat_interval"):
             value = getattr(self, name)
             _require(value is None or value > 0, name, value, "seconds > 0")
-        _require(self.watchdog_test_stuck_time >= 0, "watchdog_test_stuck_time",
-                 self.watchdog_test_stuck_time, "seconds >= 0")
         _require(self.preempt_grace > 0, "preempt_grace", self.preempt_grace, "seconds > 0")
         _require(self.quarantine_after >= 1, "quarantine_after", self.quarantine_after,
                  "an integer >= 1")

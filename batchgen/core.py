@@ -105,7 +105,7 @@ class Request:
     prompt_token_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     grammar: object | None = None
-    """A compiled structured-output grammar (io.structured.CompiledGrammar) or None; each
+    """A compiled structured-output grammar (engine.structured.CompiledGrammar) or None; each
     choice gets its own matcher and may only emit tokens the grammar allows."""
     resume: list[ChoiceProgress] | None = None
     """One entry per choice (index order) when the request continues from an in-flight

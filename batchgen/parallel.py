@@ -21,6 +21,12 @@ from typing import Any
 
 import torch
 
+NCCL_SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                 "NVSHMEM_DISABLE_NVLS": "1"}
+"""NVLink multicast stays off in NCCL, PyTorch symmetric memory and NVSHMEM in every group,
+whatever the caller's environment says: on shared hosts a program using it can put the host's
+GPUs out of service."""
+
 log = logging.getLogger("batchgen.parallel")
 
 
@@ -170,8 +176,6 @@ def join_local_group(rank: int, world: int, port: int, device: torch.device) -> 
     """Join a one-node tensor-parallel group of `world` processes started by the caller (rank =
     local rank; `bench --tensor-parallel-size`, the TP checks and tests), meeting at
     127.0.0.1:`port`, NVLink multicast off as in every job."""
-    from batchgen.runner.launch import NCCL_SAFE_ENV
-
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **NCCL_SAFE_ENV)
     return init_tensor_parallel(Placement(rank, world, rank, world, world), device)
 

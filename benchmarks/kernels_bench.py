@@ -243,26 +243,6 @@ def torch_store(k, v, kv, scales, slots):
         scales[page, offset] = scale
 
 
-def bench_copy(pages: int, num_layers: int, host: str):
-    shape = (pages * 2, num_layers, PAGE, 2, KV_HEADS, HEAD_DIM)
-    device_pool = torch.randn(shape, device="cuda").to(BF16)
-    other = torch.empty(shape, dtype=BF16, device="cpu").pin_memory() if host else \
-        torch.empty_like(device_pool)
-    src, dst = (device_pool, other) if host != "h2d" else (other, device_pool)
-    src_ids = torch.randperm(pages * 2, device="cuda")[:pages]
-    dst_ids = torch.randperm(pages * 2, device="cuda")[:pages]
-    ours = do_bench(lambda: K.copy_pages(src, src_ids, dst, dst_ids))
-    src_list, dst_list = src_ids.tolist(), dst_ids.tolist()
-
-    def per_page():  # the alternative the kernel replaces: one copy per page
-        for s, d in zip(src_list, dst_list):
-            dst[d].copy_(src[s], non_blocking=True)
-    theirs = do_bench(per_page)
-    moved = pages * device_pool[0].nbytes  # bytes copied
-    return f"copy_pages {host or 'd2d'}", f"{pages} pages x {num_layers} layers", ours, theirs, \
-        moved
-
-
 def bench_rmsnorm(tokens: int, hidden: int):
     x = torch.randn(tokens, hidden, device="cuda", dtype=BF16)
     r = torch.randn_like(x)
@@ -319,7 +299,6 @@ CASES = {
                         bench_prefill(8, 1000, torch.float8_e4m3fn)],
     "store": lambda: [bench_store(t, dtype, ordered) for dtype in (BF16, torch.float8_e4m3fn)
                       for t, ordered in ((512, False), (8192, True))],
-    "copy": lambda: [bench_copy(64, 32, ""), bench_copy(64, 32, "h2d"), bench_copy(64, 32, "d2h")],
     "rmsnorm": lambda: [bench_rmsnorm(8192, 4096)],
     "rope": lambda: [bench_rope(8192)],
     "rope_store": lambda: [bench_rope_store(t, dtype, ordered)

@@ -20,7 +20,7 @@ from batchgen.bench_models import FP8_SCALES, hf_config_for, random_model, weigh
 from batchgen.config import ModelConfig
 from batchgen.core import PAGE_SIZE
 from batchgen.engine.engine import KV_DTYPES
-from batchgen.engine.forward_batch import ForwardBatch
+from batchgen.forward_batch import ForwardBatch
 from batchgen.engine.graphs import DecodeGraphs
 from batchgen.engine.kv_cache import KVLayout, KVPool
 

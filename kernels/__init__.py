@@ -1,8 +1,9 @@
 """Triton kernels for batchgen, installed as `batchgen_kernels`.
 
-Each module holds one kernel, its typed launcher (shapes in the docstring, preconditions
-asserted) and notes on the algorithm; `reference` holds the pure-PyTorch definitions they are
-tested against. On a machine without a GPU they run under TRITON_INTERPRET=1.
+Each module holds one kernel, its typed launcher (shapes in the docstring; a broken precondition
+raises ValueError, a wrong dtype TypeError) and notes on the algorithm; `reference` holds the
+pure-PyTorch definitions they are tested against. On a machine without a GPU they run under
+TRITON_INTERPRET=1.
 """
 
 from .decode_attention import paged_decode_attention
@@ -12,7 +13,6 @@ from .mla_decode import mla_decode_attention
 from .mla_kv_store import store_mla_kv
 from .moe_gemm import grouped_gemm, grouped_gemm_fp8, quantize_fp8_groups
 from .moe_routing import deepseek_route
-from .page_copy import copy_pages
 from .prefill_attention import paged_prefill_attention
 from .rmsnorm import fused_add_rmsnorm, fused_add_rmsnorm_fp8, rmsnorm, rmsnorm_fp8
 from .rope import apply_rope
@@ -22,7 +22,6 @@ from .silu_mul import silu_and_mul, silu_and_mul_fp8
 
 __all__ = [
     "apply_rope",
-    "copy_pages",
     "deepseek_route",
     "fused_add_rmsnorm",
     "fused_add_rmsnorm_fp8",

@@ -58,22 +58,36 @@ def check_device(*tensors: torch.Tensor | None) -> torch.device:
     present = [t for t in tensors if t is not None]
     device = present[0].device
     for t in present:
-        assert t.device == device, f"tensors on {t.device} and {device}"
-    assert device.type == "cuda" or interpreting(), (
-        f"{device} tensors need TRITON_INTERPRET=1 (the Triton CPU interpreter)")
+        if t.device != device:
+            raise ValueError(f"tensors on {t.device} and {device}")
+    if not (device.type == "cuda" or interpreting()):
+        raise ValueError(f"{device} tensors need TRITON_INTERPRET=1 (the Triton CPU interpreter)")
     return device
 
 
 def check_dtype(name: str, t: torch.Tensor, allowed: tuple[torch.dtype, ...]) -> None:
-    assert t.dtype in allowed, f"{name}: dtype {t.dtype} not in {allowed}"
+    if t.dtype not in allowed:
+        raise TypeError(f"{name}: dtype {t.dtype} not in {allowed}")
 
 
 def check_shape(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
-    assert tuple(t.shape) == tuple(shape), f"{name}: shape {tuple(t.shape)}, expected {shape}"
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name}: shape {tuple(t.shape)}, expected {shape}")
 
 
 def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
-    assert t.shape[-1] <= 1 or t.stride(-1) == 1, f"{name}: last dim must have stride 1"
+    if not (t.shape[-1] <= 1 or t.stride(-1) == 1):
+        raise ValueError(f"{name}: last dim must have stride 1")
+
+
+def check_output(name: str, out: torch.Tensor, shape: tuple[int, ...],
+                 dtype: torch.dtype) -> None:
+    """An output buffer given by the caller: this shape and dtype, last dim contiguous."""
+    check_shape(name, out, shape)
+    if out.dtype != dtype:
+        raise TypeError(f"{name}: dtype {out.dtype}, expected {dtype}")
+    if out.stride(-1) != 1:
+        raise ValueError(f"{name}: last dim must be contiguous")
 
 
 def use_f32_dot(dtype: torch.dtype) -> bool:

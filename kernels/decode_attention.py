@@ -30,6 +30,7 @@ from ._common import (
     check_device,
     check_dtype,
     check_last_dim_contiguous,
+    check_output,
     check_shape,
     dot,
     finish_softmax,
@@ -216,31 +217,37 @@ def paged_decode_attention(q: torch.Tensor, kv: torch.Tensor, kv_scales: torch.T
     device = check_device(q, kv, kv_scales, page_table, context_lens, sinks, out)
     check_dtype("q", q, FLOAT_DTYPES)
     check_dtype("kv", kv, FLOAT_DTYPES + (FP8_DTYPE,))
-    assert (page, two, kv_dim) == (PAGE_SIZE, 2, head_dim), f"kv shape {tuple(kv.shape)}"
-    assert heads % kv_heads == 0, f"{heads} query heads over {kv_heads} KV heads"
+    if (page, two, kv_dim) != (PAGE_SIZE, 2, head_dim):
+        raise ValueError(f"kv shape {tuple(kv.shape)}")
+    if heads % kv_heads != 0:
+        raise ValueError(f"{heads} query heads over {kv_heads} KV heads")
     for name, t in (("q", q), ("kv", kv)):
         check_last_dim_contiguous(name, t)
     fp8 = kv.dtype == FP8_DTYPE
-    assert fp8 == (kv_scales is not None), "kv_scales must be given exactly for fp8 KV"
+    if fp8 != (kv_scales is not None):
+        raise ValueError("kv_scales must be given exactly for fp8 KV")
     if fp8:
         check_shape("kv_scales", kv_scales, (num_pages, page, 2, kv_heads))
         check_dtype("kv_scales", kv_scales, (torch.float32,))
     check_shape("context_lens", context_lens, (batch,))
     check_dtype("context_lens", context_lens, (torch.int32,))
-    assert page_table.dim() == 2 and page_table.shape[0] == batch, "page_table is [B, max_pages]"
+    if not (page_table.dim() == 2 and page_table.shape[0] == batch):
+        raise ValueError("page_table is [B, max_pages]")
     check_dtype("page_table", page_table, (torch.int32,))
-    assert page_table.stride(1) == 1, "page_table rows must be contiguous"
+    if page_table.stride(1) != 1:
+        raise ValueError("page_table rows must be contiguous")
     if sinks is not None:
         check_shape("sinks", sinks, (heads,))
         check_dtype("sinks", sinks, FLOAT_DTYPES)
-    assert window is None or window >= 1, "window must be >= 1"
+    if not (window is None or window >= 1):
+        raise ValueError("window must be >= 1")
     if out is None:
         out = torch.empty_like(q)
-    check_shape("out", out, tuple(q.shape))
-    assert out.dtype == q.dtype and out.stride(-1) == 1, "out: q's dtype, last dim contiguous"
+    check_output("out", out, tuple(q.shape), q.dtype)
     if batch == 0:
         return out
-    assert batch <= 65535, "batch is the grid's y axis (at most 65535 sequences per call)"
+    if batch > 65535:
+        raise ValueError("batch is the grid's y axis (at most 65535 sequences per call)")
 
     max_pages = page_table.shape[1]
     if window is not None:  # a window of w keys touches at most w // 64 + 2 pages

@@ -45,10 +45,12 @@ def fp8_row_outputs(rows: int, cols: int, device: torch.device, out: torch.Tenso
     scales = torch.empty(rows, 1, dtype=torch.float32, device=device) if scales is None else scales
     check_shape("out", out, (rows, cols))
     check_dtype("out", out, (FP8_DTYPE,))
-    assert out.stride(-1) == 1 or cols <= 1, "out: last dim must be contiguous"
+    if not (out.stride(-1) == 1 or cols <= 1):
+        raise ValueError("out: last dim must be contiguous")
     check_shape("scales", scales, (rows, 1))
     check_dtype("scales", scales, (torch.float32,))
-    assert scales.is_contiguous(), "scales must be contiguous"
+    if not scales.is_contiguous():
+        raise ValueError("scales must be contiguous")
     return out, scales
 
 
@@ -69,9 +71,11 @@ def quantize_fp8_rows(x: torch.Tensor, out: torch.Tensor | None = None,
     """
     check_device(x, out, scales)
     check_dtype("x", x, FLOAT_DTYPES)
-    assert x.dim() == 2 and (x.stride(1) == 1 or x.shape[1] <= 1), "x is [M, K], K contiguous"
+    if not (x.dim() == 2 and (x.stride(1) == 1 or x.shape[1] <= 1)):
+        raise ValueError("x is [M, K], K contiguous")
     rows, cols = x.shape
-    assert 1 <= cols <= 65536, f"K = {cols}: a row quantizer takes 1..65536 features"
+    if not (1 <= cols <= 65536):
+        raise ValueError(f"K = {cols}: a row quantizer takes 1..65536 features")
     out, scales = fp8_row_outputs(rows, cols, x.device, out, scales)
     if rows == 0:
         return out, scales

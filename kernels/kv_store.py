@@ -82,7 +82,8 @@ def pool_layer_args(kv: torch.Tensor, kv_scales: torch.Tensor | None,
     check_shape("slot_mapping", slot_mapping, (tokens,))
     check_dtype("slot_mapping", slot_mapping, (torch.int64, torch.int32))
     fp8 = kv.dtype == FP8_DTYPE
-    assert fp8 == (kv_scales is not None), "kv_scales must be given exactly for fp8 KV"
+    if fp8 != (kv_scales is not None):
+        raise ValueError("kv_scales must be given exactly for fp8 KV")
     if not fp8:
         return False, kv.new_empty(0, dtype=torch.float32), (0, 0, 0, 0)
     check_shape("kv_scales", kv_scales, (num_pages, PAGE_SIZE, 2, kv_heads))

@@ -32,6 +32,7 @@ from ._common import (
     check_device,
     check_dtype,
     check_last_dim_contiguous,
+    check_output,
     check_shape,
     dot,
     finish_softmax,
@@ -167,29 +168,34 @@ def mla_decode_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, kv: torch.Ten
     device = check_device(q_nope, q_pe, kv, kv_scales, page_table, context_lens, out)
     check_dtype("q_nope", q_nope, FLOAT_DTYPES)
     check_shape("q_pe", q_pe, (batch, heads, rope))
-    assert q_pe.dtype == q_nope.dtype, f"q_pe dtype {q_pe.dtype} != q_nope dtype {q_nope.dtype}"
+    if q_pe.dtype != q_nope.dtype:
+        raise TypeError(f"q_pe dtype {q_pe.dtype} != q_nope dtype {q_nope.dtype}")
     check_dtype("kv", kv, FLOAT_DTYPES + (FP8_DTYPE,))
-    assert (page, one, width) == (PAGE_SIZE, 1, latent + rope), (
-        f"kv shape {tuple(kv.shape)}: expected [pages, {PAGE_SIZE}, 1, {latent} + {rope}]")
+    if (page, one, width) != (PAGE_SIZE, 1, latent + rope):
+        raise ValueError(f"kv shape {tuple(kv.shape)}: expected "
+                         f"[pages, {PAGE_SIZE}, 1, {latent} + {rope}]")
     for name, t in (("q_nope", q_nope), ("q_pe", q_pe), ("kv", kv)):
         check_last_dim_contiguous(name, t)
     fp8 = kv.dtype == FP8_DTYPE
-    assert fp8 == (kv_scales is not None), "kv_scales must be given exactly for fp8 KV"
+    if fp8 != (kv_scales is not None):
+        raise ValueError("kv_scales must be given exactly for fp8 KV")
     if fp8:
         check_shape("kv_scales", kv_scales, (num_pages, page, 1))
         check_dtype("kv_scales", kv_scales, (torch.float32,))
     check_shape("context_lens", context_lens, (batch,))
     check_dtype("context_lens", context_lens, (torch.int32,))
-    assert page_table.dim() == 2 and page_table.shape[0] == batch, "page_table is [B, max_pages]"
+    if not (page_table.dim() == 2 and page_table.shape[0] == batch):
+        raise ValueError("page_table is [B, max_pages]")
     check_dtype("page_table", page_table, (torch.int32,))
-    assert page_table.stride(1) == 1, "page_table rows must be contiguous"
-    assert block_n >= 16 and PAGE_SIZE % block_n == 0 and block_n & (block_n - 1) == 0, (
-        f"block_n {block_n} must be a power of two in [16, {PAGE_SIZE}]")
-    assert block_h >= 16 and block_h & (block_h - 1) == 0, f"block_h {block_h}: power of 2 >= 16"
+    if page_table.stride(1) != 1:
+        raise ValueError("page_table rows must be contiguous")
+    if not (block_n >= 16 and PAGE_SIZE % block_n == 0 and block_n & (block_n - 1) == 0):
+        raise ValueError(f"block_n {block_n} must be a power of two in [16, {PAGE_SIZE}]")
+    if not (block_h >= 16 and block_h & (block_h - 1) == 0):
+        raise ValueError(f"block_h {block_h}: power of 2 >= 16")
     if out is None:
         out = torch.empty_like(q_nope)
-    check_shape("out", out, (batch, heads, latent))
-    assert out.dtype == q_nope.dtype and out.stride(-1) == 1, "out: q's dtype, last dim contiguous"
+    check_output("out", out, (batch, heads, latent), q_nope.dtype)
     if batch == 0:
         return out
 

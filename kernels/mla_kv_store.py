@@ -78,7 +78,8 @@ def store_mla_kv(rows: torch.Tensor, kv: torch.Tensor, kv_scales: torch.Tensor |
     check_last_dim_contiguous("rows", rows)
     check_last_dim_contiguous("kv", kv)
     fp8 = kv.dtype == FP8_DTYPE
-    assert fp8 == (kv_scales is not None), "kv_scales must be given exactly for fp8 KV"
+    if fp8 != (kv_scales is not None):
+        raise ValueError("kv_scales must be given exactly for fp8 KV")
     if fp8:
         check_shape("kv_scales", kv_scales, (num_pages, PAGE_SIZE, 1))
         check_dtype("kv_scales", kv_scales, (torch.float32,))

@@ -40,6 +40,7 @@ from ._common import (
     FP8_MAX_C,
     check_device,
     check_dtype,
+    check_output,
     check_shape,
     dot,
     interpreting,
@@ -192,9 +193,11 @@ at 8,192 tokens (DeepSeek-V3 experts) 6.6 and 3.7 ms (581 and 516 TFLOP/s), agai
 
 def _check_offsets(offsets: torch.Tensor, w: torch.Tensor) -> int:
     check_dtype("offsets", offsets, (torch.int32, torch.int64))
-    assert offsets.dim() == 1 and offsets.stride(0) == 1, "offsets is a contiguous [G]"
+    if not (offsets.dim() == 1 and offsets.stride(0) == 1):
+        raise ValueError("offsets is a contiguous [G]")
     groups = offsets.shape[0]
-    assert groups <= w.shape[0], f"{groups} groups but {w.shape[0]} weight matrices"
+    if groups > w.shape[0]:
+        raise ValueError(f"{groups} groups but {w.shape[0]} weight matrices")
     return groups
 
 
@@ -203,15 +206,15 @@ def _row_tiling(m: int, groups: int, block_m: int | None, cap: int) -> tuple[int
     decode batches give experts a handful of rows each, where a 16-row tile wastes least."""
     if block_m is None:
         block_m = min(cap, max(16, next_pow2(-(-m // max(1, min(groups, m))))))
-    assert block_m >= 16 and block_m & (block_m - 1) == 0, "block_m: a power of two >= 16"
+    if not (block_m >= 16 and block_m & (block_m - 1) == 0):
+        raise ValueError("block_m: a power of two >= 16")
     return block_m, triton.cdiv(m, block_m) + groups
 
 
 def _out_buffer(out, shape, dtype, device) -> torch.Tensor:
     if out is None:
         return torch.empty(shape, dtype=dtype, device=device)
-    check_shape("out", out, shape)
-    assert out.dtype == dtype and out.stride(-1) == 1, f"out: {dtype}, last dim contiguous"
+    check_output("out", out, shape, dtype)
     return out
 
 
@@ -231,11 +234,17 @@ def grouped_gemm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
     """
     check_device(x, w, offsets, out)
     check_dtype("x", x, FLOAT_DTYPES)
-    assert x.dim() == 2 and w.dim() == 3, "x is [M, K], w is [E, N, K]"
+    if not (x.dim() == 2 and w.dim() == 3):
+        raise ValueError("x is [M, K], w is [E, N, K]")
     m, k = x.shape
-    assert w.dtype == x.dtype and w.shape[2] == k, f"w {tuple(w.shape)} {w.dtype} for x [M, {k}]"
-    assert x.stride(1) == 1 and w.stride(2) == 1, "x and w: K must be contiguous"
-    assert not silu_mul or w.shape[1] % 2 == 0, "silu_mul needs w = [gate | up] rows"
+    if w.dtype != x.dtype:
+        raise TypeError(f"w {tuple(w.shape)} {w.dtype} for x [M, {k}]")
+    if w.shape[2] != k:
+        raise ValueError(f"w {tuple(w.shape)} {w.dtype} for x [M, {k}]")
+    if not (x.stride(1) == 1 and w.stride(2) == 1):
+        raise ValueError("x and w: K must be contiguous")
+    if silu_mul and w.shape[1] % 2:
+        raise ValueError("silu_mul needs w = [gate | up] rows")
     groups = _check_offsets(offsets, w)
     n = w.shape[1] // 2 if silu_mul else w.shape[1]
     out = _out_buffer(out, (m, n), x.dtype, x.device)
@@ -263,10 +272,13 @@ def quantize_fp8_groups(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor
     """
     check_device(x)
     check_dtype("x", x, FLOAT_DTYPES)
-    assert x.dim() == 2 and x.stride(1) == 1, "x is [M, K], last dim contiguous"
-    assert group >= 16 and group & (group - 1) == 0, f"group {group}: a power of two >= 16"
+    if not (x.dim() == 2 and x.stride(1) == 1):
+        raise ValueError("x is [M, K], last dim contiguous")
+    if not (group >= 16 and group & (group - 1) == 0):
+        raise ValueError(f"group {group}: a power of two >= 16")
     m, k = x.shape
-    assert k % group == 0, f"K = {k} is not a multiple of the group {group}"
+    if k % group != 0:
+        raise ValueError(f"K = {k} is not a multiple of the group {group}")
     q = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
     scales = torch.empty(m, k // group, dtype=torch.float32, device=x.device)
     if m == 0 or k == 0:
@@ -300,23 +312,30 @@ def grouped_gemm_fp8(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, w_scal
     check_device(xq, xs, w, w_scale, offsets, out)
     bn, bk = block
     for name, size in (("bn", bn), ("bk", bk)):
-        assert size >= 16 and size & (size - 1) == 0, f"{name} = {size}: a power of two >= 16"
+        if not (size >= 16 and size & (size - 1) == 0):
+            raise ValueError(f"{name} = {size}: a power of two >= 16")
     check_dtype("xq", xq, (FP8_DTYPE,))
     check_dtype("w", w, (FP8_DTYPE,))
     check_dtype("xs", xs, (torch.float32,))
     check_dtype("w_scale", w_scale, (torch.float32,))
-    assert out_dtype in FLOAT_DTYPES, out_dtype
-    assert xq.dim() == 2 and w.dim() == 3, "xq is [M, K], w is [E, N, K]"
+    if out_dtype not in FLOAT_DTYPES:
+        raise TypeError(f"out_dtype {out_dtype}: one of {FLOAT_DTYPES}")
+    if not (xq.dim() == 2 and w.dim() == 3):
+        raise ValueError("xq is [M, K], w is [E, N, K]")
     m, k = xq.shape
     e, n_w, _ = w.shape
-    assert w.shape[2] == k, f"w {tuple(w.shape)} for xq [M, {k}]"
-    assert k % bk == 0 and n_w % bn == 0, f"N = {n_w}, K = {k} must be multiples of {block}"
+    if w.shape[2] != k:
+        raise ValueError(f"w {tuple(w.shape)} for xq [M, {k}]")
+    if not (k % bk == 0 and n_w % bn == 0):
+        raise ValueError(f"N = {n_w}, K = {k} must be multiples of {block}")
     n = n_w // 2 if silu_mul else n_w
-    assert n % bn == 0, f"silu_mul: I = {n} must be a multiple of bn = {bn}"
+    if n % bn != 0:
+        raise ValueError(f"silu_mul: I = {n} must be a multiple of bn = {bn}")
     check_shape("xs", xs, (m, k // bk))
     check_shape("w_scale", w_scale, (e, n_w // bn, k // bk))
     for name, t in (("xq", xq), ("xs", xs), ("w", w), ("w_scale", w_scale)):
-        assert t.stride(-1) == 1, f"{name}: last dim must be contiguous"
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name}: last dim must be contiguous")
     groups = _check_offsets(offsets, w)
     out = _out_buffer(out, (m, n), out_dtype, xq.device)
     if m == 0 or groups == 0 or n == 0:

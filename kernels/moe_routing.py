@@ -92,16 +92,21 @@ def deepseek_route(logits: torch.Tensor, bias: torch.Tensor, n_group: int, topk_
     check_device(logits, bias)
     check_dtype("logits", logits, (torch.float32,))
     check_dtype("bias", bias, FLOAT_DTYPES)
-    assert ids_dtype in (torch.int64, torch.int32), ids_dtype
-    assert logits.dim() == 2 and logits.stride(1) == 1, "logits is [T, E], last dim contiguous"
+    if ids_dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"ids_dtype {ids_dtype}: torch.int64 or torch.int32")
+    if not (logits.dim() == 2 and logits.stride(1) == 1):
+        raise ValueError("logits is [T, E], last dim contiguous")
     tokens, experts = logits.shape
     check_shape("bias", bias, (experts,))
-    assert bias.stride(0) == 1, "bias must be contiguous"
-    assert n_group >= 1 and experts % n_group == 0, f"{experts} experts in {n_group} groups"
+    if bias.stride(0) != 1:
+        raise ValueError("bias must be contiguous")
+    if not (n_group >= 1 and experts % n_group == 0):
+        raise ValueError(f"{experts} experts in {n_group} groups")
     group_size = experts // n_group
-    assert 1 <= topk_group <= n_group, f"topk_group {topk_group} of {n_group} groups"
-    assert 1 <= top_k <= topk_group * group_size, (
-        f"top_k {top_k} > {topk_group} kept groups x {group_size} experts")
+    if not (1 <= topk_group <= n_group):
+        raise ValueError(f"topk_group {topk_group} of {n_group} groups")
+    if not (1 <= top_k <= topk_group * group_size):
+        raise ValueError(f"top_k {top_k} > {topk_group} kept groups x {group_size} experts")
     weights = torch.empty(tokens, top_k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(tokens, top_k, dtype=ids_dtype, device=logits.device)
     if tokens == 0:

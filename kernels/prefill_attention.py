@@ -33,6 +33,7 @@ from ._common import (
     check_device,
     check_dtype,
     check_last_dim_contiguous,
+    check_output,
     check_shape,
     dot,
     finish_softmax,
@@ -193,12 +194,15 @@ def paged_prefill_attention(q: torch.Tensor, kv: torch.Tensor, kv_scales: torch.
     check_device(q, kv, kv_scales, cu_seqlens_q, context_lens, page_table, sinks, out)
     check_dtype("q", q, FLOAT_DTYPES)
     check_dtype("kv", kv, FLOAT_DTYPES + (FP8_DTYPE,))
-    assert (page, two, kv_dim) == (PAGE_SIZE, 2, head_dim), f"kv shape {tuple(kv.shape)}"
-    assert heads % kv_heads == 0, f"{heads} query heads over {kv_heads} KV heads"
+    if (page, two, kv_dim) != (PAGE_SIZE, 2, head_dim):
+        raise ValueError(f"kv shape {tuple(kv.shape)}")
+    if heads % kv_heads != 0:
+        raise ValueError(f"{heads} query heads over {kv_heads} KV heads")
     check_last_dim_contiguous("q", q)
     check_last_dim_contiguous("kv", kv)
     fp8 = kv.dtype == FP8_DTYPE
-    assert fp8 == (kv_scales is not None), "kv_scales must be given exactly for fp8 KV"
+    if fp8 != (kv_scales is not None):
+        raise ValueError("kv_scales must be given exactly for fp8 KV")
     if fp8:
         check_shape("kv_scales", kv_scales, (num_pages, page, 2, kv_heads))
         check_dtype("kv_scales", kv_scales, (torch.float32,))
@@ -206,20 +210,23 @@ def paged_prefill_attention(q: torch.Tensor, kv: torch.Tensor, kv_scales: torch.
     for name, t in (("cu_seqlens_q", cu_seqlens_q), ("context_lens", context_lens),
                     ("page_table", page_table)):
         check_dtype(name, t, (torch.int32,))
-        assert t.stride(-1) == 1, f"{name}: last dim must be contiguous"
-    assert page_table.dim() == 2 and page_table.shape[0] == batch, "page_table is [B, max_pages]"
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name}: last dim must be contiguous")
+    if not (page_table.dim() == 2 and page_table.shape[0] == batch):
+        raise ValueError("page_table is [B, max_pages]")
     if sinks is not None:
         check_shape("sinks", sinks, (heads,))
         check_dtype("sinks", sinks, FLOAT_DTYPES)
-    assert window is None or window >= 1, "window must be >= 1"
+    if not (window is None or window >= 1):
+        raise ValueError("window must be >= 1")
     launch = dict(LAUNCH["fp8" if fp8 else "float"])
     block_m = block_m or launch["block_m"]
     del launch["block_m"]
-    assert block_m >= 16 and block_m == next_pow2(block_m), "block_m: a power of two >= 16"
+    if not (block_m >= 16 and block_m == next_pow2(block_m)):
+        raise ValueError("block_m: a power of two >= 16")
     if out is None:
         out = torch.empty_like(q)
-    check_shape("out", out, tuple(q.shape))
-    assert out.dtype == q.dtype and out.stride(-1) == 1, "out: q's dtype, last dim contiguous"
+    check_output("out", out, tuple(q.shape), q.dtype)
     if tokens == 0 or batch == 0:
         return out
 

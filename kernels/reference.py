@@ -113,14 +113,6 @@ def _store_tokens(kv, kv_scales, new, slot_mapping):
     return kv, kv_scales
 
 
-def copy_pages(src: torch.Tensor, src_pages: torch.Tensor, dst: torch.Tensor,
-               dst_pages: torch.Tensor) -> torch.Tensor:
-    """A copy of dst [num_pages, ...] with dst[dst_pages[i]] = src[src_pages[i]]."""
-    dst = dst.clone()
-    dst[dst_pages.long().to(dst.device)] = src[src_pages.long().to(src.device)].to(dst.device)
-    return dst
-
-
 def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                 eps: float, math_dtype: torch.dtype = torch.float32
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:

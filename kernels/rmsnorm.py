@@ -53,19 +53,24 @@ def _rmsnorm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, 
 
 def _check_rows(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> None:
     check_shape(name, t, shape)
-    assert t.dtype == dtype, f"{name}: dtype {t.dtype}, expected {dtype}"
-    assert t.stride(-1) == 1, f"{name}: last dim must be contiguous"
+    if t.dtype != dtype:
+        raise TypeError(f"{name}: dtype {t.dtype}, expected {dtype}")
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name}: last dim must be contiguous")
 
 
 def _check_inputs(x: torch.Tensor, weight: torch.Tensor) -> tuple[int, int]:
     """(rows, features) of x [T, N] after checking it and weight [N]."""
     check_dtype("x", x, FLOAT_DTYPES)
-    assert x.dim() == 2, "x is [T, N]"
+    if x.dim() != 2:
+        raise ValueError("x is [T, N]")
     rows, cols = x.shape
-    assert cols <= 65536, f"N = {cols}: a row of over 64K features does not fit a program"
+    if cols > 65536:
+        raise ValueError(f"N = {cols}: a row of over 64K features does not fit a program")
     _check_rows("x", x, (rows, cols), x.dtype)
     check_shape("weight", weight, (cols,))
-    assert weight.stride(0) == 1, "weight must be contiguous"
+    if weight.stride(0) != 1:
+        raise ValueError("weight must be contiguous")
     return rows, cols
 
 
@@ -91,7 +96,8 @@ def fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: to
         residual_out = torch.empty_like(x) if residual_out is None else residual_out
         _check_rows("residual_out", residual_out, (rows, cols), x.dtype)
     else:
-        assert residual_out is None, "residual_out without residual"
+        if residual_out is not None:
+            raise ValueError("residual_out without residual")
     _launch(x, residual, weight, out, residual_out, None, eps)
     return out, residual_out
 
@@ -144,7 +150,8 @@ def fused_add_rmsnorm_fp8(x: torch.Tensor, residual: torch.Tensor, weight: torch
 def _rmsnorm_fp8(x, residual, weight, eps, out, scales):
     check_device(x, weight, out, scales, residual)
     rows, cols = _check_inputs(x, weight)
-    assert cols >= 1, "x has no features"
+    if cols < 1:
+        raise ValueError("x has no features")
     out, scales = fp8_row_outputs(rows, cols, x.device, out, scales)
     h = None
     if residual is not None:

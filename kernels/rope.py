@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import FLOAT_DTYPES, check_device, check_dtype, check_shape, next_pow2
+from ._common import FLOAT_DTYPES, check_device, check_dtype, check_output, check_shape, next_pow2
 
 
 @triton.jit
@@ -81,6 +81,20 @@ def _rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cos_ptr, sin_ptr,
                   k_heads, cos1, cos2, sin1, sin2, HALF, BLOCK_KH, BLOCK_R, REST, BLOCK_REST)
 
 
+def check_rope_tables(positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      tokens: int, head_dim: int) -> int:
+    """Check the positions of `tokens` tokens and the cos/sin tables for heads of `head_dim`;
+    returns the rotated dimensions (rot_dim)."""
+    check_shape("positions", positions, (tokens,))
+    check_dtype("positions", positions, (torch.int32, torch.int64))
+    rot_dim = cos.shape[-1]
+    if not (cos.dim() == 2 and cos.shape == sin.shape):
+        raise ValueError("cos/sin are [max_pos, rot_dim]")
+    if not (rot_dim % 2 == 0 and rot_dim <= head_dim):
+        raise ValueError(f"rot_dim {rot_dim} vs head_dim {head_dim}")
+    return rot_dim
+
+
 def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                sin: torch.Tensor, q_out: torch.Tensor | None = None,
                k_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,21 +112,20 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: t
     tokens, q_heads, head_dim = q.shape
     check_device(q, k, positions, cos, sin)
     check_dtype("q", q, FLOAT_DTYPES)
-    assert k.dim() == 3 and k.shape[0] == tokens and k.shape[2] == head_dim, "k is [T, KVH, D]"
-    assert k.dtype == q.dtype, "q and k must share a dtype"
-    check_shape("positions", positions, (tokens,))
-    check_dtype("positions", positions, (torch.int32, torch.int64))
-    rot_dim = cos.shape[-1]
-    assert cos.dim() == 2 and cos.shape == sin.shape, "cos/sin are [max_pos, rot_dim]"
-    assert rot_dim % 2 == 0 and rot_dim <= head_dim, f"rot_dim {rot_dim} vs head_dim {head_dim}"
+    if not (k.dim() == 3 and k.shape[0] == tokens and k.shape[2] == head_dim):
+        raise ValueError("k is [T, KVH, D]")
+    if k.dtype != q.dtype:
+        raise TypeError("q and k must share a dtype")
+    rot_dim = check_rope_tables(positions, cos, sin, tokens, head_dim)
     for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
-        assert t.stride(-1) == 1, f"{name}: last dim must be contiguous"
-    assert (q_out is None) == (k_out is None), "give q_out and k_out together"
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name}: last dim must be contiguous")
+    if (q_out is None) != (k_out is None):
+        raise ValueError("give q_out and k_out together")
     inplace = q_out is None
     q_out, k_out = (q, k) if inplace else (q_out, k_out)
     for name, t, like in (("q_out", q_out, q), ("k_out", k_out, k)):
-        check_shape(name, t, tuple(like.shape))
-        assert t.dtype == q.dtype and t.stride(-1) == 1, f"{name}: q's dtype, last dim contiguous"
+        check_output(name, t, tuple(like.shape), q.dtype)
     if tokens == 0:
         return q_out, k_out
     half, rest = rot_dim // 2, 0 if inplace else head_dim - rot_dim

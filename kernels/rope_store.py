@@ -28,13 +28,14 @@ from ._common import (
     check_device,
     check_dtype,
     check_last_dim_contiguous,
+    check_output,
     check_shape,
     hardware_fp8_cast,
     kv_values_e4m3,
     next_pow2,
 )
 from .kv_store import _store_v, pool_layer_args
-from .rope import _rotate_heads, _table_rows, rotate_halves
+from .rope import _rotate_heads, _table_rows, check_rope_tables, rotate_halves
 
 
 @triton.jit
@@ -131,21 +132,16 @@ def rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
     check_dtype("q", q, FLOAT_DTYPES)
     check_shape("k", k, (tokens, kv_heads, head_dim))
     check_shape("v", v, (tokens, kv_heads, head_dim))
-    assert k.dtype == q.dtype and v.dtype == q.dtype, "q, k and v must share a dtype"
-    check_shape("positions", positions, (tokens,))
-    check_dtype("positions", positions, (torch.int32, torch.int64))
-    rot_dim = cos.shape[-1]
-    assert cos.dim() == 2 and cos.shape == sin.shape, "cos/sin are [max_pos, rot_dim]"
-    assert rot_dim % 2 == 0 and rot_dim <= head_dim, f"rot_dim {rot_dim} vs head_dim {head_dim}"
+    if not (k.dtype == q.dtype and v.dtype == q.dtype):
+        raise TypeError("q, k and v must share a dtype")
+    rot_dim = check_rope_tables(positions, cos, sin, tokens, head_dim)
     for name, t in (("q", q), ("k", k), ("v", v), ("cos", cos), ("sin", sin)):
         check_last_dim_contiguous(name, t)
     fp8, scales, s_strides = pool_layer_args(kv, kv_scales, slot_mapping, tokens, kv_heads,
                                              head_dim)
     if q_out is None:
         q_out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    check_shape("q_out", q_out, tuple(q.shape))
-    assert q_out.dtype == q.dtype and q_out.stride(-1) == 1, \
-        "q_out: q's dtype, last dim contiguous"
+    check_output("q_out", q_out, tuple(q.shape), q.dtype)
     if tokens == 0:
         return q_out
     half, rest = rot_dim // 2, head_dim - rot_dim

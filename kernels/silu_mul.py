@@ -17,7 +17,7 @@ from ._common import (
     FLOAT_DTYPES,
     check_device,
     check_dtype,
-    check_shape,
+    check_output,
     hardware_fp8_cast,
     next_pow2,
     quantize_row_e4m3,
@@ -68,12 +68,13 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None,
     """
     check_device(x, out)
     check_dtype("x", x, FLOAT_DTYPES)
-    assert x.dim() == 2 and x.shape[1] % 2 == 0, "x is [T, 2I]"
-    assert x.stride(1) == 1, "x: last dim must be contiguous"
+    if not (x.dim() == 2 and x.shape[1] % 2 == 0):
+        raise ValueError("x is [T, 2I]")
+    if x.stride(1) != 1:
+        raise ValueError("x: last dim must be contiguous")
     rows, inter = x.shape[0], x.shape[1] // 2
     out = x.new_empty(rows, inter) if out is None else out
-    check_shape("out", out, (rows, inter))
-    assert out.dtype == x.dtype and out.stride(-1) == 1, "out: x's dtype, last dim contiguous"
+    check_output("out", out, (rows, inter), x.dtype)
     if rows == 0 or inter == 0:
         return out
     block = min(next_pow2(block), next_pow2(inter))
@@ -94,10 +95,13 @@ def silu_and_mul_fp8(x: torch.Tensor, out: torch.Tensor | None = None,
     """
     check_device(x, out, scales)
     check_dtype("x", x, FLOAT_DTYPES)
-    assert x.dim() == 2 and x.shape[1] % 2 == 0, "x is [T, 2I]"
-    assert x.stride(1) == 1, "x: last dim must be contiguous"
+    if not (x.dim() == 2 and x.shape[1] % 2 == 0):
+        raise ValueError("x is [T, 2I]")
+    if x.stride(1) != 1:
+        raise ValueError("x: last dim must be contiguous")
     rows, inter = x.shape[0], x.shape[1] // 2
-    assert 1 <= inter <= 65536, f"I = {inter}: 1..65536 features"
+    if not (1 <= inter <= 65536):
+        raise ValueError(f"I = {inter}: 1..65536 features")
     out, scales = fp8_row_outputs(rows, inter, x.device, out, scales)
     if rows == 0:
         return out, scales

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Installs everything into .venv and runs the test suite (what CI runs).
+# Installs everything into .venv, checks the import layers and runs the test suite (what CI runs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh test
+# The import contracts in pyproject.toml ([tool.importlinter]): a crossed layer fails the run.
+.venv/bin/lint-imports --no-cache
 set +e
 # Not `python -m pytest`: that puts the repo root (and its kernels/ folder) on sys.path.
 .venv/bin/pytest -q --durations=15 "$@"  # the slowest tests named: the suite must stay ~20 min

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from batchgen.bench import BenchConfig, Workload, bench, format_table
 from batchgen.bench_models import hf_config_for, hf_twin, random_model, weight_stats
 from batchgen.config import ModelConfig
-from batchgen.engine.forward_batch import ForwardBatch
+from batchgen.forward_batch import ForwardBatch
 from batchgen.engine.kv_cache import KVLayout, KVPool
 from batchgen.models.loader import meta_model
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from batchgen.config import ModelConfig
-from batchgen.models.convert import convert_model
+from batchgen.models.export import convert_model
 from batchgen.models.factory import load_model
 from batchgen.models.loader import MANIFEST, CheckpointError
 from engine_utils import greedy_requests, make_engine

@@ -15,7 +15,7 @@ from tp_utils import run_tensor_parallel
 
 from batchgen.config import EngineConfig, MemoryConfig, ModelConfig
 from batchgen.engine.engine import Engine
-from batchgen.models.convert import convert_model
+from batchgen.models.export import convert_model
 from batchgen.models.factory import load_model
 from batchgen.models.loader import MANIFEST, CheckpointError
 from batchgen.parallel import TensorParallel

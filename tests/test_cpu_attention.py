@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from batchgen.core import PAGE_SIZE
-from batchgen.engine.forward_batch import ForwardBatch
+from batchgen.forward_batch import ForwardBatch
 from batchgen.engine.kv_cache import KVLayout, KVPool
 from batchgen.models.attention import _attend, paged_attention
 

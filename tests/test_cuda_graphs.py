@@ -13,7 +13,7 @@ from batchgen.config import (EAGER_DECODE_BATCH, ConfigError, EngineConfig, Memo
                              RuntimeConfig, SchedulerConfig)
 from batchgen.core import PAGE_SIZE
 from batchgen.engine.engine import Engine
-from batchgen.engine.forward_batch import ForwardBatch
+from batchgen.forward_batch import ForwardBatch
 from batchgen.engine.graphs import DecodeGraphs, bucket_sizes
 from batchgen.engine.kv_cache import KVLayout, KVPool
 from batchgen.models.loader import build_model, load_hf_config, read_safetensors

@@ -13,7 +13,7 @@ from engine_utils import greedy_requests, hf_greedy, load_ours, make_engine, mak
 from safetensors.torch import load_file, save_file
 
 from batchgen.config import ModelConfig
-from batchgen.engine.forward_batch import ForwardBatch
+from batchgen.forward_batch import ForwardBatch
 from batchgen.engine.kv_cache import KVLayout, KVPool
 from batchgen.models.fp8 import dequantize_blocks, quantize_blocks
 from batchgen.models.loader import build_model, load_hf_config, read_safetensors

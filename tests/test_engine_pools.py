@@ -140,7 +140,7 @@ def test_fp8_kv_roundtrip_error_is_bounded():
 
 
 def test_fp8_kv_logits_stay_close(tiny_llama):
-    from batchgen.engine.forward_batch import ForwardBatch
+    from batchgen.forward_batch import ForwardBatch
     from batchgen.engine.kv_cache import KVLayout, KVPool
 
     prompt = workload(1, seed=3)[0]

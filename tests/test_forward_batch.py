@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from batchgen.core import PAGE_SIZE
-from batchgen.engine.forward_batch import ForwardBatch
+from batchgen.forward_batch import ForwardBatch
 
 
 @st.composite

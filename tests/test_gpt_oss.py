@@ -11,7 +11,7 @@ from engine_utils import greedy_requests, hf_greedy, make_engine
 from safetensors.torch import save_file
 
 from batchgen.config import ModelConfig
-from batchgen.engine.forward_batch import ForwardBatch
+from batchgen.forward_batch import ForwardBatch
 from batchgen.engine.kv_cache import KVLayout, KVPool
 from batchgen.models.gpt_oss import (
     ExpertWeights,

@@ -168,7 +168,7 @@ def test_n_choices_finished_before_the_stop_keep_their_results(model, tok):
 
 
 def test_grammar_continues_from_the_saved_answer(model, tok):
-    from batchgen.io.structured import GrammarCompiler
+    from batchgen.engine.structured import GrammarCompiler
 
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
                                                "n": {"type": "integer"}},

@@ -37,7 +37,8 @@ from batchgen.runner.group import (
     PlanRefused,
     open_store,
 )
-from batchgen.runner.launch import NCCL_SAFE_ENV
+from batchgen.parallel import NCCL_SAFE_ENV
+from batchgen.testing.faults import STUCK_ENV
 from batchgen.runner.lock import JobLock, member_lock
 
 
@@ -61,11 +62,11 @@ def finish(procs: list[subprocess.Popen], timeout: float = 240) -> list[int]:
     return codes
 
 
-def two_nodes(inp, storage, model, tmp_path, *extra, tag="") -> list[subprocess.Popen]:
+def two_nodes(inp, storage, model, tmp_path, *extra, tag="", env=None) -> list[subprocess.Popen]:
     port = free_port()
     return [spawn(run_args(inp, storage, model, "--world-size", 2, "--nnodes", 2, "--node-rank",
                            r, "--dist-init-addr", f"127.0.0.1:{port}", *extra),
-                  log=tmp_path / f"node{r}{tag}.log") for r in (0, 1)]
+                  env=env, log=tmp_path / f"node{r}{tag}.log") for r in (0, 1)]
 
 
 def one_record_each(storage: Path, expected: int) -> None:
@@ -129,14 +130,14 @@ def kill_worker(storage: Path, rank: int) -> int:
     return pid
 
 
-SLOW = ("--watchdog-test-stuck-time", "0.1")
+SLOW = {STUCK_ENV: "0.1"}
 """Every decode step sleeps 0.1 s, so a worker is still running when the test kills it."""
 
 
 def test_killed_worker_on_node_1_fails_the_group_then_resumes(tmp_path, tiny_chat_model):
     inp = job_input(tmp_path / "job")
     storage = tmp_path / "s"
-    procs = two_nodes(inp, storage, tiny_chat_model, tmp_path, *SLOW)
+    procs = two_nodes(inp, storage, tiny_chat_model, tmp_path, env=SLOW)
     kill_worker(storage, 1)
     codes = finish(procs)
     node0 = (tmp_path / "node0.log").read_text()
@@ -154,7 +155,7 @@ def test_killed_worker_on_node_1_fails_the_group_then_resumes(tmp_path, tiny_cha
 def test_killed_worker_of_two_ranks_on_one_node(tmp_path, tiny_chat_model):
     inp = job_input(tmp_path / "job")
     storage = tmp_path / "s"
-    proc = spawn(run_args(inp, storage, tiny_chat_model, "--world-size", 2, *SLOW),
+    proc = spawn(run_args(inp, storage, tiny_chat_model, "--world-size", 2), env=SLOW,
                  log=tmp_path / "run.log")
     kill_worker(storage, 1)
     code = finish([proc])[0]

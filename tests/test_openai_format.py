@@ -14,7 +14,7 @@ from batchgen.io.locations import refuse_urls, url_scheme
 from batchgen.io.parsers import parse_tool_calls
 from batchgen.io.reader import InputFileError, RawRecord
 from batchgen.io.results import error_line
-from batchgen.io.tool_choice import ToolChoiceError, forced_functions, tool_call_grammar
+from batchgen.engine.tool_choice import ToolChoiceError, forced_functions, tool_call_grammar
 from batchgen.models.factory import load_model, load_tokenizer, model_folder
 from batchgen.runner.grammars import Grammars
 from engine_utils import make_engine

@@ -16,7 +16,7 @@ from test_reliability_support import (
 )
 
 from batchgen.io.writer import IncrementalScan
-from batchgen.runner.worker import DISK_FULL_ENV
+from batchgen.testing.faults import DISK_FULL_ENV
 
 
 @pytest.fixture
@@ -91,10 +91,11 @@ def test_output_disk_full_at_finalize_then_resume(tmp_path, tiny_chat_model, tmp
 
 def test_injected_full_disk_rolls_back_like_a_real_one(tmp_path):
     from batchgen.io.writer import WriteFailed
-    from batchgen.runner.worker import DiskFullAt
+    from batchgen.io.writer import IncrementalWriter
+    from batchgen.testing.faults import WriterFault
 
     line = b'{"custom_id": "%d", "response": null}\n'
-    with DiskFullAt(tmp_path / "r.jsonl", limit=100) as writer:
+    with IncrementalWriter(tmp_path / "r.jsonl", fault=WriterFault(disk_full_at=100)) as writer:
         writer.write_batch([line % 1, line % 2])
         with pytest.raises(WriteFailed, match="No space left on device"):
             writer.write_batch([line % 3, line % 4])

@@ -27,7 +27,8 @@ from test_reliability_support import (
     worker_pids,
 )
 
-from batchgen.io.writer import FAULT_ENV, PHASES, IncrementalScan, IncrementalWriter
+from batchgen.io.writer import IncrementalScan, IncrementalWriter
+from batchgen.testing.faults import PHASES, WRITER_FAULT_ENV
 
 MIN_KILLS = 20
 KILLS_PER_JOB = 5
@@ -110,7 +111,7 @@ def test_crash_at_each_writer_phase(tmp_path, tiny_chat_model):
     extra = ("--quarantine-after", "10")
     for phase in PHASES:
         before = count_lines(storage)
-        proc = run(inp, storage, tiny_chat_model, *extra, env={FAULT_ENV: f"{phase}:2"})
+        proc = run(inp, storage, tiny_chat_model, *extra, env={WRITER_FAULT_ENV: f"{phase}:2"})
         assert proc.returncode == 1, proc.stderr[-3000:]
         assert "crashed (killed by signal 9)" in proc.stderr
         scan = IncrementalScan(incremental_file(storage))

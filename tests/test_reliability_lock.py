@@ -6,6 +6,8 @@ import threading
 import time
 
 import pytest
+
+from batchgen.testing.faults import STUCK_ENV
 from test_reliability_support import (
     check_against_clean,
     job_input,
@@ -22,8 +24,8 @@ def test_second_live_run_is_refused_and_only_the_first_writes(tmp_path, tiny_cha
     storage = tmp_path / "s"
     # Decode steps slowed down: the first run must still be live when the second one starts
     # (a fast machine finished the tiny job in between: "already completed", exit 0).
-    slow = ("--watchdog-test-stuck-time", "0.2")
-    first = launch(inp, storage, tiny_chat_model, *slow)
+    slow = {STUCK_ENV: "0.2"}
+    first = launch(inp, storage, tiny_chat_model, env=slow)
     lock = None
 
     def holder_named() -> bool:
@@ -33,7 +35,7 @@ def test_second_live_run_is_refused_and_only_the_first_writes(tmp_path, tiny_cha
 
     assert wait_for(holder_named, 120), first.communicate()[1][-3000:]
     t0 = time.monotonic()
-    second = run(inp, storage, tiny_chat_model, *slow)
+    second = run(inp, storage, tiny_chat_model, env=slow)
     refused_in = time.monotonic() - t0
     assert second.returncode == 4, second.stderr[-3000:]
     assert f"pid {first.pid} on host {socket.gethostname()}" in second.stderr
@@ -142,7 +144,7 @@ def test_a_worker_refused_by_the_results_lock_is_reported_as_such(tmp_path):
     """Exit 4 from a worker is another live process, not a crash with retries in isolation."""
     from types import SimpleNamespace
 
-    from batchgen.runner.errors import EXIT_LOCKED
+    from batchgen.runner.exits import ExitCode
     from batchgen.runner.launch import WorkerFailure
     from batchgen.runner.supervisor import _failure_cause
 
@@ -150,5 +152,5 @@ def test_a_worker_refused_by_the_results_lock_is_reported_as_such(tmp_path):
     (tmp_path / "batch_1.worker0.json").write_text(f'{{"rank": 0, "failure": "{said}"}}')
     spec = SimpleNamespace(batch_id="batch_1",
                            paths=SimpleNamespace(batch_file=tmp_path / "batch_1.json"))
-    cause = _failure_cause(spec, WorkerFailure(0, EXIT_LOCKED, ""))
+    cause = _failure_cause(spec, WorkerFailure(0, ExitCode.LOCKED, ""))
     assert said in cause and "stop the other process" in cause and "crashed" not in cause

@@ -17,7 +17,8 @@ from batchgen.config import (
 )
 from batchgen.io.jobfiles import JobPaths
 from batchgen.runner import preflight as pf
-from batchgen.runner.errors import EXIT_DISK, EXIT_PREFLIGHT, PreflightFailed
+from batchgen.runner.errors import PreflightFailed
+from batchgen.runner.exits import ExitCode
 
 GB = 10**9
 
@@ -58,7 +59,7 @@ def test_small_dev_shm_is_an_error_naming_the_fixes(tmp_path, machine):
     with pytest.raises(PreflightFailed) as err:
         pf.preflight(_config(tmp_path, host_gb=4, world=2), _paths(tmp_path), 10, 1, 1)
     message = str(err.value)
-    assert err.value.code == EXIT_PREFLIGHT and "8.0 GB of /dev/shm, 2.0 GB" in message
+    assert err.value.code == ExitCode.PREFLIGHT and "8.0 GB of /dev/shm, 2.0 GB" in message
     assert "mount -o remount,size=8G /dev/shm" in message and "--fast-init" in message
 
 
@@ -89,7 +90,7 @@ def test_missing_cuda_device_fails_before_any_load(tmp_path, machine, device, gp
     machine["gpus"] = gpus
     with pytest.raises(PreflightFailed) as err:
         pf.preflight(_config(tmp_path, device=device), _paths(tmp_path), 10, 1, 1)
-    assert err.value.code == EXIT_PREFLIGHT and seen in str(err.value)
+    assert err.value.code == ExitCode.PREFLIGHT and seen in str(err.value)
     assert "--device cpu" in str(err.value)
     machine["gpus"] = 3
     assert pf.check_device(_config(tmp_path, device=device)) == []
@@ -99,7 +100,7 @@ def test_disk_below_the_floor_is_a_disk_error(tmp_path, machine):
     machine["disk"] = 1000
     with pytest.raises(PreflightFailed) as err:
         pf.preflight(_config(tmp_path), _paths(tmp_path), 10**6, 1000, 1000)
-    assert err.value.code == EXIT_DISK and "--storage-path" in str(err.value)
+    assert err.value.code == ExitCode.DISK and "--storage-path" in str(err.value)
 
 
 def test_disk_below_the_estimate_only_warns(tmp_path, machine):

@@ -14,12 +14,12 @@ from test_reliability_support import (
 
 from batchgen.io.reader import RawRecord
 from batchgen.runner.quarantine import (
-    CRASH_ENV,
     ISOLATION_GROUPS,
     Quarantine,
     journal_paths,
     mark_crashed,
 )
+from batchgen.testing.faults import CRASH_ON_ADMIT_ENV
 
 
 def _crashed_run(tmp_path, admitted: list[str], confirm: bool = True, done=(), restarted=False,
@@ -119,7 +119,7 @@ def test_poison_request_is_quarantined_and_the_job_completes(tmp_path, tiny_chat
     # crashes 2 and 3 happen under --max-restarts, where torchrun restarts the worker itself.
     inp = job_input(tmp_path)
     storage = tmp_path / "s"
-    env = {CRASH_ENV: "req-5"}
+    env = {CRASH_ON_ADMIT_ENV: "req-5"}
     first = run(inp, storage, tiny_chat_model, env=env)
     assert first.returncode == 1 and "crashed (killed by signal 9)" in first.stderr, \
         first.stderr[-3000:]

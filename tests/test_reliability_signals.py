@@ -8,6 +8,8 @@ import sys
 import time
 
 import pytest
+
+from batchgen.testing.faults import STUCK_ENV
 from test_reliability_support import (
     batch_state,
     check_against_clean,
@@ -38,7 +40,7 @@ def _results_flow(storage) -> bool:
 
 def _in_stuck_step(storage) -> bool:
     """The worker wrote its first stats (after the prefill step): the next step is a decode
-    step, which --watchdog-test-stuck-time makes sleep."""
+    step, which the STUCK_ENV fault makes sleep."""
     if not worker_pids(storage):
         return False
     time.sleep(0.5)
@@ -46,10 +48,10 @@ def _in_stuck_step(storage) -> bool:
 
 
 def _signal_mid_run(inp, storage, model, sig, everyone: bool, *extra,
-                    ready=_results_flow) -> tuple[int, float, str]:
+                    ready=_results_flow, env=None) -> tuple[int, float, str]:
     """Start the job, wait until `ready`, send `sig`; (exit code, seconds to exit, stderr).
     everyone: like Slurm, signal the workers too, not only the supervisor's process group."""
-    proc = launch(inp, storage, model, "--preempt-grace", GRACE, *extra)
+    proc = launch(inp, storage, model, "--preempt-grace", GRACE, *extra, env=env)
     assert wait_for(lambda: ready(storage), 120), proc.communicate()[1][-3000:]
     t0 = time.monotonic()
     kill_group(proc, sig)
@@ -86,7 +88,7 @@ def test_grace_period_bounds_a_step_that_does_not_end(tmp_path, tiny_chat_model)
     # Each decode step sleeps 60 s: the worker cannot reach its next flush, so it must leave
     # by itself inside the grace period (finished lines are durable at every instant).
     code, seconds, err = _signal_mid_run(job_input(tmp_path), tmp_path / "s", tiny_chat_model,
-                                         signal.SIGTERM, False, "--watchdog-test-stuck-time", "60",
+                                         signal.SIGTERM, False, env={STUCK_ENV: "60"},
                                          ready=_in_stuck_step)
     assert code == 75, err[-3000:]
     assert seconds < GRACE + MARGIN
@@ -97,7 +99,7 @@ def test_grace_period_bounds_a_step_that_does_not_end(tmp_path, tiny_chat_model)
 def test_second_signal_exits_at_once(tmp_path, tiny_chat_model):
     storage = tmp_path / "s"
     proc = launch(job_input(tmp_path), storage, tiny_chat_model, "--preempt-grace", "60",
-                  "--watchdog-test-stuck-time", "60")
+                  env={STUCK_ENV: "60"})
     assert wait_for(lambda: _in_stuck_step(storage), 120)
     kill_group(proc, signal.SIGTERM)
     time.sleep(2.5)  # more than SAME_NOTICE_S: a second notice, not Slurm's duplicate

@@ -7,6 +7,8 @@ import time
 import types
 
 import pytest
+
+from batchgen.testing.faults import STUCK_ENV
 from test_reliability_support import (
     batch_state,
     check_against_clean,
@@ -168,7 +170,7 @@ def test_stuck_decode_step_trips_then_rerun_completes(tmp_path, tiny_chat_model)
     storage = tmp_path / "s"
     t0 = time.monotonic()
     proc = run(inp, storage, tiny_chat_model, "--decode-step-timeout", "1",
-               "--watchdog-test-stuck-time", "30")
+               env={STUCK_ENV: "30"})
     took = time.monotonic() - t0
     assert proc.returncode == 70, proc.stderr[-3000:]
     assert took < 30, "the run waited for the stuck step instead of tripping"

@@ -5,7 +5,7 @@ import json
 import os
 import stat
 
-from batchgen.sched.host_pool import SHM_DIR, HostSegment
+from batchgen.engine.host_pool import SHM_DIR, HostSegment
 from job_utils import batchgen, read_jsonl, write_jsonl
 
 
@@ -70,7 +70,7 @@ def test_segment_files_of_dead_processes_are_removed(tmp_path):
     import subprocess
     import sys
 
-    from batchgen.sched.host_pool import remove_orphans
+    from batchgen.engine.host_pool import remove_orphans
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True)

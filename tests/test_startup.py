@@ -14,8 +14,8 @@ from batchgen.config import MemoryConfig
 from batchgen.engine.kv_cache import KVLayout, KVPool
 from batchgen.engine.memory import CPU_DEVICE_POOL_BYTES, job_demand_tokens, plan_pools
 from batchgen.phases import StartupClock, format_phases, process_start_time
-from batchgen.sched import host_pool
-from batchgen.sched.host_pool import HostSegment, lazy_zeros
+from batchgen.engine import host_pool
+from batchgen.engine.host_pool import HostSegment, lazy_zeros
 
 from job_utils import batchgen, chat_rows, write_jsonl
 

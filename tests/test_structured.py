@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from batchgen.io.structured import (
+from batchgen.engine.structured import (
     GrammarCompiler,
     StructuredOutputError,
     allocate_bitmask,

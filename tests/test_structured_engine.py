@@ -8,7 +8,7 @@ import torch
 
 from batchgen.config import ModelConfig
 from batchgen.core import Request, SamplingParams
-from batchgen.io.structured import GrammarCompiler
+from batchgen.engine.structured import GrammarCompiler
 from batchgen.models.factory import load_model
 from engine_utils import make_engine
 

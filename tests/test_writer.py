@@ -14,14 +14,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchgen.io import writer as writer_mod
 from batchgen.io.intake import IntakeError
 from batchgen.io.jobfiles import (BatchFile, FingerprintMismatch, JobPaths, check_fingerprint,
                                   derive_batch_id, make_fingerprint, record_upload)
 from batchgen.io.results import dumps, error_line
-from batchgen.io.writer import (FAULT_ENV, CorruptIncrementalFile, IncompleteResults,
-                                IncrementalWriter, WriteFailed, WriterLocked, finalize,
-                                read_done_ids, salvage)
+from batchgen.io.writer import (CorruptIncrementalFile, IncompleteResults, IncrementalWriter,
+                                WriteFailed, WriterLocked, finalize, read_done_ids, salvage)
+from batchgen.testing.faults import PHASES, WRITER_FAULT_ENV, WriterFault
 
 
 def ok_line(cid: str, text: str = "answer") -> bytes:
@@ -101,7 +100,7 @@ def test_corrupt_middle_line_is_refused_then_salvaged(tmp_path):
     assert len(backups) == 1 and backups[0].read_bytes() == before
 
 
-@pytest.mark.parametrize("phase", writer_mod.PHASES)
+@pytest.mark.parametrize("phase", PHASES)
 def test_crash_at_each_phase_leaves_a_repairable_file(tmp_path, phase):
     path = tmp_path / "b.jsonl"
     with IncrementalWriter(path) as w:
@@ -112,13 +111,13 @@ def test_crash_at_each_phase_leaves_a_repairable_file(tmp_path, phase):
         seen.append(at)
         if at == phase:
             raise Crash(at)
-    w = IncrementalWriter(path, fault=fault)
+    w = IncrementalWriter(path, fault=WriterFault(on_phase=fault))
     with pytest.raises(Crash):
         w.write_batch(LINES[2:8])
     with pytest.raises(WriteFailed, match="earlier flush failed"):
         w.write_batch(LINES[8:9])  # a writer that saw a crash is never trusted again
     w.close()
-    assert seen == list(writer_mod.PHASES[:writer_mod.PHASES.index(phase) + 1])
+    assert seen == list(PHASES[:PHASES.index(phase) + 1])
     with IncrementalWriter(path) as again:
         content = path.read_bytes()
         new = b"".join(LINES[2:8])
@@ -138,7 +137,7 @@ def test_enospc_rolls_back_and_reports(tmp_path, phase):
     def fault(at):
         if at == phase:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-    with IncrementalWriter(path, fault=fault) as w:
+    with IncrementalWriter(path, fault=WriterFault(on_phase=fault)) as w:
         with pytest.raises(WriteFailed) as info:
             w.write_batch(LINES[:4])
     assert "No space left" in str(info.value) and "ENOSPC" in str(info.value)
@@ -184,10 +183,11 @@ def test_second_live_writer_is_refused(tmp_path):
 def test_env_fault_kills_the_process(tmp_path):
     path = tmp_path / "b.jsonl"
     script = ("import sys; from batchgen.io.writer import IncrementalWriter\n"
-              "w = IncrementalWriter(sys.argv[1])\n"
+              "from batchgen.testing.faults import writer_fault\n"
+              "w = IncrementalWriter(sys.argv[1], fault=writer_fault())\n"
               "w.write_batch([b'{\"custom_id\": \"a\"}\\n'])\n"
               "w.write_batch([b'{\"custom_id\": \"b\"}\\n', b'{\"custom_id\": \"c\"}\\n'])\n")
-    env = {**os.environ, FAULT_ENV: "mid_write:2"}
+    env = {**os.environ, WRITER_FAULT_ENV: "mid_write:2"}
     proc = subprocess.run([sys.executable, "-c", script, str(path)], env=env, timeout=60)
     assert proc.returncode == -signal.SIGKILL
     with IncrementalWriter(path) as w:

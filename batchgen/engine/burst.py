@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from batchgen.core import PAGE_SIZE
-from batchgen.engine.forward_batch import ForwardBatch
+from batchgen.forward_batch import ForwardBatch
 from batchgen.engine.kv_cache import KVPool
 from batchgen.engine.sampler import HostSample, SamplingRows
 from batchgen.sched.scheduler import SeqChunk

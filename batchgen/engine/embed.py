@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from batchgen.core import PAGE_SIZE
-from batchgen.engine.forward_batch import ForwardBatch
+from batchgen.forward_batch import ForwardBatch
 from batchgen.engine.kv_cache import KVLayout, KVPool
 
 POOLING_MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean",

@@ -315,7 +315,7 @@ class Engine:
         matchers = [c.seq.matcher for c in out.chunks if c.sample]
         if not any(m is not None for m in matchers):
             return None
-        from batchgen.io.structured import apply_masks
+        from batchgen.engine.structured import apply_masks
 
         return lambda logits: apply_masks(logits, matchers)
 

@@ -27,7 +27,7 @@ import logging
 import torch
 
 from batchgen.core import PAGE_SIZE
-from batchgen.engine.forward_batch import ForwardBatch
+from batchgen.forward_batch import ForwardBatch
 from batchgen.engine.kv_cache import KVPool
 
 log = logging.getLogger("batchgen.graphs")

@@ -9,7 +9,7 @@ import torch
 
 from batchgen.config import MemoryConfig
 from batchgen.engine.kv_cache import KVLayout
-from batchgen.sched.host_pool import auto_host_pool_bytes
+from batchgen.engine.host_pool import auto_host_pool_bytes
 
 log = logging.getLogger("batchgen.memory")
 CPU_DEVICE_POOL_BYTES = 2 * 2**30

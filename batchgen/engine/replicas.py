@@ -14,12 +14,11 @@ import os
 
 from batchgen.parallel import TensorParallel, digest
 from batchgen.sched.scheduler import ScheduleOutput
+from batchgen.testing import faults
 
 CHECK_ENV = "BATCHGEN_CHECK_REPLICAS"
 """Compare the replicas' decisions every this many engine steps, a decode burst counting as
 one (unset or 0: never)."""
-DIVERGE_ENV = "BATCHGEN_TEST_DIVERGE"
-"""Testing only, "RANK:STEP": that TP rank drops one scheduled chunk at that step."""
 
 
 class ReplicaDivergence(RuntimeError):
@@ -27,8 +26,10 @@ class ReplicaDivergence(RuntimeError):
 
 
 class ReplicaCheck:
-    def __init__(self, tp: TensorParallel, every: int, diverge_at: tuple[int, int] | None = None):
-        self.tp, self.every, self.diverge_at = tp, every, diverge_at
+    def __init__(self, tp: TensorParallel, every: int, fault=None):
+        """fault: the reliability tests' tampering with the decisions
+        (batchgen.testing.faults.replica_fault), else None."""
+        self.tp, self.every, self.fault = tp, every, fault
         self.running = bytes(8)
         self._calls = 0
         """observe() calls so far: the cadence counts calls, not forwards, so ranks stay paired
@@ -39,17 +40,13 @@ class ReplicaCheck:
         every = int(os.environ.get(CHECK_ENV, "0") or 0)
         if every <= 0 or tp.size == 1:
             return None
-        inject = os.environ.get(DIVERGE_ENV)
-        diverge_at = tuple(int(v) for v in inject.split(":")) if inject else None
-        return ReplicaCheck(tp, every, diverge_at)
+        return ReplicaCheck(tp, every, faults.replica_fault(tp.rank))
 
     def observe(self, step: int, out: ScheduleOutput) -> None:
         """Fold this step's decisions in; on a checked step, compare with the other ranks.
         `step` counts forwards, so it jumps by a decode burst's length between calls."""
-        if (self.diverge_at is not None and self.diverge_at[0] == self.tp.rank
-                and step >= self.diverge_at[1] and out.chunks):
-            out.chunks.pop()
-            self.diverge_at = None
+        if self.fault is not None:
+            self.fault(step, out.chunks)
         chunks = [(c.seq.seq_id, c.start, c.end, c.sample) for c in out.chunks]
         copies = [(c.seq_id, tuple(c.src), tuple(c.dst)) for c in (*out.swap_out, *out.swap_in)]
         self.running = digest(self.running, chunks, copies)

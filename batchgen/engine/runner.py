@@ -17,10 +17,10 @@ import time
 import torch
 
 from batchgen.engine.burst import DecodeBurst, QueuedBurst
-from batchgen.engine.forward_batch import ForwardBatch
+from batchgen.forward_batch import ForwardBatch
 from batchgen.engine.kv_cache import KVLayout, KVPool, copy_pages
 from batchgen.engine.sampler import HostSample, SamplingRows, sample, sample_on_device
-from batchgen.sched.host_pool import HostSegment, lazy_zeros
+from batchgen.engine.host_pool import HostSegment, lazy_zeros
 from batchgen.sched.scheduler import ScheduleOutput, SeqChunk
 
 log = logging.getLogger("batchgen.runner")

@@ -28,7 +28,7 @@ from pathlib import Path
 import orjson
 
 from batchgen.core import ChoiceProgress, Completion, FinishReason, TokenLogprob
-from batchgen.io.jobfiles import atomic_file
+from batchgen.atomic import atomic_file
 
 log = logging.getLogger("batchgen.checkpoints")
 

@@ -1,5 +1,5 @@
 """The files of a job: where they live, the batch metadata file, the upload record, the
-fingerprint that makes a resume refuse changed settings, and atomic file replacement.
+fingerprint that makes a resume refuse changed settings.
 
 JOB_DIR/uploads/{batch_id}.json       input path + sha256 (the input is referenced, not copied)
 JOB_DIR/batches/{batch_id}.json       status, counts, usage, timings, fingerprint, health
@@ -9,24 +9,22 @@ JOB_DIR/outputs/{batch_id}.jsonl      final results in input order (+ .errors.js
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import os
 import re
 import stat
 import time
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import orjson
 
+from batchgen.atomic import (  # noqa: F401 - job files' helpers, re-exported
+    NOFOLLOW, UnsafeJobPath, atomic_file, link_message, open_job_file, read_json_dict,
+    write_json_atomic)
+
 FOLDER_MODE = 0o750
 """Mode of the folders a job creates (the umask may take more away)."""
-NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
-"""Flags of every job file open: a symbolic link planted where a job file goes is never
-followed (the storage folder may be shared, and batch ids are predictable)."""
 BATCH_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 STATUSES = ("validating", "in_progress", "finalizing", "completed", "failed")
 
@@ -132,28 +130,6 @@ class JobPaths:
         self.incremental_owner.unlink(missing_ok=True)
 
 
-class UnsafeJobPath(Exception):
-    """A job folder or file another user could redirect (a planted link, a folder owned by
-    someone else or writable by everyone)."""
-
-
-def open_job_file(path: Path, flags: int, mode: int = 0o600) -> int:
-    """os.open with NOFOLLOW: a symbolic link at `path` raises UnsafeJobPath, never opened."""
-    try:
-        return os.open(path, flags | NOFOLLOW, mode)
-    except OSError as err:
-        if err.errno != errno.ELOOP:
-            raise
-        raise UnsafeJobPath(link_message(Path(path))) from None
-
-
-def link_message(path: Path) -> str:
-    return (f"{path} is a symbolic link (to {os.readlink(path)!r}); batchgen never writes a job "
-            "file through a link, since another user could have planted it to overwrite "
-            "their target: remove the link (and check who made it), or use a storage folder "
-            "only you can write (--storage-path)")
-
-
 def refuse_planted_links(paths: JobPaths) -> None:
     """Refuse a job whose files are links (checked before anything is written)."""
     for path in paths.job_files():
@@ -177,55 +153,6 @@ def check_folder_is_safe(folder: Path, flag: str) -> None:
                 f"--{flag.replace('_', '-')} {folder}: the folder is writable by every user "
                 f"(mode {stat.S_IMODE(st.st_mode):o}, no sticky bit), so anyone could plant "
                 f"links among the job's files: chmod o-w {folder}, or use a folder of your own")
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a rename in `path` durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-@contextlib.contextmanager
-def atomic_file(path: Path) -> Iterator[IO[bytes]]:
-    """Write `path` all or nothing: temp file beside it, fsync, rename, fsync the folder.
-    On an exception the temp file is removed and `path` is untouched."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.unlink(missing_ok=True)  # a stale one (or a planted link): O_EXCL creates a new file
-    f = os.fdopen(open_job_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), "wb")
-    try:
-        yield f
-        f.flush()
-        os.fsync(f.fileno())
-        f.close()
-        os.replace(tmp, path)
-        fsync_dir(path.parent)
-    except BaseException:
-        try:
-            f.close()  # may raise again (ENOSPC while flushing): the temp file still goes
-        except OSError:
-            pass
-        finally:
-            tmp.unlink(missing_ok=True)
-        raise
-
-
-def read_json_dict(path: Path) -> dict | None:
-    """A small JSON record file written by write_json_atomic: its object, or None when it is
-    missing, unreadable or not an object (callers treat it as absent and rewrite it)."""
-    try:
-        data = orjson.loads(path.read_bytes())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
-def write_json_atomic(path: Path, data: Any) -> None:
-    with atomic_file(path) as f:
-        f.write(orjson.dumps(data, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS) + b"\n")
 
 
 def record_upload(paths: JobPaths, input_path: Path, sha256: str, size_bytes: int,

@@ -13,24 +13,21 @@ import errno
 import fcntl
 import hashlib
 import os
-import signal
 import sys
 import time
 from array import array
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import orjson
 
-from batchgen.io.jobfiles import atomic_file, errors_path_for, open_job_file
+from batchgen.atomic import atomic_file, open_job_file
+from batchgen.io.jobfiles import errors_path_for
 from batchgen.io.reader import digest64, iter_keys
 from batchgen.io.results import is_success
 
-FAULT_ENV = "BATCHGEN_TEST_WRITER_FAULT"
-"""Testing only: "PHASE[:N]" SIGKILLs the process at the N-th time the writer reaches PHASE."""
-PHASES = ("before_write", "mid_write", "after_write", "after_fsync")
 REPAIR_HINT = ("move the file aside (its requests are then recomputed), or keep its good lines "
                "with `python -m batchgen.io.writer --repair-incremental {path}` (the original "
                "is kept as {path}.corrupt-<time>, bad lines are dropped and recomputed)")
@@ -125,33 +122,15 @@ def read_done_ids(paths: Iterable[Path]) -> IdSet:
     return done
 
 
-def fault_from_env() -> Callable[[str], None] | None:
-    spec = os.environ.get(FAULT_ENV)
-    if not spec:
-        return None
-    phase, _, nth = spec.partition(":")
-    if phase not in PHASES:
-        raise ValueError(f"{FAULT_ENV}={spec!r}: phase must be one of {PHASES}")
-    target, seen = int(nth or 1), [0]
-
-    def fault(at: str) -> None:
-        if at == phase:
-            seen[0] += 1
-            if seen[0] == target:
-                os.kill(os.getpid(), signal.SIGKILL)
-    return fault
-
-
 class IncrementalWriter:
     """Append-only, fsynced result file of one rank; repairs a torn tail when opened.
 
-    fault: test hook called with each phase name in PHASES (default: from FAULT_ENV)."""
+    fault: the reliability tests' faulty flush (batchgen.testing.faults.WriterFault), else None."""
 
-    def __init__(self, path: str | Path, fault: Callable[[str], None] | None = None,
-                 lock: bool = True):
+    def __init__(self, path: str | Path, fault=None, lock: bool = True):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fault = fault if fault is not None else fault_from_env()
+        self._fault = fault
         self._fd = open_job_file(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
         try:
             if lock:
@@ -186,10 +165,6 @@ class IncrementalWriter:
         """custom_ids whose result was already in the file when it was opened."""
         return self._done
 
-    def _hook(self, phase: str) -> None:
-        if self._fault is not None:
-            self._fault(phase)
-
     def _write_all(self, data: memoryview) -> None:
         while data:
             written = os.write(self._fd, data)
@@ -220,17 +195,11 @@ class IncrementalWriter:
         self._broken = False
 
     def _flush(self, data: memoryview) -> None:
-        self._hook("before_write")
-        if self._fault is None:
-            self._write_all(data)
-        else:
-            half = len(data) // 2
-            self._write_all(data[:half])
-            self._hook("mid_write")
-            self._write_all(data[half:])
-        self._hook("after_write")
+        if self._fault is not None:
+            self._fault.flush(self._fd, data, self._write_all)
+            return
+        self._write_all(data)
         os.fsync(self._fd)
-        self._hook("after_fsync")
 
     def _rollback(self) -> None:
         # Put the file back to its last durable length. No fsync retry: after a failed fsync

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from batchgen.core import PAGE_SIZE
-from batchgen.engine.forward_batch import ForwardBatch
+from batchgen.forward_batch import ForwardBatch
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,

@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from batchgen.engine.forward_batch import ForwardBatch
+from batchgen.forward_batch import ForwardBatch
 
 Segment = Callable[[object, ForwardBatch], object]
 """One link of a model's forward: `(x, batch) -> x`, where x is whatever the link before

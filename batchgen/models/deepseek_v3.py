@@ -33,6 +33,7 @@ from batchgen.models.layers import (SINGLE, GatedMLP, RMSNorm, RowParallelLinear
                                     default_max_positions)
 from batchgen.models.mla import MlaRope, MLAttention
 from batchgen.models.moe import DeepseekMoE, ExpertStager, RoutedExperts
+from batchgen.models.tp_slices import local_part
 from batchgen.parallel import TensorParallel
 
 EXPERT_NAME = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -42,14 +43,16 @@ FLOAT32_PARAMS = (".mlp.gate.weight", ".mlp.gate.e_score_correction_bias")
 """Router tensors stay float32 whatever the model dtype, as in HF and DeepSeek's reference."""
 KEEP_DENSE = (".kv_b_proj.weight",)
 """Dequantized even on CUDA: the absorbed MLA path uses kv_b_proj as a matrix, not a GEMM."""
-COLUMN_PARALLEL = ("self_attn.q_b_proj.weight", "self_attn.q_proj.weight",
-                   "self_attn.kv_b_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
-                   "shared_experts.gate_proj.weight", "shared_experts.up_proj.weight")
-"""Split by output rows under TP (heads, intermediate features); routed experts excluded."""
-ROW_PARALLEL = ("self_attn.o_proj.weight", "mlp.down_proj.weight",
-                "shared_experts.down_proj.weight")
-"""Split by input columns under TP; the rest (LoRA down-projections, norms, router,
-embedding, LM head) is replicated."""
+TP_SPLIT = {
+    **dict.fromkeys(("self_attn.q_b_proj.weight", "self_attn.q_proj.weight",
+                     "self_attn.kv_b_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+                     "shared_experts.gate_proj.weight", "shared_experts.up_proj.weight"), 0),
+    **dict.fromkeys(("self_attn.o_proj.weight", "mlp.down_proj.weight",
+                     "shared_experts.down_proj.weight"), 1),
+}
+"""Tensor-parallel split of the checkpoint (tp_slices): by output rows (heads, intermediate
+features; routed experts are placed whole, per rank) or by input columns; the rest (LoRA
+down-projections, norms, router, embedding, LM head) is replicated."""
 
 
 class DecoderLayer(PreNormDecoderLayer):
@@ -133,7 +136,7 @@ class DeepseekV3ForCausalLM(PagedCausalLM):
             if self._load_expert(experts, name, value, presharded):
                 continue
             if not presharded:
-                value = self._local_part(name, value, dtype)
+                value = local_part(name, value, TP_SPLIT, self.tp, dtype)
             if isinstance(value, QuantizedWeight):
                 self._install_fp8_linear(name, value)
                 seen.update({name, name + "_scale_inv"})
@@ -182,23 +185,6 @@ class DeepseekV3ForCausalLM(PagedCausalLM):
         reduce = isinstance(old, RowParallelLinear) and old.reduce_output and self.tp.size > 1
         self.set_submodule(path, Fp8Linear(value.weight.to(device), value.scale_inv.to(device),
                                            value.block, self.tp if reduce else None))
-
-    def _local_part(self, name: str, value, dtype: torch.dtype):
-        """This TP rank's slice of a replicated-checkpoint tensor (see COLUMN/ROW_PARALLEL).
-        An FP8 matrix is cut along whole scale blocks, or dequantized when a rank's share is
-        not a whole number of blocks."""
-        tp = self.tp
-        dim = 0 if name.endswith(COLUMN_PARALLEL) else 1 if name.endswith(ROW_PARALLEL) else None
-        if tp.size == 1 or dim is None:
-            return value
-        if not isinstance(value, QuantizedWeight):
-            return tp.shard(value, dim)
-        part = value.weight.shape[dim] // tp.size
-        if part % value.block[dim]:
-            return tp.shard(dequantize_blocks(value.weight, value.scale_inv, value.block, dtype),
-                            dim)
-        return QuantizedWeight(tp.shard(value.weight, dim), tp.shard(value.scale_inv, dim),
-                               value.block)
 
     def _check_complete(self, seen: set[str], experts: dict) -> None:
         params = {n for n, _ in self.named_parameters(remove_duplicate=False)}

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from batchgen.engine.forward_batch import ForwardBatch
+from batchgen.forward_batch import ForwardBatch
 from batchgen.models.attention import paged_attention
 from batchgen.models.base import DecoderStack, PagedCausalLM, PreNormDecoderLayer
 from batchgen.models.fp8 import quant_method

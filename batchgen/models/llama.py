@@ -9,20 +9,28 @@ from typing import Iterable, NamedTuple
 import torch
 from torch import nn
 
-from batchgen.engine.forward_batch import ForwardBatch
+from batchgen.forward_batch import ForwardBatch
 from batchgen.models.base import DecoderStack, PagedCausalLM, PreNormDecoderLayer
 from batchgen.models.attention import paged_attention
-from batchgen.models.fp8 import (QuantizedWeight, dequantize_blocks, narrow_quantized,
-                                 pair_scales, weight_block_size)
+from batchgen.models.fp8 import QuantizedWeight, dequantize_blocks, pair_scales, weight_block_size
 from batchgen.models.fp8_dense import Fp8Projections, feed_quantized_rows, is_fp8_checkpoint
 from batchgen.models.layers import (SINGLE, FusedGatedMLP, RMSNorm, RotaryEmbedding,
                                     RowParallelLinear, default_max_positions, rope_inv_freq,
                                     softmax_scale)
+from batchgen.models.tp_slices import narrow, rank_part, split_dim
 from batchgen.parallel import TensorParallel
 
 FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
          "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 """Checkpoint projection -> (our fused parameter, its slot among the fused pieces)."""
+TP_SPLIT = {
+    **dict.fromkeys((".qkv_proj.weight", ".qkv_proj.bias", ".gate_up_proj.weight",
+                     ".gate_up_proj.bias"), 0),
+    **dict.fromkeys(("o_proj.weight", "down_proj.weight"), 1),
+}
+"""Tensor-parallel split of the checkpoint (tp_slices): the fused column-parallel projections
+by output rows, each fused piece on its own (KV heads may be replicated, see _piece_part); the
+row-parallel ones by input columns; the rest replicated."""
 
 
 class Biases(NamedTuple):
@@ -223,14 +231,13 @@ class LlamaForCausalLM(PagedCausalLM):
         return [attn.q_size * self.tp.size, kv, kv]
 
     def _local_part(self, target: str, slot: int, tensor: torch.Tensor) -> torch.Tensor:
-        """This TP rank's slice of a whole checkpoint tensor: column-parallel projections by
-        output rows (per fused piece), row-parallel ones by input columns, the rest whole."""
-        if self.tp.size == 1:
+        """This TP rank's slice of a whole checkpoint tensor (TP_SPLIT): column-parallel
+        projections by output rows, per fused piece; row-parallel ones by input columns."""
+        dim = split_dim(target, TP_SPLIT)
+        if self.tp.size == 1 or dim is None:
             return tensor
-        if target.endswith(("o_proj.weight", "down_proj.weight")):
-            return self._shard(tensor, 1)
-        if ".qkv_proj." not in target and ".gate_up_proj." not in target:
-            return tensor
+        if dim == 1:
+            return rank_part(tensor, 1, self.tp, self._dtype)
         if slot >= 0:
             return self._piece_part(target, slot, tensor)
         if isinstance(tensor, QuantizedWeight):  # our whole fused layout in FP8: rare
@@ -243,18 +250,12 @@ class LlamaForCausalLM(PagedCausalLM):
         """This rank's rows of one fused piece: its query heads / features, its KV heads."""
         if ".qkv_proj." in target and slot > 0:
             attn = self.model.layers[0].self_attn
-            return self._narrow(piece, 0, attn.kv_first * attn.head_dim, attn.kv_size)
-        return self._shard(piece, 0)
+            return narrow(piece, 0, attn.kv_first * attn.head_dim, attn.kv_size, self._dtype)
+        return rank_part(piece, 0, self.tp, self._dtype)
 
-    def _shard(self, value, dim: int):
-        shape = value.weight.shape if isinstance(value, QuantizedWeight) else value.shape
-        part = self.tp.split(shape[dim], f"dimension {dim} of a {tuple(shape)} tensor")
-        return self._narrow(value, dim, self.tp.rank * part, part)
-
-    def _narrow(self, value, dim: int, start: int, length: int):
-        if isinstance(value, QuantizedWeight):
-            return narrow_quantized(value, dim, start, length, self.model.embed_tokens.weight.dtype)
-        return value.narrow(dim, start, length)
+    @property
+    def _dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
 
     def _check_complete(self, params: dict, seen: set[tuple[str, int]]) -> None:
         whole = {name for name, slot in seen if slot < 0}  # our own (converted) layout

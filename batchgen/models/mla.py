@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchgen.core import PAGE_SIZE
-from batchgen.engine.forward_batch import ForwardBatch
+from batchgen.forward_batch import ForwardBatch
 from batchgen.models.fp8 import dense_weight
 from batchgen.models.layers import (
     SINGLE,

@@ -1,10 +1,6 @@
 """Errors a user can fix, shown as one clear message and an exit code (never a traceback).
 
-Exit codes of `batchgen run` (docs/reliability.md):
-  0 done   1 a worker crashed (re-run resumes)   2 bad input or flags   3 resume refused
-  4 job locked by a live run   5 model not found / unusable   6 disk full or failing
-  7 results incomplete   8 preflight: the machine is not ready   70 watchdog
-  71 device out of memory   75 stopped by a signal: requeue me
+The exit code of each error is an `exits.ExitCode` (docs/reliability.md tables them).
 """
 
 from __future__ import annotations
@@ -18,14 +14,9 @@ from batchgen.io.reader import InputFileError
 from batchgen.io.writer import CorruptIncrementalFile, IncompleteResults, WriteFailed, WriterLocked
 from batchgen.models.loader import CheckpointError, ModelNotFoundError
 from batchgen.models.registry import UnsupportedModelError
+from batchgen.runner.exits import ExitCode
 from batchgen.runner.lock import JobLocked
 
-EXIT_CRASH = 1
-EXIT_INPUT = 2
-EXIT_LOCKED = 4
-EXIT_DISK = 6
-EXIT_PREFLIGHT = 8
-EXIT_DEVICE_OOM = 71
 DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS, errno.EFBIG})
 """OSErrors that mean "the disk cannot take our writes": reported as exit 6, never retried."""
 
@@ -37,25 +28,25 @@ class DiskError(Exception):
 class PreflightFailed(Exception):
     """The machine is not ready for this job; the message names each fix."""
 
-    def __init__(self, message: str, code: int = EXIT_PREFLIGHT):
+    def __init__(self, message: str, code: int = ExitCode.PREFLIGHT):
         super().__init__(message)
         self.code = code
 
 
 EXIT_CODES = {
-    InputFileError: EXIT_INPUT,
-    UnsafeJobPath: EXIT_INPUT,
-    FingerprintMismatch: 3,
-    CorruptBatchFile: 3,
-    CorruptIncrementalFile: 3,
-    JobLocked: EXIT_LOCKED,
-    WriterLocked: EXIT_LOCKED,
-    ModelNotFoundError: 5,
-    CheckpointError: 5,
-    UnsupportedModelError: 5,
-    WriteFailed: EXIT_DISK,
-    DiskError: EXIT_DISK,
-    IncompleteResults: 7,
+    InputFileError: ExitCode.INPUT,
+    UnsafeJobPath: ExitCode.INPUT,
+    FingerprintMismatch: ExitCode.RESUME_REFUSED,
+    CorruptBatchFile: ExitCode.RESUME_REFUSED,
+    CorruptIncrementalFile: ExitCode.RESUME_REFUSED,
+    JobLocked: ExitCode.LOCKED,
+    WriterLocked: ExitCode.LOCKED,
+    ModelNotFoundError: ExitCode.MODEL,
+    CheckpointError: ExitCode.MODEL,
+    UnsupportedModelError: ExitCode.MODEL,
+    WriteFailed: ExitCode.DISK,
+    DiskError: ExitCode.DISK,
+    IncompleteResults: ExitCode.INCOMPLETE,
 }
 
 

@@ -1,15 +1,44 @@
-"""The requeue exit code and the stop signals, in a module that imports nothing heavy: the
-`batchgen` entry point catches stop signals with it before the command line loads, and the
-supervisor's own handlers (`StopSignals`) live here too."""
+"""The exit codes and the stop signals, in a module that imports nothing heavy: the `batchgen`
+entry point catches stop signals with it before the command line loads, and the supervisor's
+own handlers (`StopSignals`) live here too. docs/reliability.md tables the exit codes."""
 
 from __future__ import annotations
 
 import os
 import signal
+from enum import IntEnum
 
-EXIT_REQUEUE = 75
-"""Exit code meaning "preempted: requeue me" (EX_TEMPFAIL); Slurm jobs requeue on it. Finished
-results are durable: the same command resumes."""
+
+class ExitCode(IntEnum):
+    """Every exit code batchgen sets (the process's, a worker's, a command's)."""
+
+    OK = 0
+    """Done (also: the job was already complete)."""
+    CRASH = 1
+    """A worker crashed (signal or unexpected error); re-running resumes."""
+    FAILED = 1
+    """`validate` found invalid lines, `status` found no job (the same code as CRASH)."""
+    INPUT = 2
+    """Bad input file, flags or paths."""
+    RESUME_REFUSED = 3
+    """Settings that decide the answers changed, or a corrupt results or batch file."""
+    LOCKED = 4
+    """The job is held by another live run."""
+    MODEL = 5
+    """Model not found or unusable."""
+    DISK = 6
+    """Disk full or failing (or too little disk at preflight)."""
+    INCOMPLETE = 7
+    """Results incomplete at the final merge."""
+    PREFLIGHT = 8
+    """The machine is not ready (/dev/shm, host memory, no CUDA device)."""
+    WATCHDOG = 70
+    """A worker group ended by the watchdog (a restart resumes)."""
+    DEVICE_OOM = 71
+    """Device out of memory."""
+    REQUEUE = 75
+    """Preempted: requeue me (EX_TEMPFAIL); Slurm jobs requeue on it. Finished results are
+    durable: the same command resumes."""
 
 STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1")
 """Signals that stop a job (SIGUSR1: Slurm --signal, spot notices)."""
@@ -30,11 +59,11 @@ def ignore_stop_signals() -> None:
 
 
 def _requeue(signum, frame) -> None:
-    os._exit(EXIT_REQUEUE)
+    os._exit(ExitCode.REQUEUE)
 
 
 class Preempted(BaseException):
-    """A stop signal: leave with EXIT_REQUEUE (BaseException: no `except Exception` eats it)."""
+    """A stop signal: leave with ExitCode.REQUEUE (BaseException: no `except Exception` eats it)."""
 
 
 class StopSignals:
@@ -60,10 +89,10 @@ class StopSignals:
     def _handle(self, signum, frame) -> None:
         if self.completed:  # the exit stays 0: a requeue would only find the job done
             if self.stopping:
-                os._exit(0)
+                os._exit(ExitCode.OK)
             self.stopping = True
             return
         if self.stopping:
-            os._exit(EXIT_REQUEUE)  # a second signal: leave now; finished lines are durable
+            os._exit(ExitCode.REQUEUE)  # a second signal: leave now; finished lines are durable
         self.stopping = True
         raise Preempted(signal.Signals(signum).name)

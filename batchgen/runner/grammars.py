@@ -7,7 +7,7 @@ import orjson
 
 from batchgen.core import Request
 from batchgen.io.intake import IntakeError, PendingRequest
-from batchgen.io.tool_choice import forced_functions, tool_call_grammar
+from batchgen.engine.tool_choice import forced_functions, tool_call_grammar
 
 
 class Grammars:
@@ -66,7 +66,7 @@ class Grammars:
 
     def _compiler_(self):
         if self._compiler is None:
-            from batchgen.io.structured import GrammarCompiler  # xgrammar loads only if used
+            from batchgen.engine.structured import GrammarCompiler  # xgrammar loads only if used
 
             self._compiler = GrammarCompiler(self.tokenizer, self.vocab_size,
                                              stop_token_ids=self.stop_token_ids)

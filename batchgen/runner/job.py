@@ -15,8 +15,6 @@ from batchgen.config import JobConfig, StorageConfig
 from batchgen.io.jobfiles import FingerprintMismatch, JobPaths, make_fingerprint
 from batchgen.io.reader import DEFAULT_MAX_LINE_BYTES, scan_input
 
-EXIT_WATCHDOG = 70
-"""Exit code of a worker group ended by the watchdog (a restart resumes)."""
 
 
 @dataclass(frozen=True)

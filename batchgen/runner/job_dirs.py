@@ -13,9 +13,9 @@ import os
 from pathlib import Path
 
 from batchgen.config import ConfigError, JobConfig
-from batchgen.io.jobfiles import (FOLDER_MODE, FingerprintMismatch, JobPaths,
-                                  check_fingerprint, check_folder_is_safe, read_json_dict,
-                                  refuse_planted_links, write_json_atomic)
+from batchgen.atomic import read_json_dict, write_json_atomic
+from batchgen.io.jobfiles import (FOLDER_MODE, FingerprintMismatch, JobPaths, check_fingerprint,
+                                  check_folder_is_safe, refuse_planted_links)
 from batchgen.runner.errors import is_disk_error
 
 

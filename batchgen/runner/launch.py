@@ -25,13 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from batchgen.config import DistConfig
-from batchgen.runner.exits import EXIT_REQUEUE, STOP_SIGNALS  # the signals the agent forwards
+from batchgen.parallel import NCCL_SAFE_ENV
+from batchgen.runner.exits import STOP_SIGNALS, ExitCode  # the signals the agent forwards
 
-NCCL_SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                 "NVSHMEM_DISABLE_NVLS": "1"}
-"""NVLink multicast stays off in NCCL, PyTorch symmetric memory and NVSHMEM on every machine we
-run on, whatever the caller's environment says: on shared hosts a program using it can put the
-host's GPUs out of service."""
 WORKER_STOP_SIGNALS = tuple(getattr(signal, name) for name in STOP_SIGNALS)
 """A worker stops at its next step on each signal that stops the job. The agent forwards the
 supervisor's own signal and Slurm may signal every process: SIGQUIT left at its default
@@ -142,7 +138,7 @@ def root_failure(failures: dict) -> tuple:
     Then the first to fail (the agent stamps whole seconds, so ties are common), then the
     lowest rank."""
     def stopped_by_agent(failure) -> bool:
-        return failure.exitcode in (EXIT_REQUEUE, -signal.SIGTERM)
+        return failure.exitcode in (ExitCode.REQUEUE, -signal.SIGTERM)
 
     return min(failures.items(), key=lambda item: (stopped_by_agent(item[1]), item[1].timestamp,
                                                    item[0]))
@@ -205,13 +201,13 @@ class StopFlag:
         now = time.monotonic()
         if self._first_at is not None:
             if now - self._first_at >= SAME_NOTICE_S:
-                os._exit(EXIT_REQUEUE)
+                os._exit(ExitCode.REQUEUE)
             return
         self._first_at = now
         if not self.serving:
-            os._exit(EXIT_REQUEUE)
+            os._exit(ExitCode.REQUEUE)
         self.requested = True
-        leave = threading.Timer(self.grace * WORKER_GRACE_SHARE, os._exit, (EXIT_REQUEUE,))
+        leave = threading.Timer(self.grace * WORKER_GRACE_SHARE, os._exit, (ExitCode.REQUEUE,))
         leave.daemon = True
         leave.start()
 
@@ -227,7 +223,7 @@ def die_with_supervisor() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
     supervisor = os.environ.get(SUPERVISOR_PID_ENV)
     if supervisor and os.getppid() != int(supervisor):
-        os._exit(EXIT_REQUEUE)  # it died before prctl took effect
+        os._exit(ExitCode.REQUEUE)  # it died before prctl took effect
 
 
 def launched_at() -> float:

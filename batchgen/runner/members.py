@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from batchgen.config import DistConfig, JobConfig
+from batchgen.runner.exits import ExitCode
 from batchgen.runner.external import ExternalRank, adopt, external_rank, run_worker_here
 from batchgen.runner.group import Group, GroupError, GroupTimeouts, MemberEnd, open_store
 from batchgen.runner.job import JobSpec
@@ -108,7 +109,8 @@ def check_plan(config: JobConfig, spec: JobSpec, spec_bytes: bytes, who: str) ->
     differ = _differences(config, spec.config)
     if differ:
         raise GroupError(f"{who} was started with other flags than the leader: "
-                         + "; ".join(differ) + ". Start every member with the same flags", 2)
+                         + "; ".join(differ) + ". Start every member with the same flags",
+                         ExitCode.INPUT)
     deadline = time.monotonic() + SHARED_FS_WAIT_S
     path = spec.spec_file()
     while True:
@@ -121,7 +123,7 @@ def check_plan(config: JobConfig, spec: JobSpec, spec_bytes: bytes, who: str) ->
             raise GroupError(
                 f"the job folder is not shared: {path} does not hold the spec the leader just "
                 f"wrote (seen from {who}). Every node needs --storage-path (and "
-                "--incremental-output-dir, --output) on one shared filesystem", 2)
+                "--incremental-output-dir, --output) on one shared filesystem", ExitCode.INPUT)
         time.sleep(1.0)
 
 

@@ -14,7 +14,7 @@ from batchgen.io.intake import PendingRequest
 from batchgen.io.parsers import (count_reasoning_tokens, parse_output, reasoning_style_for,
                                  tool_parser_for)
 from batchgen.io.results import ParsedChoice, bytes_label, item_id, success_line
-from batchgen.io.tool_choice import forces_call
+from batchgen.engine.tool_choice import forces_call
 
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 

@@ -17,10 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from batchgen.config import JobConfig
-from batchgen.io.jobfiles import NOFOLLOW, JobPaths
-from batchgen.runner.errors import (DISK_ERRNOS, EXIT_DISK, EXIT_INPUT, EXIT_PREFLIGHT,
-                                    PreflightFailed)
-from batchgen.sched.host_pool import host_memory_bytes, shm_free_bytes
+from batchgen.atomic import NOFOLLOW
+from batchgen.engine.host_pool import host_memory_bytes, shm_free_bytes
+from batchgen.io.jobfiles import JobPaths
+from batchgen.runner.errors import DISK_ERRNOS, PreflightFailed
+from batchgen.runner.exits import ExitCode
 
 log = logging.getLogger("batchgen.preflight")
 MIN_LINE_BYTES = 300
@@ -35,7 +36,7 @@ class Finding:
     error: bool
     what: str
     fix: str
-    code: int = EXIT_PREFLIGHT
+    code: int = ExitCode.PREFLIGHT
 
     def __str__(self) -> str:
         return f"{self.what}. Fix: {self.fix}"
@@ -145,7 +146,7 @@ def check_disk(paths: JobPaths, input_bytes: int, records: int, left: int) -> li
                "--incremental-output-dir)")
         if free < floor:
             findings.append(Finding(True, f"{where}: {_human(free)} free, results need at least "
-                                    f"{_human(floor)}", fix, EXIT_DISK))
+                                    f"{_human(floor)}", fix, ExitCode.DISK))
         elif free < estimate:
             findings.append(Finding(False, f"{where}: {_human(free)} free, results may need about "
                                     f"{_human(estimate)} (estimated from the input)", fix))
@@ -166,7 +167,7 @@ def check_writable(paths: JobPaths) -> list[Finding]:
             os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW, 0o600))
             probe.unlink()
         except OSError as err:
-            code = EXIT_DISK if err.errno in DISK_ERRNOS else EXIT_INPUT
+            code = ExitCode.DISK if err.errno in DISK_ERRNOS else ExitCode.INPUT
             findings.append(Finding(True, f"{folder} ({flag}) cannot take new files: "
                                     f"{err.strerror}", "make it writable, or give "
                                     f"{flag} a folder you can write", code))
@@ -194,7 +195,7 @@ def _raise_errors(findings: list[Finding]) -> None:
     errors = [f for f in findings if f.error]
     if errors:
         codes = {f.code for f in errors}
-        code = codes.pop() if len(codes) == 1 else EXIT_PREFLIGHT
+        code = codes.pop() if len(codes) == 1 else ExitCode.PREFLIGHT
         raise PreflightFailed("preflight failed (nothing was loaded or written):\n"
                               + "\n".join(f"  - {f}" for f in errors), code)
 

@@ -27,20 +27,18 @@ from __future__ import annotations
 
 import math
 import os
-import signal
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import orjson
 
-from batchgen.io.jobfiles import open_job_file, write_json_atomic
+from batchgen.atomic import open_job_file, write_json_atomic
 from batchgen.io.reader import RawRecord, record_key
 from batchgen.io.results import dumps, failure_line
+from batchgen.testing import faults
 
 ISOLATION_GROUPS = 16
-CRASH_ENV = "BATCHGEN_TEST_CRASH_ON_ADMIT"
-"""Testing only: SIGKILL the worker right after it admits (and journals) this custom_id."""
 
 
 def journal_paths(batch_dir: Path, batch_id: str) -> list[Path]:
@@ -141,7 +139,7 @@ class Quarantine:
         self.journal = CrashJournal(Path(batch_dir) / f"{batch_id}.inflight.rank{rank}")
         self.book_path = Path(batch_dir) / f"{batch_id}.suspects.rank{rank}.json"
         self.book = SuspectBook()
-        self._crash_on = os.environ.get(CRASH_ENV)
+        self._on_admit = faults.admit_fault()
 
     def recover(self, done, restarted: bool) -> None:
         """Count the previous run if it was a confirmed crash, then start a fresh journal.
@@ -196,8 +194,8 @@ class Quarantine:
         if not custom_ids:
             return
         self.journal.append(custom_ids)
-        if self._crash_on is not None and self._crash_on in custom_ids:
-            os.kill(os.getpid(), signal.SIGKILL)
+        if self._on_admit is not None:
+            self._on_admit(custom_ids)
 
     def clean_exit(self) -> None:
         self.journal.clear()

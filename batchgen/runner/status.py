@@ -15,6 +15,7 @@ from rich.table import Table
 from batchgen.io.checkpoints import checkpoint_files, load
 from batchgen.io.jobfiles import JobPaths
 from batchgen.io.writer import CorruptIncrementalFile, read_done_ids
+from batchgen.runner.exits import ExitCode
 from batchgen.runner.job import JobSpec
 from batchgen.runner.progress import human_seconds, read_worker_stats
 
@@ -63,8 +64,8 @@ def _jobs_writing(output: Path, storage: Path) -> list[Path]:
 def _show_files(files: list[Path], missing: str) -> int:
     if not files:
         Console(stderr=True, soft_wrap=True).print(missing)
-        return 1
-    console, failed = Console(), 0
+        return ExitCode.FAILED
+    console, failed = Console(), ExitCode.OK
     for path in files:
         storage, batches = path.parent.parent, path.parent
         try:
@@ -78,7 +79,7 @@ def _show_files(files: list[Path], missing: str) -> int:
             console.print(table)
         except (OSError, orjson.JSONDecodeError, KeyError, TypeError) as err:
             Console(stderr=True, soft_wrap=True).print(f"cannot read {path}: {err!r}")
-            failed = 1
+            failed = ExitCode.FAILED
     return failed
 
 

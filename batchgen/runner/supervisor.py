@@ -23,12 +23,12 @@ import sys
 import time
 from pathlib import Path
 
+from batchgen.atomic import atomic_file
 from batchgen.config import ConfigError, JobConfig
 from batchgen.io.checkpoints import checkpoint_files
 from batchgen.io.jobfiles import (
     BatchFile,
     JobPaths,
-    atomic_file,
     check_fingerprint,
     derive_batch_id,
     errors_path_for,
@@ -42,19 +42,14 @@ from batchgen.models.loader import MANIFEST, resolve_model, weights_signature
 from batchgen.phases import format_phases, process_start_time
 from batchgen.runner.errors import (
     EXIT_CODES,
-    EXIT_CRASH,
-    EXIT_DEVICE_OOM,
-    EXIT_DISK,
-    EXIT_INPUT,
-    EXIT_LOCKED,
     PreflightFailed,
     disk_errors,
     exit_code_of,
 )
 from batchgen.runner.group import Group, GroupError, MemberEnd, PlanRefused
 from batchgen.runner.job_dirs import claim_incremental, make_job_dirs
-from batchgen.runner.exits import EXIT_REQUEUE, Preempted, StopSignals
-from batchgen.runner.job import (EXIT_WATCHDOG, JobSpec, check_input_unchanged, file_version,
+from batchgen.runner.exits import ExitCode, Preempted, StopSignals
+from batchgen.runner.job import (JobSpec, check_input_unchanged, file_version,
                                  fingerprint, now)
 from batchgen.runner.launch import WorkerFailure, is_stop_signal
 from batchgen.runner.lock import JobLock
@@ -68,7 +63,7 @@ from batchgen.runner.watchdog import health_from_stats
 log = logging.getLogger("batchgen")
 SHARED_FS_RETRY_S = (2, 5, 10, 20, 30)
 """Waits before retrying a merge that misses results other nodes reported done (NFS caches)."""
-NOT_CRASHES = (EXIT_DISK, EXIT_LOCKED, EXIT_INPUT)
+NOT_CRASHES = (ExitCode.DISK, ExitCode.LOCKED, ExitCode.INPUT)
 """Worker exit codes that are no evidence against the requests in flight (no quarantine strike)."""
 
 
@@ -135,11 +130,11 @@ def run_job(config: JobConfig) -> int:
                     member.group.close()
     except (GroupError, ConfigError) as err:  # members disagree, or the launcher's world does
         print(f"error: {err}", file=sys.stderr, flush=True)  # a user's fix, not a log event
-        return getattr(err, "code", 2)
+        return getattr(err, "code", ExitCode.INPUT)
     except Preempted as stop:
         log.warning("stopped by %s: finished results are safe; re-run the same command to "
-                    "resume (exit %d: requeue)", stop, EXIT_REQUEUE)
-        return EXIT_REQUEUE
+                    "resume (exit %d: requeue)", stop, ExitCode.REQUEUE)
+        return ExitCode.REQUEUE
     finally:
         stops.restore()
 
@@ -169,7 +164,7 @@ def _run(config: JobConfig, stops: StopSignals, member: Member) -> int:
                     paths.remove_incremental()
                 if group is not None:
                     group.publish_final("done")
-                return 0
+                return ExitCode.OK
             already = done_records(config, paths, summary.records)
             left = summary.records - already
             preflight(config, paths, summary.size_bytes, summary.records, left)
@@ -230,12 +225,12 @@ def _abort_followers(group: Group | None):
 
 def _code_of(err: BaseException) -> int:
     if isinstance(err, Preempted) or is_stop_signal(err):
-        return EXIT_REQUEUE
+        return ExitCode.REQUEUE
     if isinstance(err, GroupError):
         return err.code
     if isinstance(err, (*EXIT_CODES, PreflightFailed)):
         return exit_code_of(err)
-    return EXIT_CRASH
+    return ExitCode.CRASH
 
 
 def _run_locked(spec: JobSpec, batch_file: BatchFile, already: int, stops: StopSignals,
@@ -320,7 +315,7 @@ def _follow(config: JobConfig, member: Member) -> int:
     plan = group.plan()
     if plan["action"] == "done":
         log.info("%s: the leader says nothing is left to run", who)
-        return 0
+        return ExitCode.OK
     if plan["action"] == "abort":
         log.error("%s: the leader stopped before launching: %s", who, plan["reason"])
         return int(plan["code"])
@@ -345,7 +340,7 @@ def _follow(config: JobConfig, member: Member) -> int:
         lock.release()
     group.report(end)
     group.close()
-    if end.code == 0:
+    if end.code == ExitCode.OK:
         log.info("%s: our ranks finished their shards; the leader merges the outputs", who)
     return end.code
 
@@ -367,20 +362,21 @@ def _run_follower_ranks(spec: JobSpec, config: JobConfig, member: Member,
             raise
         why = lost[0] if lost else "a stop signal"
         log.warning("%s stopped (%s): finished results are safe (exit %d: requeue)",
-                    member.name, why, EXIT_REQUEUE)
-        return MemberEnd(m, EXIT_REQUEUE, cause=f"{member.name} stopped: {why}")
+                    member.name, why, ExitCode.REQUEUE)
+        return MemberEnd(m, ExitCode.REQUEUE, cause=f"{member.name} stopped: {why}")
 
 
 def _worker_exit_code(code: int) -> int:
-    if code in (EXIT_REQUEUE, EXIT_WATCHDOG, EXIT_DISK, EXIT_DEVICE_OOM, EXIT_LOCKED):
+    if code in (ExitCode.REQUEUE, ExitCode.WATCHDOG, ExitCode.DISK, ExitCode.DEVICE_OOM,
+                ExitCode.LOCKED):
         return code
-    return code if 0 < code < 256 else EXIT_CRASH
+    return code if 0 < code < 256 else ExitCode.CRASH
 
 
 def _worker_failed(spec: JobSpec, batch_file: BatchFile, started: float,
                    failure: WorkerFailure) -> int:
     code = failure.exitcode
-    if code == EXIT_REQUEUE:
+    if code == ExitCode.REQUEUE:
         _try_record_end(spec, batch_file, started, "in_progress", {"last_stop": "worker stopped"})
         raise Preempted(f"worker rank {failure.rank} (exit {code})")
     if code not in NOT_CRASHES:
@@ -401,21 +397,21 @@ def _failure_cause(spec: JobSpec, failure: WorkerFailure) -> str:
     resume = "re-run the same command to resume (under Slurm: requeue)"
     if failure.cause:
         return f"{failure.cause}; {resume}"
-    if failure.exitcode == EXIT_WATCHDOG:
+    if failure.exitcode == ExitCode.WATCHDOG:
         cause = mine.get("watchdog", {}).get("cause", "watchdog: a deadline was missed")
         return f"worker rank {failure.rank}: {cause}; {resume}"
-    if failure.exitcode == EXIT_DISK:
+    if failure.exitcode == ExitCode.DISK:
         free = shutil.disk_usage(spec.paths.incremental_dir).free
         said = mine.get("failure", "it could not save results (disk full or failing)")
         return (f"worker rank {failure.rank}: {said} ({free / 1e6:.1f} MB free under "
                 f"{spec.paths.incremental_dir})")
-    if failure.exitcode == EXIT_DEVICE_OOM:
+    if failure.exitcode == ExitCode.DEVICE_OOM:
         return (f"worker rank {failure.rank} ran out of device memory; {resume}: the requests "
                 "in flight are retried in smaller groups")
-    if failure.exitcode == EXIT_INPUT:
+    if failure.exitcode == ExitCode.INPUT:
         said = mine.get("failure", "it could not read the input file")
         return f"worker rank {failure.rank}: {said}; put the input back and {resume}"
-    if failure.exitcode == EXIT_LOCKED:
+    if failure.exitcode == ExitCode.LOCKED:
         said = mine.get("failure", "its results file is locked by another live batchgen process")
         return (f"worker rank {failure.rank}: {said}; stop the other process (or wait for it) "
                 f"and {resume}")
@@ -475,7 +471,7 @@ def _finish(spec: JobSpec, batch_file: BatchFile, started: float, stops: StopSig
                       report.prompt_tokens, report.completion_tokens,
                       sum(s.get("completion_tokens", 0) for s in stats), paths.output,
                       paths.errors_output, paths.storage_path), file=sys.stderr, flush=True)
-    return 0
+    return ExitCode.OK
 
 
 def _keep_default_copy(output: Path, default: JobPaths) -> None:

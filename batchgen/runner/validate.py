@@ -12,6 +12,7 @@ import typer
 from batchgen.core import SamplingParams
 from batchgen.io.intake import EXTRA_FIELDS, IntakeError, parse_record
 from batchgen.io.reader import read_records, scan_input
+from batchgen.runner.exits import ExitCode
 
 SHOWN_ERRORS = 50
 SHOWN_WARNINGS = 20
@@ -79,4 +80,4 @@ def validate_file(path: Path, max_tokens: int) -> int:
     typer.echo(line + (f" ({_count_words(codes)})" if bad else "")
                + (f"; {_plural(warned, 'line')} with unknown fields" if warned else ""))
     typer.echo(f"sha256 {summary.sha256}")
-    return 1 if bad else 0
+    return ExitCode.FAILED if bad else ExitCode.OK

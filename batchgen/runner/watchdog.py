@@ -4,7 +4,7 @@ the rank's stats file, and what a missed deadline does.
 A daemon thread checks the armed deadlines every TICK_S. A miss dumps every thread's stack
 (faulthandler) to the worker log, writes the cause into the rank's stats file (the supervisor,
 sole writer of the batch file, copies it into `health`) and ends the process with
-EXIT_WATCHDOG, so the job is restarted and resumes; finished lines are already durable.
+ExitCode.WATCHDOG (70), so the job is restarted and resumes; finished lines are already durable.
 The watchdog is off unless a timeout is given (the default) and --no-watchdog
 turns every deadline off.
 
@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from batchgen.config import WatchdogConfig
-from batchgen.io.jobfiles import write_json_atomic
-from batchgen.runner.job import EXIT_WATCHDOG
+from batchgen.atomic import write_json_atomic
+from batchgen.runner.exits import ExitCode
 
 log = logging.getLogger("batchgen.watchdog")
 TICK_S = 0.1
@@ -210,7 +210,7 @@ class Watchdog:
         self.stats.update({"watchdog": {"cause": cause, "deadline": missed.name,
                                         "seconds": missed.seconds, "armed_at": missed.armed_at,
                                         "at": time.time()}}, lock_timeout=2.0)
-        self._exit(EXIT_WATCHDOG)
+        self._exit(ExitCode.WATCHDOG)
         faulthandler.cancel_dump_traceback_later()  # only reached when a test replaced exit
 
 
@@ -219,8 +219,8 @@ def guard_decode_steps(engine, watchdog: Watchdog, stuck_time: float = 0.0) -> N
 
     The engine has no step hook, so the runner's bound `execute` (single steps), `queue_burst`
     and `collect` (decode bursts: queueing computes on a CPU, waiting on a GPU) are wrapped in
-    place; --watchdog-test-stuck-time (testing only) sleeps inside the guarded iteration, once
-    per decode step."""
+    place; `stuck_time` (batchgen.testing.faults.stuck_seconds, testing only) sleeps inside the
+    guarded iteration, once per decode step."""
     runner = engine.runner
     execute, queue_burst, collect = runner.execute, runner.queue_burst, runner.collect
 

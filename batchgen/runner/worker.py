@@ -9,7 +9,6 @@ Exit codes: 0 shard done, 75 stopped by a signal, 4 results file locked, 6 disk,
 
 from __future__ import annotations
 
-import errno
 import faulthandler
 import logging
 import os
@@ -35,24 +34,22 @@ from batchgen.models.factory import load_model, model_folder, weight_bytes
 from batchgen.models.loader import MANIFEST
 from batchgen.parallel import Placement, default_tp_size, init_tensor_parallel
 from batchgen.phases import StartupClock
-from batchgen.runner.errors import (EXIT_DEVICE_OOM, EXIT_DISK, EXIT_INPUT, EXIT_LOCKED, DiskError,
-                                    disk_errors)
+from batchgen.runner.errors import DiskError, disk_errors
 from batchgen.runner.embed_jobs import EmbeddingJobs
 from batchgen.runner.grammars import Grammars
 from batchgen.runner.inflight import InflightCheckpoints, with_progress
-from batchgen.runner.exits import EXIT_REQUEUE
+from batchgen.runner.exits import ExitCode
 from batchgen.runner.job import JobSpec
 from batchgen.runner.launch import StopFlag, die_with_supervisor, launched_at
 from batchgen.runner.outputs import OutputFormatter
 from batchgen.runner.quarantine import Quarantine
 from batchgen.runner.watchdog import StatsFile, Watchdog, guard_decode_steps
 from batchgen.sched.scheduler import RequestTooLarge
+from batchgen.testing import faults
 
 log = logging.getLogger("batchgen.worker")
 STATS_EVERY_S = 2.0
 ORPHAN_WAIT_S = 10.0
-DISK_FULL_ENV = "BATCHGEN_TEST_DISK_FULL_AT"
-"""Testing only: the results file behaves as if its disk filled up at this many bytes."""
 
 
 @dataclass(frozen=True)
@@ -164,7 +161,7 @@ class Worker:
                              tp=self.tp, host_share=1.0 / rank.local_world,
                              demand_tokens=demand)
         self._mark_engine_phases()
-        guard_decode_steps(self.engine, watchdog, cfg.watchdog.watchdog_test_stuck_time)
+        guard_decode_steps(self.engine, watchdog, faults.stuck_seconds())
         self.formatter = OutputFormatter(spec, self.loaded)
         self.grammars = Grammars(self.loaded.tokenizer, self.loaded.hf_config.vocab_size,
                                  self.loaded.eos_token_ids, self.formatter.tool_format)
@@ -198,15 +195,15 @@ class Worker:
         for group in groups:
             self.handled.update(record_key(r) for r in group)
             if self._serve(iter(group), limit=len(group)):
-                return EXIT_REQUEUE
+                return ExitCode.REQUEUE
         sched = self.spec.config.engine.scheduler
         rest = (r for r in self._records() if record_key(r) not in self.handled)
         if self._serve(rest, min(sched.max_intake_capacity, sched.max_pool_size)):
-            return EXIT_REQUEUE
+            return ExitCode.REQUEUE
         if self.checkpoints:
             self.checkpoints.remove()
             self._report(force=True)
-        return 0
+        return ExitCode.OK
 
     def _isolate_suspects(self) -> list[list]:
         """Quarantine the convicted suspects; the others are served first, in small groups."""
@@ -376,22 +373,6 @@ def cpu_threads() -> int:
     return int(first) if first.isdigit() and int(first) > 0 else max(1, os.cpu_count() or 1)
 
 
-class DiskFullAt(IncrementalWriter):
-    """Testing only (DISK_FULL_ENV): a results file whose disk fills up at `limit` bytes. It
-    writes what fits, then fails with ENOSPC, so the real writer's rollback runs."""
-
-    def __init__(self, path, limit: int):
-        super().__init__(path)
-        self.limit = limit
-
-    def _write_all(self, data: memoryview) -> None:
-        room = self.limit - os.fstat(self._fd).st_size
-        if len(data) > room:
-            super()._write_all(data[:max(room, 0)])
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.path))
-        super()._write_all(data)
-
-
 def open_results(paths: JobPaths, dp_rank: int, dp_size: int,
                  wait_s: float = ORPHAN_WAIT_S) -> tuple[IncrementalWriter, IdSet]:
     """This rank's results file, locked, and the ids finished in any rank's file, read once
@@ -404,10 +385,10 @@ def open_writer(path, wait_s: float = ORPHAN_WAIT_S) -> IncrementalWriter:
     """Open this rank's results file. The worker of a killed run dies of PDEATHSIG
     asynchronously and holds the file's lock until it is gone: give it a moment."""
     deadline = time.monotonic() + wait_s
-    full_at = os.environ.get(DISK_FULL_ENV)
+    fault = faults.writer_fault()
     while True:
         try:
-            return DiskFullAt(path, int(full_at)) if full_at else IncrementalWriter(path)
+            return IncrementalWriter(path, fault=fault)
         except WriterLocked:
             if time.monotonic() > deadline:
                 raise
@@ -447,16 +428,16 @@ def serve(spec: JobSpec, rank: RankInfo, stop: StopFlag, watchdog: Watchdog) -> 
     except (WriteFailed, DiskError) as err:
         log.error("rank %d: %s", rank.rank, err)  # one clear line, no traceback
         watchdog.stats.update({"failure": str(err)})
-        code = EXIT_DISK
+        code = ExitCode.DISK
     # Another live writer of the results file, or an input gone since the scan.
     except (WriterLocked, InputFileError) as err:
         log.error("rank %d: %s", rank.rank, err)
         watchdog.stats.update({"failure": str(err)})  # the supervisor's report names it
-        return EXIT_LOCKED if isinstance(err, WriterLocked) else EXIT_INPUT
+        return ExitCode.LOCKED if isinstance(err, WriterLocked) else ExitCode.INPUT
     except torch.cuda.OutOfMemoryError as err:
         log.error("rank %d: device out of memory (%s); the requests in flight will be retried "
                   "in smaller groups on restart", rank.rank, str(err).splitlines()[0])
-        return EXIT_DEVICE_OOM
+        return ExitCode.DEVICE_OOM
     finally:
         if worker is not None:
             worker.close()

@@ -48,5 +48,5 @@ def test_decode_matches_reference(device, dtype, fp8, heads, kv_heads, head_dim,
 def test_decode_rejects_mismatched_shapes(device):
     kv, _, table = make_paged_kv([5], 2, 32, torch.float16, device)
     q = torch.randn(1, 4, 16, device=device, dtype=torch.float16)  # head_dim 16 != 32
-    with pytest.raises(AssertionError):
+    with pytest.raises(ValueError):
         paged_decode_attention(q, kv, None, table, table.new_tensor([5]), 1.0)

@@ -67,7 +67,7 @@ def test_store_matches_reference(device, src_dtype, pool_dtype, kv_heads, head_d
 def test_store_rejects_wrong_pool_shape(device):
     k = torch.randn(2, 2, 32, device=device)
     kv = torch.zeros(3, PAGE_SIZE, 2, 4, 32, device=device)  # 4 KV heads, k has 2
-    with pytest.raises(AssertionError):
+    with pytest.raises(ValueError):
         store_kv(k, k, kv, None, torch.zeros(2, dtype=torch.int64, device=device))
 
 

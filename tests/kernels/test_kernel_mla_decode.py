@@ -55,7 +55,7 @@ def test_mla_decode_rejects_mismatched_shapes(device):
     kv, _, table = make_latent_cache([5], 48, torch.float16, device)
     q_nope = torch.randn(1, 4, 32, device=device, dtype=torch.float16)
     q_pe = torch.randn(1, 4, 8, device=device, dtype=torch.float16)  # 32 + 8 != 48
-    with pytest.raises(AssertionError):
+    with pytest.raises(ValueError):
         mla_decode_attention(q_nope, q_pe, kv, None, table, table.new_tensor([5]), 1.0)
 
 

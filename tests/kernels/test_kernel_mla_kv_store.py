@@ -51,5 +51,5 @@ def test_mla_store_matches_reference(device, src_dtype, pool_dtype, width):
 def test_mla_store_rejects_mismatched_width(device):
     kv = torch.zeros(2, PAGE_SIZE, 1, 48, device=device)
     rows = torch.zeros(3, 40, device=device)
-    with pytest.raises(AssertionError):
+    with pytest.raises(ValueError):
         store_mla_kv(rows, kv, None, torch.zeros(3, dtype=torch.long, device=device))

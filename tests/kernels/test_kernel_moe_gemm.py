@@ -70,11 +70,11 @@ def test_grouped_gemm_leaves_rows_past_the_last_group(device):
 def test_grouped_gemm_rejects_bad_inputs(device):
     x = torch.randn(4, 32, device=device)
     w = torch.randn(2, 16, 32, device=device)
-    with pytest.raises(AssertionError):  # more groups than weight matrices
+    with pytest.raises(ValueError, match="groups but"):  # more groups than weight matrices
         grouped_gemm(x, w, offsets_of([1, 1, 2], device))
-    with pytest.raises(AssertionError):  # dtype mismatch
+    with pytest.raises(TypeError):  # dtype mismatch
         grouped_gemm(x.bfloat16(), w, offsets_of([4], device))
-    with pytest.raises(AssertionError):  # K mismatch
+    with pytest.raises(ValueError):  # K mismatch
         grouped_gemm(x[:, :16], w, offsets_of([4], device))
 
 
@@ -168,11 +168,11 @@ def test_grouped_gemm_fp8_rejects_unaligned_shapes(device):
     xq, xs = quantize_fp8_groups(torch.randn(4, 256, device=device))
     w, w_scale = random_fp8_weights(1, 256, 256, (128, 128), device)
     offsets = offsets_of([4], device)
-    with pytest.raises(AssertionError):  # N = 192 is not a multiple of 128
+    with pytest.raises(ValueError):  # N = 192 is not a multiple of 128
         grouped_gemm_fp8(xq, xs, w[:, :192], w_scale, offsets)
-    with pytest.raises(AssertionError):  # silu_mul: I = 128 fine, but I = 64 straddles a block
+    with pytest.raises(ValueError):  # silu_mul: I = 128 fine, but I = 64 straddles a block
         grouped_gemm_fp8(xq, xs, w[:, :128], w_scale[:, :1], offsets, silu_mul=True)
-    with pytest.raises(AssertionError):  # K = 200 is not a multiple of the group
+    with pytest.raises(ValueError):  # K = 200 is not a multiple of the group
         quantize_fp8_groups(torch.randn(4, 200, device=device))
 
 

@@ -84,6 +84,6 @@ def test_rope_store_rejects_mismatched_pool(device):
     q, k = torch.randn(2, 4, 32, device=device), torch.randn(2, 2, 32, device=device)
     kv = torch.zeros(3, PAGE_SIZE, 2, 4, 32, device=device)  # 4 KV heads, k has 2
     cos, sin = _tables(8, 32, device)
-    with pytest.raises(AssertionError):
+    with pytest.raises(ValueError):
         rope_store_kv(q, k, k, torch.zeros(2, dtype=torch.long, device=device), cos, sin, kv,
                       None, torch.zeros(2, dtype=torch.int64, device=device))

@@ -11,7 +11,7 @@ from kernel_testing import DEVICES, assert_rel_close
 
 import batchgen_kernels as K
 from batchgen.core import PAGE_SIZE
-from batchgen.engine.forward_batch import ForwardBatch
+from batchgen.forward_batch import ForwardBatch
 from batchgen.engine.kv_cache import KVLayout, KVPool
 from batchgen.models.attention import _triton_attention
 

@@ -9,11 +9,32 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import chain
+from typing import Any, Protocol
 
 import torch
 
 from batchgen.core import PAGE_SIZE
-from batchgen.engine.kv_cache import KVPool
+
+
+class KVPages(Protocol):
+    """What a model's attention needs from the paged KV pool of a forward (the engine's
+    `engine.kv_cache.KVPool` is the one implementation). Declared here, beside the batch, so
+    models depend on this description and never on the engine."""
+
+    layout: Any
+    """The pool's KVLayout: dtype, compute dtype, token shape, whether it is quantized."""
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Views of one layer's pages (and fp8 scales) for the kernels."""
+
+    def store(self, layer: int, slots: torch.Tensor, kv: torch.Tensor) -> None:
+        """Write this step's KV rows of `layer` at flat `slots`."""
+
+    def gather(self, layer: int, pages: torch.Tensor) -> torch.Tensor:
+        """KV of `pages` token after token, in the compute dtype."""
+
+    def gather_heads(self, layer: int, pages: torch.Tensor) -> torch.Tensor:
+        """KV of `pages` with the token's leading dims (K/V, heads) first."""
 
 
 @dataclass
@@ -32,7 +53,8 @@ class ForwardBatch:
     """[T] int64 flat KV slot (page * PAGE_SIZE + offset) each new token is written to."""
     logits_indices: torch.Tensor
     """[S] int64 rows of T whose logits are needed (last token of sequences that sample)."""
-    kv_pool: KVPool
+    kv_pool: KVPages
+    """The KV pool this forward reads and writes."""
     q_lens: list[int]
     """Host copy of the query lengths (the reference path loops over sequences)."""
     ctx_lens: list[int]
@@ -70,7 +92,7 @@ class ForwardBatch:
 
     @staticmethod
     def build(token_ids: list[list[int]], starts: list[int], page_tables: list[list[int]],
-              sample_mask: list[bool], kv_pool: KVPool, device: torch.device) -> "ForwardBatch":
+              sample_mask: list[bool], kv_pool: KVPages, device: torch.device) -> "ForwardBatch":
         """Pack sequences: sequence b computes `token_ids[b]` at positions `starts[b]...`.
         Per-token values are computed with tensor ops, not Python loops: a prefill step packs
         thousands of tokens while the device waits for its inputs."""
