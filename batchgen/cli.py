@@ -167,7 +167,7 @@ def simulate(png: Optional[Path] = typer.Option(None, help="Write the timeline p
     """The real scheduler driven by a cost model: size flags for machines we cannot run here."""
     from batchgen.cli_options import build_dataclass
     from batchgen.config import SchedulerConfig
-    from batchgen.sched.simulate import SimulationConfig, plot_timeline, run_simulation
+    from batchgen.simulate import SimulationConfig, plot_timeline, run_simulation
 
     sim = build_dataclass(SimulationConfig, flags)
     sched = build_dataclass(SchedulerConfig, flags)
@@ -217,7 +217,7 @@ def convert(output: Path = typer.Option(..., "--output", help="Folder to write (
 
 def _register_generated_commands() -> None:
     from batchgen.config import ModelConfig, SchedulerConfig
-    from batchgen.sched.simulate import SimulationConfig
+    from batchgen.simulate import SimulationConfig
 
     app.command("simulate")(with_config_options(
         simulate, [("simulate", SimulationConfig), ("scheduler", SchedulerConfig)],

@@ -127,6 +127,8 @@ class FinishedRequest:
     request_id: str
     prompt_len: int
     completions: list[Completion]
+    request: Request | None = None
+    """The request as it was added (the engine keeps it through the request's life)."""
 
     @property
     def completion_tokens(self) -> int:

@@ -14,7 +14,8 @@ Invariants after each decision, for every RUNNING sequence s (window = frequency
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Callable
 
 from batchgen.config import SchedulerConfig
 from batchgen.core import PAGE_SIZE
@@ -22,42 +23,15 @@ from batchgen.sched.chunking import ChunkSizer
 from batchgen.sched.eviction import victim_order
 from batchgen.sched.pages import PageAllocator
 from batchgen.sched.sequence import Sequence, SeqState, pages_for
+from batchgen.sched.step import (  # noqa: F401  (the step contract, importable from here)
+    PageCopy, ScheduleOutput, SeqChunk, SeqResult, StepOutput)
+
+DecodeSteps = Callable[[list[SeqChunk]], int]
+"""How many decode steps a decode-only set of chunks should run back to back (a burst)."""
 
 
 class RequestTooLarge(ValueError):
     pass
-
-
-@dataclass
-class SeqChunk:
-    """Compute tokens [start, end) of `seq`; sample the next token when `sample`."""
-
-    seq: Sequence
-    start: int
-    end: int
-    sample: bool
-
-
-@dataclass
-class PageCopy:
-    seq_id: int
-    src: list[int]
-    dst: list[int]
-
-
-@dataclass
-class ScheduleOutput:
-    chunks: list[SeqChunk] = field(default_factory=list)
-    swap_out: list[PageCopy] = field(default_factory=list)
-    """Device -> host copies, done before `swap_in` (which may reuse the freed pages)."""
-    swap_in: list[PageCopy] = field(default_factory=list)
-    """Host -> device copies, done before the forward."""
-    decided: bool = False
-
-    @property
-    def decode_only(self) -> bool:
-        """Every chunk computes one token and samples the next (a plain decode step)."""
-        return bool(self.chunks) and all(c.sample and c.end - c.start == 1 for c in self.chunks)
 
 
 @dataclass
@@ -121,30 +95,65 @@ class Scheduler:
         return bool(self.waiting or self.running or self.swapped)
 
     # -- one step -------------------------------------------------------------------------
-    def schedule(self) -> ScheduleOutput:
+    def schedule(self, decode_steps: DecodeSteps | None = None) -> ScheduleOutput:
+        """The next step's plan. `decode_steps(chunks)`: asked when the plan is decode-only, the
+        steps the runner wants to run back to back; the plan grants what the running set's
+        page reservations cover before the next decision (`plan.steps`, at least 1)."""
         out = ScheduleOutput()
         if self._decision_due():
             self._decide(out)
         out.chunks = self._chunks()
         if any(c.sample and c.end - c.start == 1 for c in out.chunks):
             self._steps_left -= 1
+        if decode_steps is not None and out.decode_only:
+            out.steps = max(1, min(decode_steps(out.chunks), self._steps_covered()))
+            self._steps_left -= out.steps - 1
         return out
 
-    @property
-    def decode_steps_covered(self) -> int:
+    def continue_plan(self, plan: ScheduleOutput,
+                      decode_steps: DecodeSteps) -> ScheduleOutput | None:
+        """The decode plan that follows `plan` (decode-only, its rows less those finished
+        since, `plan.steps` further on), as the next schedule() would make it, for a runner
+        that queues it before `plan`'s results are all in; None when schedule() would take a
+        decision first or no row is left."""
+        chunks = [SeqChunk(c.seq, c.start + plan.steps, c.end + plan.steps, True)
+                  for c in plan.chunks if c.seq.state is not SeqState.FINISHED]
+        steps = decode_steps(chunks) if chunks else 0
+        steps = self.continue_decode(steps) if steps else 0
+        return ScheduleOutput(chunks, steps=steps) if steps else None
+
+    def update_from_output(self, plan: ScheduleOutput, output: StepOutput) -> None:
+        """Take a plan's results: computed tokens, drawn tokens (and logprobs) appended, and
+        finished sequences released. A burst reports each step (`output.step`) as it ends;
+        prefill chunks that sample nothing count as computed with the plan's first report."""
+        if output.step == 0:
+            for chunk in plan.chunks:
+                if not chunk.sample and chunk.seq.state is SeqState.RUNNING:
+                    chunk.seq.num_computed = chunk.end
+        for result in output.results:
+            seq = result.chunk.seq
+            if seq.state is SeqState.FINISHED or not result.tokens:
+                continue  # a burst's rows drawn after their sequence ended
+            seq.num_computed = result.chunk.end + output.step + len(result.tokens) - 1
+            seq.token_ids.extend(result.tokens)
+            if result.logprobs is not None:
+                if seq.logprobs is None:
+                    seq.logprobs = []
+                seq.logprobs.extend(result.logprobs)
+            if result.finished:
+                self.finish(seq, natural=True)
+
+    def _steps_covered(self) -> int:
         """Decode steps the running set may take from the one just scheduled on, before the
         next decision: their device pages are reserved already."""
+        if self._wave and self.waiting:
+            return 1  # an admission wave decides again at the next step
         return max(1, self._steps_left + 1)
-
-    def extend_decode(self, extra_steps: int) -> None:
-        """The decode step just scheduled runs `extra_steps` more times back to back."""
-        assert 0 <= extra_steps < self.decode_steps_covered, (extra_steps, self._steps_left)
-        self._steps_left -= extra_steps
 
     def continue_decode(self, steps: int) -> int:
         """Reserve up to `steps` decode steps for the decode set just scheduled (less what has
-        finished since), as schedule() and extend_decode() would if called now: the steps
-        granted, 0 when schedule() would take a decision first."""
+        finished since), as schedule() would if called now: the steps granted, 0 when
+        schedule() would take a decision first."""
         if self._decision_due():
             return 0
         granted = min(steps, self._steps_left)
