@@ -118,7 +118,8 @@ class Engine:
         decode_batch = tp.agree_min([graphs.sizes[-1] if graphs is not None
                                      else EAGER_DECODE_BATCH])[0]
         self.scheduler = Scheduler(config.scheduler.with_decode_batch(decode_batch),
-                                   sizes.device_pages, sizes.host_pages)
+                                   sizes.device_pages, sizes.host_pages,
+                                   prefix_salt=self._prefix_salt(model))
         if graphs is not None and self.scheduler.cfg.max_decode_batch > graphs.sizes[-1]:
             log.warning("--max-decode-batch %d is above the largest CUDA graph (%d): bigger "
                         "decode batches run eagerly; raise --cuda-graph-max-bucket-size",
@@ -212,7 +213,10 @@ class Engine:
         self.scheduler.reset_counters()
 
     def stats(self) -> dict:
+        counters = self.scheduler.counters
         return {"steps": self.steps, "generated_tokens": self.generated_tokens,
+                "prefix_hit_rate": (counters.cached_prompt_tokens
+                                    / max(1, counters.prompt_tokens)),
                 "times": asdict(self.times),
                 "peak_device_pages": self.scheduler.device.peak_used,
                 "peak_host_pages": self.scheduler.host.peak_used,
@@ -225,6 +229,13 @@ class Engine:
         self.runner.close()
 
     # -- internals ----------------------------------------------------------------------
+    def _prefix_salt(self, model: torch.nn.Module) -> str:
+        """What besides the tokens makes KV pages differ: the model and the KV storage."""
+        cfg = model.config
+        return (f"{type(model).__name__}:{getattr(cfg, 'model_type', '')}:"
+                f"{cfg.num_hidden_layers}:{getattr(cfg, 'hidden_size', '')}:"
+                f"{self.layout.token_shape}:{self.layout.dtype}")
+
     def _derived_seed(self, request_id: str) -> int:
         digest = hashlib.blake2b(f"{self.config.runtime.seed}:{request_id}".encode(), digest_size=8)
         return int.from_bytes(digest.digest(), "little") % 2**63
@@ -438,4 +449,6 @@ class Engine:
             return None
         del self._groups[seq.request_id]
         completions = sorted(self._done.pop(seq.request_id), key=lambda c: c.index)
-        return FinishedRequest(seq.request_id, seq.prompt_len, completions, request=request)
+        cached = min(s.cached_tokens or 0 for s in group)
+        return FinishedRequest(seq.request_id, seq.prompt_len, completions, request=request,
+                               cached_tokens=cached)

@@ -52,12 +52,12 @@ class ScheduleOutput:
 
     chunks: list[SeqChunk] = field(default_factory=list)
     swap_out: list[PageCopy] = field(default_factory=list)
-    """Device -> host copies, done before `swap_in` (which may reuse the freed pages)."""
+    """Device -> host copies, done first (later copies may reuse the freed pages)."""
+    device_copies: list[PageCopy] = field(default_factory=list)
+    """Device -> device copies (an n > 1 choice forking from a sibling's partial last prompt
+    page), done after `swap_out` and before `swap_in` (which may reuse a source page)."""
     swap_in: list[PageCopy] = field(default_factory=list)
     """Host -> device copies, done before the forward."""
-    device_copies: list[PageCopy] = field(default_factory=list)
-    """Device -> device copies (a shared partial page copied before a sequence writes into
-    it), done after the host copies and before the forward."""
     decided: bool = False
     steps: int = 1
     """Decode steps this plan runs back to back: row i computes position chunks[i].start + k

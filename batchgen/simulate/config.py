@@ -75,8 +75,15 @@ class SimulationConfig:
     """max_tokens of every request (the scheduler's budget); default: the output maximum."""
     requests_file: str | None = None
     """JSONL of requests with "prompt_tokens" and "output_tokens" (and optional "max_tokens")."""
+    shared_prefix_len: int = 0
+    """Leading prompt tokens that are one of --num-prefixes shared prefixes (a system prompt,
+    few-shot examples), picked at random per request; the prefix cache then reuses their KV
+    (--no-enable-prefix-caching: computed again for every request). Prompts shorter than it are
+    all prefix."""
+    num_prefixes: int = 1
+    """Distinct shared prefixes (with --shared-prefix-len)."""
     seed: int = 0
-    """Seed of the length sampling."""
+    """Seed of the length sampling (and of the prefix each request gets)."""
     timeline_points: int = 400
     """Samples in the result's timeline."""
     fast_forward: bool = True
@@ -99,6 +106,8 @@ class SimulationConfig:
             (0.0 < self.gpu_memory_frac <= 1.0, "gpu_memory_frac must be in (0, 1]"),
             (self.requests_file is not None or self.num_requests >= 1, "num_requests must be >= 1"),
             (self.max_tokens is None or self.max_tokens >= 1, "max_tokens must be >= 1"),
+            (self.shared_prefix_len >= 0 and self.num_prefixes >= 1,
+             "shared_prefix_len must be >= 0 and num_prefixes >= 1"),
         ]
         for ok, message in checks:
             if not ok:
@@ -152,6 +161,11 @@ class LengthDist:
         mu = math.log(self.mean) - self.sigma ** 2 / 2  # so the unclipped mean is `mean`
         values = np.rint(rng.lognormal(mu, self.sigma, size=count)).astype(np.int64)
         return np.clip(values, self.low, self.high)
+
+
+def prefix_choices(sim: SimulationConfig, count: int) -> np.ndarray:
+    """The shared prefix (0 .. num_prefixes - 1) of each of `count` requests."""
+    return np.random.default_rng([sim.seed, 1]).integers(0, sim.num_prefixes, size=count)
 
 
 def load_workload(sim: SimulationConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

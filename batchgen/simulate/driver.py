@@ -4,8 +4,8 @@ Each data-parallel replica runs its own Scheduler over its share of the requests
 through the same step contract as the engine: `schedule()` gives a plan, the simulator "runs"
 it by advancing a clock by `CostModel.step` (see cost_model.py), and hands the results back with
 `update_from_output` (one token per sampled chunk; a sequence whose output reached its length
-finishes). Token values never matter to the scheduler, which only takes their count, so a
-`TokenCount` stands in for each token list.
+finishes). Token values matter to the scheduler only through the prefix cache's keys, so a
+`SyntheticTokens` stands in for each token list: its shared prefix, then tokens of its own.
 
 Speed: between decisions the decode set is fixed, so a decode-only plan asks the scheduler for as
 many steps back to back as no sequence finishes before the last (the engine's decode bursts),
@@ -27,7 +27,7 @@ from batchgen.sched.scheduler import Scheduler
 from batchgen.sched.sequence import Sequence
 from batchgen.sched.step import ScheduleOutput, SeqChunk, SeqResult, StepOutput
 from batchgen.simulate.config import (
-    SimulationConfig, build_cost_model, load_workload, pool_pages)
+    SimulationConfig, build_cost_model, load_workload, pool_pages, prefix_choices)
 from batchgen.simulate.cost_model import CostModel, StepTime
 
 
@@ -42,11 +42,13 @@ class Timeline:
     output_tok_s: list[float] = field(default_factory=list)
 
 
-class TokenCount:
-    """Stands in for a sequence's token list where only its length matters."""
+class SyntheticTokens:
+    """Stands in for a sequence's token list: position p holds `prefix + p` below
+    `shared_len` (equal in requests of one prefix), `own + p` after it (unique)."""
 
-    def __init__(self, count: int):
+    def __init__(self, count: int, prefix: int, shared_len: int, own: int):
         self.count = count
+        self.prefix, self.shared_len, self.own = prefix, shared_len, own
 
     def __len__(self) -> int:
         return self.count
@@ -54,20 +56,29 @@ class TokenCount:
     def extend(self, tokens) -> None:
         self.count += len(tokens)
 
+    def __getitem__(self, where: slice) -> list[int]:
+        start, stop, _ = where.indices(self.count)
+        return [(self.prefix if p < self.shared_len else self.own) + p
+                for p in range(start, stop)]
+
 
 class _Replica:
     """One Scheduler over its requests, advanced by the cost model."""
 
     def __init__(self, sim: SimulationConfig, cfg: SchedulerConfig, cost: CostModel,
-                 pages: tuple[int, int], lengths: tuple[np.ndarray, np.ndarray, np.ndarray]):
+                 pages: tuple[int, int], lengths: tuple[np.ndarray, ...]):
+        """`lengths`: prompt lengths, output lengths, max_tokens, prefix and request number
+        of each request."""
         self.sched = Scheduler(cfg, *pages)
         self.cost = cost
         self.fast_forward = sim.fast_forward
         self.targets = lengths[1].tolist()
         params: dict[int, SamplingParams] = {}
-        for i, (prompt, budget) in enumerate(zip(lengths[0].tolist(), lengths[2].tolist())):
+        rows = zip(lengths[0].tolist(), lengths[2].tolist(), lengths[3].tolist(), lengths[4])
+        for i, (prompt, budget, prefix, key) in enumerate(rows):
             sampling = params.setdefault(budget, SamplingParams(max_tokens=budget))
-            tokens = TokenCount(prompt)
+            tokens = SyntheticTokens(prompt, (prefix + 1) << 40, sim.shared_prefix_len,
+                                     (sim.num_prefixes + 1 + key) << 40)
             self.sched.add(Sequence(i, str(i), 0, tokens, prompt, sampling, 0))  # type: ignore
         self.clock = 0.0
         self.time = StepTime()
@@ -148,6 +159,8 @@ class SimulationResult:
     evictions: int
     recomputed_tokens: int
     """Tokens re-prefilled after evictions."""
+    cached_prompt_tokens: int
+    """Prompt tokens whose KV the prefix cache held (not computed) at first admission."""
     loads: int
     unloads: int
     chunk_growths: int
@@ -185,6 +198,8 @@ class SimulationResult:
             (f"{self.requests} requests on {self.replicas} replica(s) ({self.layout}): "
              f"{self.output_tok_s:,.0f} "
              f"output tok/s ({self.total_tok_s:,.0f} total), {self.total_time_s:,.1f} s simulated"),
+            (f"prefix cache: {self.cached_prompt_tokens:,} of {self.prompt_tokens:,} prompt tokens "
+             f"reused ({self.cached_prompt_tokens / max(1, self.prompt_tokens):.0%})"),
             (f"evictions {self.evictions}, recomputed tokens {self.recomputed_tokens:,}, loads "
              f"{self.loads}, unloads {self.unloads}, chunk growths {self.chunk_growths}"),
             (f"transfers {self.transfer_gb:,.1f} GB/GPU, {self.transfer_s:,.1f} s busy, "
@@ -207,9 +222,11 @@ def run_simulation(sim: SimulationConfig, sched_cfg: SchedulerConfig) -> Simulat
     cost = build_cost_model(sim)
     pages = pool_pages(sim, cost)
     prompts, outputs, budgets = load_workload(sim)
+    prefixes, numbers = prefix_choices(sim, len(prompts)), np.arange(len(prompts))
     dp = sim.world_size // sim.tensor_parallel
     replicas = [_Replica(sim, sched_cfg, cost, pages,
-                         (prompts[r::dp], outputs[r::dp], budgets[r::dp])).run()
+                         (prompts[r::dp], outputs[r::dp], budgets[r::dp], prefixes[r::dp],
+                          numbers[r::dp])).run()
                 for r in range(dp)]
     return _combine(sim, cost, pages, replicas, prompts, time.perf_counter() - started)
 
@@ -227,6 +244,7 @@ def _combine(sim: SimulationConfig, cost: CostModel, pages: tuple[int, int],
         total_tok_s=(out_tokens + int(prompts.sum())) / max(total, 1e-12),
         evictions=sum(c.evictions for c in counters),
         recomputed_tokens=sum(c.reprefill_tokens for c in counters),
+        cached_prompt_tokens=sum(c.cached_prompt_tokens for c in counters),
         loads=sum(c.loads for c in counters), unloads=sum(c.unloads for c in counters),
         chunk_growths=sum(c.chunk_growths for c in counters),
         transfer_gb=sum(r.time.transfer_bytes for r in replicas) / 1e9,
