@@ -57,8 +57,8 @@ class PrefixSharing:
     # -- sequences in and out -------------------------------------------------------------
     def keys(self, seq: Sequence, full_pages: int | None = None) -> list[bytes]:
         """The keys of the sequence's first `full_pages` pages (default: all full pages)."""
-        if full_pages is None:
-            full_pages = seq.num_tokens // PAGE_SIZE
+        full = seq.num_tokens // PAGE_SIZE
+        full_pages = full if full_pages is None else min(full_pages, full)
         extend_keys(seq.page_keys, self.root, seq.token_ids, full_pages)
         return seq.page_keys[:full_pages]
 
