@@ -95,3 +95,39 @@ def test_a_later_request_maps_an_earlier_ones_prefix(tiny_llama):
     assert again[0].completions[0].token_ids == first[0][0]
     assert results1[0].cached_tokens == 0
     assert again[0].cached_tokens == (len(prompt) - 1) // 64 * 64
+
+
+def _family_prompts(vocab, prefix_len=140, count=5, seed=4):
+    gen = torch.Generator().manual_seed(seed)
+    head = torch.randint(3, vocab, (prefix_len,), generator=gen).tolist()
+    return [head + torch.randint(3, vocab, (5 + 7 * i,), generator=gen).tolist()
+            for i in range(count)]
+
+
+def test_mla_latent_pages_share(tmp_path):
+    """DeepSeek's MLA latent cache shares pages like GQA pages (answers equal on and off)."""
+    from test_deepseek import VOCAB as DS_VOCAB, save_tiny
+
+    save_tiny(tmp_path / "ds")
+    model = load_ours(tmp_path / "ds")
+    prompts = _family_prompts(DS_VOCAB)
+    off, _, _ = answers(make_engine(model, enable_prefix_caching=False), prompts, 12, n=2)
+    on, _, stats = answers(make_engine(model), prompts, 12, n=2)
+    assert on == off and stats["cached_prompt_tokens"] > 0 and stats["forks"] > 0
+
+
+def test_sliding_window_layers_share(tmp_path):
+    """gpt-oss's sliding-window layers read cached pages through the same position mask (its
+    window is far shorter than the 140-token shared prefix)."""
+    from test_gpt_oss import VOCAB as OSS_VOCAB, WINDOW, tiny_config
+    from transformers import GptOssForCausalLM
+
+    torch.manual_seed(0)
+    GptOssForCausalLM(tiny_config()).float().eval().save_pretrained(
+        str(tmp_path / "oss"), safe_serialization=True)
+    model = load_ours(tmp_path / "oss")
+    prompts = _family_prompts(OSS_VOCAB)
+    assert WINDOW < 140
+    off, _, _ = answers(make_engine(model, enable_prefix_caching=False), prompts, 12, n=2)
+    on, _, stats = answers(make_engine(model), prompts, 12, n=2)
+    assert on == off and stats["cached_prompt_tokens"] > 0 and stats["forks"] > 0
