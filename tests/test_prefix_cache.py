@@ -240,3 +240,22 @@ def test_tight_pools_evict_unload_and_load_shared_sequences():
     assert len(run.finished) == len(run.seqs)
     run.sched.clear_prefix_cache()
     assert run.sched.device.num_free == 12 and run.sched.host.num_free == 16
+
+
+def test_sequences_sharing_a_prefix_are_admitted_together_oldest_first():
+    """Interleaved prefixes A B A B A B: the first of each computes its prefix while the
+    others wait for it; then the oldest waiting one comes first, followed by the rest of its
+    group, longest shared prefix first."""
+    prefixes = [[5 + j for j in range(200)], [900 + j for j in range(200)]]
+    reqs = [Req(i % 2, 140 if i < 4 else 200, 20, 1, 4, 4) for i in range(6)]
+    run = FakeRun(reqs, 200, 400, SchedulerConfig(), prefixes)
+    first = run.sched.schedule()
+    assert [c.seq.seq_id for c in first.chunks] == [0, 1]  # 2..5 wait for those prefixes
+    run.sched.update_from_output(first, StepOutput(
+        [SeqResult(c, [7], None, False) for c in first.chunks]))
+    second = run.sched.schedule()
+    # The oldest waiting (2, prefix A), the rest of its group (4), then group B (3, 5): each
+    # maps the two cached prefix pages.
+    order = [c.seq.seq_id for c in second.chunks if c.seq.num_decoded == 0]
+    assert order == [2, 4, 3, 5]
+    assert all(c.start == 128 for c in second.chunks if c.seq.num_decoded == 0)

@@ -393,7 +393,8 @@ class Scheduler:
         budget = self.cfg.max_prefill_tokens
         admitted: list[Sequence] = []
         self._deferred = False
-        order = self.prefix.order(self.waiting) if self.prefix is not None else self.waiting
+        order = (self.prefix.order(self.waiting, 4 * self.cfg.max_decode_batch + 64)
+                 if self.prefix is not None else self.waiting)
         for seq in order:
             if budget <= 0 and admitted:
                 break

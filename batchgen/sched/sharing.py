@@ -17,6 +17,7 @@ allocators'.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import islice
 
 from batchgen.core import PAGE_SIZE
 from batchgen.sched.pages import PageAllocator
@@ -100,21 +101,26 @@ class PrefixSharing:
                 del self._siblings[seq.request_id]
 
     # -- admission ------------------------------------------------------------------------
-    def order(self, waiting) -> object:
-        """Waiting sequences in admission order (module docstring)."""
+    def order(self, waiting, limit: int) -> object:
+        """Waiting sequences in admission order (module docstring), at most `limit` of them:
+        an admission takes no more than the decode batch, and the scan stays short however
+        many wait."""
         pulled: set[int] = set()
-        for seq in waiting:
+        for seq in islice(waiting, limit):
             if id(seq) in pulled:
                 continue
             yield seq
             pulled.add(id(seq))
+            if len(pulled) >= limit:
+                return
             if not seq.page_keys:
                 continue
-            members = [m for m in self._groups.get(seq.page_keys[0], {}).values()
+            group = self._groups.get(seq.page_keys[0], {}).values()
+            members = [m for m in islice(group, limit)
                        if id(m) not in pulled and m.state is SeqState.WAITING]
             mine = seq.page_keys
             members.sort(key=lambda m: -_common(mine, m.page_keys))
-            for member in members:
+            for member in members[:limit - len(pulled)]:
                 pulled.add(id(member))
                 yield member
 
