@@ -86,6 +86,12 @@ class Workload:
     max_tokens_mode: str = "exact"
     """exact: max_tokens = the drawn length (the scheduler knows it); cap: max_tokens =
     max_output_len and the drawn length ends the request like an EOS."""
+    shared_prefix_len: int = 0
+    """The first this many of each prompt's input_len tokens are one of num_prefixes shared
+    prefixes (drawn at random per request); the rest are the request's own."""
+    num_prefixes: int = 1
+    n: int = 1
+    """Samples per prompt (greedy, so all equal; each is computed)."""
 
     def validate(self) -> Workload:
         checks = [(self.requests >= 1, "--requests must be >= 1"),
@@ -93,7 +99,11 @@ class Workload:
                   (1 <= self.output_len <= self.max_output_len,
                    "--output-len must be in [1, --max-output-len]"),
                   (self.output_dist in ("fixed", "lognormal"), "--output-dist: fixed or lognormal"),
-                  (self.max_tokens_mode in ("exact", "cap"), "--max-tokens-mode: exact or cap")]
+                  (self.max_tokens_mode in ("exact", "cap"), "--max-tokens-mode: exact or cap"),
+                  (0 <= self.shared_prefix_len <= self.input_len,
+                   "--shared-prefix-len must be in [0, --input-len]"),
+                  (self.num_prefixes >= 1, "--num-prefixes must be >= 1"),
+                  (self.n >= 1, "--n must be >= 1")]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
@@ -111,14 +121,21 @@ class Workload:
     def prompts(self, vocab: int) -> list[list[int]]:
         gen = torch.Generator().manual_seed(self.seed + 1)
         shape = (self.requests, self.input_len)
-        return torch.randint(10, vocab - 10, shape, generator=gen).tolist()
+        prompts = torch.randint(10, vocab - 10, shape, generator=gen)
+        if self.shared_prefix_len:
+            heads = torch.randint(10, vocab - 10, (self.num_prefixes, self.shared_prefix_len),
+                                  generator=gen)
+            which = torch.randint(0, self.num_prefixes, (self.requests,), generator=gen)
+            prompts[:, :self.shared_prefix_len] = heads[which]
+        return prompts.tolist()
 
     def sampling(self, length: int) -> SamplingParams:
         """Greedy, EOS ignored; the budget the scheduler sees follows `max_tokens_mode`."""
         if self.max_tokens_mode == "exact":
             return SamplingParams(max_tokens=length, min_tokens=length, temperature=0.0,
-                                  ignore_eos=True)
-        return SamplingParams(max_tokens=self.max_output_len, temperature=0.0, ignore_eos=True)
+                                  ignore_eos=True, n=self.n)
+        return SamplingParams(max_tokens=self.max_output_len, temperature=0.0, ignore_eos=True,
+                              n=self.n)
 
 
 class LengthStopEngine(Engine):
@@ -130,7 +147,7 @@ class LengthStopEngine(Engine):
         self.stop_after = stop_after
 
     def _finish_reason(self, seq, token):
-        if seq.num_decoded >= self.stop_after[seq.request_id]:
+        if seq.num_decoded + 1 >= self.stop_after[seq.request_id]:  # `token` not appended yet
             return FinishReason.STOP, None
         return super()._finish_reason(seq, token)
 
@@ -207,8 +224,8 @@ def _timed_run(engine: Engine, model, ids: list[str], prompts: list, outputs: li
             engine.add_request(Request(rid, prompt, work.sampling(out)))
         while engine.has_unfinished():
             for done in engine.step():
-                tokens = done.completions[0].token_ids
-                produced += len(tokens)
+                tokens = [c.token_ids for c in done.completions]
+                produced += sum(map(len, tokens))
                 digests[done.request_id] = hashlib.sha256(str(tokens).encode()).digest()
         sync(model)
     return time.perf_counter() - start, produced, digests, variants
@@ -327,6 +344,11 @@ class BenchConfig:
     compare_host_tier: bool = False
     """Run the workload again with the host tier off (host pool = device pool, same device
     pool) and report both and their ratio."""
+    enable_prefix_caching: bool = True
+    """Share the KV of common prompt prefixes (as `run`'s flag)."""
+    compare_prefix_caching: bool = False
+    """Run the workload again with the prefix cache off and report both, their ratio and
+    whether their tokens agree (bench_prefix.py)."""
     device: str = "auto"
     disable_cuda_graphs: bool = False
     """Decode eagerly (graphs are on by default on CUDA)."""
@@ -399,7 +421,8 @@ def bench(cfg: BenchConfig, work: Workload, tp: TensorParallel | None = None) ->
                             gpu_memory_frac=cfg.gpu_memory_frac),
         scheduler=SchedulerConfig(max_decode_batch=cfg.max_decode_batch,
                                   max_prefill_tokens=cfg.max_prefill_tokens,
-                                  initial_gpu_page_buffer=cfg.initial_gpu_page_buffer),
+                                  initial_gpu_page_buffer=cfg.initial_gpu_page_buffer,
+                                  enable_prefix_caching=cfg.enable_prefix_caching),
         runtime=RuntimeConfig(cuda_graph_max_bucket_size=cfg.max_decode_batch,
                               cuda_graph_num_buckets=cfg.cuda_graph_num_buckets,
                               disable_cuda_graphs=cfg.disable_cuda_graphs,
@@ -409,7 +432,7 @@ def bench(cfg: BenchConfig, work: Workload, tp: TensorParallel | None = None) ->
     bandwidth = measure_hbm_bandwidth(device)
     bound = roofline_seconds(stats, ours["layout"], work, ours["outputs"], cfg.max_decode_batch,
                              bandwidth, device)
-    total_in = work.requests * work.input_len
+    total_in = work.requests * work.input_len  # prompt tokens, cached ones included
     rows = {"batchgen": {**_row(ours, total_in), "roofline_fraction": bound / ours["seconds"]}}
     report = {"config": asdict(cfg), "workload": asdict(work), "device": str(device),
               "dtype": str(dtype).removeprefix("torch."), "weights": stats,
@@ -429,6 +452,15 @@ def bench(cfg: BenchConfig, work: Workload, tp: TensorParallel | None = None) ->
             "same_tokens": ours["tokens_sha256"] == off["tokens_sha256"],
             "on": {"tokens_sha256": ours["tokens_sha256"], **_scalars(ours["stats"])},
             "off": {"tokens_sha256": off["tokens_sha256"], **_scalars(off["stats"])}}
+    if cfg.compare_prefix_caching:
+        from batchgen.bench_prefix import caching_off, comparison
+
+        free_kv_memory(device)
+        off = run_ours(model, None, caching_off(engine_cfg), work, tp)
+        rows["prefix_caching_off"] = {**_row(off, total_in),
+                                      "roofline_fraction": bound / off["seconds"]}
+        report["prefix_caching"] = comparison(ours, off, rows["batchgen"],
+                                              rows["prefix_caching_off"])
     if cfg.peer == "hf":
         peer = run_hf_peer(model, hf_config, work, cfg.peer_batch)
         rows["hf_generate"] = _row(peer, total_in)
@@ -504,6 +536,10 @@ def format_table(report: dict) -> str:
                      f"{copies['fetches']:,} fetches, {copies['bytes'] / 1e9:,.1f} GB")
     if "host_tier" in report:
         lines += _host_tier_lines(report["host_tier"], report["device"])
+    if "prefix_caching" in report:
+        from batchgen.bench_prefix import table_lines
+
+        lines += table_lines(report["prefix_caching"], report["device"])
     return "\n".join(lines)
 
 

@@ -125,6 +125,16 @@ def bench(shape: str = typer.Option("smollm2-135m", help="Model shape: smollm2-1
           compare_host_tier: bool = typer.Option(
               False, help="Run again with the host tier off (host pool = device pool, same "
               "device pool); report both, their ratio, and whether their tokens agree."),
+          shared_prefix_len: int = typer.Option(
+              0, help="Leading tokens of each prompt (of --input-len) that are one of "
+              "--num-prefixes shared prefixes, drawn per request."),
+          num_prefixes: int = typer.Option(1, help="Distinct shared prefixes."),
+          n: int = typer.Option(1, "--n", help="Samples per prompt (greedy: all computed)."),
+          enable_prefix_caching: bool = typer.Option(
+              True, help="Share the KV of common prompt prefixes (as run's flag)."),
+          compare_prefix_caching: bool = typer.Option(
+              False, help="Run again with the prefix cache off; report both, their ratio, and "
+              "whether their tokens agree."),
           device: str = typer.Option("auto", help="auto, cuda, cuda:N or cpu."),
           disable_cuda_graphs: bool = typer.Option(
               False, help="Decode eagerly (CUDA graphs are on by default on CUDA)."),
@@ -180,6 +190,8 @@ def bench(shape: str = typer.Option("smollm2-135m", help="Model shape: smollm2-1
         max_prefill_tokens=max_prefill_tokens, initial_gpu_page_buffer=initial_gpu_page_buffer,
         gpu_kv_cache_size=gpu_kv_cache_size, host_kv_cache_size=host_kv_cache_size,
         gpu_memory_frac=gpu_memory_frac, compare_host_tier=compare_host_tier, device=device,
+        enable_prefix_caching=enable_prefix_caching,
+        compare_prefix_caching=compare_prefix_caching,
         disable_cuda_graphs=disable_cuda_graphs, cuda_graph_num_buckets=cuda_graph_num_buckets,
         decode_burst_steps=decode_burst_steps, fp8_weights=fp8_weights, fp8_scales=fp8_scales,
         pre_dequantize_weights=pre_dequantize_weights,
@@ -188,7 +200,8 @@ def bench(shape: str = typer.Option("smollm2-135m", help="Model shape: smollm2-1
         tensor_parallel_size=tensor_parallel_size)
     work = Workload(requests=requests, input_len=input_len, output_len=output_len,
                     output_dist=output_dist, max_output_len=max_output_len,
-                    max_tokens_mode=max_tokens_mode)
+                    max_tokens_mode=max_tokens_mode, shared_prefix_len=shared_prefix_len,
+                    num_prefixes=num_prefixes, n=n)
     try:
         cfg.model_config()
         work.validate()
@@ -206,7 +219,7 @@ def simulate(ctx: typer.Context,
     """The real scheduler driven by a cost model: size flags for machines we cannot run here."""
     from batchgen.cli_options import build_dataclass
     from batchgen.config import SchedulerConfig
-    from batchgen.sched.simulate import SimulationConfig, plot_timeline, run_simulation
+    from batchgen.simulate import SimulationConfig, plot_timeline, run_simulation
 
     for line in apply_renames(flags, SIMULATE_RENAMES) + deprecated_given(
             given_on_command_line(ctx)):
@@ -259,7 +272,7 @@ def convert(output: Path = typer.Option(..., "--output", help="Folder to write (
 
 def _register_generated_commands() -> None:
     from batchgen.config import ModelConfig, SchedulerConfig
-    from batchgen.sched.simulate import SimulationConfig
+    from batchgen.simulate import SimulationConfig
 
     app.command("simulate")(with_config_options(
         simulate, [("simulate", SimulationConfig), ("scheduler", SchedulerConfig)],

@@ -144,6 +144,11 @@ class FinishedRequest:
     request_id: str
     prompt_len: int
     completions: list[Completion]
+    request: Request | None = None
+    """The request as it was added (the engine keeps it through the request's life)."""
+    cached_tokens: int = 0
+    """Prompt tokens whose KV came from the prefix cache instead of being computed (of the
+    choice that computed the most of its prompt)."""
 
     @property
     def completion_tokens(self) -> int:

@@ -14,7 +14,7 @@ import argparse
 import dataclasses
 
 from batchgen.config import SchedulerConfig
-from batchgen.sched.simulate import SimulationConfig, run_simulation
+from batchgen.simulate import SimulationConfig, run_simulation
 
 KV_BYTES_PER_TOKEN = 131072
 """Llama-3-8B, bf16: 32 layers x 2 x 8 KV heads x 128 x 2 bytes."""

@@ -4,7 +4,6 @@ the batch file's health and ends the worker with exit code 70; re-running resume
 import json
 import threading
 import time
-import types
 
 import pytest
 
@@ -95,29 +94,48 @@ def test_heartbeats_are_written_while_a_step_runs_long(tmp_path):
 def test_decode_deadline_covers_queueing_and_collecting_bursts(tmp_path):
     """Queueing a burst (computing it, on a CPU) and collecting one (waiting for it, on a GPU)
     run under the decode-step deadline; the continuation queued inside a collect leaves the
-    collect's deadline armed until the collect ends."""
+    collect's deadline armed until the collect ends; a prefill step is not a decode step. The
+    engine arms it through its step observer hook."""
+    from batchgen.config import EngineConfig, MemoryConfig, RuntimeConfig
+    from batchgen.core import Request, SamplingParams
+    from batchgen.engine.engine import Engine
+    from engine_utils import load_ours
+    from tiny_models import save_tiny_model
+
     wd, _, _ = _watchdog(tmp_path, decode_step_timeout=60)
     armed = lambda: "decode_step" in wd._armed
     seen = []
+    model = load_ours(save_tiny_model("llama", tmp_path / "tiny"))
+    cfg = EngineConfig(memory=MemoryConfig(gpu_kv_cache_size=0.05, host_kv_cache_size=0.1),
+                       runtime=RuntimeConfig(decode_burst_steps=2)).validate()
+    engine = Engine(model, cfg)
+    runner = engine.runner
+    runner.overlaps_host = True  # queue each continuation inside the collect, as on a GPU
+    execute, queue_burst, collect = runner.execute, runner.queue_burst, runner.collect
 
-    class Runner:
-        def execute(self, out, rows, logits_processor=None, on_result=None):
-            seen.append(("execute", armed()))
+    def recording(name, call):
+        def wrapped(*args, **kwargs):
+            seen.append((name, armed()))
+            return call(*args, **kwargs)
+        return wrapped
 
-        def queue_burst(self, chunks, rows, after=None):
-            seen.append(("queue", armed()))
-            return types.SimpleNamespace(steps=len(rows))
-
-        def collect(self, burst, on_result, before_last=None):
+    def recording_collect(burst, on_result, before_last=None):
+        def last():
             before_last()
-            seen.append(("collect", armed()))
+            seen.append(("continued", armed()))
+        collect(burst, on_result, last if before_last else None)
+        seen.append(("collect", armed()))
 
-    engine = types.SimpleNamespace(runner=Runner())
+    runner.execute = recording("execute", execute)
+    runner.queue_burst = recording("queue", queue_burst)
+    runner.collect = recording_collect
     guard_decode_steps(engine, wd)
-    burst = engine.runner.queue_burst([], [None, None])
-    engine.runner.collect(burst, None, lambda: engine.runner.queue_burst([], [None], burst))
-    engine.runner.execute(types.SimpleNamespace(decode_only=False), None)
-    assert seen == [("queue", True), ("queue", True), ("collect", True), ("execute", False)]
+    engine.generate([Request("r", [1, 2, 3], SamplingParams(max_tokens=5, temperature=0.0,
+                                                            ignore_eos=True))])
+    assert seen[0] == ("execute", False)  # the prefill
+    assert ("queue", True) in seen and ("collect", True) in seen
+    assert ("continued", True) in seen  # a continuation queued inside a collect
+    assert all(flag for name, flag in seen[1:]), seen
     assert not armed()
 
 

@@ -56,7 +56,8 @@ def test_chat_success_schema():
     assert body["choices"] == [{"index": 0, "message": {"role": "assistant",
                                                         "content": "Hel wörld 0"},
                                 "logprobs": None, "finish_reason": "stop"}]
-    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def test_chat_logprobs_and_choices_in_index_order():

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from batchgen.config import SchedulerConfig
-from batchgen.sched.cost_model import PRESETS, CostModel, Hardware
+from batchgen.simulate.cost_model import PRESETS, CostModel, Hardware
 from batchgen.sched.scheduler import RequestTooLarge
-from batchgen.sched.simulate import (
+from batchgen.simulate import (
     LengthDist,
     SimulationConfig,
     SimulationResult,
@@ -160,7 +160,7 @@ def test_transfers_hide_partly_under_the_forward():
 def test_allreduce_crossing_nodes_costs_the_network():
     """TP 8 in a node: NVLink only. TP 16 over 2 nodes: NVLink inside each node plus each GPU's
     1/8 share over its NIC, and both latencies."""
-    from batchgen.sched.cost_model import allreduce_cost
+    from batchgen.simulate.cost_model import allreduce_cost
 
     hidden_bytes = 7168 * 2
     inside = Hardware(8, 1e15, 4e12, 55e9, 300e9, 45e-6, 0.5, 0.0, 8, 40e9, 60e-6)

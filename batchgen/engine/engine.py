@@ -4,11 +4,12 @@ queues the burst that follows before its last step ends (the next step() collect
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import time
 from dataclasses import asdict, dataclass
-from typing import Iterable
+from typing import Callable, ContextManager, Iterable
 
 import torch
 
@@ -24,8 +25,9 @@ from batchgen.engine.runner import ModelRunner
 from batchgen.engine.sampler import SamplingRows
 from batchgen.engine.stops import StopChecker, StopMatch
 from batchgen.parallel import TensorParallel
-from batchgen.sched.scheduler import Scheduler, ScheduleOutput, SeqChunk
+from batchgen.sched.scheduler import Scheduler
 from batchgen.sched.sequence import Sequence, SeqState
+from batchgen.sched.step import ScheduleOutput, SeqChunk, SeqResult, StepOutput
 
 log = logging.getLogger("batchgen.engine")
 
@@ -52,6 +54,14 @@ def pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
+
+
+StepObserver = Callable[[str, int], ContextManager]
+"""Called by the engine around each piece of device work: `observer(kind, steps)` returns a
+context manager entered while the work runs. `kind`: "step" (one forward with prefill chunks,
+or only page copies), "decode" (one decode-only forward), "queue" (queueing a burst of `steps`
+decode steps) or "collect" (reading a queued burst's samples). A burst queued while another is
+collected nests inside that collect."""
 
 
 @dataclass
@@ -112,7 +122,8 @@ class Engine:
         decode_batch = tp.agree_min([graphs.sizes[-1] if graphs is not None
                                      else EAGER_DECODE_BATCH])[0]
         self.scheduler = Scheduler(config.scheduler.with_decode_batch(decode_batch),
-                                   sizes.device_pages, sizes.host_pages)
+                                   sizes.device_pages, sizes.host_pages,
+                                   prefix_salt=self._prefix_salt(model))
         if graphs is not None and self.scheduler.cfg.max_decode_batch > graphs.sizes[-1]:
             log.warning("--max-decode-batch %d is above the largest CUDA graph (%d): bigger "
                         "decode batches run eagerly; raise --cuda-graph-max-bucket-size",
@@ -120,8 +131,9 @@ class Engine:
         self.eos_ids = frozenset(eos_token_ids)
         self.stops = StopChecker(tokenizer, skip_special_tokens)
         self._next_seq = 0
-        self._groups: dict[str, list[Sequence]] = {}
+        self._groups: dict[str, tuple[Request, list[Sequence]]] = {}
         self._done: dict[str, list[Completion]] = {}
+        self._observers: list[StepObserver] = []
         self.steps = 0
         self.generated_tokens = 0
         self.times = StepTimes()
@@ -155,13 +167,14 @@ class Engine:
             if seq.state is not SeqState.FINISHED:
                 self.scheduler.add(seq)  # raises RequestTooLarge before anything is queued twice
         self._next_seq += params.n
-        self._groups[request.request_id] = seqs
+        self._groups[request.request_id] = (request, seqs)
         self._done[request.request_id] = finished
 
     def inflight_state(self) -> dict[str, list[ChoiceProgress]]:
         """Each unfinished request's progress per choice, as the host holds it (a burst still
         on the device is not in it): what `Request.resume` takes to continue it exactly."""
-        return {rid: progress_of(seqs, self._done[rid]) for rid, seqs in self._groups.items()}
+        return {rid: progress_of(seqs, self._done[rid])
+                for rid, (_, seqs) in self._groups.items()}
 
     def settle(self) -> list[FinishedRequest]:
         """Collect the burst the last step() queued, queueing nothing after it (a stop: its
@@ -170,16 +183,22 @@ class Engine:
         if self._queued is None:
             return []
         burst, self._queued = self._queued, None
+        plan = ScheduleOutput(burst.chunks, steps=burst.steps)
         finished: list[FinishedRequest] = []
         start = time.perf_counter()
-        self.runner.collect(burst, lambda step, result: finished.extend(
-            self._accept_step(burst.chunks, step, result)))
+        with self._observed("collect", burst.steps):
+            self.runner.collect(burst, lambda step, result: finished.extend(
+                self._accept_step(plan, burst.chunks, step, result)))
         self.steps += burst.steps
         self._time(True, burst.steps, 0.0, time.perf_counter() - start, 0.0)
         return finished
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work or self._queued is not None
+
+    def add_step_observer(self, observer: StepObserver) -> None:
+        """Have `observer` wrap each piece of device work from now on (see StepObserver)."""
+        self._observers.append(observer)
 
     @property
     def num_requests(self) -> int:
@@ -193,17 +212,16 @@ class Engine:
             burst, self._queued = self._queued, None
             return self._collect(burst, 0.0)
         begin = time.perf_counter()
-        out = self.scheduler.schedule()
+        out = self.scheduler.schedule(self._decode_steps)
         if self.replicas is not None:
             self.replicas.observe(self.steps, out)
         if not (out.decode_only and self._bursts_allowed(out.chunks)):
             return self._single_step(out, begin)
-        steps = min(self._burst_steps(out.chunks), self.scheduler.decode_steps_covered)
-        self.scheduler.extend_decode(steps - 1)
-        rows = self._sampling_rows(out.chunks, steps)
+        rows = self._sampling_rows(out.chunks, out.steps)
         scheduled = time.perf_counter()  # copies and queueing are the forward's (on CPU, all of it)
         self.runner.move_pages(out)
-        burst = self.runner.queue_burst(out.chunks, rows)
+        with self._observed("queue", out.steps):
+            burst = self.runner.queue_burst(out.chunks, rows)
         return self._collect(burst, scheduled - begin, time.perf_counter() - scheduled)
 
     def generate(self, requests: Iterable[Request]) -> list[FinishedRequest]:
@@ -225,7 +243,10 @@ class Engine:
         self.scheduler.reset_counters()
 
     def stats(self) -> dict:
+        counters = self.scheduler.counters
         return {"steps": self.steps, "generated_tokens": self.generated_tokens,
+                "prefix_hit_rate": (counters.cached_prompt_tokens
+                                    / max(1, counters.prompt_tokens)),
                 "times": asdict(self.times),
                 "peak_device_pages": self.scheduler.device.peak_used,
                 "peak_host_pages": self.scheduler.host.peak_used,
@@ -238,9 +259,25 @@ class Engine:
         self.runner.close()
 
     # -- internals ----------------------------------------------------------------------
+    def _prefix_salt(self, model: torch.nn.Module) -> str:
+        """What besides the tokens makes KV pages differ: the model and the KV storage."""
+        cfg = model.config
+        return (f"{type(model).__name__}:{getattr(cfg, 'model_type', '')}:"
+                f"{cfg.num_hidden_layers}:{getattr(cfg, 'hidden_size', '')}:"
+                f"{self.layout.token_shape}:{self.layout.dtype}")
+
     def _derived_seed(self, request_id: str) -> int:
         digest = hashlib.blake2b(f"{self.config.runtime.seed}:{request_id}".encode(), digest_size=8)
         return int.from_bytes(digest.digest(), "little") % 2**63
+
+    def _observed(self, kind: str, steps: int) -> ContextManager:
+        """The step observers' context around one piece of device work."""
+        if not self._observers:
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        for observer in self._observers:
+            stack.enter_context(observer(kind, steps))
+        return stack
 
     def _single_step(self, out: ScheduleOutput, begin: float) -> list[FinishedRequest]:
         """One forward of any batch (prefill chunks, decode, both, or only page copies)."""
@@ -253,15 +290,15 @@ class Engine:
         def accept(step: int, result) -> None:
             nonlocal accepted_at
             accepted_at = time.perf_counter()
-            finished.extend(self._accept_step(sampling, step, result))
+            finished.extend(self._accept_step(out, sampling, step, result))
 
-        self.runner.execute(out, rows, self._grammar_masks(out), accept)
+        with self._observed("decode" if out.decode_only else "step", 1):
+            self.runner.execute(out, rows, self._grammar_masks(out), accept)
         ran = time.perf_counter()
-        accepted_at = ran if accepted_at is None else accepted_at
+        if accepted_at is None:  # nothing sampled: only the prefill chunks' progress
+            accepted_at = ran
+            self.scheduler.update_from_output(out, StepOutput())
         self.steps += 1
-        for chunk in out.chunks:
-            if not chunk.sample:
-                chunk.seq.num_computed = chunk.end
         self._time(out.decode_only, 1, scheduled - begin, accepted_at - scheduled,
                    time.perf_counter() - accepted_at)
         return finished
@@ -273,42 +310,44 @@ class Engine:
         finished: list[FinishedRequest] = []
         host_s = 0.0  # host work the device overlaps: postprocessing, queueing what follows
 
+        plan = ScheduleOutput(burst.chunks, steps=burst.steps)
+
         def accept(step: int, result) -> None:
             nonlocal host_s
             start = time.perf_counter()
-            finished.extend(self._accept_step(burst.chunks, step, result))
+            finished.extend(self._accept_step(plan, burst.chunks, step, result))
             host_s += time.perf_counter() - start
 
         def queue_continuation() -> None:
             nonlocal host_s
             start = time.perf_counter()
-            self._queued = self._continuation(burst)
+            self._queued = self._continuation(plan, burst)
             host_s += time.perf_counter() - start
 
         start = time.perf_counter()
-        self.runner.collect(burst, accept, queue_continuation)
+        with self._observed("collect", burst.steps):
+            self.runner.collect(burst, accept, queue_continuation)
         self.steps += burst.steps
         forward_s = time.perf_counter() - start - host_s + queued_s
         self._time(True, burst.steps, schedule_s, forward_s, host_s)
         return finished
 
-    def _continuation(self, burst: QueuedBurst) -> QueuedBurst | None:
+    def _continuation(self, plan: ScheduleOutput, burst: QueuedBurst) -> QueuedBurst | None:
         """The burst the next step() would schedule, queued while `burst`'s last step still
         runs, so the device goes straight on while the host returns, writes results and comes
         back: `burst`'s rows less the finished ones, one burst further on. None when the
         scheduler would decide something first (then the next step() schedules)."""
-        chunks = [SeqChunk(c.seq, c.start + burst.steps, c.end + burst.steps, True)
-                  for c in burst.chunks if c.seq.state is not SeqState.FINISHED]
-        steps = self._burst_steps(chunks) if chunks else 0
-        steps = self.scheduler.continue_decode(steps) if steps else 0
-        if not steps:
+        nxt = self.scheduler.continue_plan(plan, self._burst_steps)
+        if nxt is None:
             return None
         if self.replicas is not None:
-            self.replicas.observe(self.steps + burst.steps, ScheduleOutput(chunks))
+            self.replicas.observe(self.steps + burst.steps, ScheduleOutput(nxt.chunks))
         carried = burst.rows[0].penalties  # counts on the device: the host lags a burst behind
-        penalties = carried.continued(burst.rows_of(chunks)) if carried is not None else None
-        return self.runner.queue_burst(chunks, self._sampling_rows(chunks, steps, penalties),
-                                       after=burst)
+        penalties = (carried.continued(burst.rows_of(nxt.chunks)) if carried is not None
+                     else None)
+        with self._observed("queue", nxt.steps):
+            return self.runner.queue_burst(
+                nxt.chunks, self._sampling_rows(nxt.chunks, nxt.steps, penalties), after=burst)
 
     def _grammar_masks(self, out: ScheduleOutput):
         """A logits processor masking grammar-forbidden tokens, or None when no row has one."""
@@ -332,6 +371,10 @@ class Engine:
         if steps > 1:
             times.bursts += 1
             times.burst_steps += steps
+
+    def _decode_steps(self, chunks: list[SeqChunk]) -> int:
+        """Steps a decode-only plan asks for: a burst where bursts are allowed, else one."""
+        return self._burst_steps(chunks) if self._bursts_allowed(chunks) else 1
 
     def _bursts_allowed(self, chunks: list[SeqChunk]) -> bool:
         """Decode runs in bursts unless they are off or a row needs the host between tokens
@@ -377,51 +420,54 @@ class Engine:
                                      penalties))
         return rows
 
-    def _accept_step(self, sampling, step: int, result) -> list[FinishedRequest]:
-        """Take one step's samples for the sampled chunks; the requests this finishes."""
-        finished = []
+    def _accept_step(self, plan: ScheduleOutput, sampling: list[SeqChunk], step: int,
+                     result) -> list[FinishedRequest]:
+        """Take one step's samples for the sampled chunks of `plan` (through the scheduler);
+        the requests this finishes. Tokens a burst drew for a sequence after it finished are
+        dropped."""
+        results, reasons = [], []
         for chunk, token, logprob in zip(sampling, result.token_ids, result.logprobs):
-            done = self._accept(chunk.seq, chunk.end + step, token, logprob)
-            if done is not None:
-                finished.append(done)
+            seq = chunk.seq
+            if seq.state is SeqState.FINISHED:
+                continue
+            if seq.matcher is not None:
+                seq.matcher.accept(token)
+            reason = self._finish_reason(seq, token)
+            results.append(SeqResult(chunk, [token], None if logprob is None else [logprob],
+                                     reason is not None))
+            reasons.append(reason)
+        self.scheduler.update_from_output(plan, StepOutput(results, step))
+        self.generated_tokens += len(results)
+        finished = []
+        for res, reason in zip(results, reasons):
+            if reason is not None:
+                done = self._complete(res.chunk.seq, *reason)
+                if done is not None:
+                    finished.append(done)
         return finished
 
-    def _accept(self, seq: Sequence, computed: int, token: int, logprob) -> FinishedRequest | None:
-        """Append one sampled token; the finished request when this ends its last sequence.
-        Tokens a burst drew for a sequence after it finished are dropped here."""
-        if seq.state is SeqState.FINISHED:
-            return None
-        seq.num_computed = computed
-        seq.token_ids.append(token)
-        self.generated_tokens += 1
-        if logprob is not None:
-            if seq.logprobs is None:
-                seq.logprobs = []
-            seq.logprobs.append(logprob)
-        if seq.matcher is not None:
-            seq.matcher.accept(token)
-        reason = self._finish_reason(seq, token)
-        return self._complete(seq, *reason) if reason is not None else None
-
     def _finish_reason(self, seq: Sequence, token: int):
+        """Why drawing `token` (not yet appended) ends `seq`, or None."""
         params = seq.sampling
+        decoded = seq.num_decoded + 1
         if seq.matcher is not None and seq.matcher.is_terminated():
             return FinishReason.STOP, None
-        if seq.num_decoded >= params.min_tokens:
+        if decoded >= params.min_tokens:
             if token in params.stop_token_ids:
                 return FinishReason.STOP, token
             if token in self.eos_ids and not params.ignore_eos:
                 return FinishReason.STOP, None
             if params.stop:
-                matched = self.stops.match(seq)
+                matched = self.stops.match(seq, token)
                 if matched is not None:
                     return FinishReason.STOP, matched
-        if seq.num_decoded >= params.max_tokens:
+        if decoded >= params.max_tokens:
             return FinishReason.LENGTH, None
         return None
 
     def _complete(self, seq: Sequence, reason: FinishReason, stop) -> FinishedRequest | None:
-        self.scheduler.finish(seq, natural=True)
+        """Record a finished sequence's completion (the scheduler has released it); the
+        finished request once this was its last choice."""
         tokens = seq.token_ids[seq.prompt_len:]
         matched = stop if isinstance(stop, StopMatch) else None
         last = seq.token_ids[-1]
@@ -431,9 +477,11 @@ class Engine:
         self._done[seq.request_id].append(Completion(
             seq.choice, tokens, reason, text, seq.logprobs,
             matched.stop if matched is not None else stop))
-        group = self._groups[seq.request_id]
+        request, group = self._groups[seq.request_id]
         if len(self._done[seq.request_id]) < len(group):
             return None
         del self._groups[seq.request_id]
         completions = sorted(self._done.pop(seq.request_id), key=lambda c: c.index)
-        return FinishedRequest(seq.request_id, seq.prompt_len, completions)
+        cached = min(s.cached_tokens or 0 for s in group)
+        return FinishedRequest(seq.request_id, seq.prompt_len, completions, request=request,
+                               cached_tokens=cached)

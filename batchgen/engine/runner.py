@@ -109,9 +109,12 @@ class ModelRunner:
         return KVPool(layout, host_pages, "cpu", data=data, scale_pages=scale_pages)
 
     def move_pages(self, out: ScheduleOutput) -> None:
-        """The step's page copies: unloads (device -> host), then loads (host -> device)."""
+        """The step's page copies: unloads (device -> host), forks (device -> device), then
+        loads (host -> device)."""
         for copy in out.swap_out:
             copy_pages(self.device_pool, copy.src, self.host_pool, copy.dst)
+        for copy in out.device_copies:
+            copy_pages(self.device_pool, copy.src, self.device_pool, copy.dst)
         for copy in out.swap_in:
             copy_pages(self.host_pool, copy.src, self.device_pool, copy.dst)
 

@@ -24,9 +24,10 @@ class StopChecker:
         self.tokenizer = tokenizer
         self.skip_special = skip_special_tokens
 
-    def match(self, seq: Sequence) -> StopMatch | None:
-        """The stop string that the newest token completed, if any; of several, the one that
-        starts first in the text (as OpenAI and vLLM cut).
+    def match(self, seq: Sequence, token: int | None = None) -> StopMatch | None:
+        """The stop string that the newest token (`token`, drawn but not yet appended, else the
+        sequence's last) completed, if any; of several, the one that starts first in the text
+        (as OpenAI and vLLM cut).
 
         Only a tail is decoded each step, so the check stays O(L) per token instead of
         O(length): a stop string of B UTF-8 bytes spans at most B tokens (an emoji is one
@@ -36,7 +37,10 @@ class StopChecker:
             raise ValueError("stop strings need a tokenizer; pass one to Engine")
         stops = seq.sampling.stop
         tail = max(len(s.encode("utf-8")) for s in stops) + TAIL_SLACK
-        generated = seq.token_ids[seq.prompt_len:][-tail:]
+        if token is None:
+            generated = seq.token_ids[seq.prompt_len:][-tail:]
+        else:
+            generated = seq.token_ids[max(seq.prompt_len, seq.num_tokens - tail + 1):] + [token]
         text = self.tokenizer.decode(generated, skip_special_tokens=self.skip_special)
         before = self.tokenizer.decode(generated[:-1], skip_special_tokens=self.skip_special)
         # Where the newest token's characters begin (an unfinished character, shown as

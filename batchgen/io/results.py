@@ -130,7 +130,8 @@ def _text_of(c: Completion) -> str:
 def _usage(finished: FinishedRequest, parsed: Sequence[ParsedChoice | None] | None) -> dict:
     completion = finished.completion_tokens
     usage = {"prompt_tokens": finished.prompt_len, "completion_tokens": completion,
-             "total_tokens": finished.prompt_len + completion}
+             "total_tokens": finished.prompt_len + completion,
+             "prompt_tokens_details": {"cached_tokens": finished.cached_tokens}}
     if parsed and any(p is not None and p.reasoning is not None for p in parsed):
         reasoning = sum(getattr(p, "reasoning_tokens", 0) for p in parsed if p is not None)
         usage["completion_tokens_details"] = {"reasoning_tokens": reasoning}

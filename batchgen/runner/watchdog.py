@@ -215,37 +215,31 @@ class Watchdog:
 
 
 def guard_decode_steps(engine, watchdog: Watchdog, stuck_time: float = 0.0) -> None:
-    """Put --decode-step-timeout around each decode iteration of the engine's model runner.
+    """Put --decode-step-timeout around each decode iteration of the engine, through its step
+    observer hook: a decode-only single step, and the queueing and collecting of decode bursts
+    (queueing computes on a CPU, collecting waits on a GPU; a burst of K decode iterations is
+    timed as one, with the postprocessing it overlaps and the queueing of the burst that
+    follows). `stuck_time` (batchgen.testing.faults.stuck_seconds, testing only) sleeps inside
+    the guarded iteration, once per decode step of a single step or a collect."""
+    engine.add_step_observer(DecodeStepGuard(watchdog, stuck_time))
 
-    The engine has no step hook, so the runner's bound `execute` (single steps), `queue_burst`
-    and `collect` (decode bursts: queueing computes on a CPU, waiting on a GPU) are wrapped in
-    place; `stuck_time` (batchgen.testing.faults.stuck_seconds, testing only) sleeps inside the
-    guarded iteration, once per decode step."""
-    runner = engine.runner
-    execute, queue_burst, collect = runner.execute, runner.queue_burst, runner.collect
 
-    def guarded_execute(out, *args, **kwargs):
-        if not out.decode_only:
-            return execute(out, *args, **kwargs)
-        with watchdog.deadline("decode_step"):
-            if stuck_time:
-                time.sleep(stuck_time)
-            return execute(out, *args, **kwargs)
+class DecodeStepGuard:
+    """A step observer (engine.StepObserver) arming the decode-step deadline."""
 
-    def guarded_queue_burst(*args, **kwargs):
-        with watchdog.deadline("decode_step"):  # inside a collect: part of its deadline
-            return queue_burst(*args, **kwargs)
+    def __init__(self, watchdog: Watchdog, stuck_time: float = 0.0):
+        self.watchdog = watchdog
+        self.stuck_time = stuck_time
 
-    def guarded_collect(burst, *args, **kwargs):
-        # A burst of K decode iterations is timed as one, with the postprocessing it overlaps
-        # and the queueing of the burst that follows.
-        with watchdog.deadline("decode_step"):
-            if stuck_time:
-                time.sleep(stuck_time * burst.steps)
-            return collect(burst, *args, **kwargs)
-
-    runner.execute, runner.queue_burst, runner.collect = (guarded_execute, guarded_queue_burst,
-                                                          guarded_collect)
+    @contextlib.contextmanager
+    def __call__(self, kind: str, steps: int) -> Iterator[None]:
+        if kind == "step":
+            yield
+            return
+        with self.watchdog.deadline("decode_step"):
+            if self.stuck_time and kind != "queue":
+                time.sleep(self.stuck_time * steps)
+            yield
 
 
 def health_from_stats(stats: list[dict]) -> dict:

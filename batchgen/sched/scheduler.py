@@ -14,50 +14,25 @@ Invariants after each decision, for every RUNNING sequence s (window = frequency
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Callable
 
 from batchgen.config import SchedulerConfig
 from batchgen.core import PAGE_SIZE
 from batchgen.sched.chunking import ChunkSizer
 from batchgen.sched.eviction import victim_order
 from batchgen.sched.pages import PageAllocator
+from batchgen.sched.sharing import NO_HIT, Hit, PrefixSharing
 from batchgen.sched.sequence import Sequence, SeqState, pages_for
+from batchgen.sched.step import (  # noqa: F401  (the step contract, importable from here)
+    PageCopy, PrefixShare, ScheduleOutput, SeqChunk, SeqResult, StepOutput)
+
+DecodeSteps = Callable[[list[SeqChunk]], int]
+"""How many decode steps a decode-only set of chunks should run back to back (a burst)."""
 
 
 class RequestTooLarge(ValueError):
     pass
-
-
-@dataclass
-class SeqChunk:
-    """Compute tokens [start, end) of `seq`; sample the next token when `sample`."""
-
-    seq: Sequence
-    start: int
-    end: int
-    sample: bool
-
-
-@dataclass
-class PageCopy:
-    seq_id: int
-    src: list[int]
-    dst: list[int]
-
-
-@dataclass
-class ScheduleOutput:
-    chunks: list[SeqChunk] = field(default_factory=list)
-    swap_out: list[PageCopy] = field(default_factory=list)
-    """Device -> host copies, done before `swap_in` (which may reuse the freed pages)."""
-    swap_in: list[PageCopy] = field(default_factory=list)
-    """Host -> device copies, done before the forward."""
-    decided: bool = False
-
-    @property
-    def decode_only(self) -> bool:
-        """Every chunk computes one token and samples the next (a plain decode step)."""
-        return bool(self.chunks) and all(c.sample and c.end - c.start == 1 for c in self.chunks)
 
 
 @dataclass
@@ -71,13 +46,26 @@ class Counters:
     device_extensions: int = 0
     admitted: int = 0
     finished: int = 0
+    prompt_tokens: int = 0
+    """Prompt tokens of first admissions."""
+    cached_prompt_tokens: int = 0
+    """Of those, tokens whose KV came from the prefix cache (or a sibling's fork)."""
+    forks: int = 0
+    """n > 1 choices admitted by copying a sibling's partial last prompt page."""
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, device_pages: int, host_pages: int):
+    def __init__(self, cfg: SchedulerConfig, device_pages: int, host_pages: int,
+                 prefix_salt: str = ""):
+        """`prefix_salt`: names whatever besides the tokens changes the KV (model, KV dtype);
+        prefix-cache keys chain from it."""
         self.cfg = cfg.with_decode_batch(None)
-        self.device = PageAllocator(device_pages, "device")
-        self.host = PageAllocator(host_pages, "host")
+        self.prefix = PrefixSharing(prefix_salt) if cfg.enable_prefix_caching else None
+        caches = ((self.prefix.device_cache, self.prefix.host_cache) if self.prefix
+                  else (None, None))
+        self.device = PageAllocator(device_pages, "device", caches[0])
+        self.host = PageAllocator(host_pages, "host", caches[1])
+        self._shares: list[PrefixShare] = []
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
@@ -87,6 +75,7 @@ class Scheduler:
         self._steps_left = 0
         self._running_at_decision = 0
         self._wave = False
+        self._deferred = False
 
     # -- requests in and out ------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -99,12 +88,16 @@ class Scheduler:
                     f"{seq.sampling.max_tokens} tokens) but the {pool.name} pool holds "
                     f"{pool.num_pages}; raise {flag} or lower max_tokens")
         self.waiting.append(seq)
+        if self.prefix is not None:
+            self.prefix.added(seq)
 
     def finish(self, seq: Sequence, natural: bool = True) -> None:
         """Release a finished sequence's pages; `natural` endings feed the adaptive chunk."""
         self._release(seq)
         self.running.remove(seq)
         seq.state = SeqState.FINISHED
+        if self.prefix is not None:
+            self.prefix.finished(seq)
         self.counters.finished += 1
         if natural:
             self.chunk.observe(seq.num_decoded)
@@ -116,35 +109,83 @@ class Scheduler:
         self.device.peak_used = self.device.num_used
         self.host.peak_used = self.host.num_used
 
+    def clear_prefix_cache(self) -> None:
+        """Drop every cached page no sequence holds (all pages are free once nothing runs)."""
+        self.device.clear_cache()
+        self.host.clear_cache()
+
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
     # -- one step -------------------------------------------------------------------------
-    def schedule(self) -> ScheduleOutput:
+    def schedule(self, decode_steps: DecodeSteps | None = None) -> ScheduleOutput:
+        """The next step's plan. `decode_steps(chunks)`: asked when the plan is decode-only, the
+        steps the runner wants to run back to back; the plan grants what the running set's
+        page reservations cover before the next decision (`plan.steps`, at least 1)."""
         out = ScheduleOutput()
         if self._decision_due():
             self._decide(out)
         out.chunks = self._chunks()
         if any(c.sample and c.end - c.start == 1 for c in out.chunks):
             self._steps_left -= 1
+        if decode_steps is not None and out.decode_only:
+            out.steps = max(1, min(decode_steps(out.chunks), self._steps_covered()))
+            self._steps_left -= out.steps - 1
+        if self.prefix is not None:
+            if out.decided:
+                self._shares = self.prefix.shares(self.running, self.device)
+            out.shares = self._shares
         return out
 
-    @property
-    def decode_steps_covered(self) -> int:
+    def continue_plan(self, plan: ScheduleOutput,
+                      decode_steps: DecodeSteps) -> ScheduleOutput | None:
+        """The decode plan that follows `plan` (decode-only, its rows less those finished
+        since, `plan.steps` further on), as the next schedule() would make it, for a runner
+        that queues it before `plan`'s results are all in; None when schedule() would take a
+        decision first or no row is left."""
+        chunks = [SeqChunk(c.seq, c.start + plan.steps, c.end + plan.steps, True)
+                  for c in plan.chunks if c.seq.state is not SeqState.FINISHED]
+        steps = decode_steps(chunks) if chunks else 0
+        steps = self.continue_decode(steps) if steps else 0
+        return ScheduleOutput(chunks, steps=steps) if steps else None
+
+    def update_from_output(self, plan: ScheduleOutput, output: StepOutput) -> None:
+        """Take a plan's results: computed tokens, drawn tokens (and logprobs) appended, and
+        finished sequences released. A burst reports each step (`output.step`) as it ends;
+        prefill chunks that sample nothing count as computed with the plan's first report."""
+        if output.step == 0:
+            for chunk in plan.chunks:
+                if not chunk.sample and chunk.seq.state is SeqState.RUNNING:
+                    chunk.seq.num_computed = chunk.end
+                    if self.prefix is not None:
+                        self.prefix.computed(chunk.seq)
+        for result in output.results:
+            seq = result.chunk.seq
+            if seq.state is SeqState.FINISHED or not result.tokens:
+                continue  # a burst's rows drawn after their sequence ended
+            seq.num_computed = result.chunk.end + output.step + len(result.tokens) - 1
+            seq.token_ids.extend(result.tokens)
+            if self.prefix is not None:
+                self.prefix.computed(seq)
+            if result.logprobs is not None:
+                if seq.logprobs is None:
+                    seq.logprobs = []
+                seq.logprobs.extend(result.logprobs)
+            if result.finished:
+                self.finish(seq, natural=True)
+
+    def _steps_covered(self) -> int:
         """Decode steps the running set may take from the one just scheduled on, before the
         next decision: their device pages are reserved already."""
+        if self._wave and self.waiting:
+            return 1  # an admission wave decides again at the next step
         return max(1, self._steps_left + 1)
-
-    def extend_decode(self, extra_steps: int) -> None:
-        """The decode step just scheduled runs `extra_steps` more times back to back."""
-        assert 0 <= extra_steps < self.decode_steps_covered, (extra_steps, self._steps_left)
-        self._steps_left -= extra_steps
 
     def continue_decode(self, steps: int) -> int:
         """Reserve up to `steps` decode steps for the decode set just scheduled (less what has
-        finished since), as schedule() and extend_decode() would if called now: the steps
-        granted, 0 when schedule() would take a decision first."""
+        finished since), as schedule() would if called now: the steps granted, 0 when
+        schedule() would take a decision first."""
         if self._decision_due():
             return 0
         granted = min(steps, self._steps_left)
@@ -171,7 +212,8 @@ class Scheduler:
         else:
             self._load_swapped(out)
             admitted = self._admit(out, preempt=False)
-        self._wave = admitted > 0
+        # A sequence waiting for a prefix being computed is admitted at the next step.
+        self._wave = admitted > 0 or self._deferred
         if full or not self._wave:
             self._steps_left = self.window
         self._running_at_decision = len(self.running)
@@ -237,8 +279,12 @@ class Scheduler:
         self.counters.evictions += 1
         self.counters.reprefill_tokens += seq.num_tokens
         self.waiting.appendleft(seq)
+        if self.prefix is not None:
+            self.prefix.waiting_again(seq)
 
     def _release(self, seq: Sequence) -> None:
+        if self.prefix is not None:
+            self.prefix.released(seq, host=True)
         self.device.free(seq.device_pages)
         self.host.free(seq.host_pages)
         seq.device_pages, seq.host_pages = [], []
@@ -277,9 +323,13 @@ class Scheduler:
         last = pages_for(seq.num_computed)
         out.swap_out.append(PageCopy(seq.seq_id, seq.device_pages[first:last],
                                      seq.host_pages[first:last]))
+        if self.prefix is not None:
+            self.prefix.released(seq, host=False)
         self.device.free(seq.device_pages)
         seq.device_pages = []
         seq.num_on_host = seq.num_computed
+        if self.prefix is not None:
+            self.prefix.on_host(seq)
         seq.state = SeqState.SWAPPED
         self.running.remove(seq)
         self.swapped.append(seq)
@@ -316,15 +366,20 @@ class Scheduler:
                 # Nothing runs: make room even by eviction, or no one would ever progress.
                 if not self._free_host(need_host, keep=seq):
                     continue
-            if need_dev > self.device.num_free:
-                return  # first come, first loaded: later ones wait behind it
-            if need_host > self.host.num_free:
+            count = pages_for(seq.num_computed)
+            mapped = (self.prefix.device_hits(seq, seq.num_computed // PAGE_SIZE)
+                      if self.prefix is not None else [])
+            self.device.share(mapped)
+            if need_dev - len(mapped) > self.device.num_free or need_host > self.host.num_free:
+                self.device.free(mapped)
+                if need_dev - len(mapped) > self.device.num_free:
+                    return  # first come, first loaded: later ones wait behind it
                 continue
             seq.host_pages += self.host.allocate(need_host)
-            seq.device_pages = self.device.allocate(need_dev)
-            count = pages_for(seq.num_computed)
-            out.swap_in.append(PageCopy(seq.seq_id, seq.host_pages[:count],
-                                        seq.device_pages[:count]))
+            seq.device_pages = mapped + self.device.allocate(need_dev - len(mapped))
+            seq.device_registered = len(mapped)
+            out.swap_in.append(PageCopy(seq.seq_id, seq.host_pages[len(mapped):count],
+                                        seq.device_pages[len(mapped):count]))
             self.swapped.remove(seq)
             self.running.append(seq)
             seq.state = SeqState.RUNNING
@@ -333,32 +388,75 @@ class Scheduler:
     # -- admission ------------------------------------------------------------------------
     def _admit(self, out: ScheduleOutput, preempt: bool) -> int:
         """Admit waiting sequences up to the prefill token budget. With `preempt`, running
-        sequences are unloaded to make device room (prefill priority)."""
+        sequences are unloaded to make device room (prefill priority). With prefix caching,
+        sequences sharing a prefix come together and map what is cached (sharing.py)."""
         budget = self.cfg.max_prefill_tokens
         admitted: list[Sequence] = []
-        while self.waiting and (budget > 0 or not admitted):
-            seq = self.waiting[0]
+        self._deferred = False
+        order = (self.prefix.order(self.waiting, 4 * self.cfg.max_decode_batch + 64)
+                 if self.prefix is not None else self.waiting)
+        for seq in order:
+            if budget <= 0 and admitted:
+                break
             if len(self.running) >= self.cfg.max_decode_batch:
                 break
             if len(self.running) + len(self.swapped) >= self.cfg.max_pool_size:
                 break
-            host_need = pages_for(min(seq.budget_tokens,
-                                      max(seq.tokens_after(self.window), self.chunk.chunk_tokens)))
-            if not self._host_admits(host_need):
+            hit = (self.prefix.match(seq, self.device, self.host) if self.prefix is not None
+                   else NO_HIT)
+            if hit is None:
+                self._deferred = True
+                continue  # what it would map is being computed: it waits for that
+            if not self._place(seq, hit, out, preempt, admitted):
                 break
-            dev_need = self._device_target(seq)
-            if dev_need > self.device.num_free:
-                if not preempt or not self._free_device(dev_need, None, out, tuple(admitted)):
-                    break
-            self.waiting.popleft()
-            seq.host_pages = self.host.allocate(host_need)
-            seq.device_pages = self.device.allocate(dev_need)
-            seq.state = SeqState.RUNNING
             self.running.append(seq)
             admitted.append(seq)
             budget -= seq.pending_tokens
             self.counters.admitted += 1
+        if admitted:
+            self.waiting = deque(s for s in self.waiting if s.state is SeqState.WAITING)
         return len(admitted)
+
+    def _place(self, seq: Sequence, hit: Hit, out: ScheduleOutput, preempt: bool,
+               admitted: list[Sequence]) -> bool:
+        """Give an admitted sequence its pages (mapping `hit`); False when they do not fit."""
+        host_need = pages_for(min(seq.budget_tokens,
+                                  max(seq.tokens_after(self.window), self.chunk.chunk_tokens)))
+        self.host.share(hit.host_pages)
+        self.device.share(hit.device_pages)
+        dev_need = self._device_target(seq)
+        fresh = dev_need - len(hit.device_pages)
+        if not self._host_admits(host_need - len(hit.host_pages)) or (
+                fresh > self.device.num_free
+                and (not preempt or not self._free_device(fresh, None, out, tuple(admitted)))):
+            self.host.free(hit.host_pages)
+            self.device.free(hit.device_pages)
+            return False
+        seq.host_pages = hit.host_pages + self.host.allocate(host_need - len(hit.host_pages))
+        seq.device_pages = hit.device_pages + self.device.allocate(fresh)
+        seq.state = SeqState.RUNNING
+        on_device, on_host = len(hit.device_pages), len(hit.host_pages)
+        if on_host > on_device:  # cached on the host only: load those pages
+            out.swap_in.append(PageCopy(seq.seq_id, seq.host_pages[on_device:on_host],
+                                        seq.device_pages[on_device:on_host]))
+        seq.num_on_host = on_host * PAGE_SIZE
+        seq.num_computed = hit.pages * PAGE_SIZE
+        seq.host_registered, seq.device_registered = on_host, on_device
+        if hit.donor is not None and hit.donor.state is SeqState.RUNNING:
+            # fork: copy the sibling's partial last prompt page
+            page = hit.pages
+            out.device_copies.append(PageCopy(seq.seq_id, [hit.donor.device_pages[page]],
+                                              [seq.device_pages[page]]))
+            seq.num_computed = seq.num_tokens - 1
+            self.counters.forks += 1
+        if self.prefix is not None:
+            self.prefix.admitted(seq, hit)
+            self.prefix.computed(seq)
+        if seq.cached_tokens is None:
+            seq.cached_tokens = min(seq.num_computed, seq.prompt_len)
+            self.counters.prompt_tokens += seq.prompt_len
+            self.counters.cached_prompt_tokens += seq.cached_tokens
+        return True
 
     def _host_admits(self, pages: int) -> bool:
         """New work keeps `host_kv_eviction_watermark` % of the host pool free for growth,
@@ -372,6 +470,8 @@ class Scheduler:
 
     # -- checks ---------------------------------------------------------------------------
     def check_integrity(self) -> None:
+        """Raise unless every page's references match its holders (prefix_cache.py / pages.py)
+        and every sequence's pages cover its computed tokens."""
         self.device.check([s.device_pages for s in self.running])
         self.host.check([s.host_pages for s in self.running + self.swapped])
         for seq in self.running:

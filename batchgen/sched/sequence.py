@@ -43,6 +43,15 @@ class Sequence:
     """TokenLogprob per generated token, when the request asked for logprobs."""
     matcher: object | None = None
     """Structured-output grammar state (io.structured.GrammarMatcher), or None."""
+    page_keys: list[bytes] = field(default_factory=list)
+    """Prefix-cache keys of the full pages of token_ids hashed so far (prefix_cache.py)."""
+    cached_tokens: int | None = None
+    """Prompt tokens whose KV came from the prefix cache at the first admission (None until
+    admitted)."""
+    device_registered: int = 0
+    """Leading device pages offered to the prefix cache (reset when the device pages go)."""
+    host_registered: int = 0
+    """Leading host pages offered to the prefix cache."""
 
     @property
     def num_tokens(self) -> int:

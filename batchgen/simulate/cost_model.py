@@ -1,7 +1,8 @@
 """How long one engine step takes on hardware we cannot run here: a roofline per step.
 
-Used by `batchgen simulate`. Every count is per replica (one scheduler, `tp` GPUs); every rate
-is per GPU. A step's forward is bound by compute or by memory, whichever is slower:
+Used by `batchgen simulate` (built from its config by `config.build_cost_model`). Every count
+is per replica (one scheduler, `tp` GPUs); every rate is per GPU. A step's forward is bound by
+compute or by memory, whichever is slower:
 
     forward  = max(FLOPs / flop_rate, bytes / hbm_rate)           (per GPU, work split over TP)
     FLOPs    = 2 * active_params * tokens + attention (query, context) pairs * per-pair FLOPs
@@ -23,14 +24,9 @@ only part of that wait hides behind the other sequences' work.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
-from batchgen.config import canonical_kv_dtype
 from batchgen.core import PAGE_SIZE
-
-if TYPE_CHECKING:
-    from batchgen.sched.simulate import SimulationConfig
 
 ACTIVATION_RESERVE = 0.05
 """Share of device memory kept for activations (as batchgen.engine.memory.ACTIVATION_RESERVE)."""
@@ -212,40 +208,3 @@ def allreduce_cost(hw: Hardware, token_bytes: float) -> tuple[float, float]:
         per_token += 2 * (nodes - 1) / nodes * token_bytes / local / hw.network_bytes_s
         fixed += hw.network_latency_s
     return per_token, fixed
-
-
-def build_cost_model(sim: SimulationConfig) -> CostModel:
-    """The preset's shape, with the explicit numbers of `sim` in place of its own."""
-    shape = PRESETS[sim.model]
-    if sim.total_params is not None:
-        # Another model: its experts are unknown, so every step reads all weights (dense).
-        shape = replace(shape, total_params=sim.total_params, routed_expert_params=0.0,
-                        num_experts=0, experts_per_token=0,
-                        active_params=min(shape.active_params, sim.total_params))
-    if sim.active_params is not None:
-        shape = replace(shape, active_params=sim.active_params)
-    if sim.weight_bytes_per_param is not None:
-        shape = replace(shape, weight_bytes_per_param=sim.weight_bytes_per_param)
-    kv_bytes = sim.kv_bytes_per_token or (shape.kv_values_per_token_layer * shape.num_layers
-                                          * KV_BYTES_PER_VALUE[canonical_kv_dtype(sim.kv_dtype)])
-    hw = Hardware(sim.tensor_parallel, sim.gpu_tflops * 1e12, sim.hbm_gbps * 1e9,
-                  sim.pcie_gbps * 1e9, sim.interconnect_gbps * 1e9, sim.allreduce_latency_us * 1e-6,
-                  sim.transfer_overlap, sim.step_overhead_ms * 1e-3,
-                  sim.world_size // sim.nnodes, sim.network_gbps * 1e9,
-                  sim.network_latency_us * 1e-6)
-    return CostModel(shape, hw, kv_bytes)
-
-
-def pool_pages(sim: SimulationConfig, cost: CostModel) -> tuple[int, int]:
-    """(device pages, host pages) of one replica, as the engine would size them."""
-    weights_per_gpu = cost.shape.weight_bytes / sim.tensor_parallel
-    device_gb = sim.device_kv_gb
-    if device_gb is None:
-        usable = sim.gpu_memory_gb * (sim.gpu_memory_frac - ACTIVATION_RESERVE)
-        device_gb = usable - weights_per_gpu / 1e9
-    device = int(device_gb * 1e9 // (PAGE_SIZE * cost.kv_bytes_per_token_gpu))
-    host = int(sim.host_kv_gb * 1e9 // (PAGE_SIZE * cost.kv_bytes_per_token))
-    if device < 1:
-        raise ValueError(f"no device KV left: weights take {weights_per_gpu / 1e9:.1f} GB per GPU "
-                         f"of {sim.gpu_memory_gb:.0f} GB; raise tensor_parallel or device_kv_gb")
-    return device, max(host, 1)

@@ -1,0 +1,203 @@
+"""Prefix sharing policy: which cached pages a sequence maps, when it waits for a prefix that
+is being computed, which waiting sequences are admitted together, and which running ones
+share pages. Storage (keys, idle pages) is prefix_cache.py's; page references are the
+allocators'.
+
+- A sequence maps the longest run of its full pages cached on the device, or on the host (then
+  loaded, page by page, by host -> device copies), keeping at least its last token to compute
+  (its logits give the next token).
+- A choice of an n > 1 request forks from a sibling that computed the prompt: it maps the
+  prompt's full pages, copies the sibling's partial last page (device -> device) and computes
+  only the last prompt token. While a sibling or another sequence is still computing the pages
+  it would map, it waits instead of computing them again.
+- Admission order: the oldest waiting sequence first (no starvation), each followed by the
+  other waiting sequences whose first page is the same, longest shared prefix first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from itertools import islice
+
+from batchgen.core import PAGE_SIZE
+from batchgen.sched.pages import PageAllocator
+from batchgen.sched.prefix_cache import PrefixCache, extend_keys, root_key
+from batchgen.sched.sequence import Sequence, SeqState
+from batchgen.sched.step import PrefixShare
+
+
+@dataclass
+class Hit:
+    """What a sequence maps at admission."""
+
+    device_pages: list[int] = field(default_factory=list)
+    host_pages: list[int] = field(default_factory=list)
+    donor: Sequence | None = None
+    """A sibling whose partial last prompt page is copied (n > 1 fork)."""
+
+    @property
+    def pages(self) -> int:
+        return max(len(self.device_pages), len(self.host_pages))
+
+
+NO_HIT = Hit()
+
+
+class PrefixSharing:
+    def __init__(self, salt: str):
+        self.root = root_key(salt)
+        self.device_cache = PrefixCache("device")
+        self.host_cache = PrefixCache("host")
+        self._inflight: dict[bytes, Sequence] = {}
+        """Keys of pages an admitted sequence is computing, and who computes them."""
+        self._groups: dict[bytes, dict[int, Sequence]] = {}
+        """Waiting sequences by the key of their first page."""
+        self._siblings: dict[str, list[Sequence]] = {}
+        """Live choices of n > 1 requests, by request id."""
+
+    # -- sequences in and out -------------------------------------------------------------
+    def keys(self, seq: Sequence, full_pages: int | None = None) -> list[bytes]:
+        """The keys of the sequence's first `full_pages` pages (default: all full pages)."""
+        full = seq.num_tokens // PAGE_SIZE
+        full_pages = full if full_pages is None else min(full_pages, full)
+        extend_keys(seq.page_keys, self.root, seq.token_ids, full_pages)
+        return seq.page_keys[:full_pages]
+
+    def added(self, seq: Sequence) -> None:
+        if self.keys(seq, 1):
+            self._groups.setdefault(seq.page_keys[0], {})[id(seq)] = seq
+        if seq.sampling.n > 1:
+            self._siblings.setdefault(seq.request_id, []).append(seq)
+
+    def waiting_again(self, seq: Sequence) -> None:
+        """An evicted sequence is back in the waiting queue."""
+        if seq.page_keys:
+            self._groups.setdefault(seq.page_keys[0], {})[id(seq)] = seq
+
+    def admitted(self, seq: Sequence, hit: Hit) -> None:
+        if seq.page_keys:
+            group = self._groups.get(seq.page_keys[0], {})
+            group.pop(id(seq), None)
+            if not group:
+                self._groups.pop(seq.page_keys[0], None)
+        for key in self.keys(seq, (seq.num_tokens - 1) // PAGE_SIZE)[hit.pages:]:
+            self._inflight.setdefault(key, seq)
+
+    def released(self, seq: Sequence, host: bool) -> None:
+        """The sequence's device pages go (unload), and its host pages with them when `host`
+        (eviction, end)."""
+        for key in seq.page_keys[seq.device_registered:]:
+            if self._inflight.get(key) is seq:
+                del self._inflight[key]
+        seq.device_registered = 0
+        if host:
+            seq.host_registered = 0
+
+    def finished(self, seq: Sequence) -> None:
+        siblings = self._siblings.get(seq.request_id)
+        if siblings is not None:
+            siblings.remove(seq)
+            if not siblings:
+                del self._siblings[seq.request_id]
+
+    # -- admission ------------------------------------------------------------------------
+    def order(self, waiting, limit: int) -> object:
+        """Waiting sequences in admission order (module docstring), at most `limit` of them:
+        an admission takes no more than the decode batch, and the scan stays short however
+        many wait."""
+        pulled: set[int] = set()
+        for seq in islice(waiting, limit):
+            if id(seq) in pulled:
+                continue
+            yield seq
+            pulled.add(id(seq))
+            if len(pulled) >= limit:
+                return
+            if not seq.page_keys:
+                continue
+            group = self._groups.get(seq.page_keys[0], {}).values()
+            members = [m for m in islice(group, limit)
+                       if id(m) not in pulled and m.state is SeqState.WAITING]
+            mine = seq.page_keys
+            members.sort(key=lambda m: -_common(mine, m.page_keys))
+            for member in members[:limit - len(pulled)]:
+                pulled.add(id(member))
+                yield member
+
+    def match(self, seq: Sequence, device: PageAllocator, host: PageAllocator) -> Hit | None:
+        """What `seq` maps if admitted now; None while pages it would map are being computed
+        by a running sequence (it waits for them)."""
+        usable = self.keys(seq, (seq.num_tokens - 1) // PAGE_SIZE)
+        hit = Hit(self.device_cache.lookup(usable), self.host_cache.lookup(usable))
+        if hit.pages < len(usable):
+            owner = self._inflight.get(usable[hit.pages])
+            if owner is not None and owner.state is SeqState.RUNNING:
+                return None
+        if seq.num_decoded or seq.sampling.n < 2:
+            return hit
+        for sibling in self._siblings.get(seq.request_id, ()):
+            if sibling is seq or sibling.state is not SeqState.RUNNING or sibling.num_decoded:
+                continue
+            if sibling.num_computed < seq.num_tokens - 1:
+                return None  # it is computing the prompt: fork from it once it has
+        if hit.pages == len(usable) and (seq.num_tokens - 1) % PAGE_SIZE:
+            hit.donor = next((s for s in self._siblings.get(seq.request_id, ())
+                              if s is not seq and s.state is SeqState.RUNNING
+                              and s.num_computed >= seq.num_tokens - 1), None)
+        return hit
+
+    def device_hits(self, seq: Sequence, pages: int) -> list[int]:
+        """Cached device pages for the first `pages` pages of `seq` (a load maps them instead
+        of copying them from the host)."""
+        return self.device_cache.lookup(self.keys(seq, pages))
+
+    # -- registering computed pages -------------------------------------------------------
+    def computed(self, seq: Sequence) -> None:
+        """Offer the sequence's newly full, computed device pages to the cache."""
+        full = min(seq.num_computed // PAGE_SIZE, len(seq.device_pages))
+        if full <= seq.device_registered:
+            return
+        keys = self.keys(seq, full)
+        for page in range(seq.device_registered, full):
+            self.device_cache.register(keys[page], seq.device_pages[page])
+            if self._inflight.get(keys[page]) is seq:
+                del self._inflight[keys[page]]
+        seq.device_registered = full
+
+    def on_host(self, seq: Sequence) -> None:
+        """Offer the sequence's full pages copied to the host to the host cache."""
+        full = min(seq.num_on_host // PAGE_SIZE, len(seq.host_pages))
+        if full <= seq.host_registered:
+            return
+        keys = self.keys(seq, full)
+        for page in range(seq.host_registered, full):
+            self.host_cache.register(keys[page], seq.host_pages[page])
+        seq.host_registered = full
+
+    # -- groups for the decode kernel -----------------------------------------------------
+    @staticmethod
+    def shares(running: list[Sequence], device: PageAllocator) -> list[PrefixShare]:
+        """Running sequences whose leading device pages are the same pages."""
+        by_first: dict[int, list[Sequence]] = {}
+        for seq in running:
+            if seq.device_pages and device.refs[seq.device_pages[0]] > 1:
+                by_first.setdefault(seq.device_pages[0], []).append(seq)
+        shares = []
+        for members in by_first.values():
+            if len(members) < 2:
+                continue
+            first = members[0].device_pages
+            count = min(min(_common(first, m.device_pages), m.num_computed // PAGE_SIZE)
+                        for m in members)
+            shares.append(PrefixShare([m.seq_id for m in members], first[:count]))
+        return shares
+
+
+def _common(a: list, b: list) -> int:
+    """Length of the common prefix of two lists."""
+    count = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        count += 1
+    return count

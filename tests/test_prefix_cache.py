@@ -1,0 +1,261 @@
+"""Prefix cache and n > 1 forks in the scheduler, driven through the step contract by a fake
+model whose KV at a position is a hash of every token up to it: any page mapped, copied, loaded
+or written wrongly shows up as wrong KV. Random requests share prefixes and fork choices under
+tight pools (so admission, forks, unloads, loads, evictions and ends interleave); after every
+step the allocators' references match the sequences holding pages, and at the end, once the
+cache is cleared, every page is free."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from batchgen.config import SchedulerConfig
+from batchgen.core import PAGE_SIZE, SamplingParams
+from batchgen.sched.pages import PageAllocator
+from batchgen.sched.prefix_cache import PrefixCache
+from batchgen.sched.scheduler import Scheduler
+from batchgen.sched.sequence import SeqState, Sequence, pages_for
+from batchgen.sched.step import SeqResult, StepOutput
+
+EOS = 0
+MOD = (1 << 61) - 1
+PROPERTY = settings(max_examples=60, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+def roll(previous: int, token: int) -> int:
+    return (previous * 1_000_003 + token + 1) % MOD
+
+
+@dataclass(frozen=True)
+class Req:
+    prefix: int
+    """Which shared prefix the prompt starts with."""
+    prefix_len: int
+    own_len: int
+    n: int
+    max_tokens: int
+    true_len: int
+
+
+class FakeRun:
+    def __init__(self, reqs: list[Req], device_pages: int, host_pages: int, cfg: SchedulerConfig,
+                 prefixes: list[list[int]]):
+        self.sched = Scheduler(cfg, device_pages, host_pages, prefix_salt="test")
+        self.device_kv = np.full((device_pages, PAGE_SIZE), -1, dtype=np.int64)
+        self.host_kv = np.full((host_pages, PAGE_SIZE), -1, dtype=np.int64)
+        self.reqs = reqs
+        self.seqs: list[Sequence] = []
+        self.expected: dict[int, list[int]] = {}
+        self.finished: set[int] = set()
+        for i, req in enumerate(reqs):
+            prompt = prefixes[req.prefix][:req.prefix_len] + [
+                1 + (i * 7919 + j * 104729) % 49_999 for j in range(req.own_len)]
+            params = SamplingParams(max_tokens=req.max_tokens, n=req.n, temperature=0.0)
+            for choice in range(req.n):
+                seq = Sequence(len(self.seqs), f"r{i}", choice, list(prompt), len(prompt),
+                               params, 0)
+                self.seqs.append(seq)
+                self.expected[seq.seq_id] = self._kv_of(prompt)
+                self.sched.add(seq)
+
+    @staticmethod
+    def _kv_of(tokens: list[int]) -> list[int]:
+        out, h = [], 0
+        for token in tokens:
+            h = roll(h, token)
+            out.append(h)
+        return out
+
+    def run(self) -> None:
+        steps = 0
+        while self.sched.has_work:
+            plan = self.sched.schedule()
+            for copy in plan.swap_out:
+                self.host_kv[copy.dst] = self.device_kv[copy.src]
+            for copy in plan.device_copies:
+                self.device_kv[copy.dst] = self.device_kv[copy.src]
+            for copy in plan.swap_in:
+                self.device_kv[copy.dst] = self.host_kv[copy.src]
+            results = []
+            for chunk in plan.chunks:
+                token = self.forward(chunk.seq, chunk.start, chunk.end)
+                if chunk.sample:
+                    results.append(SeqResult(chunk, [token], None, self.ends(chunk.seq, token)))
+            self.sched.update_from_output(plan, StepOutput(results))
+            for res in results:
+                if res.finished:
+                    assert res.chunk.seq.seq_id not in self.finished
+                    self.finished.add(res.chunk.seq.seq_id)
+            self.sched.check_integrity()
+            self.check_shares(plan)
+            steps += 1
+            assert steps < 20_000, self.sched.counters
+
+    def forward(self, seq: Sequence, start: int, end: int) -> int:
+        assert seq.state is SeqState.RUNNING and start == seq.num_computed < end
+        pages = np.array(seq.device_pages, dtype=np.int64)
+        positions = np.arange(start, end)
+        expected = np.array(self.expected[seq.seq_id][:end], dtype=np.int64)
+        self.device_kv[pages[positions // PAGE_SIZE], positions % PAGE_SIZE] = expected[start:]
+        kv = self.device_kv[pages[:pages_for(end)]].ravel()[:end]
+        bad = np.nonzero(kv != expected)[0]
+        assert not len(bad), f"seq {seq.seq_id}: KV of position {bad[0]} is wrong"
+        # The next token: a function of the KV and the choice (so siblings diverge).
+        return 1 + int((kv[-1] + seq.choice * 7) % 49_999)
+
+    def ends(self, seq: Sequence, token: int) -> bool:
+        req = self.reqs[int(seq.request_id[1:])]
+        decoded = seq.num_decoded + 1
+        self.expected[seq.seq_id].append(roll(self.expected[seq.seq_id][-1], token))
+        return decoded >= req.true_len or decoded >= req.max_tokens
+
+    def check_shares(self, plan) -> None:
+        by_id = {s.seq_id: s for s in self.sched.running}
+        for share in plan.shares:
+            members = [by_id[i] for i in share.seq_ids if i in by_id]
+            for seq in members:
+                assert seq.device_pages[:len(share.pages)] == share.pages
+
+
+requests = st.builds(Req, st.integers(0, 2), st.integers(0, 300), st.integers(0, 100),
+                     st.sampled_from([1, 1, 2, 3]), st.integers(1, 400), st.integers(1, 400))
+
+
+@given(st.lists(requests, min_size=1, max_size=14), st.integers(0, 3), st.booleans(),
+       st.sampled_from([16, 64, 333, 4096]), st.integers(1, 12), st.integers(1, 12))
+@PROPERTY
+def test_random_sharing_keeps_kv_and_pages_right(reqs, room, roomy_host, prefill, batch,
+                                                 extension):
+    reqs = [r for r in reqs if r.prefix_len + r.own_len > 0]
+    if not reqs:
+        return
+    prefixes = [[1 + (p * 31 + j * 17) % 49_999 for j in range(300)] for p in range(3)]
+    need = max(pages_for(r.prefix_len + r.own_len + r.max_tokens) for r in reqs)
+    device = need + room
+    host = need * (12 if roomy_host else 1) + room
+    cfg = SchedulerConfig(initial_gpu_page_buffer=2, extension_gpu_page_buffer=extension,
+                          decision_frequency_pages=1, host_kv_chunk_size=64,
+                          host_kv_eviction_watermark=0.0, host_kv_watermark=100.0,
+                          adaptive_chunk_min=64, max_prefill_tokens=prefill,
+                          max_decode_batch=batch, max_pool_size=batch + 2)
+    run = FakeRun(reqs, device, host, cfg, prefixes)
+    run.run()
+    assert run.finished == {s.seq_id for s in run.seqs}
+    for seq in run.seqs:  # what plain sequential generation gives
+        assert run.expected[seq.seq_id] == FakeRun._kv_of(seq.token_ids)
+    run.sched.clear_prefix_cache()
+    for pool in (run.sched.device, run.sched.host):
+        assert pool.num_free == pool.num_pages and pool.cache.num_idle == 0
+        pool.check([])
+
+
+def test_shared_prompts_compute_the_prefix_once():
+    """Eight requests with one 640-token prefix: the first computes it, the rest map it."""
+    prefixes = [[5 + j for j in range(640)]]
+    reqs = [Req(0, 640, 10, 1, 4, 4) for _ in range(8)]
+    run = FakeRun(reqs, 400, 800, SchedulerConfig(), prefixes)
+    run.run()
+    counters = run.sched.counters
+    assert counters.prompt_tokens == 8 * 650
+    assert counters.cached_prompt_tokens == 7 * 640
+    assert all(s.cached_tokens == (0 if s.seq_id == 0 else 640) for s in run.seqs)
+
+
+def test_n_choices_fork_from_one_prefill():
+    """n = 4 of a 100-token prompt: one prefill; three forks copy its partial page and
+    compute only the last prompt token each."""
+    run = FakeRun([Req(0, 0, 100, 4, 6, 6)], 100, 200, SchedulerConfig(), [[]])
+    computed = []
+    schedule = run.sched.schedule
+
+    def recording():
+        plan = schedule()
+        computed.extend((c.seq.choice, c.end - c.start) for c in plan.chunks
+                        if c.seq.num_decoded == 0)
+        return plan
+
+    run.sched.schedule = recording
+    run.run()
+    assert run.sched.counters.forks == 3
+    assert sorted(computed) == [(0, 100), (1, 1), (2, 1), (3, 1)]
+    assert [s.cached_tokens for s in run.seqs] == [0, 99, 99, 99]
+    outputs = [s.token_ids[100:] for s in run.seqs]
+    assert len({tuple(o) for o in outputs}) == 4  # the choices diverge, each from its own KV
+
+
+def test_caching_off_shares_nothing():
+    prefixes = [[5 + j for j in range(640)]]
+    reqs = [Req(0, 640, 10, 2, 4, 4) for _ in range(3)]
+    run = FakeRun(reqs, 400, 800, SchedulerConfig(enable_prefix_caching=False), prefixes)
+    run.run()
+    assert run.sched.counters.cached_prompt_tokens == 0 and run.sched.counters.forks == 0
+    assert run.sched.device.num_free == run.sched.device.num_pages
+
+
+def test_idle_cached_pages_are_reclaimed_least_recently_used_first():
+    cache = PrefixCache("device")
+    pool = PageAllocator(4, "device", cache)
+    a, b = pool.allocate(1), pool.allocate(1)
+    cache.register(b"a", a[0])
+    cache.register(b"b", b[0])
+    pool.free(b)
+    pool.free(a)  # idle: b, then a
+    assert pool.num_free == 4 and cache.lookup([b"a"]) == a
+    pool.share(a)  # a is held again: only b may be reclaimed
+    assert pool.allocate(3) == [2, 3, b[0]]
+    assert cache.lookup([b"b"]) == [] and cache.lookup([b"a"]) == a
+    pool.check([a, [2], [3], b])
+    with pytest.raises(AssertionError, match="freed while not held"):
+        pool.free([2, 2])
+
+
+def test_integrity_check_catches_a_page_held_without_a_reference():
+    pool = PageAllocator(3, "device", PrefixCache("device"))
+    pages = pool.allocate(2)
+    pool.check([pages])
+    with pytest.raises(AssertionError, match="refs"):
+        pool.check([pages, pages[:1]])  # a second holder that never took a reference
+
+
+def test_tight_pools_evict_unload_and_load_shared_sequences():
+    """Sequences sharing a prefix (and n = 2 forks) under pools that force an eviction,
+    unloads and loads: their KV stays right (FakeRun checks every read) and every page
+    comes back."""
+    prefixes = [[5 + j for j in range(640)]]
+    reqs = [Req(0, 200, 10 + i, 1 + i % 2, 300, 300) for i in range(6)]
+    cfg = SchedulerConfig(initial_gpu_page_buffer=2, extension_gpu_page_buffer=1,
+                          decision_frequency_pages=1, host_kv_chunk_size=64,
+                          adaptive_chunk_min=64, host_kv_eviction_watermark=0.0,
+                          host_kv_watermark=100.0)
+    run = FakeRun(reqs, 12, 16, cfg, prefixes)
+    run.run()
+    counters = run.sched.counters
+    assert counters.evictions and counters.unloads and counters.loads and counters.forks
+    assert counters.cached_prompt_tokens > 0
+    assert len(run.finished) == len(run.seqs)
+    run.sched.clear_prefix_cache()
+    assert run.sched.device.num_free == 12 and run.sched.host.num_free == 16
+
+
+def test_sequences_sharing_a_prefix_are_admitted_together_oldest_first():
+    """Interleaved prefixes A B A B A B: the first of each computes its prefix while the
+    others wait for it; then the oldest waiting one comes first, followed by the rest of its
+    group, longest shared prefix first."""
+    prefixes = [[5 + j for j in range(200)], [900 + j for j in range(200)]]
+    reqs = [Req(i % 2, 140 if i < 4 else 200, 20, 1, 4, 4) for i in range(6)]
+    run = FakeRun(reqs, 200, 400, SchedulerConfig(), prefixes)
+    first = run.sched.schedule()
+    assert [c.seq.seq_id for c in first.chunks] == [0, 1]  # 2..5 wait for those prefixes
+    run.sched.update_from_output(first, StepOutput(
+        [SeqResult(c, [7], None, False) for c in first.chunks]))
+    second = run.sched.schedule()
+    # The oldest waiting (2, prefix A), the rest of its group (4), then group B (3, 5): each
+    # maps the two cached prefix pages.
+    order = [c.seq.seq_id for c in second.chunks if c.seq.num_decoded == 0]
+    assert order == [2, 4, 3, 5]
+    assert all(c.start == 128 for c in second.chunks if c.seq.num_decoded == 0)

@@ -1,0 +1,133 @@
+"""Prefix caching in the engine on a tiny model: answers are the same with it on and off
+(roomy pools, and tight pools that unload, load and evict), n > 1 choices fork from one
+prefill, and the reuse is counted per request and in the stats."""
+
+import pytest
+import torch
+
+from batchgen.core import Request, SamplingParams
+from engine_utils import load_ours, make_engine, make_engine_pages
+from tiny_models import VOCAB, save_tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    return load_ours(save_tiny_model("llama", tmp_path_factory.mktemp("llama")))
+
+
+def shared_prompts(count=8, prefix_len=150, seed=0, prefixes=2):
+    """`count` prompts: one of `prefixes` shared prefixes, then 3..40 tokens of their own."""
+    gen = torch.Generator().manual_seed(seed)
+    heads = [torch.randint(3, VOCAB, (prefix_len,), generator=gen).tolist()
+             for _ in range(prefixes)]
+    tails = [torch.randint(3, VOCAB, (int(torch.randint(3, 40, (1,), generator=gen)),),
+                           generator=gen).tolist() for _ in range(count)]
+    return [heads[i % prefixes] + tail for i, tail in enumerate(tails)]
+
+
+def answers(engine, prompts, max_tokens=40, n=1, temperature=0.0):
+    requests = [Request(f"r{i}", p, SamplingParams(max_tokens=max_tokens, n=n, seed=i,
+                                                   temperature=temperature, ignore_eos=True))
+                for i, p in enumerate(prompts)]
+    results = engine.generate(requests)
+    engine.scheduler.check_integrity()
+    return [[c.token_ids for c in r.completions] for r in results], results, engine.stats()
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8_e4m3fn"])
+def test_greedy_answers_equal_with_caching_on_and_off(tiny_llama, kv_dtype):
+    prompts = shared_prompts()
+    off, _, off_stats = answers(make_engine(tiny_llama, kv_dtype=kv_dtype,
+                                            enable_prefix_caching=False), prompts)
+    on, results, stats = answers(make_engine(tiny_llama, kv_dtype=kv_dtype), prompts)
+    assert on == off
+    assert off_stats["cached_prompt_tokens"] == 0 and off_stats["prefix_hit_rate"] == 0
+    # The prefill budget admits every prompt at once; the first of each prefix computes it
+    # (two full pages) and the others wait a step, then map it.
+    assert [r.cached_tokens for r in results] == [0, 0] + [128] * 6
+    assert stats["cached_prompt_tokens"] == 6 * 128
+    assert stats["prefix_hit_rate"] == pytest.approx(6 * 128 / sum(map(len, prompts)))
+    assert {r.request.request_id for r in results} == {f"r{i}" for i in range(8)}
+
+
+def test_tight_pools_with_caching_match_caching_off(tiny_llama):
+    """Unloads, loads and evictions of sequences holding shared pages."""
+    prompts = shared_prompts(count=10, prefix_len=140, seed=1)
+    off, _, _ = answers(make_engine(tiny_llama, enable_prefix_caching=False), prompts, 150)
+    engine = make_engine_pages(
+        tiny_llama, device_pages=9, host_pages=10, initial_gpu_page_buffer=1,
+        extension_gpu_page_buffer=1, decision_frequency_pages=1, host_kv_chunk_size=64,
+        adaptive_chunk_min=64, max_prefill_tokens=96, host_kv_watermark=50.0)
+    on, _, stats = answers(engine, prompts, 150)
+    assert on == off
+    assert stats["unloads"] > 0 and stats["loads"] > 0 and stats["evictions"] > 0
+    assert stats["cached_prompt_tokens"] > 0
+    engine.scheduler.clear_prefix_cache()
+    assert engine.scheduler.device.num_free == engine.scheduler.device.num_pages
+    assert engine.scheduler.host.num_free == engine.scheduler.host.num_pages
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_n_choices_fork_from_one_prefill(tiny_llama, temperature):
+    prompts = shared_prompts(count=3, prefix_len=100, seed=2, prefixes=3)
+    off, _, _ = answers(make_engine(tiny_llama, enable_prefix_caching=False), prompts, 30,
+                        n=4, temperature=temperature)
+    on, results, stats = answers(make_engine(tiny_llama), prompts, 30, n=4,
+                                 temperature=temperature)
+    assert on == off
+    # A fork copies the partial last prompt page; a prompt of 64k + 1 tokens has none.
+    assert stats["forks"] == 3 * sum((len(p) - 1) % 64 != 0 for p in prompts) > 0
+    # Each request's prompt is computed once: three of its four choices only its last token.
+    assert stats["cached_prompt_tokens"] == sum(3 * (len(p) - 1) for p in prompts)
+    assert [r.cached_tokens for r in results] == [0, 0, 0]
+    if temperature:
+        assert all(len({tuple(c) for c in choices}) > 1 for choices in on)
+
+
+def test_a_later_request_maps_an_earlier_ones_prefix(tiny_llama):
+    """After the first request finished, its pages stay cached (idle) and the second maps
+    them; cached_tokens is reported per request."""
+    prompt = shared_prompts(count=1, prefix_len=200, seed=3)[0]
+    engine = make_engine(tiny_llama)
+    first, results1, _ = answers(engine, [prompt], 20)
+    again = engine.generate([Request("again", prompt, SamplingParams(
+        max_tokens=20, temperature=0.0, ignore_eos=True))])
+    assert again[0].completions[0].token_ids == first[0][0]
+    assert results1[0].cached_tokens == 0
+    assert again[0].cached_tokens == (len(prompt) - 1) // 64 * 64
+
+
+def _family_prompts(vocab, prefix_len=140, count=5, seed=4):
+    gen = torch.Generator().manual_seed(seed)
+    head = torch.randint(3, vocab, (prefix_len,), generator=gen).tolist()
+    return [head + torch.randint(3, vocab, (5 + 7 * i,), generator=gen).tolist()
+            for i in range(count)]
+
+
+def test_mla_latent_pages_share(tmp_path):
+    """DeepSeek's MLA latent cache shares pages like GQA pages (answers equal on and off)."""
+    from test_deepseek import VOCAB as DS_VOCAB, save_tiny
+
+    save_tiny(tmp_path / "ds")
+    model = load_ours(tmp_path / "ds")
+    prompts = _family_prompts(DS_VOCAB)
+    off, _, _ = answers(make_engine(model, enable_prefix_caching=False), prompts, 12, n=2)
+    on, _, stats = answers(make_engine(model), prompts, 12, n=2)
+    assert on == off and stats["cached_prompt_tokens"] > 0 and stats["forks"] > 0
+
+
+def test_sliding_window_layers_share(tmp_path):
+    """gpt-oss's sliding-window layers read cached pages through the same position mask (its
+    window is far shorter than the 140-token shared prefix)."""
+    from test_gpt_oss import VOCAB as OSS_VOCAB, WINDOW, tiny_config
+    from transformers import GptOssForCausalLM
+
+    torch.manual_seed(0)
+    GptOssForCausalLM(tiny_config()).float().eval().save_pretrained(
+        str(tmp_path / "oss"), safe_serialization=True)
+    model = load_ours(tmp_path / "oss")
+    prompts = _family_prompts(OSS_VOCAB)
+    assert WINDOW < 140
+    off, _, _ = answers(make_engine(model, enable_prefix_caching=False), prompts, 12, n=2)
+    on, _, stats = answers(make_engine(model), prompts, 12, n=2)
+    assert on == off and stats["cached_prompt_tokens"] > 0 and stats["forks"] > 0
