@@ -181,7 +181,8 @@ def run_ours(model, tokenizer, engine_cfg: EngineConfig, work: Workload,
              tp: TensorParallel = TensorParallel()) -> dict:
     prompts, outputs = work.prompts(model.config.vocab_size), work.lengths()
     ids = [f"b{i}" for i in range(work.requests)]
-    demand = work.requests * (work.input_len + work.output_len)
+    # Every choice of every request holds its whole context at once, at worst.
+    demand = work.n * sum(work.input_len + out for out in outputs)
     if work.max_tokens_mode == "cap":
         engine = LengthStopEngine(model, engine_cfg, tokenizer, (), tp=tp,
                                   stop_after=dict(zip(ids, outputs)), demand_tokens=demand)

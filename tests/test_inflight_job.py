@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+from batchgen.testing.faults import STUCK_ENV
 from job_utils import chat_rows
 from test_reliability_support import (
     count_lines,
@@ -24,10 +25,15 @@ from test_reliability_support import (
 )
 
 ROWS = chat_rows(8, max_tokens=24, temperature=0.8)
-EXTRA = ("--preempt-grace", "60", "--decode-burst-steps", "2", "--watchdog-test-stuck-time",
-         "0.05")
-"""A slow shared CPU may take seconds per step: the grace must not cut the stop short; on a
-fast one each decode step sleeps 50 ms, so that a stop lands mid-answer."""
+EXTRA = ("--preempt-grace", "60", "--decode-burst-steps", "2")
+"""A slow shared CPU may take seconds per step: the grace must not cut the stop short."""
+
+
+@pytest.fixture(autouse=True)
+def slow_decode_steps(monkeypatch):
+    """On a fast machine each decode step sleeps 50 ms (the testing fault), so that a stop
+    lands mid-answer; the jobs these tests start inherit the environment."""
+    monkeypatch.setenv(STUCK_ENV, "0.05")
 
 
 def stats(storage) -> dict:
