@@ -148,7 +148,8 @@ class HostSegment:
         equally correct). `close()` stops and joins it."""
         if self._pinning is not None or self.pinned:
             return
-        workers = threads or min(16, os.cpu_count() or 1)
+        # Half the cores at most: the serving thread keeps launching work meanwhile.
+        workers = threads or max(1, min(8, (os.cpu_count() or 2) // 2))
         self._pinning = threading.Thread(target=self._pin_worker, args=(device, ready, workers),
                                          name="batchgen-host-pin", daemon=True)
         self._pinning.start()

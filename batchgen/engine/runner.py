@@ -66,6 +66,10 @@ class ModelRunner:
         raw = lazy_zeros(math.prod(shape) * self.layout.dtype.itemsize)
         return KVPool(self.layout, pages, self.device, data=raw.view(self.layout.dtype).view(shape))
 
+    def wait_host_pinned(self) -> bool:
+        """Wait until the background pin of the host pool is done; True when it is pinned."""
+        return self.host_segment.wait_pinned()
+
     def host_pin_state(self) -> str:
         """"pinned", "pinning", "pageable" (CPU), or why the pin failed."""
         segment = self.host_segment
