@@ -77,3 +77,12 @@ def test_an_unfinished_job_shows_saved_results_and_whether_a_run_holds_it(tmp_pa
     assert "not running: stopped before the end" in out
     lock.write_text("")  # a run that ended cleared it
     assert "not running" in status(str(root))[1]
+
+
+def test_prefix_hits_share_over_engines():
+    from batchgen.runner.progress import prefix_hits
+
+    assert prefix_hits([{"prompt_tokens": 1000, "cached_prompt_tokens": 870},
+                        {"prompt_tokens": 1000, "cached_prompt_tokens": 0}]) == \
+        "44% of 2,000 prompt tokens"
+    assert prefix_hits([{}, {"prompt_tokens": 0}]) == "-"

@@ -33,13 +33,14 @@ class ProgressReporter(threading.Thread):
         self._stop_event = threading.Event()
         self._t0 = time.time()
 
-    def snapshot(self) -> tuple[int, float]:
-        """(requests done, output tokens/s summed over the ranks' own measurements)."""
+    def snapshot(self) -> tuple[int, float, str]:
+        """(requests done, output tokens/s summed over the ranks' own measurements, the share of
+        prompt tokens the prefix cache supplied, as text)."""
         stats = [s for s in read_worker_stats(self.batch_dir, self.batch_id)
                  if s.get("heartbeat", 0) >= self._t0]
         done = self.already_done + sum(s["completed"] + s["failed"] for s in stats)
         rate = sum(s.get("output_tokens_per_s", 0.0) for s in stats)
-        return min(done, self.total), rate
+        return min(done, self.total), rate, prefix_hits([s.get("engine", {}) for s in stats])
 
     def run(self) -> None:
         if sys.stderr.isatty():
@@ -56,17 +57,26 @@ class ProgressReporter(threading.Thread):
                       transient=False) as bar:
             task = bar.add_task("requests", total=self.total, completed=self.already_done, rate="")
             while not self._stop_event.wait(1.0):
-                done, rate = self.snapshot()
-                bar.update(task, completed=done, rate=f"{rate:,.0f} out tok/s")
+                done, rate, hits = self.snapshot()
+                bar.update(task, completed=done, rate=f"{rate:,.0f} out tok/s, prefix hits {hits}")
 
     def _run_plain(self) -> None:
         while not self._stop_event.wait(PLAIN_INTERVAL_S):
-            done, rate = self.snapshot()
-            log.info("progress: %d/%d requests, %.0f output tok/s", done, self.total, rate)
+            done, rate, hits = self.snapshot()
+            log.info("progress: %d/%d requests, %.0f output tok/s, prefix cache hits %s", done,
+                     self.total, rate, hits)
 
     def stop(self) -> None:
         self._stop_event.set()
         self.join(timeout=5)
+
+
+def prefix_hits(counters: list[dict]) -> str:
+    """Share of prompt tokens whose KV came from the prefix cache, over engines' counters
+    (`prompt_tokens`, `cached_prompt_tokens`): "87% of 2,048 prompt tokens", or "-"."""
+    prompt = sum(c.get("prompt_tokens", 0) for c in counters)
+    cached = sum(c.get("cached_prompt_tokens", 0) for c in counters)
+    return f"{cached / prompt:.0%} of {prompt:,} prompt tokens" if prompt else "-"
 
 
 def human_seconds(seconds: float) -> str:

@@ -17,7 +17,7 @@ from batchgen.io.jobfiles import JobPaths
 from batchgen.io.writer import CorruptIncrementalFile, read_done_ids
 from batchgen.runner.exits import ExitCode
 from batchgen.runner.job import JobSpec
-from batchgen.runner.progress import human_seconds, read_worker_stats
+from batchgen.runner.progress import human_seconds, prefix_hits, read_worker_stats
 
 
 def show_status(storage: Path, target: str | None) -> int:
@@ -182,6 +182,7 @@ def _table(state: dict, workers: list[dict]) -> Table:
     table.add_row("tokens", f"{usage.get('prompt_tokens', 0):,} in, "
                   f"{usage.get('completion_tokens', 0):,} out (all runs)")
     table.add_row("speed", _speed(state))
+    table.add_row("prefix cache", prefix_hits([state.get("counters", {})]) + " (last run)")
     table.add_row("output", state.get("output_file", ""))
     table.add_row("errors", state.get("errors_file", ""))
     now = time.time()
@@ -194,6 +195,7 @@ def _table(state: dict, workers: list[dict]) -> Table:
         beat = w.get("heartbeat")
         table.add_row(f"rank {w.get('rank', '?')}",
                       f"{w.get('completed', 0)} done, {w.get('failed', 0)} failed, "
-                      f"{w.get('output_tokens_per_s', 0):,.1f} out tok/s, heartbeat "
+                      f"{w.get('output_tokens_per_s', 0):,.1f} out tok/s, prefix hits "
+                      f"{prefix_hits([w.get('engine', {})])}, heartbeat "
                       + (age(now - beat) if isinstance(beat, (int, float)) else "none"))
     return table
