@@ -180,7 +180,8 @@ def bench(shape: str = typer.Option("smollm2-135m", help="Model shape: smollm2-1
             json_out.write_text(json.dumps(report, indent=2))
         return
 
-    from batchgen.bench import BenchConfig, Workload, bench as run_bench, format_table
+    from batchgen.bench import BenchConfig, Workload, bench as run_bench
+    from batchgen.bench_report import format_table
     from batchgen.config import canonical_dtype, canonical_kv_dtype
 
     _setup_logging()

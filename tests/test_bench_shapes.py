@@ -11,7 +11,8 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from batchgen.bench import BenchConfig, Workload, bench, format_table
+from batchgen.bench import BenchConfig, Workload, bench
+from batchgen.bench_report import format_table
 from batchgen.bench_models import hf_config_for, hf_twin, random_model, weight_stats
 from batchgen.config import ModelConfig
 from batchgen.forward_batch import ForwardBatch

@@ -9,8 +9,8 @@ import subprocess
 
 import pytest
 
-from batchgen.io.jobfiles import (JobPaths, UnsafeJobPath, atomic_file, check_folder_is_safe,
-                                  derive_batch_id)
+from batchgen.atomic import UnsafeJobPath, atomic_file
+from batchgen.io.jobfiles import JobPaths, check_folder_is_safe, derive_batch_id
 from batchgen.io.results import item_id
 from batchgen.io.writer import IncrementalWriter
 from batchgen.runner.lock import JobLock

@@ -19,9 +19,7 @@ from typing import Any
 
 import orjson
 
-from batchgen.atomic import (  # noqa: F401 - job files' helpers, re-exported
-    NOFOLLOW, UnsafeJobPath, atomic_file, link_message, open_job_file, read_json_dict,
-    write_json_atomic)
+from batchgen.atomic import UnsafeJobPath, link_message, write_json_atomic
 
 FOLDER_MODE = 0o750
 """Mode of the folders a job creates (the umask may take more away)."""

@@ -24,7 +24,6 @@ import re
 import shutil
 import tempfile
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import torch

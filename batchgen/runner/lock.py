@@ -16,7 +16,8 @@ import socket
 import time
 from pathlib import Path
 
-from batchgen.io.jobfiles import FOLDER_MODE, open_job_file
+from batchgen.atomic import open_job_file
+from batchgen.io.jobfiles import FOLDER_MODE
 
 log = logging.getLogger("batchgen.lock")
 
