@@ -2,7 +2,6 @@
 templates that loop or grow without end. Each becomes its own error line; the job finishes."""
 
 import json
-import resource
 import subprocess
 import sys
 import tracemalloc

@@ -3,7 +3,6 @@ cost memory only as they fill, a host pool pinned off the caller's thread, and t
 phases reported."""
 
 import json
-import os
 import threading
 import time
 
