@@ -3,7 +3,6 @@ mistakes as one `error:` line, warnings for deprecated spellings, and the versio
 
 from __future__ import annotations
 
-import sys
 from importlib import metadata
 
 import typer
@@ -83,8 +82,3 @@ def run_app(app: typer.Typer, args: list[str] | None = None) -> int:
         return 130
     return code if isinstance(code, int) else 0
 
-
-def main() -> None:
-    from batchgen.cli import app
-
-    sys.exit(run_app(app))

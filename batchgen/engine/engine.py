@@ -482,6 +482,7 @@ class Engine:
             return None
         del self._groups[seq.request_id]
         completions = sorted(self._done.pop(seq.request_id), key=lambda c: c.index)
-        cached = min(s.cached_tokens or 0 for s in group)
+        # Choices restored finished from a checkpoint were not admitted this run.
+        cached = min((s.cached_tokens for s in group if s.cached_tokens is not None), default=0)
         return FinishedRequest(seq.request_id, seq.prompt_len, completions, request=request,
                                cached_tokens=cached)

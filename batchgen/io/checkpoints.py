@@ -28,7 +28,7 @@ from pathlib import Path
 import orjson
 
 from batchgen.core import ChoiceProgress, Completion, FinishReason, TokenLogprob
-from batchgen.atomic import atomic_file
+from batchgen.atomic import atomic_file, open_job_file
 
 log = logging.getLogger("batchgen.checkpoints")
 
@@ -125,7 +125,7 @@ class CheckpointLog:
         line = self._line(state, full=False)
         if line is None:
             return 0
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = open_job_file(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
             view = memoryview(line)
             while view:

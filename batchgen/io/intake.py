@@ -101,9 +101,9 @@ def intake(record: RawRecord, tokenizer: Any, max_context: int,
     parsed = parse_record(record, default_max_tokens)
     if isinstance(parsed, IntakeError):
         return parsed
-    if max_model_len is not None:
+    if max_model_len is not None:  # the model's own context may be the smaller cap
         return _within_cap(tokenize_request(parsed, tokenizer, max_context), parsed,
-                           max_model_len)
+                           min(max_model_len, max_context))
     return tokenize_request(parsed, tokenizer, max_context)
 
 

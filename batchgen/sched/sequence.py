@@ -42,7 +42,7 @@ class Sequence:
     logprobs: list | None = None
     """TokenLogprob per generated token, when the request asked for logprobs."""
     matcher: object | None = None
-    """Structured-output grammar state (io.structured.GrammarMatcher), or None."""
+    """Structured-output grammar state (engine.structured.GrammarMatcher), or None."""
     page_keys: list[bytes] = field(default_factory=list)
     """Prefix-cache keys of the full pages of token_ids hashed so far (prefix_cache.py)."""
     cached_tokens: int | None = None
