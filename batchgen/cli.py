@@ -53,7 +53,7 @@ def run(ctx: typer.Context, **flags) -> None:
     Re-running the same command resumes: finished requests are never recomputed."""
     requeue_on_stop_signals()  # already done by the entry point, not under `-m batchgen.cli`
     from batchgen.io.locations import refuse_storage_urls
-    from batchgen.runner.supervisor import run_job
+    from batchgen.runner.leader.supervisor import run_job
 
     for line in deprecated_given(given_on_command_line(ctx)):
         warn(line)
@@ -74,7 +74,7 @@ def validate(input: Path = typer.Option(..., "--input", "-i",
              max_tokens: int = typer.Option(256, help="Default max_tokens for lines without one.")):
     """Check an input file without loading a model: counts and the error of each bad line."""
     from batchgen.io.locations import refuse_urls
-    from batchgen.runner.validate import validate_file
+    from batchgen.runner.leader.validate import validate_file
 
     if max_tokens < 1:
         _fail(f"--max-tokens={max_tokens} is not allowed: an integer >= 1 (the max_tokens of "
@@ -92,7 +92,7 @@ def status(target: Optional[str] = typer.Argument(
                None, help="Job folder (default: as `batchgen run` without --output: "
                           "$BATCHGEN_STATE_DIR or ~/.local/state/batchgen).")):
     """Status, request counts, tokens, throughput and health of jobs."""
-    from batchgen.runner.status import show_status
+    from batchgen.runner.leader.status import show_status
 
     raise typer.Exit(show_status(Path(storage_path or default_storage_path(None)), target))
 
@@ -264,7 +264,7 @@ def convert(output: Path = typer.Option(..., "--output", help="Folder to write (
         cfg.validate()
     except ConfigError as err:
         _fail(str(err))
-    from batchgen.runner.errors import disk_errors
+    from batchgen.runner.files.errors import disk_errors
 
     with _user_errors(), disk_errors(f"write the converted model beside {output}"):
         convert_model(cfg, output, world_size, tensor_parallel_size)
@@ -287,7 +287,7 @@ _register_generated_commands()
 
 
 def _user_errors():
-    from batchgen.runner.errors import user_errors
+    from batchgen.runner.files.errors import user_errors
 
     return user_errors(_fail)
 

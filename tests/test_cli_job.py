@@ -42,7 +42,7 @@ def test_max_tokens_default_max_model_len_summary_and_status(tmp_path, tiny_chat
 def test_the_launchers_stop_signal_warnings_are_dropped_and_its_errors_kept(caplog):
     import logging
 
-    from batchgen.runner.launch import LAUNCHER_LOGGERS, quiet_signal_warnings
+    from batchgen.runner.leader.launch import LAUNCHER_LOGGERS, quiet_signal_warnings
 
     quiet_signal_warnings()
     quiet_signal_warnings()  # once is enough

@@ -13,8 +13,8 @@ from typer.testing import CliRunner
 
 from batchgen.cli import app
 from batchgen.config import StorageConfig, default_storage_path
-from batchgen.runner.progress import run_summary
-from batchgen.runner.status import age
+from batchgen.runner.leader.progress import run_summary
+from batchgen.runner.leader.status import age
 from job_utils import batchgen, chat_rows, write_jsonl
 
 

@@ -126,7 +126,7 @@ def test_bad_tp_sizes_are_refused_before_writing(tmp_path):
 def test_default_tp_size_follows_a_sharded_folder(tmp_path):
     """Without --tensor-parallel-size a worker takes the TP size the folder was sharded for
     (it loads at no other); whole folders leave the choice to the memory rule."""
-    from batchgen.runner.worker import sharded_tp_size
+    from batchgen.runner.worker.worker import sharded_tp_size
 
     source = save_tiny_model("llama", tmp_path / "src")
     sharded = convert_model(ModelConfig(model=str(source)), tmp_path / "tp2", world_size=2,

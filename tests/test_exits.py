@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from batchgen.runner.errors import EXIT_CODES
+from batchgen.runner.files.errors import EXIT_CODES
 from batchgen.runner.exits import ExitCode
 
 ROOT = Path(__file__).resolve().parents[1]

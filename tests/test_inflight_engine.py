@@ -211,7 +211,7 @@ def test_the_counter_is_the_absolute_position(model, tok):
 
 
 def test_the_worker_starts_over_a_request_its_checkpoint_cannot_continue(model, tok):
-    from batchgen.runner.worker import RankInfo, Worker
+    from batchgen.runner.worker.worker import RankInfo, Worker
 
     request = requests_of(tok, 1, max_tokens=4, temperature=0.0, ignore_eos=True)[0]
     fresh = run_whole(model, tok, [request])["r0"].completions[0].token_ids

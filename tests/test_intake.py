@@ -299,7 +299,7 @@ def test_real_tokenizer_chat_and_completion(smollm2):
 def test_response_format_nested_past_orjson_is_a_line_error(tok):
     """orjson writes at most 254 levels: the grammar cache key of a deeper schema failed
     outside the compile's error handling and stopped the job at every resume."""
-    from batchgen.runner.grammars import Grammars
+    from batchgen.runner.worker.grammars import Grammars
 
     schema = {"type": "string"}
     for _ in range(300):

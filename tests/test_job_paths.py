@@ -9,7 +9,7 @@ import pytest
 
 from batchgen.config import ConfigError, JobConfig, StorageConfig
 from batchgen.io.jobfiles import FingerprintMismatch, JobPaths
-from batchgen.runner.job_dirs import claim_incremental, make_job_dirs
+from batchgen.runner.files.job_dirs import claim_incremental, make_job_dirs
 from job_utils import batchgen, chat_rows, read_jsonl, start, write_jsonl
 
 

@@ -226,7 +226,7 @@ def test_input_edited_during_the_run_is_not_published(tmp_path, tiny_chat_model)
     """Workers read the input as they go: a line appended mid-run would be answered under the
     original input's identity. The job refuses to publish (exit 3) and says how to start over;
     touching the file without changing it is fine."""
-    from batchgen.runner.job import JobSpec, check_input_unchanged, file_version
+    from batchgen.runner.files.job import JobSpec, check_input_unchanged, file_version
 
     rows = chat_rows(30, max_tokens=40)
     inp = write_jsonl(tmp_path / "in.jsonl", rows)

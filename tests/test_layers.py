@@ -43,7 +43,9 @@ def test_the_tree_keeps_its_layers(tmp_path):
     ("models/base.py", "from batchgen.runner import exits", "Layers"),
     ("sched/pages.py", "import torch", "The scheduler knows pages and counts"),
     ("io/reader.py", "from batchgen.engine import structured", "io reads and writes files"),
-    ("parallel.py", "from batchgen.runner import launch", "Layers"),
+    ("parallel.py", "from batchgen.runner.leader import launch", "Layers"),
+    ("runner/worker/worker.py", "from batchgen.runner.leader import supervisor", "Runner roles"),
+    ("runner/files/job.py", "from batchgen.runner.worker import outputs", "Runner roles"),
 ])
 def test_a_crossed_layer_fails(tmp_path, source, planted, contract):
     tree = _copy_tree(tmp_path)

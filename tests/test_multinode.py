@@ -28,8 +28,8 @@ from test_reliability_support import (
 
 from batchgen.config import ConfigError, DistConfig
 from batchgen.parallel import free_port
-from batchgen.runner.external import adopt, external_rank
-from batchgen.runner.group import (
+from batchgen.runner.leader.external import adopt, external_rank
+from batchgen.runner.leader.group import (
     Group,
     GroupError,
     GroupTimeouts,
@@ -39,7 +39,7 @@ from batchgen.runner.group import (
 )
 from batchgen.parallel import NCCL_SAFE_ENV
 from batchgen.testing.faults import STUCK_ENV
-from batchgen.runner.lock import JobLock, member_lock
+from batchgen.runner.files.lock import JobLock, member_lock
 
 
 def spawn(args, env=None, log: Path | None = None) -> subprocess.Popen:
@@ -196,7 +196,7 @@ def test_the_reported_failure_is_the_cause_not_the_ranks_the_agent_stopped():
     H200 pair) dies of the SIGTERM itself, stamped in the same whole second."""
     from types import SimpleNamespace as Failure
 
-    from batchgen.runner.launch import root_failure
+    from batchgen.runner.leader.launch import root_failure
 
     for survivor in (75, -signal.SIGTERM):
         failures = {0: Failure(exitcode=survivor, timestamp=100),

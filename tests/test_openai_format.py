@@ -16,7 +16,7 @@ from batchgen.io.reader import InputFileError, RawRecord
 from batchgen.io.results import error_line
 from batchgen.engine.tool_choice import ToolChoiceError, forced_functions, tool_call_grammar
 from batchgen.models.factory import load_model, load_tokenizer, model_folder
-from batchgen.runner.grammars import Grammars
+from batchgen.runner.worker.grammars import Grammars
 from engine_utils import make_engine
 from job_utils import batchgen, read_jsonl, write_jsonl
 

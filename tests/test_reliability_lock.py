@@ -49,7 +49,7 @@ def test_second_live_run_is_refused_and_only_the_first_writes(tmp_path, tiny_cha
 
 
 def test_lock_waits_for_its_holder_only_as_long_as_asked(tmp_path):
-    from batchgen.runner.lock import JobLock, JobLocked
+    from batchgen.runner.files.lock import JobLock, JobLocked
 
     path = tmp_path / "batches" / "job.lock"
     holder = JobLock(path)
@@ -85,8 +85,8 @@ def test_run_waits_for_a_live_run_then_completes(tmp_path, tiny_chat_model):
     requeued job overlapping the old run's flush), then runs the job to the same results; a
     shorter wait still ends in exit 4, a stop signal while waiting in exit 75."""
     from batchgen.config import JobConfig, StorageConfig
-    from batchgen.runner.lock import JobLock
-    from batchgen.runner.supervisor import identify
+    from batchgen.runner.files.lock import JobLock
+    from batchgen.runner.leader.supervisor import identify
 
     inp = job_input(tmp_path)
     storage = tmp_path / "s"
@@ -120,7 +120,7 @@ def test_finished_ids_are_read_once_the_results_lock_is_ours(tmp_path):
     import threading
 
     from batchgen.io.jobfiles import JobPaths
-    from batchgen.runner.worker import open_results
+    from batchgen.runner.worker.worker import open_results
 
     paths = JobPaths.for_job(tmp_path, "batch_x")
     target = paths.incremental(0, 1)
@@ -145,8 +145,8 @@ def test_a_worker_refused_by_the_results_lock_is_reported_as_such(tmp_path):
     from types import SimpleNamespace
 
     from batchgen.runner.exits import ExitCode
-    from batchgen.runner.launch import WorkerFailure
-    from batchgen.runner.supervisor import _failure_cause
+    from batchgen.runner.leader.launch import WorkerFailure
+    from batchgen.runner.leader.supervisor import _failure_cause
 
     said = "/x/batch_1.jsonl is in use by another live batchgen process"
     (tmp_path / "batch_1.worker0.json").write_text(f'{{"rank": 0, "failure": "{said}"}}')

@@ -16,8 +16,8 @@ from batchgen.config import (
     StorageConfig,
 )
 from batchgen.io.jobfiles import JobPaths
-from batchgen.runner import preflight as pf
-from batchgen.runner.errors import PreflightFailed
+from batchgen.runner.leader import preflight as pf
+from batchgen.runner.files.errors import PreflightFailed
 from batchgen.runner.exits import ExitCode
 
 GB = 10**9

@@ -13,7 +13,7 @@ from test_reliability_support import (
 )
 
 from batchgen.io.reader import RawRecord
-from batchgen.runner.quarantine import (
+from batchgen.runner.worker.quarantine import (
     ISOLATION_GROUPS,
     Quarantine,
     journal_paths,

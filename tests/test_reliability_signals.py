@@ -116,7 +116,7 @@ def test_workers_stop_on_every_stop_signal():
     supervisor's signal, and a default action (SIGQUIT: die and dump core) would lose the
     step in flight and could fill the disk with a core the size of the weights."""
     from batchgen.runner.exits import STOP_SIGNALS
-    from batchgen.runner.launch import WORKER_STOP_SIGNALS
+    from batchgen.runner.worker.process import WORKER_STOP_SIGNALS
 
     assert set(WORKER_STOP_SIGNALS) == {getattr(signal, name) for name in STOP_SIGNALS}
 
@@ -170,7 +170,7 @@ def test_worker_stopped_while_importing_torch_requeues_quietly(sig):
             "    return real_import(name, *args, **kwargs)\n"
             "builtins.__import__ = spy\n"
             "import runpy\n"
-            "runpy.run_module('batchgen.runner.worker_entry', run_name='__main__')\n")
+            "runpy.run_module('batchgen.runner.worker.worker_entry', run_name='__main__')\n")
     done = _python(code)
     assert done.returncode == 75, (done.returncode, done.stderr[-2000:])
     assert "Traceback" not in done.stderr

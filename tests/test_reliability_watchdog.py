@@ -17,7 +17,7 @@ from test_reliability_support import (
 )
 
 from batchgen.config import WatchdogConfig
-from batchgen.runner.watchdog import (
+from batchgen.runner.worker.watchdog import (
     TICK_S,
     StatsFile,
     Watchdog,
@@ -143,7 +143,7 @@ GIL_HOLDING_HANG = """
 import re, sys, time
 from pathlib import Path
 from batchgen.config import WatchdogConfig
-from batchgen.runner.watchdog import StatsFile, Watchdog
+from batchgen.runner.worker.watchdog import StatsFile, Watchdog
 
 wd = Watchdog(WatchdogConfig(decode_step_timeout=0.5), StatsFile(Path(sys.argv[1])), time.time())
 wd.start()
@@ -162,7 +162,7 @@ def test_a_hang_holding_the_gil_is_ended_by_the_c_timer(tmp_path):
     import subprocess
     import sys
 
-    from batchgen.runner.watchdog import BACKSTOP_MIN_S
+    from batchgen.runner.worker.watchdog import BACKSTOP_MIN_S
 
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, "-c", GIL_HOLDING_HANG, str(tmp_path / "w.json")],

@@ -161,7 +161,7 @@ def test_tokens_holding_part_of_a_character_are_named_by_their_bytes():
     from tiny_models import embedded_tokenizer, tiny_config
 
     from batchgen.config import OutputConfig
-    from batchgen.runner.outputs import OutputFormatter
+    from batchgen.runner.worker.outputs import OutputFormatter
 
     tok = embedded_tokenizer()
     loaded = SimpleNamespace(tokenizer=tok, name="m", hf_config=tiny_config("llama"))

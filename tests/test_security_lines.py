@@ -16,7 +16,7 @@ from batchgen.io.grammar_limits import (MAX_REGEX_DEPTH, GrammarTooComplex,
                                         check_grammar_limits, regex_depth)
 from batchgen.io.intake import ParsedRequest, intake, tokenize_request
 from batchgen.io.reader import RawRecord, read_records, scan_input
-from batchgen.runner.quarantine import CrashJournal, Quarantine
+from batchgen.runner.worker.quarantine import CrashJournal, Quarantine
 from job_utils import BATCHGEN, batchgen, read_jsonl, write_jsonl
 
 
@@ -64,7 +64,7 @@ def test_grammar_limits_name_what_is_over():
 def test_each_line_is_journaled_before_its_risky_intake(tmp_path, monkeypatch):
     """A crash inside the template, tokenizer or grammar compiler must find the line in the
     crash journal, so the quarantine can give it a strike."""
-    from batchgen.runner import worker as worker_module
+    from batchgen.runner.worker import worker as worker_module
 
     quarantine = Quarantine(tmp_path, "b", 0, after=1)
     quarantine.recover(set(), restarted=False)

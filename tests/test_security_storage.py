@@ -13,8 +13,8 @@ from batchgen.atomic import UnsafeJobPath, atomic_file
 from batchgen.io.jobfiles import JobPaths, check_folder_is_safe, derive_batch_id
 from batchgen.io.results import item_id
 from batchgen.io.writer import IncrementalWriter
-from batchgen.runner.lock import JobLock
-from batchgen.runner.quarantine import CrashJournal
+from batchgen.runner.files.lock import JobLock
+from batchgen.runner.worker.quarantine import CrashJournal
 from job_utils import batchgen, chat_rows, read_jsonl, write_jsonl
 
 
@@ -166,7 +166,7 @@ def test_the_output_lock_leaves_no_file_and_stays_exclusive(tmp_path):
     file locks the new one, so a third run is still refused."""
     import threading
 
-    from batchgen.runner.lock import JobLocked
+    from batchgen.runner.files.lock import JobLocked
 
     path = tmp_path / ".out.jsonl.lock"
     first = JobLock(path, "busy", remove_on_release=True)

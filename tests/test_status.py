@@ -80,7 +80,7 @@ def test_an_unfinished_job_shows_saved_results_and_whether_a_run_holds_it(tmp_pa
 
 
 def test_prefix_hits_share_over_engines():
-    from batchgen.runner.progress import prefix_hits
+    from batchgen.runner.leader.progress import prefix_hits
 
     assert prefix_hits([{"prompt_tokens": 1000, "cached_prompt_tokens": 870},
                         {"prompt_tokens": 1000, "cached_prompt_tokens": 0}]) == \

@@ -291,7 +291,7 @@ def test_job_paths_layout(tmp_path):
 def test_damaged_batch_file_is_a_job_error_with_its_exit_code(tmp_path, content):
     """Not a traceback and exit 1 ("a worker crashed"): exit 3 and the file to move aside."""
     from batchgen.io.jobfiles import CorruptBatchFile
-    from batchgen.runner.errors import exit_code_of
+    from batchgen.runner.files.errors import exit_code_of
 
     paths = JobPaths.for_job(tmp_path, "batch_1")
     paths.batch_file.parent.mkdir(parents=True)

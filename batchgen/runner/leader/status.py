@@ -16,8 +16,8 @@ from batchgen.io.checkpoints import checkpoint_files, load
 from batchgen.io.jobfiles import JobPaths
 from batchgen.io.writer import CorruptIncrementalFile, read_done_ids
 from batchgen.runner.exits import ExitCode
-from batchgen.runner.job import JobSpec
-from batchgen.runner.progress import human_seconds, prefix_hits, read_worker_stats
+from batchgen.runner.files.job import JobSpec
+from batchgen.runner.leader.progress import human_seconds, prefix_hits, read_worker_stats
 
 
 def show_status(storage: Path, target: str | None) -> int:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from batchgen.config import ConfigError, DistConfig
-from batchgen.runner.launch import force_safe_env
+from batchgen.runner.leader.launch import force_safe_env
 
 log = logging.getLogger("batchgen")
 DEFAULT_MASTER_PORT = 29500
@@ -100,7 +100,7 @@ def adopt(ext: ExternalRank, dist: DistConfig) -> DistConfig:
 def run_worker_here(spec_file: Path, log_file: Path) -> int:
     """The worker's main() in this process; its log lines also go to `log_file` (a rank that
     fails reports that file's tail to the leader)."""
-    from batchgen.runner import worker
+    from batchgen.runner.worker import worker
 
     log_file.parent.mkdir(parents=True, exist_ok=True)
     handler = logging.FileHandler(log_file)

@@ -40,25 +40,25 @@ from batchgen.io.writer import (IncompleteResults, final_files_complete, finaliz
 from batchgen.models.folder_checks import check_model_folder, machine_memory
 from batchgen.models.loader import MANIFEST, resolve_model, weights_signature
 from batchgen.phases import format_phases, process_start_time
-from batchgen.runner.errors import (
+from batchgen.runner.files.errors import (
     EXIT_CODES,
     PreflightFailed,
     disk_errors,
     exit_code_of,
 )
-from batchgen.runner.group import Group, GroupError, MemberEnd, PlanRefused
-from batchgen.runner.job_dirs import claim_incremental, make_job_dirs
+from batchgen.runner.leader.group import Group, GroupError, MemberEnd, PlanRefused
+from batchgen.runner.files.job_dirs import claim_incremental, make_job_dirs
 from batchgen.runner.exits import ExitCode, Preempted, StopSignals
-from batchgen.runner.job import (JobSpec, check_input_unchanged, file_version,
+from batchgen.runner.files.job import (JobSpec, check_input_unchanged, file_version,
                                  fingerprint, now)
-from batchgen.runner.launch import WorkerFailure, is_stop_signal
-from batchgen.runner.lock import JobLock
-from batchgen.runner.members import Member, check_plan, member_failure, member_for
-from batchgen.runner.outputs import outputs_belong_to
-from batchgen.runner.preflight import preflight, refuse_unwritable
-from batchgen.runner.progress import ProgressReporter, read_worker_stats, run_summary
-from batchgen.runner.quarantine import mark_crashed
-from batchgen.runner.watchdog import health_from_stats
+from batchgen.runner.leader.launch import WorkerFailure, is_stop_signal
+from batchgen.runner.files.lock import JobLock
+from batchgen.runner.leader.members import Member, check_plan, member_failure, member_for
+from batchgen.runner.worker.outputs import outputs_belong_to
+from batchgen.runner.leader.preflight import preflight, refuse_unwritable
+from batchgen.runner.leader.progress import ProgressReporter, read_worker_stats, run_summary
+from batchgen.runner.worker.quarantine import mark_crashed
+from batchgen.runner.worker.watchdog import health_from_stats
 
 log = logging.getLogger("batchgen")
 SHARED_FS_RETRY_S = (2, 5, 10, 20, 30)

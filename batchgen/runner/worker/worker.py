@@ -1,7 +1,7 @@
 """A worker: the engine fed from this rank's shard of the input, results fsynced per step.
 
 Run by the supervisor through torch.distributed's launcher (`python -m
-batchgen.runner.worker_entry SPEC.json`, which calls `main`); rank and world size come from the
+batchgen.runner.worker.worker_entry SPEC.json`, which calls `main`); rank and world size come from the
 launcher's environment, never from globals.
 Exit codes: 0 shard done, 75 stopped by a signal, 4 results file locked, 6 disk, 70 watchdog,
 71 device out of memory; anything else is a crash.
@@ -34,16 +34,16 @@ from batchgen.models.factory import load_model, model_folder, weight_bytes
 from batchgen.models.loader import MANIFEST
 from batchgen.parallel import Placement, default_tp_size, init_tensor_parallel
 from batchgen.phases import StartupClock
-from batchgen.runner.errors import DiskError, disk_errors
-from batchgen.runner.embed_jobs import EmbeddingJobs
-from batchgen.runner.grammars import Grammars
-from batchgen.runner.inflight import InflightCheckpoints, with_progress
+from batchgen.runner.files.errors import DiskError, disk_errors
+from batchgen.runner.worker.embed_jobs import EmbeddingJobs
+from batchgen.runner.worker.grammars import Grammars
+from batchgen.runner.worker.inflight import InflightCheckpoints, with_progress
 from batchgen.runner.exits import ExitCode
-from batchgen.runner.job import JobSpec
-from batchgen.runner.launch import StopFlag, die_with_supervisor, launched_at
-from batchgen.runner.outputs import OutputFormatter
-from batchgen.runner.quarantine import Quarantine
-from batchgen.runner.watchdog import StatsFile, Watchdog, guard_decode_steps
+from batchgen.runner.files.job import JobSpec
+from batchgen.runner.worker.outputs import OutputFormatter
+from batchgen.runner.worker.process import StopFlag, die_with_supervisor, launched_at
+from batchgen.runner.worker.quarantine import Quarantine
+from batchgen.runner.worker.watchdog import StatsFile, Watchdog, guard_decode_steps
 from batchgen.sched.scheduler import RequestTooLarge
 from batchgen.testing import faults
 

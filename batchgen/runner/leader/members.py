@@ -18,11 +18,11 @@ from pathlib import Path
 
 from batchgen.config import DistConfig, JobConfig
 from batchgen.runner.exits import ExitCode
-from batchgen.runner.external import ExternalRank, adopt, external_rank, run_worker_here
-from batchgen.runner.group import Group, GroupError, GroupTimeouts, MemberEnd, open_store
-from batchgen.runner.job import JobSpec
-from batchgen.runner.launch import WorkerFailure, launch_workers, tail
-from batchgen.runner.lock import JobLock, member_lock
+from batchgen.runner.leader.external import ExternalRank, adopt, external_rank, run_worker_here
+from batchgen.runner.leader.group import Group, GroupError, GroupTimeouts, MemberEnd, open_store
+from batchgen.runner.files.job import JobSpec
+from batchgen.runner.leader.launch import WorkerFailure, launch_workers, tail
+from batchgen.runner.files.lock import JobLock, member_lock
 
 log = logging.getLogger("batchgen")
 SHARED_FS_WAIT_S = 60.0

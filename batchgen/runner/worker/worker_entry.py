@@ -1,4 +1,4 @@
-"""`python -m batchgen.runner.worker_entry SPEC`: how the launcher starts a worker.
+"""`python -m batchgen.runner.worker.worker_entry SPEC`: how the launcher starts a worker.
 
 A worker spends seconds importing torch before `worker.main()` installs its stop handlers; a
 stop signal in that window (Ctrl-C reaches every process of the terminal's group) would
@@ -15,6 +15,6 @@ from batchgen.runner.exits import requeue_on_stop_signals
 
 if __name__ == "__main__":
     requeue_on_stop_signals()
-    from batchgen.runner.worker import main
+    from batchgen.runner.worker.worker import main
 
     sys.exit(main())

@@ -16,7 +16,7 @@ from batchgen.config import ConfigError, JobConfig
 from batchgen.atomic import read_json_dict, write_json_atomic
 from batchgen.io.jobfiles import (FOLDER_MODE, FingerprintMismatch, JobPaths, check_fingerprint,
                                   check_folder_is_safe, refuse_planted_links)
-from batchgen.runner.errors import is_disk_error
+from batchgen.runner.files.errors import is_disk_error
 
 
 def make_job_dirs(config: JobConfig, paths: JobPaths) -> None:

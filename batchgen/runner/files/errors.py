@@ -15,7 +15,7 @@ from batchgen.io.writer import CorruptIncrementalFile, IncompleteResults, WriteF
 from batchgen.models.loader import CheckpointError, ModelNotFoundError
 from batchgen.models.registry import UnsupportedModelError
 from batchgen.runner.exits import ExitCode
-from batchgen.runner.lock import JobLocked
+from batchgen.runner.files.lock import JobLocked
 
 DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS, errno.EFBIG})
 """OSErrors that mean "the disk cannot take our writes": reported as exit 6, never retried."""

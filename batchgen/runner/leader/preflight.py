@@ -20,7 +20,7 @@ from batchgen.config import JobConfig
 from batchgen.atomic import NOFOLLOW
 from batchgen.engine.host_pool import host_memory_bytes, shm_free_bytes
 from batchgen.io.jobfiles import JobPaths
-from batchgen.runner.errors import DISK_ERRNOS, PreflightFailed
+from batchgen.runner.files.errors import DISK_ERRNOS, PreflightFailed
 from batchgen.runner.exits import ExitCode
 
 log = logging.getLogger("batchgen.preflight")

@@ -1,5 +1,6 @@
-"""How workers start and stop: torch.distributed's elastic launcher (torchrun's API), the stop
-signals (Slurm preemption, spot notices) and dying with the supervisor.
+"""How workers start and stop: torch.distributed's elastic launcher (torchrun's API) and the stop
+signals (Slurm preemption, spot notices); a worker's own side (its stop flag, dying with the
+supervisor) is in runner/worker/process.py.
 
 Signals, end to end. The launcher's agent handles SIGTERM, SIGINT, SIGHUP, SIGQUIT and (we add
 it) SIGUSR1 in the supervisor: it forwards the same signal to every worker, waits
@@ -18,28 +19,17 @@ import os
 import re
 import signal
 import sys
-import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from batchgen.config import DistConfig
 from batchgen.parallel import NCCL_SAFE_ENV
 from batchgen.runner.exits import STOP_SIGNALS, ExitCode  # the signals the agent forwards
+from batchgen.runner.worker.process import LAUNCHED_AT_ENV, SUPERVISOR_PID_ENV
 
-WORKER_STOP_SIGNALS = tuple(getattr(signal, name) for name in STOP_SIGNALS)
-"""A worker stops at its next step on each signal that stops the job. The agent forwards the
-supervisor's own signal and Slurm may signal every process: SIGQUIT left at its default
-would kill the worker mid-step and dump a core the size of its memory (weights included)."""
-WORKER_GRACE_SHARE = 0.75
 AGENT_GRACE_SHARE = 0.9
-SAME_NOTICE_S = 2.0
-"""Signals this close together are one notice: Slurm signals every process of the step and the
-agent forwards its own copy, so a worker may see the same preemption twice within milliseconds."""
-LAUNCHED_AT_ENV = "BATCHGEN_LAUNCHED_AT"
-"""Unix time the supervisor launched the workers: --startup-timeout counts from it."""
-SUPERVISOR_PID_ENV = "BATCHGEN_SUPERVISOR_PID"
 
 
 @dataclass
@@ -58,7 +48,7 @@ class WorkerFailure(Exception):
 
 
 def launch_workers(dist: DistConfig, spec_file: Path, log_dir: Path, grace: float) -> None:
-    """Run `python -m batchgen.runner.worker_entry SPEC` on this node's ranks; raise
+    """Run `python -m batchgen.runner.worker.worker_entry SPEC` on this node's ranks; raise
     WorkerFailure, or the launcher's SignalException when the supervisor got a stop signal."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -82,7 +72,7 @@ def launch_workers(dist: DistConfig, spec_file: Path, log_dir: Path, grace: floa
         signals_to_handle=",".join(STOP_SIGNALS), shutdown_timeout=agent_shutdown_timeout(grace),
         **rdzv))
     try:
-        elastic_launch(config, sys.executable)("-u", "-m", "batchgen.runner.worker_entry",
+        elastic_launch(config, sys.executable)("-u", "-m", "batchgen.runner.worker.worker_entry",
                                                str(spec_file))
     except ChildFailedError as err:
         rank, failure = root_failure(err.failures)  # global rank; logs are per local rank
@@ -178,57 +168,3 @@ def tail(log: Path | None, lines: int = 20) -> str:
         return "(no worker log found)"
     text = log.read_text(errors="replace").splitlines()[-lines:]
     return f"last lines of {log}:\n" + "\n".join("  " + line for line in text)
-
-
-@dataclass
-class StopFlag:
-    """A worker's stop signals: the first stops admission (the loop flushes and exits 75); the
-    worker leaves by itself once its share of the grace period is spent; a second notice (more
-    than SAME_NOTICE_S later) exits at once. Finished lines are durable at every instant, so
-    leaving early only costs recomputing what was in flight."""
-
-    grace: float
-    requested: bool = False
-    serving: bool = False
-    """Set once the worker loop runs; before that (loading) there is nothing to flush."""
-    _first_at: float | None = field(default=None, repr=False)
-
-    def install(self) -> None:
-        for sig in WORKER_STOP_SIGNALS:
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame) -> None:
-        now = time.monotonic()
-        if self._first_at is not None:
-            if now - self._first_at >= SAME_NOTICE_S:
-                os._exit(ExitCode.REQUEUE)
-            return
-        self._first_at = now
-        if not self.serving:
-            os._exit(ExitCode.REQUEUE)
-        self.requested = True
-        leave = threading.Timer(self.grace * WORKER_GRACE_SHARE, os._exit, (ExitCode.REQUEUE,))
-        leave.daemon = True
-        leave.start()
-
-
-def die_with_supervisor() -> None:
-    """SIGKILL this worker when the supervisor dies (even by SIGKILL): an orphaned worker would
-    keep computing and holding the job's files. Linux only; elsewhere a no-op."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
-    supervisor = os.environ.get(SUPERVISOR_PID_ENV)
-    if supervisor and os.getppid() != int(supervisor):
-        os._exit(ExitCode.REQUEUE)  # it died before prctl took effect
-
-
-def launched_at() -> float:
-    """When the supervisor launched this worker (now, when run by hand)."""
-    try:
-        return float(os.environ[LAUNCHED_AT_ENV])
-    except (KeyError, ValueError):
-        return time.time()
