@@ -9,6 +9,8 @@ import typer
 import typer.core
 from typer.core import TyperCommand
 
+from batchgen.runner.exits import ExitCode
+
 
 def _click():
     """The click typer runs on: its own copy in newer typer releases, click itself before."""
@@ -73,7 +75,7 @@ def run_app(app: typer.Typer, args: list[str] | None = None) -> int:
         command = err.ctx.command_path if err.ctx is not None else "batchgen"
         message = err.format_message().replace("\n", " ")
         typer.secho(f"error: {message} (see `{command} --help`)", fg=typer.colors.RED, err=True)
-        return 2
+        return ExitCode.INPUT
     except click.exceptions.ClickException as err:
         typer.secho(f"error: {err.format_message()}", fg=typer.colors.RED, err=True)
         return err.exit_code

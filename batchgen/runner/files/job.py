@@ -11,6 +11,7 @@ from pathlib import Path
 
 import orjson
 
+from batchgen.atomic import atomic_file
 from batchgen.config import JobConfig, StorageConfig
 from batchgen.io.jobfiles import FingerprintMismatch, JobPaths, make_fingerprint
 from batchgen.io.reader import DEFAULT_MAX_LINE_BYTES, scan_input
@@ -37,9 +38,8 @@ class JobSpec:
 
     def save(self) -> Path:
         path = self.spec_file()
-        tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-        tmp.write_bytes(self.to_bytes())
-        os.replace(tmp, path)
+        with atomic_file(path) as f:  # no-follow, fsynced, all or nothing
+            f.write(self.to_bytes())
         return path
 
     def to_bytes(self) -> bytes:

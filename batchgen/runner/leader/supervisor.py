@@ -350,7 +350,7 @@ def _run_follower_ranks(spec: JobSpec, config: JobConfig, member: Member,
     m = member.group.member
     try:
         member.run_ranks(spec, config.dist)
-        return MemberEnd(m, 0)
+        return MemberEnd(m, ExitCode.OK)
     except WorkerFailure as failure:
         code = _worker_exit_code(failure.exitcode)
         log.error("%s\n%s", failure.cause or f"worker rank {failure.rank} exited with code "
@@ -367,9 +367,6 @@ def _run_follower_ranks(spec: JobSpec, config: JobConfig, member: Member,
 
 
 def _worker_exit_code(code: int) -> int:
-    if code in (ExitCode.REQUEUE, ExitCode.WATCHDOG, ExitCode.DISK, ExitCode.DEVICE_OOM,
-                ExitCode.LOCKED):
-        return code
     return code if 0 < code < 256 else ExitCode.CRASH
 
 
@@ -553,10 +550,15 @@ def _engine_counters(stats: list[dict]) -> dict:
     counters: dict = {}
     for s in stats:
         for key, value in s.get("engine", {}).items():
+            if key == "prefix_hit_rate":
+                continue  # a ratio: recomputed over the ranks below, not summed
             if isinstance(value, (int, float)):
                 counters[key] = counters.get(key, 0) + value
             else:
                 counters.setdefault(key, value)
+    if "prompt_tokens" in counters:
+        counters["prefix_hit_rate"] = (counters.get("cached_prompt_tokens", 0)
+                                       / max(1, counters["prompt_tokens"]))
     return counters
 
 

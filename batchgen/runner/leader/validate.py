@@ -73,7 +73,7 @@ def validate_file(path: Path, max_tokens: int) -> int:
             typer.echo(f"line {record.line}: warning: {problem}")
     if summary.records == 0:
         typer.echo(f"{path}: the file holds no requests (it is empty): nothing to run")
-        return 1
+        return ExitCode.FAILED
     bad = sum(codes.values())
     line = (f"{path}: {summary.format}, {_plural(summary.records, 'request')}: "
             f"{summary.records - bad} valid, {bad} invalid")

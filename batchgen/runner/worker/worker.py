@@ -433,7 +433,7 @@ def serve(spec: JobSpec, rank: RankInfo, stop: StopFlag, watchdog: Watchdog) -> 
     except (WriterLocked, InputFileError) as err:
         log.error("rank %d: %s", rank.rank, err)
         watchdog.stats.update({"failure": str(err)})  # the supervisor's report names it
-        return ExitCode.LOCKED if isinstance(err, WriterLocked) else ExitCode.INPUT
+        code = ExitCode.LOCKED if isinstance(err, WriterLocked) else ExitCode.INPUT
     except torch.cuda.OutOfMemoryError as err:
         log.error("rank %d: device out of memory (%s); the requests in flight will be retried "
                   "in smaller groups on restart", rank.rank, str(err).splitlines()[0])
