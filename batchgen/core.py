@@ -110,6 +110,10 @@ class Request:
     resume: list[ChoiceProgress] | None = None
     """One entry per choice (index order) when the request continues from an in-flight
     checkpoint: the tokens it had generated (and finished choices' results); None: new."""
+    origin: object | None = None
+    """Where the request came from (the job runner's parsed input line,
+    io.intake.PendingRequest): the engine never reads it, and hands it back with the request
+    in FinishedRequest.request, so the answer is formatted without a lookup by id."""
 
 
 class FinishReason(str, enum.Enum):

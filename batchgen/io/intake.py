@@ -84,7 +84,7 @@ class PendingRequest(ParsedRequest):
     """sampling.max_tokens is already clamped to max_context - len(prompt_token_ids)."""
 
     def to_request(self) -> Request:
-        return Request(self.custom_id, list(self.prompt_token_ids), self.sampling)
+        return Request(self.custom_id, list(self.prompt_token_ids), self.sampling, origin=self)
 
 
 class _BadLine(Exception):

@@ -167,7 +167,6 @@ class Worker:
                                  self.loaded.eos_token_ids, self.formatter.tool_format)
         self.embeddings = EmbeddingJobs(self.loaded, spec.batch_id,
                                         cfg.engine.scheduler.max_prefill_tokens)
-        self.pending: dict[str, PendingRequest] = {}
         self.handled: set[str] = set()
         """Suspects served (or quarantined) before the main pass, which must skip them."""
         self._last_stats = 0.0
@@ -313,7 +312,6 @@ class Worker:
             if isinstance(item, PendingRequest):
                 try:
                     self._admit(request)
-                    self.pending[item.custom_id] = item
                     continue
                 except RequestTooLarge as err:
                     item = IntakeError(item.custom_id, item.line, "kv_pool_too_small",
@@ -329,8 +327,7 @@ class Worker:
         return [dumps(line) for line, _ in done]
 
     def _result(self, finished) -> bytes:
-        pending = self.pending.pop(finished.request_id)
-        line = self.formatter.success(pending, finished)
+        line = self.formatter.success(finished.request.origin, finished)
         self.stats.completed += 1
         self.stats.prompt_tokens += finished.prompt_len
         self.stats.completion_tokens += finished.completion_tokens
