@@ -11,7 +11,7 @@ import pytest
 
 from attacks import fixture, nested_regex_row, write_huge_line
 from batchgen.core import SamplingParams
-from batchgen.io import intake as intake_module
+from batchgen.io import templates as templates_module
 from batchgen.io.grammar_limits import (MAX_REGEX_DEPTH, GrammarTooComplex,
                                         check_grammar_limits, regex_depth)
 from batchgen.io.intake import ParsedRequest, intake, tokenize_request
@@ -154,14 +154,14 @@ def template_tokenizer():
 
 
 def test_a_template_looping_without_end_is_a_line_error(template_tokenizer, monkeypatch):
-    monkeypatch.setattr(intake_module, "TEMPLATE_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(templates_module, "TEMPLATE_TIMEOUT_S", 0.5)
     template_tokenizer.chat_template = fixture("loop_template.jinja").read_text()
     item = tokenize_request(_chat(), template_tokenizer, 2048)
     assert item.code == "template_error" and "ran past 0.5 s" in item.message
 
 
 def test_a_template_growing_without_end_is_a_line_error(template_tokenizer, monkeypatch):
-    monkeypatch.setattr(intake_module, "MAX_RENDERED_CHARS", 1 << 20)
+    monkeypatch.setattr(templates_module, "MAX_RENDERED_CHARS", 1 << 20)
     template_tokenizer.chat_template = fixture("growing_template.jinja").read_text()
     item = tokenize_request(_chat(), template_tokenizer, 2048)
     assert item.code == "template_error" and "over the limit" in item.message

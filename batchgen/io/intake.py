@@ -8,10 +8,7 @@ intake() does both. A bad line returns an IntakeError; nothing here raises for b
 
 from __future__ import annotations
 
-import contextlib
 import math
-import signal
-import threading
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -22,6 +19,7 @@ from batchgen.io.embeddings import (EMBEDDINGS_URL, EmbeddingLineError, Embeddin
                                     parse_embedding, tokenize_embedding)
 from batchgen.io.grammar_limits import GrammarTooComplex, check_grammar_limits
 from batchgen.io.reader import RawRecord, custom_id_of, record_key
+from batchgen.io.templates import TemplateError, render_chat
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
@@ -29,15 +27,9 @@ EXTRA_FIELDS = ("tools", "tool_choice", "response_format", "parallel_tool_calls"
                 "chat_template_kwargs")
 """Body fields carried to the chat template, the output parsers and, for response_format
 (json_object, json_schema), the grammar that constrains sampling."""
-TEMPLATE_TIMEOUT_S = 10.0
-"""Longest a chat template may render one line (the model folder's template is foreign code)."""
-MAX_RENDERED_CHARS = 64 << 20
-"""Longest text a chat template may render for one line."""
 MAX_CHARS_PER_TOKEN = 128
 """More characters than any vocabulary piece holds: a text longer than this many per token of
 the context cannot fit, whatever the tokenizer."""
-_RESERVED_TEMPLATE_KWARGS = {"conversation", "messages", "tools", "tokenize",
-                             "add_generation_prompt", "chat_template", "return_dict"}
 _ALLOWED = {
     "max_tokens": "an integer >= 1", "max_completion_tokens": "an integer >= 1",
     "min_tokens": "an integer >= 0", "temperature": "a number in [0, 100]",
@@ -449,7 +441,11 @@ def _prompt_ids(parsed: ParsedRequest, tokenizer: Any, max_context: int) -> list
                                  "invalid_prompt")
             return list(parsed.prompt)
         return list(tokenizer.encode(_fits_context(parsed.prompt, max_context)))
-    text = _fits_context(render_chat(parsed, tokenizer), max_context)
+    try:
+        text = render_chat(parsed.messages, parsed.extra, tokenizer)
+    except TemplateError as err:
+        raise _BadLine(err.code, str(err), err.param) from None
+    text = _fits_context(text, max_context)
     # The template already wrote BOS and other special tokens: do not add them twice.
     return list(tokenizer.encode(text, add_special_tokens=False))
 
@@ -462,66 +458,4 @@ def _fits_context(text: str, max_context: int) -> str:
                        f"the prompt is {len(text)} characters, more than {MAX_CHARS_PER_TOKEN} "
                        f"per token of the model's {max_context}-token context, so it cannot "
                        "fit (it is refused without tokenizing); shorten the prompt")
-    return text
-
-
-class TemplateTimeout(Exception):
-    """A chat template ran past TEMPLATE_TIMEOUT_S."""
-
-
-@contextlib.contextmanager
-def _time_limit(seconds: float):
-    """Raise TemplateTimeout in this code after `seconds` (an interval timer: main thread
-    only; elsewhere no limit applies, as in `batchgen validate`'s threads there are none)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def expire(signum, frame):
-        raise TemplateTimeout
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-
-
-def render_chat(parsed: ParsedRequest, tokenizer: Any) -> str:
-    """The prompt text of a chat request (transformers renders it in a sandboxed jinja env,
-    within TEMPLATE_TIMEOUT_S and MAX_RENDERED_CHARS: a template that loops or grows without
-    end becomes this line's template_error). Tools the template does not render (the text is
-    the same without them) are refused: the model would answer without ever seeing them."""
-    tools = parsed.extra.get("tools")
-    text = _render(parsed, tokenizer, tools)
-    if tools and text == _render(parsed, tokenizer, None):
-        raise _BadLine("unsupported_tools", "this model's chat template does not render tools, "
-                                            "so the model would never see them: drop \"tools\" "
-                                            "or use a model whose template supports tool use",
-                       "tools")
-    return text
-
-
-def _render(parsed: ParsedRequest, tokenizer: Any, tools) -> str:
-    kwargs = {k: v for k, v in (parsed.extra.get("chat_template_kwargs") or {}).items()
-              if k not in _RESERVED_TEMPLATE_KWARGS}
-    try:
-        with _time_limit(TEMPLATE_TIMEOUT_S):
-            text = tokenizer.apply_chat_template(parsed.messages, tokenize=False,
-                                                 add_generation_prompt=True, tools=tools,
-                                                 **kwargs)
-    except TemplateTimeout:
-        raise _BadLine("template_error", f"the chat template ran past {TEMPLATE_TIMEOUT_S:g} s "
-                                         "for this line (a loop without end?) and was "
-                                         "stopped", "messages") from None
-    # A template is foreign code that may raise anything; one line must never stop the job.
-    except Exception as e:  # noqa: BLE001
-        raise _BadLine("template_error",
-                       f"the chat template failed: {type(e).__name__}: {e}", "messages") from None
-    if not isinstance(text, str) or len(text) > MAX_RENDERED_CHARS:
-        size = f"{len(text)} characters" if isinstance(text, str) else type(text).__name__
-        raise _BadLine("template_error", f"the chat template rendered {size}, over the limit "
-                                         f"of {MAX_RENDERED_CHARS}", "messages")
     return text

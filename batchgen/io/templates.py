@@ -1,0 +1,87 @@
+"""Chat templates rendered as untrusted code: the model folder's template runs in transformers'
+sandboxed jinja environment, within a time limit and an output-size limit, so a template that
+loops, grows without end or raises becomes one line's error, never a stuck or dead job."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from typing import Any
+
+TEMPLATE_TIMEOUT_S = 10.0
+"""Longest a chat template may render one line (the model folder's template is foreign code)."""
+MAX_RENDERED_CHARS = 64 << 20
+"""Longest text a chat template may render for one line."""
+_RESERVED_TEMPLATE_KWARGS = {"conversation", "messages", "tools", "tokenize",
+                             "add_generation_prompt", "chat_template", "return_dict"}
+
+
+class TemplateError(ValueError):
+    """A line's chat template failed, looped, grew too large, or ignored its tools."""
+
+    def __init__(self, code: str, message: str, param: str):
+        super().__init__(message)
+        self.code, self.param = code, param
+
+
+class TemplateTimeout(Exception):
+    """A chat template ran past TEMPLATE_TIMEOUT_S."""
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: float):
+    """Raise TemplateTimeout in this code after `seconds` (an interval timer: main thread
+    only; elsewhere no limit applies, as in `batchgen validate`'s threads there are none)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(signum, frame):
+        raise TemplateTimeout
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def render_chat(messages: list[dict], extra: dict, tokenizer: Any) -> str:
+    """The prompt text of a chat request (transformers renders it in a sandboxed jinja env,
+    within TEMPLATE_TIMEOUT_S and MAX_RENDERED_CHARS: a template that loops or grows without
+    end becomes this line's template_error). Tools the template does not render (the text is
+    the same without them) are refused: the model would answer without ever seeing them."""
+    tools = extra.get("tools")
+    text = _render(messages, extra, tokenizer, tools)
+    if tools and text == _render(messages, extra, tokenizer, None):
+        raise TemplateError("unsupported_tools", "this model's chat template does not render tools, "
+                                            "so the model would never see them: drop \"tools\" "
+                                            "or use a model whose template supports tool use",
+                       "tools")
+    return text
+
+
+def _render(messages: list[dict], extra: dict, tokenizer: Any, tools) -> str:
+    kwargs = {k: v for k, v in (extra.get("chat_template_kwargs") or {}).items()
+              if k not in _RESERVED_TEMPLATE_KWARGS}
+    try:
+        with _time_limit(TEMPLATE_TIMEOUT_S):
+            text = tokenizer.apply_chat_template(messages, tokenize=False,
+                                                 add_generation_prompt=True, tools=tools,
+                                                 **kwargs)
+    except TemplateTimeout:
+        raise TemplateError("template_error", f"the chat template ran past {TEMPLATE_TIMEOUT_S:g} s "
+                                         "for this line (a loop without end?) and was "
+                                         "stopped", "messages") from None
+    # A template is foreign code that may raise anything; one line must never stop the job.
+    except Exception as e:  # noqa: BLE001
+        raise TemplateError("template_error",
+                       f"the chat template failed: {type(e).__name__}: {e}", "messages") from None
+    if not isinstance(text, str) or len(text) > MAX_RENDERED_CHARS:
+        size = f"{len(text)} characters" if isinstance(text, str) else type(text).__name__
+        raise TemplateError("template_error", f"the chat template rendered {size}, over the limit "
+                                         f"of {MAX_RENDERED_CHARS}", "messages")
+    return text
