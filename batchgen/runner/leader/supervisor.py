@@ -39,26 +39,21 @@ from batchgen.io.writer import (IncompleteResults, final_files_complete, finaliz
                                 read_done_ids)
 from batchgen.models.folder_checks import check_model_folder, machine_memory
 from batchgen.models.loader import MANIFEST, resolve_model, weights_signature
-from batchgen.phases import format_phases, process_start_time
-from batchgen.runner.files.errors import (
-    EXIT_CODES,
-    PreflightFailed,
-    disk_errors,
-    exit_code_of,
-)
-from batchgen.runner.leader.group import Group, GroupError, MemberEnd, PlanRefused
-from batchgen.runner.files.job_dirs import claim_incremental, make_job_dirs
 from batchgen.runner.exits import ExitCode, Preempted, StopSignals
-from batchgen.runner.files.job import (JobSpec, check_input_unchanged, file_version,
-                                 fingerprint, now)
-from batchgen.runner.leader.launch import WorkerFailure, is_stop_signal
+from batchgen.runner.files.errors import EXIT_CODES, PreflightFailed, disk_errors, exit_code_of
+from batchgen.runner.files.job import (JobSpec, check_input_unchanged, file_version, fingerprint,
+                                       now)
+from batchgen.runner.files.job_dirs import claim_incremental, make_job_dirs
 from batchgen.runner.files.lock import JobLock
+from batchgen.runner.leader.group import Group, GroupError, MemberEnd, PlanRefused
+from batchgen.runner.leader.launch import WorkerFailure, is_stop_signal
 from batchgen.runner.leader.members import Member, check_plan, member_failure, member_for
-from batchgen.runner.worker.outputs import outputs_belong_to
 from batchgen.runner.leader.preflight import preflight, refuse_unwritable
 from batchgen.runner.leader.progress import ProgressReporter, read_worker_stats, run_summary
+from batchgen.runner.leader.records import (record_end, result_files, try_record_end,
+                                            usage_total)
+from batchgen.runner.worker.outputs import outputs_belong_to
 from batchgen.runner.worker.quarantine import mark_crashed
-from batchgen.runner.worker.watchdog import health_from_stats
 
 log = logging.getLogger("batchgen")
 SHARED_FS_RETRY_S = (2, 5, 10, 20, 30)
@@ -240,7 +235,7 @@ def _run_locked(spec: JobSpec, batch_file: BatchFile, already: int, stops: StopS
              spec.total_records, already, paths.output)
     started = time.time()
     batch_file.update(spec.batch_id, status="in_progress", timings={"started_at": int(started)},
-                      **_result_files(paths))
+                      **result_files(paths))
     for stale in paths.batch_file.parent.glob(f"{spec.batch_id}.worker*.json"):
         stale.unlink()
     paths.remove_write_temps()
@@ -253,7 +248,7 @@ def _run_locked(spec: JobSpec, batch_file: BatchFile, already: int, stops: StopS
         elif group is not None:
             group.publish_final("done")
     except PlanRefused as err:  # nothing ran: no crash evidence against any request
-        _try_record_end(spec, batch_file, started, "failed", {"last_failure": str(err)})
+        try_record_end(spec, batch_file, started, "failed", {"last_failure": str(err)})
         log.error("%s", err)
         return err.code
     except GroupError:  # a follower's ranks failed, or it died
@@ -274,7 +269,7 @@ def _run_locked(spec: JobSpec, batch_file: BatchFile, already: int, stops: StopS
                                   member_failure(group.failure, spec.config))
         stops.stopping = True  # the launcher took the first signal: the next one exits at once
         name = signal.Signals(err.sigval).name if hasattr(err, "sigval") else str(err)
-        _try_record_end(spec, batch_file, started, "in_progress", {"last_stop": name})
+        try_record_end(spec, batch_file, started, "in_progress", {"last_stop": name})
         raise Preempted(name) from None
     finally:
         stops.install()  # the launcher (or the in-process worker) replaced our handlers
@@ -374,12 +369,12 @@ def _worker_failed(spec: JobSpec, batch_file: BatchFile, started: float,
                    failure: WorkerFailure) -> int:
     code = failure.exitcode
     if code == ExitCode.REQUEUE:
-        _try_record_end(spec, batch_file, started, "in_progress", {"last_stop": "worker stopped"})
+        try_record_end(spec, batch_file, started, "in_progress", {"last_stop": "worker stopped"})
         raise Preempted(f"worker rank {failure.rank} (exit {code})")
     if code not in NOT_CRASHES:
         mark_crashed(spec.paths.batch_file.parent, spec.batch_id, code)
     cause = _failure_cause(spec, failure)
-    _try_record_end(spec, batch_file, started, "failed",
+    try_record_end(spec, batch_file, started, "failed",
                     {"last_failure": cause, "last_failure_at": int(time.time()),
                      "last_exit_code": code, "worker_log": failure.log_path})
     log.error("%s\n%s", cause, failure.log_tail)
@@ -450,10 +445,10 @@ def _finish(spec: JobSpec, batch_file: BatchFile, started: float, stops: StopSig
         _keep_default_copy(paths.output, JobPaths.for_job(s.storage_path, spec.batch_id))
     stops.completed = True  # a stop signal while "completed" goes on record changes nothing
     try:
-        _record_end(spec, batch_file, started, "completed", {},
+        record_end(spec, batch_file, started, "completed", {},
                     counts={"total": spec.total_records, "completed": report.completed,
                             "failed": report.failed},
-                    usage=_usage_total(report.prompt_tokens, report.completion_tokens))
+                    usage=usage_total(report.prompt_tokens, report.completion_tokens))
     except BaseException:
         stops.completed = False
         raise
@@ -484,92 +479,3 @@ def _keep_default_copy(output: Path, default: JobPaths) -> None:
         with disk_errors("keep a copy of the results (--save-result)"), \
                 open(source, "rb") as src, atomic_file(copy) as dst:
             shutil.copyfileobj(src, dst, 1 << 20)
-
-
-def _try_record_end(*args, **kwargs) -> None:
-    """Record how a failed or stopped run ended, without masking why it ended."""
-    try:
-        _record_end(*args, **kwargs)
-    except OSError as err:
-        log.warning("could not update the batch file: %s", err)
-
-
-def _record_end(spec: JobSpec, batch_file: BatchFile, started: float, status: str,
-                health: dict, counts: dict | None = None, usage: dict | None = None) -> None:
-    """Status, health, counters, usage and throughput of the run that ends, from the workers'
-    stats files. `usage`: the job's total (a completed job's, summed over its output lines)
-    instead of the previous total plus this run's."""
-    stats = read_worker_stats(spec.paths.batch_file.parent, spec.batch_id)
-    elapsed = max(time.time() - started, 1e-9)
-    completion = sum(s.get("completion_tokens", 0) for s in stats)
-    prompt = sum(s.get("prompt_tokens", 0) for s in stats)
-    changes = {
-        "status": status, "health": {**health_from_stats(stats), **health},
-        "counters": _engine_counters(stats),
-        "timings": {"finished_at": int(time.time()), "last_run_seconds": round(elapsed, 3)},
-        "throughput": {"output_tokens_per_s": round(completion / elapsed, 2),
-                       "total_tokens_per_s": round((completion + prompt) / elapsed, 2)},
-        **_result_files(spec.paths), "usage": usage or _usage_after(batch_file, prompt, completion)}
-    changes["timings"].update(_all_runs(batch_file, elapsed))
-    if counts:
-        changes["request_counts"] = counts
-    startup = startup_phases(stats)
-    if startup:
-        changes["timings"]["startup"] = startup
-        log.info("start-up: %s; whole run %.1f s", format_phases(startup),
-                 time.time() - process_start_time())
-    batch_file.update(spec.batch_id, **changes)
-
-
-def _result_files(paths: JobPaths) -> dict:
-    """Absolute, so `batchgen status OUTPUT` finds the job from any working directory."""
-    return {"output_file": str(paths.output.absolute()),
-            "errors_file": str(paths.errors_output.absolute())}
-
-
-def _all_runs(batch_file: BatchFile, elapsed: float) -> dict:
-    """Runs of the job so far and their seconds together, this one included."""
-    state = batch_file.load()
-    timings = state.timings if state else {}
-    return {"runs": int(timings.get("runs", 0)) + 1,
-            "all_runs_seconds": round(float(timings.get("all_runs_seconds", 0.0)) + elapsed, 3)}
-
-
-def startup_phases(stats: list[dict]) -> dict[str, float]:
-    """Seconds of each start-up phase of this command: until the workers were launched (flag
-    checks, input scan, lock, preflight), then the first worker's own phases (process start and
-    imports, config, weights, host pool, graphs, first token, first result written)."""
-    first = next((s for s in stats if s.get("startup")), None)
-    if first is None:
-        return {}
-    launch = max(0.0, first.get("startup_origin", 0.0) - process_start_time())
-    return {"launch": round(launch, 3), **dict(first["startup"])}  # pairs: in phase order
-
-
-def _engine_counters(stats: list[dict]) -> dict:
-    counters: dict = {}
-    for s in stats:
-        for key, value in s.get("engine", {}).items():
-            if key == "prefix_hit_rate":
-                continue  # a ratio: recomputed over the ranks below, not summed
-            if isinstance(value, (int, float)):
-                counters[key] = counters.get(key, 0) + value
-            else:
-                counters.setdefault(key, value)
-    if "prompt_tokens" in counters:
-        counters["prefix_hit_rate"] = (counters.get("cached_prompt_tokens", 0)
-                                       / max(1, counters["prompt_tokens"]))
-    return counters
-
-
-def _usage_after(batch_file: BatchFile, prompt: int, completion: int) -> dict:
-    """Token usage of every run so far (each run adds its own)."""
-    state = batch_file.load()
-    usage = dict(state.usage) if state else {}
-    return _usage_total(usage.get("prompt_tokens", 0) + prompt,
-                        usage.get("completion_tokens", 0) + completion)
-
-
-def _usage_total(prompt: int, completion: int) -> dict:
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
