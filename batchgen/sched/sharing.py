@@ -155,24 +155,27 @@ class PrefixSharing:
     def computed(self, seq: Sequence) -> None:
         """Offer the sequence's newly full, computed device pages to the cache."""
         full = min(seq.num_computed // PAGE_SIZE, len(seq.device_pages))
-        if full <= seq.device_registered:
-            return
-        keys = self.keys(seq, full)
-        for page in range(seq.device_registered, full):
-            self.device_cache.register(keys[page], seq.device_pages[page])
-            if self._inflight.get(keys[page]) is seq:
-                del self._inflight[keys[page]]
-        seq.device_registered = full
+        for key in self._register(seq, self.device_cache, seq.device_pages,
+                                  seq.device_registered, full):
+            if self._inflight.get(key) is seq:
+                del self._inflight[key]
+        seq.device_registered = max(seq.device_registered, full)
 
     def on_host(self, seq: Sequence) -> None:
         """Offer the sequence's full pages copied to the host to the host cache."""
         full = min(seq.num_on_host // PAGE_SIZE, len(seq.host_pages))
-        if full <= seq.host_registered:
-            return
-        keys = self.keys(seq, full)
-        for page in range(seq.host_registered, full):
-            self.host_cache.register(keys[page], seq.host_pages[page])
-        seq.host_registered = full
+        self._register(seq, self.host_cache, seq.host_pages, seq.host_registered, full)
+        seq.host_registered = max(seq.host_registered, full)
+
+    def _register(self, seq: Sequence, cache, pages: list[int], done: int,
+                  full: int) -> list:
+        """Register `pages[done:full]` of `seq` in `cache`; the keys registered."""
+        if full <= done:
+            return []
+        keys = self.keys(seq, full)[done:full]
+        for key, page in zip(keys, pages[done:full]):
+            cache.register(key, page)
+        return keys
 
     # -- groups for the decode kernel -----------------------------------------------------
     @staticmethod
