@@ -166,6 +166,31 @@ def test_shared_prompts_compute_the_prefix_once():
     assert all(s.cached_tokens == (0 if s.seq_id == 0 else 640) for s in run.seqs)
 
 
+def test_a_shared_prefix_is_backed_once_on_the_host():
+    """The second sequence mapping a device-cached prefix writes it back to the host once;
+    every later one shares those host pages instead of reserving a private copy (FakeRun
+    checks the copied KV wherever it is read)."""
+    prefixes = [[5 + j for j in range(640)]]
+    reqs = [Req(0, 640, 10, 1, 300, 300) for _ in range(8)]
+    run = FakeRun(reqs, 400, 800, SchedulerConfig(), prefixes)
+    seen = {"write_backs": 0, "max_refs": 0, "peak_host": 0}
+    schedule = run.sched.schedule
+
+    def watched(*args, **kwargs):
+        plan = schedule(*args, **kwargs)
+        seen["write_backs"] += sum(len(c.src) for c in plan.swap_out)
+        host = run.sched.host
+        seen["max_refs"] = max(seen["max_refs"], max(host.refs))
+        seen["peak_host"] = max(seen["peak_host"], host.num_used)
+        return plan
+
+    run.sched.schedule = watched
+    run.run()
+    assert seen["write_backs"] == 10  # the 10 prefix pages, once
+    assert seen["max_refs"] == 7  # the first sequence keeps the host pages it computed into
+    whole = pages_for(650 + 300)
+    assert seen["peak_host"] <= whole + 10 + 7 * (whole - 10)  # private copies: 8 * whole
+
 def test_n_choices_fork_from_one_prefill():
     """n = 4 of a 100-token prompt: one prefill; three forks copy its partial page and
     compute only the last prompt token each."""
@@ -232,14 +257,14 @@ def test_tight_pools_evict_unload_and_load_shared_sequences():
                           decision_frequency_pages=1, host_kv_chunk_size=64,
                           adaptive_chunk_min=64, host_kv_eviction_watermark=0.0,
                           host_kv_watermark=100.0)
-    run = FakeRun(reqs, 12, 16, cfg, prefixes)
+    run = FakeRun(reqs, 11, 13, cfg, prefixes)
     run.run()
     counters = run.sched.counters
     assert counters.evictions and counters.unloads and counters.loads and counters.forks
     assert counters.cached_prompt_tokens > 0
     assert len(run.finished) == len(run.seqs)
     run.sched.clear_prefix_cache()
-    assert run.sched.device.num_free == 12 and run.sched.host.num_free == 16
+    assert run.sched.device.num_free == 11 and run.sched.host.num_free == 13
 
 
 def test_sequences_sharing_a_prefix_are_admitted_together_oldest_first():

@@ -436,12 +436,19 @@ class Scheduler:
         seq.device_pages = hit.device_pages + self.device.allocate(fresh)
         seq.state = SeqState.RUNNING
         on_device, on_host = len(hit.device_pages), len(hit.host_pages)
+        seq.host_registered, seq.device_registered = on_host, on_device
         if on_host > on_device:  # cached on the host only: load those pages
             out.swap_in.append(PageCopy(seq.seq_id, seq.host_pages[on_device:on_host],
                                         seq.device_pages[on_device:on_host]))
+        elif on_device > on_host:
+            # Shared on the device with no host copy: write those pages back once, now, and
+            # cache them on the host, so the next sequence mapping this prefix shares its
+            # host backing too instead of reserving a private copy of it.
+            out.swap_out.append(PageCopy(seq.seq_id, hit.device_pages[on_host:on_device],
+                                         seq.host_pages[on_host:on_device]))
+            on_host = on_device
         seq.num_on_host = on_host * PAGE_SIZE
         seq.num_computed = hit.pages * PAGE_SIZE
-        seq.host_registered, seq.device_registered = on_host, on_device
         if hit.donor is not None and hit.donor.state is SeqState.RUNNING:
             # fork: copy the sibling's partial last prompt page
             page = hit.pages
@@ -452,6 +459,7 @@ class Scheduler:
         if self.prefix is not None:
             self.prefix.admitted(seq, hit)
             self.prefix.computed(seq)
+            self.prefix.on_host(seq)
         if seq.cached_tokens is None:
             seq.cached_tokens = min(seq.num_computed, seq.prompt_len)
             self.counters.prompt_tokens += seq.prompt_len
