@@ -6,7 +6,7 @@ and, after this step, `context_lens[b]` tokens of KV reachable through `page_tab
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from itertools import chain
 from typing import Any, Protocol
@@ -38,6 +38,21 @@ class KVPages(Protocol):
 
 
 @dataclass
+class PrefixGroups:
+    """Decode rows that share leading KV pages (a common prompt prefix), for attention that
+    reads those pages once per group (`batchgen_kernels.shared_prefix_decode`). Row b's first
+    `prefix_num_pages[row_group[b]]` pages are `prefix_pages[row_group[b]]`; its other pages
+    follow in its own page-table row."""
+
+    row_group: torch.Tensor
+    """[B] int32: each row's group, -1 for a row in none."""
+    prefix_pages: torch.Tensor
+    """[G, P] int32: each group's shared page ids (padded with 0)."""
+    prefix_num_pages: torch.Tensor
+    """[G] int32: pages in each group's prefix (whole pages; 0 for an unused group)."""
+
+
+@dataclass
 class ForwardBatch:
     input_ids: torch.Tensor
     """[T] token ids, all sequences packed."""
@@ -59,6 +74,10 @@ class ForwardBatch:
     """Host copy of the query lengths (the reference path loops over sequences)."""
     ctx_lens: list[int]
     """Host copy of context_lens."""
+    prefix_groups: PrefixGroups | None = None
+    """Decode rows sharing prefix pages (decode-only batches), or None."""
+    derived: dict = field(default_factory=dict)
+    """Tensors the layers derive from this batch once per forward (not per layer)."""
 
     @property
     def num_seqs(self) -> int:

@@ -119,7 +119,7 @@ def test_graph_buffers_and_segment_chain_give_eager_logits(shape, segmented, mon
                                  torch.device("cpu")))
         graphs = DecodeGraphs(model, pool, 8, 3, 1024, segmented)  # 5 rows pad to 8
         graphs.capture()
-        assert len(graphs.graphs[8]) == (layers + 3 if segmented else 1)
+        assert len(graphs.graphs[8, False]) == (layers + 3 if segmented else 1)
         for step in range(3):
             tokens = [[int(t)] for t in torch.randint(3, 500, (len(lens),), generator=g)]
             batch = ForwardBatch.build(tokens, [n + step for n in lens], tables,
@@ -149,7 +149,7 @@ def test_graphs_match_eager_on_cuda(tmp_path, monkeypatch, segmented):
         # Unset, the decode batch stops at the largest graph: no eager steps above it.
         assert engine.scheduler.cfg.max_decode_batch == (EAGER_DECODE_BATCH if disable else 8)
         if not disable:  # embedding, 3 layers, final norm, LM head
-            assert len(engine.runner.graphs.graphs[8]) == (6 if segmented else 1)
+            assert len(engine.runner.graphs.graphs[8, False]) == (6 if segmented else 1)
         done = engine.generate(greedy_requests(prompts, 40, ignore_eos=True))
         tokens[disable] = [d.completions[0].token_ids for d in done]
     assert tokens[False] == tokens[True]

@@ -106,10 +106,10 @@ def count_continuations(eng):
     continued = []
     queue_burst = eng.runner.queue_burst
 
-    def counting(chunks, rows, after=None):
+    def counting(chunks, rows, after=None, **kwargs):
         if after is not None:
             continued.append(len(rows))
-        return queue_burst(chunks, rows, after)
+        return queue_burst(chunks, rows, after, **kwargs)
 
     eng.runner.queue_burst = counting
     return continued

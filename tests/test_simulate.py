@@ -230,3 +230,18 @@ def test_user_mistakes_are_one_line_errors_not_tracebacks(tmp_path, args, needle
     result = CliRunner().invoke(app, ["simulate", "--model", "smollm2-135m", *args])
     assert result.exit_code == 2 and needle in result.output, result.output
     assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
+def test_shared_prefixes_are_read_once_per_group_in_decode(monkeypatch):
+    """Requests sharing long prefixes decode faster than the same job costed as if every row
+    read its whole context (the shared-prefix kernel reads a group's prefix once)."""
+    import batchgen.simulate.driver as driver
+
+    sim = SimulationConfig(model="llama3-8b", num_requests=64, prompt_len="fixed:2200",
+                           output_len="fixed:200", shared_prefix_len=2000,
+                           num_prefixes=2, device_kv_gb=40, host_kv_gb=80, seed=1)
+    grouped = run_simulation(sim, SchedulerConfig())
+    monkeypatch.setattr(driver, "saved_page_reads", lambda chunks, shares: 0)
+    plain = run_simulation(sim, SchedulerConfig())
+    assert grouped.output_tokens == plain.output_tokens
+    assert grouped.total_time_s < 0.9 * plain.total_time_s

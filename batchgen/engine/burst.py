@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from batchgen.core import PAGE_SIZE
-from batchgen.forward_batch import ForwardBatch
+from batchgen.forward_batch import ForwardBatch, PrefixGroups
 from batchgen.engine.kv_cache import KVPool
 from batchgen.engine.sampler import HostSample, SamplingRows
 from batchgen.sched.scheduler import SeqChunk
@@ -43,6 +43,8 @@ class DecodeBurst:
     ctx_host: list[list[int]]
     """Host copy of context_lens per step (the CPU attention path loops on it)."""
     kv_pool: KVPool
+    prefix_groups: PrefixGroups | None = None
+    """Rows sharing prefix pages (the same at every step: shared pages are full)."""
 
     @property
     def steps(self) -> int:
@@ -50,7 +52,8 @@ class DecodeBurst:
 
     @staticmethod
     def build(chunks: list[SeqChunk], steps: int, kv_pool: KVPool, device: torch.device,
-              first_ids: torch.Tensor | None = None) -> "DecodeBurst":
+              first_ids: torch.Tensor | None = None,
+              prefix_groups: PrefixGroups | None = None) -> "DecodeBurst":
         """Row i computes position chunks[i].start + k at step k. Its step-0 input is the
         token at that position, from the host unless `first_ids` (on the device) gives it."""
         seqs = [c.seq for c in chunks]
@@ -80,7 +83,8 @@ class DecodeBurst:
             first_ids=first_ids, positions=upload(positions), slots=upload(slots),
             context_lens=upload(context, torch.int32), page_table=upload(table, torch.int32),
             cu_seqlens_q=upload(torch.arange(len(seqs) + 1), torch.int32),
-            logits_indices=upload(rows), ctx_host=context.tolist(), kv_pool=kv_pool)
+            logits_indices=upload(rows), ctx_host=context.tolist(), kv_pool=kv_pool,
+            prefix_groups=prefix_groups)
 
     def batch(self, step: int, input_ids: torch.Tensor) -> ForwardBatch:
         """The ForwardBatch of one step; `input_ids` are the previous step's samples."""
@@ -89,7 +93,8 @@ class DecodeBurst:
             cu_seqlens_q=self.cu_seqlens_q, context_lens=self.context_lens[step],
             page_table=self.page_table, slot_mapping=self.slots[step],
             logits_indices=self.logits_indices, kv_pool=self.kv_pool,
-            q_lens=[1] * len(self.ctx_host[step]), ctx_lens=self.ctx_host[step])
+            q_lens=[1] * len(self.ctx_host[step]), ctx_lens=self.ctx_host[step],
+            prefix_groups=self.prefix_groups)
 
 
 @dataclass

@@ -221,7 +221,7 @@ class Engine:
         scheduled = time.perf_counter()  # copies and queueing are the forward's (on CPU, all of it)
         self.runner.move_pages(out)
         with self._observed("queue", out.steps):
-            burst = self.runner.queue_burst(out.chunks, rows)
+            burst = self.runner.queue_burst(out.chunks, rows, shares=out.shares)
         return self._collect(burst, scheduled - begin, time.perf_counter() - scheduled)
 
     def generate(self, requests: Iterable[Request]) -> list[FinishedRequest]:
@@ -347,7 +347,8 @@ class Engine:
                      else None)
         with self._observed("queue", nxt.steps):
             return self.runner.queue_burst(
-                nxt.chunks, self._sampling_rows(nxt.chunks, nxt.steps, penalties), after=burst)
+                nxt.chunks, self._sampling_rows(nxt.chunks, nxt.steps, penalties), after=burst,
+                shares=nxt.shares)
 
     def _grammar_masks(self, out: ScheduleOutput):
         """A logits processor masking grammar-forbidden tokens, or None when no row has one."""

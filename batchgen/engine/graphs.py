@@ -11,6 +11,11 @@ chain (embedding, each decoder layer, final norm, LM head: `PagedCausalLM.segmen
 reading the previous one's output buffer, and replays them in order; a capture that fails
 names its segment.
 
+Decode batches whose rows share prefix pages (`ForwardBatch.prefix_groups`) replay a second
+set of graphs, captured for a bucket the first time such a batch needs it: their attention reads
+each group's prefix once (models/attention.py), from group buffers of MAX_GROUPS x
+MAX_PREFIX_PAGES. Jobs without shared prefixes never capture them.
+
 Before capturing, the forward also runs eagerly at the powers of two between the buckets: the
 decode kernel picks its launch settings (warps, split-K) by batch size, and the decode rows of
 mixed steps run eagerly at any size, so a size class no bucket warmed would compile its Triton
@@ -27,8 +32,9 @@ import logging
 import torch
 
 from batchgen.core import PAGE_SIZE
-from batchgen.forward_batch import ForwardBatch
+from batchgen.forward_batch import ForwardBatch, PrefixGroups
 from batchgen.engine.kv_cache import KVPool
+from batchgen.sched.decode_groups import MAX_GROUPS, MAX_PREFIX_PAGES
 
 log = logging.getLogger("batchgen.graphs")
 
@@ -73,45 +79,86 @@ class DecodeGraphs:
         self.slots = torch.full((largest,), -1, dtype=torch.long, device=device)
         self.context_lens = torch.ones(largest, dtype=torch.int32, device=device)
         self.page_table = torch.zeros(largest, self.max_pages, dtype=torch.int32, device=device)
-        self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
-        """Per bucket, the graphs replayed in order (one unless segmented)."""
-        self.outputs: dict[int, torch.Tensor] = {}
-        self.batches: dict[int, ForwardBatch] = {}
+        self.groups = PrefixGroups(
+            torch.full((largest,), -1, dtype=torch.int32, device=device),
+            torch.zeros(MAX_GROUPS, min(MAX_PREFIX_PAGES, self.max_pages), dtype=torch.int32,
+                        device=device),
+            torch.zeros(MAX_GROUPS, dtype=torch.int32, device=device))
+        """The shared-prefix graphs' group buffers (row_group padded with -1)."""
+        self.graphs: dict[tuple[int, bool], list[torch.cuda.CUDAGraph]] = {}
+        """Per (bucket, with prefix groups), the graphs replayed in order (one unless
+        segmented)."""
+        self.outputs: dict[tuple[int, bool], torch.Tensor] = {}
+        self.batches: dict[tuple[int, bool], ForwardBatch] = {}
         """The captured inputs. A graph replays raw addresses: every tensor it reads must stay
         alive (a freed logits_indices got reused and indexed out of bounds)."""
         self._pool_handle = None
 
-    def _batch(self, size: int) -> ForwardBatch:
+    def _batch(self, size: int, grouped: bool = False) -> ForwardBatch:
+        """A batch over the static buffers; a new object each call, so nothing a layer derives
+        from one forward (ForwardBatch.derived) is reused by the next or by a capture."""
         cu = torch.arange(size + 1, dtype=torch.int32, device=self.pool.device)
+        groups = None
+        if grouped:
+            groups = PrefixGroups(self.groups.row_group[:size], self.groups.prefix_pages,
+                                  self.groups.prefix_num_pages)
         return ForwardBatch(self.input_ids[:size], self.positions[:size], cu,
                             self.context_lens[:size], self.page_table[:size], self.slots[:size],
                             torch.arange(size, device=self.pool.device), self.pool,
-                            q_lens=[1] * size, ctx_lens=[1] * size)
+                            q_lens=[1] * size, ctx_lens=[1] * size, prefix_groups=groups)
 
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every bucket, largest first so smaller graphs reuse its memory pool."""
-        segments = (self.model.segments() if self.segmented
-                    else [lambda _, batch: self.model(batch)])
         for size in eager_warmup_sizes(self.sizes):  # compiles what eager steps will meet
             self.model(self._batch(size))
         for size in reversed(self.sizes):
-            batch = self.batches[size] = self._batch(size)
-            for _ in range(2):  # warm up: Triton compiles and autotunes outside the capture
-                self.model(batch)
-            if self.pool.device.type == "cuda":
-                torch.cuda.synchronize()
-            x, graphs = None, []
-            for index, segment in enumerate(segments):
-                try:
-                    graph, x = self._capture_segment(segment, x, batch)
-                except Exception as err:
-                    where = f" (segment {index} of {len(segments)})" if self.segmented else ""
-                    raise RuntimeError(f"batch size {size}{where}: {err}") from err
-                graphs.append(graph)
-            self.graphs[size], self.outputs[size] = graphs, x
+            self._capture_bucket(size, grouped=False)
         log.info("captured decode CUDA graphs for batch sizes %s%s", self.sizes,
-                 f", {len(segments)} segments each" if self.segmented else "")
+                 f", {len(self._segments())} segments each" if self.segmented else "")
+
+    def _segments(self):
+        return (self.model.segments() if self.segmented
+                else [lambda _, batch: self.model(batch)])
+
+    def _capture_bucket(self, size: int, grouped: bool) -> None:
+        segments = self._segments()
+        for _ in range(2):  # warm up: Triton compiles and autotunes outside the capture
+            self.model(self._batch(size, grouped))
+        if self.pool.device.type == "cuda":
+            torch.cuda.synchronize()
+        batch = self.batches[size, grouped] = self._batch(size, grouped)
+        x, graphs = None, []
+        for index, segment in enumerate(segments):
+            try:
+                graph, x = self._capture_segment(segment, x, batch)
+            except Exception as err:
+                where = f" (segment {index} of {len(segments)})" if self.segmented else ""
+                raise RuntimeError(f"batch size {size}{where}: {err}") from err
+            graphs.append(graph)
+        self.graphs[size, grouped], self.outputs[size, grouped] = graphs, x
+
+    @torch.inference_mode()
+    def _capture_grouped(self, size: int) -> bool:
+        """Capture the shared-prefix graphs of one bucket in the middle of a job: the static
+        inputs are first reset to padding (the warm-up forwards must write no real KV slot);
+        False (logged once) if it fails, and such batches then run eagerly."""
+        if (size, True) in self.graphs:
+            return self.graphs[size, True] is not None
+        torch.cuda.synchronize()
+        self.slots.fill_(-1)
+        self.context_lens.fill_(1)
+        self.page_table.zero_()
+        self.groups.row_group.fill_(-1)
+        self.groups.prefix_num_pages.zero_()
+        try:
+            self._capture_bucket(size, grouped=True)
+        except Exception as err:  # decoding still works: those batches run eagerly
+            log.warning("shared-prefix CUDA graph capture failed (%s); running eagerly", err)
+            self.graphs[size, True] = None
+            return False
+        log.info("captured the shared-prefix decode CUDA graph for batch size %d", size)
+        return True
 
     def _capture_segment(self, segment, x: torch.Tensor | None, batch: ForwardBatch):
         """One graph of `segment(x, batch)`; its output tensor stays the next one's input."""
@@ -123,13 +170,24 @@ class DecodeGraphs:
         return graph, out
 
     def can_run(self, batch: ForwardBatch) -> bool:
-        return (batch.decode_only and batch.num_seqs <= self.sizes[-1]
-                and batch.page_table.shape[1] <= self.max_pages)
+        if not (batch.decode_only and batch.num_seqs <= self.sizes[-1]
+                and batch.page_table.shape[1] <= self.max_pages):
+            return False
+        groups = batch.prefix_groups
+        if groups is None:
+            return True
+        rows, width = self.groups.prefix_pages.shape
+        if groups.prefix_pages.shape[0] > rows or groups.prefix_pages.shape[1] > width:
+            return False
+        return self._capture_grouped(self.sizes[bisect.bisect_left(self.sizes, batch.num_seqs)])
 
     @torch.inference_mode()
     def run(self, batch: ForwardBatch) -> torch.Tensor:
         n = batch.num_seqs
         size = self.sizes[bisect.bisect_left(self.sizes, n)]
+        grouped = batch.prefix_groups is not None
+        if grouped:
+            self._copy_groups(batch.prefix_groups, n, size)
         self.input_ids[:n].copy_(batch.input_ids)
         self.positions[:n].copy_(batch.positions)
         self.slots[:n].copy_(batch.slot_mapping)
@@ -138,6 +196,14 @@ class DecodeGraphs:
         self.context_lens[n:size].fill_(1)
         width = batch.page_table.shape[1]
         self.page_table[:n, :width].copy_(batch.page_table)
-        for graph in self.graphs[size]:
+        for graph in self.graphs[size, grouped]:
             graph.replay()
-        return self.outputs[size][:n]
+        return self.outputs[size, grouped][:n]
+
+    def _copy_groups(self, groups: PrefixGroups, n: int, size: int) -> None:
+        count, width = groups.prefix_pages.shape
+        self.groups.row_group[:n].copy_(groups.row_group)
+        self.groups.row_group[n:size].fill_(-1)
+        self.groups.prefix_pages[:count, :width].copy_(groups.prefix_pages)
+        self.groups.prefix_num_pages[:count].copy_(groups.prefix_num_pages)
+        self.groups.prefix_num_pages[count:].zero_()

@@ -21,7 +21,8 @@ from batchgen.forward_batch import ForwardBatch
 from batchgen.engine.kv_cache import KVLayout, KVPool, copy_pages
 from batchgen.engine.sampler import HostSample, SamplingRows, sample, sample_on_device
 from batchgen.engine.host_pool import HostSegment, lazy_zeros
-from batchgen.sched.scheduler import ScheduleOutput, SeqChunk
+from batchgen.engine.prefix_groups import prefix_groups
+from batchgen.sched.scheduler import PrefixShare, ScheduleOutput, SeqChunk
 
 log = logging.getLogger("batchgen.runner")
 
@@ -37,6 +38,9 @@ class ModelRunner:
         is computed as it is queued: queueing the next one before reading the last would
         overlap nothing, only hold back this burst's results and compute rows that finished."""
         self.layout = layout
+        self.shared_prefix = (device.type == "cuda"
+                              and getattr(model, "shared_prefix_decode", False))
+        """Whether decode rows sharing prefix pages read them once (the Triton kernel)."""
         self.startup: dict[str, float] = {}
         """Seconds of the runner's start-up phases: `host_pool` (mapping the pools),
         `graphs` (CUDA-graph capture)."""
@@ -140,6 +144,8 @@ class ModelRunner:
             kv_pool=self.device_pool,
             device=self.device,
         )
+        if out.decode_only:
+            batch.prefix_groups = self._groups(out.chunks, out.shares)
         logits = self._forward(batch)
         if not rows.params:
             return
@@ -151,18 +157,20 @@ class ModelRunner:
 
     @torch.inference_mode()
     def queue_burst(self, chunks: list[SeqChunk], rows: list[SamplingRows],
-                    after: QueuedBurst | None = None) -> QueuedBurst:
+                    after: QueuedBurst | None = None,
+                    shares: list[PrefixShare] = ()) -> QueuedBurst:
         """Queue `len(rows)` decode steps of `chunks` back to back without waiting for the
         device: each step takes its input ids from the previous step's samples on the device.
         `after`: a queued burst this one continues (its rows include these; its last step's
-        samples are the first inputs)."""
+        samples are the first inputs). `shares`: the plan's rows sharing prefix pages."""
         first_ids = None
         if after is not None:
             kept = after.rows_of(chunks)
             first_ids = after.last_tokens
             if kept != list(range(len(after.chunks))):
                 first_ids = first_ids[torch.tensor(kept).to(self.device, non_blocking=True)]
-        plan = DecodeBurst.build(chunks, len(rows), self.device_pool, self.device, first_ids)
+        plan = DecodeBurst.build(chunks, len(rows), self.device_pool, self.device, first_ids,
+                                 self._groups(chunks, shares))
         input_ids, samples = plan.first_ids, []
         for step, step_rows in enumerate(rows):
             drawn = sample_on_device(self._forward(plan.batch(step, input_ids)), step_rows)
@@ -182,6 +190,9 @@ class ModelRunner:
             if step == burst.steps - 1 and before_last is not None:
                 before_last()
             on_result(step, sample_of_step.result(step_rows))
+
+    def _groups(self, chunks: list[SeqChunk], shares: list[PrefixShare]):
+        return prefix_groups(chunks, shares, self.device) if self.shared_prefix and shares else None
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         if self.graphs is not None and self.graphs.can_run(batch):

@@ -1,7 +1,9 @@
 """Paged attention in pure PyTorch: the CPU path, and on CUDA the Triton kernels.
 
 `paged_attention` writes this step's K/V into the pages, then attends each query row to the
-KV of its own sequence read back through the page table. `_attend` is the plain reference
+KV of its own sequence read back through the page table. On CUDA, a decode batch with prefix
+groups (`ForwardBatch.prefix_groups`) reads each group's shared prefix pages once
+(`shared_prefix_decode`) in its layers without a sliding window. `_attend` is the plain reference
 (gather padded, explicit mask, softmax); the CPU fast paths next to it are checked against it
 in tests/test_cpu_attention.py:
 - a whole prompt attends to its own fresh K/V with SDPA's causal flash kernel (no gather);
@@ -154,6 +156,10 @@ def _triton_attention(q, k, v, layer, batch, scale, window, sinks, rope=None):
         q = K.rope_store_kv(q, k, v, batch.positions, rope.cos, rope.sin, kv, scales,
                             batch.slot_mapping)
     if batch.decode_only:
+        if batch.prefix_groups is not None and window is None:
+            plan, own_table, own_lens = _shared_prefix_parts(batch, q.shape[1] // kv.shape[3])
+            return K.shared_prefix_decode(q, kv, scales, plan, own_table, own_lens, scale,
+                                          sinks=sinks)
         return K.paged_decode_attention(q, kv, scales, batch.page_table, batch.context_lens,
                                         scale, window=window, sinks=sinks)
     # A mixed step's one-row sequences (decodes, mostly) go to the decode kernel: the prefill
@@ -167,3 +173,26 @@ def _triton_attention(q, k, v, layer, batch, scale, window, sinks, rope=None):
         out[rows] = K.paged_decode_attention(q[rows], kv, scales, table, ctx, scale,
                                              window=window, sinks=sinks)
     return out
+
+
+def _shared_prefix_parts(batch: ForwardBatch, group_size: int):
+    """(plan, own page table, own context lengths) of a decode batch with prefix groups, made
+    once per forward on the device: each grouped row's page table and context shifted past its
+    group's prefix pages."""
+    key = ("shared_prefix", group_size)
+    if key not in batch.derived:
+        import batchgen_kernels as K
+
+        groups = batch.prefix_groups
+        plan = K.plan_shared_prefix(groups.row_group, groups.prefix_pages,
+                                    groups.prefix_num_pages, group_size)
+        grouped = groups.row_group >= 0
+        shift = torch.where(grouped, groups.prefix_num_pages[groups.row_group.long().clamp(min=0)],
+                            torch.zeros_like(groups.row_group)).long()
+        table = batch.page_table
+        width = table.shape[1]
+        index = (torch.arange(width, device=table.device)[None] + shift[:, None])
+        own_table = table.gather(1, index.clamp(max=width - 1))
+        own_lens = (batch.context_lens - shift * PAGE_SIZE).to(torch.int32)
+        batch.derived[key] = (plan, own_table, own_lens)
+    return batch.derived[key]

@@ -73,6 +73,9 @@ class PagedCausalLM(nn.Module):
     config: object
     model: nn.Module
     lm_head: nn.Linear
+    shared_prefix_decode = True
+    """Whether decode attention reads a group's shared prefix pages once
+    (`ForwardBatch.prefix_groups`); False where attention keeps another cache layout."""
 
     def tie_weights(self) -> None:
         """Share lm_head with the embedding when the config says so (again after to_empty)."""

@@ -95,6 +95,7 @@ class DeepseekV3ForCausalLM(PagedCausalLM):
     all heads share), dense MLPs by columns/rows, MoE expert parallel (moe.py)."""
 
     supports_tensor_parallel = True
+    shared_prefix_decode = False  # the latent cache has its own decode kernel
 
     def __init__(self, hf_config, options=None, tp: TensorParallel = SINGLE):
         super().__init__()

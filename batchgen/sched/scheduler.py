@@ -148,7 +148,7 @@ class Scheduler:
                   for c in plan.chunks if c.seq.state is not SeqState.FINISHED]
         steps = decode_steps(chunks) if chunks else 0
         steps = self.continue_decode(steps) if steps else 0
-        return ScheduleOutput(chunks, steps=steps) if steps else None
+        return ScheduleOutput(chunks, steps=steps, shares=self._shares) if steps else None
 
     def update_from_output(self, plan: ScheduleOutput, output: StepOutput) -> None:
         """Take a plan's results: computed tokens, drawn tokens (and logprobs) appended, and

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from batchgen.config import SchedulerConfig
-from batchgen.core import SamplingParams
+from batchgen.core import PAGE_SIZE, SamplingParams
+from batchgen.sched.decode_groups import saved_page_reads
 from batchgen.sched.scheduler import Scheduler
 from batchgen.sched.sequence import Sequence
 from batchgen.sched.step import ScheduleOutput, SeqChunk, SeqResult, StepOutput
@@ -110,7 +111,7 @@ class _Replica:
         self._cost_single(plan)  # the first step, with the plan's page copies
         if plan.steps > 1:  # the rest of a decode run, costed at once
             batch, more = len(plan.chunks), plan.steps - 1
-            context = sum(c.end for c in plan.chunks) + batch
+            context = sum(c.end for c in plan.chunks) + batch - self._shared_reads(plan)
             self.output_tokens += batch * more
             self._advance(self.cost.decode_run(batch, context, more), batch, more)
         results = [SeqResult(c, (0,) * plan.steps, None,
@@ -127,10 +128,19 @@ class _Replica:
             pairs += (c.end * (c.end + 1) - c.start * (c.start + 1)) / 2  # token i sees i + 1
             kv_read += c.end
             decode += c.sample and c.end - c.start == 1
+        if plan.decode_only:
+            kv_read -= self._shared_reads(plan)
         cost = self.cost.step(tokens, pairs, kv_read, sum(len(p.src) for p in plan.swap_out),
                               sum(len(p.src) for p in plan.swap_in))
         self.output_tokens += sum(c.sample for c in plan.chunks)
         self._advance(cost, decode, 1)
+
+    def _shared_reads(self, plan: ScheduleOutput) -> int:
+        """KV tokens a decode step of `plan` does not read again: its groups' shared prefixes
+        are read once per group (models with GQA caches; an MLA latent keeps its own kernel)."""
+        if not plan.shares or not self.cost.shape.kv_shards_over_tp:
+            return 0
+        return saved_page_reads(plan.chunks, plan.shares) * PAGE_SIZE
 
     def _advance(self, cost: StepTime, decode_batch: int, steps: int) -> None:
         self.time.add(cost)

@@ -1,0 +1,102 @@
+"""The model's decode attention with prefix groups (rows sharing their first pages read them
+once, `kernels/shared_prefix_attention.py`) equals the plain paged decode of the same batch,
+whether the groups come from a decode burst's plan (`DecodeBurst`) or a graph-sized buffer
+(groups padded with unused ones, prefixes cut short)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from batchgen_kernels import reference
+from kernel_testing import DEVICES, assert_rel_close
+
+import batchgen_kernels as K
+from batchgen.core import PAGE_SIZE
+from batchgen.engine.kv_cache import KVLayout, KVPool
+from batchgen.forward_batch import ForwardBatch, PrefixGroups
+from batchgen.models.attention import _triton_attention
+
+LAYERS, KV_HEADS, GROUP, DIM = 2, 2, 2, 32
+
+
+def grouped_batch(device, kv_dtype, contexts, groups, prefix_pages):
+    """Rows with `contexts` keys; rows of group g (groups[b] == g) start with the same
+    `prefix_pages[g]` pages, then pages of their own."""
+    own = [-(-c // PAGE_SIZE) - (prefix_pages[g] if g >= 0 else 0)
+           for c, g in zip(contexts, groups)]
+    total = sum(prefix_pages) + sum(own) + 1
+    pool = KVPool(KVLayout(LAYERS, (2, KV_HEADS, DIM), kv_dtype, torch.float32), total, device)
+    ids = torch.randperm(total).tolist()
+    shared = []
+    for n in prefix_pages:
+        shared.append(ids[:n])
+        ids = ids[n:]
+    tables = []
+    for g, n in zip(groups, own):
+        tables.append((shared[g] if g >= 0 else []) + ids[:n])
+        ids = ids[n:]
+    layer = 1
+    pool.store(layer, torch.arange(total * PAGE_SIZE, device=device),
+               torch.randn(total * PAGE_SIZE, 2, KV_HEADS, DIM, device=device))
+    batch = ForwardBatch.build([[1]] * len(contexts), [c - 1 for c in contexts], tables,
+                               [True] * len(contexts), pool, torch.device(device))
+    return pool, batch, shared, layer
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float8_e4m3fn], ids=["kv32", "kv8"])
+@pytest.mark.parametrize("with_sinks", [False, True])
+@pytest.mark.parametrize("padded", [False, True], ids=["exact", "graph_buffers"])
+def test_grouped_decode_equals_plain_decode(device, kv_dtype, with_sinks, padded):
+    contexts = [200, 130, 300, 65, 150, 64 * 3 + 1]
+    groups = [0, 1, 0, -1, 1, 0]
+    prefix_pages = [3, 2]
+    pool, batch, shared, layer = grouped_batch(device, kv_dtype, contexts, groups, prefix_pages)
+    width = 5 if padded else max(prefix_pages)
+    count = 4 if padded else len(prefix_pages)
+    table = torch.zeros(count, width, dtype=torch.int32)
+    for g, pages in enumerate(shared):
+        table[g, :len(pages)] = torch.tensor(pages, dtype=torch.int32)
+    counts = torch.tensor(prefix_pages + [0] * (count - len(prefix_pages)), dtype=torch.int32)
+    batch.prefix_groups = PrefixGroups(torch.tensor(groups, dtype=torch.int32, device=device),
+                                       table.to(device), counts.to(device))
+    rows = len(contexts)
+    q = torch.randn(rows, KV_HEADS * GROUP, DIM, device=device)
+    kv, scales = pool.layer(layer)
+    # The step's K/V go to each row's last slot, which holds random KV already: store the same.
+    k, v = pool.gather(layer, batch.page_table.long().view(-1)).view(
+        rows, -1, 2, KV_HEADS, DIM)[torch.arange(rows), torch.tensor(contexts) - 1].unbind(1)
+    sinks = torch.randn(KV_HEADS * GROUP, device=device) if with_sinks else None
+    called = []
+    cascade = K.shared_prefix_decode
+
+    def spy(*args, **kwargs):
+        called.append(True)
+        return cascade(*args, **kwargs)
+
+    K.shared_prefix_decode, original = spy, K.shared_prefix_decode
+    try:
+        out = _triton_attention(q, k.contiguous(), v.contiguous(), layer, batch, 0.3, None,
+                                sinks)
+    finally:
+        K.shared_prefix_decode = original
+    assert called
+    ref = reference.paged_attention(q, kv, scales, batch.cu_seqlens_q, batch.context_lens,
+                                    batch.page_table, 0.3, None, sinks,
+                                    math_dtype=torch.float64)
+    assert_rel_close(out, ref, 1e-4 if kv_dtype == torch.float32 else 2e-2, "grouped decode")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_window_layers_keep_the_plain_kernel(device, monkeypatch):
+    """A sliding-window layer ignores the groups (the shared kernel has no window)."""
+    pool, batch, shared, layer = grouped_batch(device, torch.float32, [200, 190], [0, 0], [2])
+    batch.prefix_groups = PrefixGroups(
+        torch.zeros(2, dtype=torch.int32, device=device),
+        torch.tensor([shared[0]], dtype=torch.int32, device=device),
+        torch.tensor([2], dtype=torch.int32, device=device))
+    monkeypatch.setattr(K, "shared_prefix_decode", lambda *a, **k: pytest.fail("used"))
+    q = torch.randn(2, KV_HEADS * GROUP, DIM, device=device)
+    k, v = torch.randn(2, 2, KV_HEADS, DIM, device=device)
+    out = _triton_attention(q, k, v, layer, batch, 0.3, 100, None)
+    assert out.shape == q.shape

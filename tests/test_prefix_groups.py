@@ -1,0 +1,83 @@
+"""Prefix groups of decode batches: the scheduler's shares become row groups
+(sched/decode_groups.py), and a job's decode bursts (continuations included) carry them to
+the model's forward with pages that really are each row's leading pages."""
+
+from __future__ import annotations
+
+import torch
+
+from batchgen.core import PAGE_SIZE, Request, SamplingParams
+from batchgen.sched.decode_groups import MIN_SAVED_SHARE, group_rows
+from batchgen.sched.sequence import Sequence
+from batchgen.sched.step import PrefixShare, SeqChunk
+from test_decode_burst import chat, engine, outcome  # noqa: F401  (the fixture)
+
+
+def decode_rows(contexts):
+    seqs = [Sequence(i, f"r{i}", 0, [1] * c, c, SamplingParams(), 0) for i, c in enumerate(contexts)]
+    return [SeqChunk(s, s.num_tokens - 1, s.num_tokens, True) for s in seqs]
+
+
+def test_rows_join_their_share_and_others_stay_alone():
+    chunks = decode_rows([700] * 5)
+    shares = [PrefixShare([0, 2, 4], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16]),
+              PrefixShare([1, 99], [3])]  # seq 99 is not in this batch: a group of one
+    row_group, pages = group_rows(chunks, shares)
+    assert row_group == [0, -1, 0, -1, 0]
+    assert pages == [[7, 8, 9, 10, 11, 12, 13, 14, 15, 16]]
+
+
+def test_groups_that_save_most_are_kept_and_prefixes_are_cut():
+    chunks = decode_rows([1000] * 9)
+    shares = [PrefixShare([0, 1], list(range(10))),        # saves 10 page reads
+              PrefixShare([2, 3, 4, 5], list(range(20, 32))),  # saves 36
+              PrefixShare([6, 7, 8], list(range(40, 55)))]     # saves 28
+    row_group, pages = group_rows(chunks, shares, max_groups=2, max_pages=12)
+    assert row_group == [-1, -1, 0, 0, 0, 0, 1, 1, 1]
+    assert pages == [list(range(20, 32)), list(range(40, 52))]
+
+
+def test_no_groups_when_they_save_little():
+    chunks = decode_rows([64 * 40] * 8)
+    read = 8 * 40  # pages of 2,560 keys per row
+    pages = int(MIN_SAVED_SHARE * read) - 1  # one group of two rows saves `pages` reads
+    assert group_rows(chunks, [PrefixShare([0, 1], list(range(pages)))]) is None
+    assert group_rows(chunks, [PrefixShare([0, 1], list(range(pages + 2)))]) is not None
+    assert group_rows(chunks, []) is None
+
+
+def test_bursts_carry_groups_of_rows_sharing_a_prompt(chat):  # noqa: F811
+    """Requests sharing a long prompt: the forwards of their decode bursts (and of the
+    continuations queued while a burst runs) get prefix groups whose pages lead each grouped
+    row's page table, and the answers are those of a run without groups."""
+    model, tokenizer = chat
+    shared = torch.randint(3, 500, (5 * PAGE_SIZE,), generator=torch.Generator().manual_seed(3))
+
+    def requests():
+        return [Request(f"r{i}", shared.tolist() + [10 + i, 20 + i],
+                        SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=40))
+                for i in range(6)]
+
+    reference = outcome(engine(model, tokenizer, 4).generate(requests()))
+    eng = engine(model, tokenizer, 4)
+    eng.runner.shared_prefix = True  # the CPU attention ignores the groups; the plan is checked
+    seen = []
+    forward = eng.runner._forward
+
+    def checking(batch):
+        groups = batch.prefix_groups
+        if groups is not None:
+            row_group = groups.row_group.tolist()
+            for row, group in enumerate(row_group):
+                if group >= 0:
+                    count = int(groups.prefix_num_pages[group])
+                    assert count and (batch.page_table[row, :count]
+                                      == groups.prefix_pages[group, :count]).all()
+                    assert batch.ctx_lens[row] > count * PAGE_SIZE
+            seen.append(sum(g >= 0 for g in row_group))
+        return forward(batch)
+
+    eng.runner._forward = checking
+    assert outcome(eng.generate(requests())) == reference
+    assert seen and max(seen) >= 5  # the rows that mapped the cached prompt, grouped
+    assert len(seen) > 3  # continuations carried them too
