@@ -153,3 +153,31 @@ def test_graphs_match_eager_on_cuda(tmp_path, monkeypatch, segmented):
         done = engine.generate(greedy_requests(prompts, 40, ignore_eos=True))
         tokens[disable] = [d.completions[0].token_ids for d in done]
     assert tokens[False] == tokens[True]
+
+
+@pytest.mark.gpu
+def test_shared_prefix_decode_matches_plain_decode_on_cuda(tmp_path):
+    """Rows sharing a 3-page prompt prefix: decode through the shared-prefix kernel (eager,
+    and replaying the grouped graph captured on first need) gives the tokens of the plain
+    kernel with prefix caching off."""
+    folder = save_tiny_model("llama", tmp_path / "m")
+    g = torch.Generator().manual_seed(1)
+    shared = torch.randint(3, 500, (3 * PAGE_SIZE,), generator=g).tolist()
+    prompts = [shared + torch.randint(3, 500, (n,), generator=g).tolist()
+               for n in (1, 5, 30, 64, 70, 2)]
+    tokens = {}
+    for caching, disable in ((False, True), (True, True), (True, False)):
+        model = build_model(load_hf_config(folder), read_safetensors(folder), torch.float32,
+                            torch.device("cuda"))
+        runtime = RuntimeConfig(disable_cuda_graphs=disable, cuda_graph_max_bucket_size=8,
+                                cuda_graph_num_buckets=4)
+        engine = Engine(model, EngineConfig(
+            memory=MemoryConfig(gpu_kv_cache_size=0.2, host_kv_cache_size=0.2),
+            scheduler=SchedulerConfig(enable_prefix_caching=caching),
+            runtime=runtime).validate())
+        done = engine.generate(greedy_requests(prompts, 40, ignore_eos=True))
+        tokens[caching, disable] = [d.completions[0].token_ids for d in done]
+        if caching and not disable:
+            assert any(grouped for _, grouped in engine.runner.graphs.graphs)
+    assert tokens[True, True] == tokens[False, True]
+    assert tokens[True, False] == tokens[False, True]
