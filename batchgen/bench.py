@@ -268,11 +268,12 @@ def warm_up(engine: Engine, model, work: Workload, prefill_tokens: int) -> float
     """Run a little of the workload untimed, then reset the engine's counters: Triton compiles
     each kernel variant on first use (seconds per variant on a fresh machine), a one-time cost
     of a job that would otherwise land in a short benchmark. Two full prefill steps and a few
-    decode bursts. Returns its seconds."""
+    decode bursts, shaped like the workload (its shared prefixes and n, so the shared-prefix
+    kernels compile here too) but on other tokens; the prefix cache is emptied after it.
+    Returns its seconds."""
     begin = time.perf_counter()
     count = min(work.requests, 2 * -(-prefill_tokens // work.input_len) + 1)
-    prompts = Workload(requests=count, input_len=work.input_len, seed=work.seed + 7).prompts(
-        model.config.vocab_size)
+    prompts = replace(work, requests=count, seed=work.seed + 7).prompts(model.config.vocab_size)
     length = min(work.output_len, 24)
     for i, prompt in enumerate(prompts):
         if isinstance(engine, LengthStopEngine):
@@ -281,6 +282,7 @@ def warm_up(engine: Engine, model, work: Workload, prefill_tokens: int) -> float
     while engine.has_unfinished():
         engine.step()
     sync(model)
+    engine.scheduler.clear_prefix_cache()
     engine.reset_stats()
     return time.perf_counter() - begin
 

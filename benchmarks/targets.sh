@@ -25,7 +25,7 @@ bench() {  # name, then bench flags
 
 prefix() {
   bench w3 --shape llama3-8b --requests 1024 --input-len 2200 --shared-prefix-len 2000 \
-    --num-prefixes 4 --output-len 500 --max-decode-batch 384 --cuda-graph-num-buckets 12 \
+    --num-prefixes 4 --output-len 500 --max-decode-batch 512 --cuda-graph-num-buckets 12 \
     --compare-prefix-caching
   bench w4 --shape llama3-8b --requests 128 --input-len 1000 --n 8 --output-len 500 \
     --max-decode-batch 384 --cuda-graph-num-buckets 12 --compare-prefix-caching
