@@ -1,11 +1,11 @@
 """`batchgen bench --mode embeddings`: the Embedder against transformers' batched forward.
 
 Both run in one process on the same random weights (`hf_twin`: HF's model holds our tensors),
-over the same inputs (`--requests` inputs of `--input-len` random tokens): ours packs them into
-prefill-only steps of `--max-prefill-tokens` tokens; transformers runs its base model on
-`[--peer-batch, input_len]` batches (equal lengths: no padding) and pools the last token. The
-report gives both throughputs (input tokens/s), their ratio and the worst cosine between the
-two sets of vectors.
+over the same inputs (`--requests` inputs of `--input-len` random tokens): ours runs them in
+dense prefill-only steps of at most `--max-prefill-tokens` rows (no KV pool); transformers runs
+its base model on `[--peer-batch, input_len]` batches (equal lengths: no padding) and pools the
+last token. Both pool the last token and L2-normalise. The report gives both throughputs (input
+tokens/s), their ratio and the worst cosine between the two sets of vectors.
 """
 
 from __future__ import annotations
