@@ -287,6 +287,7 @@ def test_bench_embeddings_mode_runs_tiny_on_cpu_and_agrees_with_transformers():
                             device="cpu", tiny=True))
     assert report["min_cosine"] >= 0.9999
     assert report["ours"]["tokens_per_s"] > 0 and report["hf"]["tokens_per_s"] > 0
+    assert report["paged"]["tokens_per_s"] > 0 and "paged path" in format_table(report)
     assert report["speedup"] == pytest.approx(report["hf"]["seconds"] / report["ours"]["seconds"])
     assert "speedup" in format_table(report)
     with pytest.raises(ValueError, match="qwen3-embedding-0.6b"):

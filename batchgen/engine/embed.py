@@ -99,7 +99,7 @@ class Embedder:
         out: list[torch.Tensor | None] = [None] * len(inputs)
         for group in self._steps(inputs):
             step = self._dense_step if self.dense else self._paged_step
-            pooled = step([inputs[i] for i in group])
+            pooled = step([inputs[i] for i in group]).cpu()  # one copy per step
             for i, row in zip(group, pooled):
                 out[i] = self._finish(row, dimensions[i])
         return out
@@ -132,7 +132,7 @@ class Embedder:
         batch = ForwardBatch.build_dense([list(ids) for ids in group], self.device)
         hidden = self._hidden(batch)
         lengths = torch.tensor(batch.q_lens, device=hidden.device)
-        rows = hidden.view(batch.dense.seqs, batch.dense.length, -1)
+        rows = hidden.reshape(batch.dense.seqs, batch.dense.length, -1)
         mode = self.pooling.mode
         if mode == "last":
             return hidden[batch.logits_indices].float()
@@ -190,4 +190,4 @@ class Embedder:
             vector = vector[:dims]
         if self.pooling.normalize:
             vector = torch.nn.functional.normalize(vector, dim=0)
-        return vector.cpu()
+        return vector
