@@ -133,5 +133,5 @@ def format_table(report: dict) -> str:
         f"({report['paged']['seconds']:.2f} s, KV stored into a scratch pool)",
         f"  transformers  {report['hf']['tokens_per_s']:12.0f} tokens/s "
         f"({report['hf']['seconds']:.2f} s, batch {report['hf']['batch']})",
-        f"  speedup {report['speedup']:.2f}x, worst cosine between the two "
+        f"  speedup {report['speedup']:.2f}x, worst cosine to transformers' vectors "
         f"{report['min_cosine']:.6f}"])
