@@ -301,3 +301,25 @@ def test_bench_cli_mode_is_checked():
 
     result = CliRunner().invoke(app, ["bench", "--mode", "rerank"])
     assert result.exit_code == 2 and "generate or embeddings" in result.output
+
+
+def test_dense_steps_of_a_model_with_windows_and_sinks_match_transformers(tmp_path):
+    """gpt-oss: sliding-window layers, attention sinks and MoE over padded rows, with inputs
+    longer than the window grouped with short ones."""
+    from transformers import GptOssForCausalLM
+
+    from test_gpt_oss import WINDOW, load_ours, randomize_biases, tiny_config
+
+    torch.manual_seed(0)
+    hf = GptOssForCausalLM(tiny_config()).float().eval()
+    randomize_biases(hf, torch.Generator().manual_seed(1))
+    hf.save_pretrained(str(tmp_path), safe_serialization=True)
+    embedder = Embedder(load_ours(tmp_path), Pooling("mean", False), 4 * WINDOW * 3)
+    assert embedder.dense
+    gen = torch.Generator().manual_seed(4)
+    inputs = [tuple(torch.randint(3, 500, (n,), generator=gen).tolist())
+              for n in (WINDOW + 9, 3, 3 * WINDOW, 17, 1)]
+    with torch.inference_mode():
+        for got, ids in zip(embedder.embed(inputs), inputs):
+            expected = hf.model(torch.tensor([ids])).last_hidden_state[0].mean(0)
+            assert torch.nn.functional.cosine_similarity(got, expected, dim=0) >= 0.9999
