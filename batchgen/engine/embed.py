@@ -131,13 +131,13 @@ class Embedder:
         """Right-padded [B, L] rows through `dense_attention`: no pool, no pages."""
         batch = ForwardBatch.build_dense([list(ids) for ids in group], self.device)
         hidden = self._hidden(batch)
-        lengths = torch.tensor(batch.q_lens, device=hidden.device)
         rows = hidden.reshape(batch.dense.seqs, batch.dense.length, -1)
         mode = self.pooling.mode
         if mode == "last":
             return hidden[batch.logits_indices].float()
         if mode == "cls":
             return rows[:, 0].float()
+        lengths = torch.tensor(batch.q_lens, device=hidden.device)
         real = torch.arange(batch.dense.length, device=hidden.device)[None] < lengths[:, None]
         if mode == "mean":
             return (rows.float() * real[..., None]).sum(1) / lengths[:, None]
