@@ -2,6 +2,9 @@
 
 Sequences are packed without padding: sequence b owns query rows `cu_seqlens_q[b]:cu_seqlens_q[b+1]`
 and, after this step, `context_lens[b]` tokens of KV reachable through `page_table[b]`.
+
+A dense batch (`build_dense`, `dense` set) is a whole-prompt forward that keeps no KV: sequences
+right-padded to one length, sequence b owning rows `b * L ... b * L + L - 1`, no pool.
 """
 
 from __future__ import annotations
@@ -37,6 +40,16 @@ class KVPages(Protocol):
         """KV of `pages` with the token's leading dims (K/V, heads) first."""
 
 
+@dataclass(frozen=True)
+class DenseShape:
+    """The shape of a dense batch's rows: `seqs` sequences of `length` rows each."""
+
+    seqs: int
+    """B: sequences in the batch."""
+    length: int
+    """L: rows per sequence (the longest one's tokens); shorter ones end in padding rows."""
+
+
 @dataclass
 class PrefixGroups:
     """Decode rows that share leading KV pages (a common prompt prefix), for attention that
@@ -68,8 +81,8 @@ class ForwardBatch:
     """[T] int64 flat KV slot (page * PAGE_SIZE + offset) each new token is written to."""
     logits_indices: torch.Tensor
     """[S] int64 rows of T whose logits are needed (last token of sequences that sample)."""
-    kv_pool: KVPages
-    """The KV pool this forward reads and writes."""
+    kv_pool: KVPages | None
+    """The KV pool this forward reads and writes (None in a dense batch)."""
     q_lens: list[int]
     """Host copy of the query lengths (the reference path loops over sequences)."""
     ctx_lens: list[int]
@@ -78,6 +91,9 @@ class ForwardBatch:
     """Decode rows sharing prefix pages (decode-only batches), or None."""
     derived: dict = field(default_factory=dict)
     """Tensors the layers derive from this batch once per forward (not per layer)."""
+    dense: DenseShape | None = None
+    """Set for a dense batch: attention runs causally over each sequence's own rows, padded to
+    [B, L], and stores nothing (`models.attention.dense_attention`)."""
 
     @property
     def num_seqs(self) -> int:
@@ -144,4 +160,36 @@ class ForwardBatch:
             kv_pool=kv_pool,
             q_lens=q_lens,
             ctx_lens=ctx_lens,
+        )
+
+    @staticmethod
+    def build_dense(token_ids: list[list[int]], device: torch.device) -> "ForwardBatch":
+        """Whole prompts right-padded to the longest: sequence b is rows `b*L ... b*L+L-1`,
+        its tokens first (positions 0...), then padding rows (token 0). Causal attention keeps
+        every real row from seeing the padding after it; whoever reads the rows must skip the
+        padding ones. No pages, no KV pool; `logits_indices` are the last real rows."""
+        q_lens = [len(t) for t in token_ids]
+        seqs, length = len(q_lens), max(q_lens)
+        lengths = torch.tensor(q_lens, dtype=torch.long)
+        ids = torch.zeros(seqs, length, dtype=torch.long)
+        ids[torch.arange(length)[None] < lengths[:, None]] = torch.tensor(
+            list(chain.from_iterable(token_ids)), dtype=torch.long)
+        cu = torch.zeros(seqs + 1, dtype=torch.long)
+        torch.cumsum(lengths, 0, out=cu[1:])
+
+        def upload(values: torch.Tensor, dtype=torch.long) -> torch.Tensor:
+            return values.to(dtype).to(device, non_blocking=True)
+
+        return ForwardBatch(
+            input_ids=upload(ids.view(-1)),
+            positions=upload(torch.arange(length).repeat(seqs)),
+            cu_seqlens_q=upload(cu, torch.int32),
+            context_lens=upload(lengths, torch.int32),
+            page_table=upload(torch.zeros(seqs, 1), torch.int32),
+            slot_mapping=upload(torch.zeros(0)),
+            logits_indices=upload(torch.arange(seqs) * length + lengths - 1),
+            kv_pool=None,
+            q_lens=q_lens,
+            ctx_lens=q_lens,
+            dense=DenseShape(seqs, length),
         )

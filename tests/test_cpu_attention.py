@@ -96,3 +96,32 @@ def test_gather_heads_is_gather_with_heads_first(kv_dtype):
     again = pool.gather_heads(0, pages[:1])
     torch.testing.assert_close(again, pool.gather(0, pages[:1]).view(
         1, PAGE_SIZE, 2, KV_HEADS, DIM).permute(2, 3, 0, 1, 4), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("group", [1, 3])
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_dense_batch_matches_paged_whole_prompts(group, window, with_sinks):
+    """A dense (right-padded, pool-less) batch gives each real row what the paged path gives
+    the same prompts packed, rope included; padding rows change nothing real."""
+    from batchgen.models.layers import RotaryEmbedding
+
+    gen = torch.Generator().manual_seed(3)
+    lens = [70, 1, 33]
+    heads, length = KV_HEADS * group, max(lens)
+    rope = RotaryEmbedding(1.0 / 10000 ** (torch.arange(0, DIM, 2) / DIM), 256)
+    sinks = torch.randn(heads, generator=gen) if with_sinks else None
+    dense = ForwardBatch.build_dense([[1] * n for n in lens], torch.device("cpu"))
+    assert dense.kv_pool is None and dense.dense.seqs == 3 and dense.dense.length == length
+    rows = len(lens) * length
+    q = torch.randn(rows, heads, DIM, generator=gen)
+    k, v = torch.randn(2, rows, KV_HEADS, DIM, generator=gen)
+    got = paged_attention(q, k, v, 0, dense, 0.25, window=window, sinks=sinks, rope=rope)
+    real = torch.cat([torch.arange(n) + b * length for b, n in enumerate(lens)])
+    pool = KVPool(KVLayout(1, (2, KV_HEADS, DIM), torch.float32, torch.float32), 4, "cpu")
+    paged = ForwardBatch.build([[1] * n for n in lens], [0] * len(lens), [[0, 1], [2], [3]],
+                               [True] * len(lens), pool, torch.device("cpu"))
+    expected = paged_attention(q[real], k[real], v[real], 0, paged, 0.25, window=window,
+                               sinks=sinks, rope=rope)
+    torch.testing.assert_close(got[real], expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(dense.logits_indices, torch.tensor([69, length, 2 * length + 32]))

@@ -44,7 +44,8 @@ def _hf_embeddings(folder, inputs, pooling="last"):
     with torch.inference_mode():
         for ids in inputs:
             hidden = hf(torch.tensor([ids])).last_hidden_state[0]
-            vector = hidden[-1] if pooling == "last" else hidden.mean(0)
+            vector = {"last": hidden[-1], "cls": hidden[0], "mean": hidden.mean(0),
+                      "max": hidden.amax(0)}[pooling]
             out.append(torch.nn.functional.normalize(vector, dim=0))
     return out
 
@@ -58,6 +59,51 @@ def test_last_token_pooling_matches_transformers(qwen3, qwen3_folder, max_step_t
     for a, b in zip(ours, _hf_embeddings(qwen3_folder, inputs)):
         assert torch.nn.functional.cosine_similarity(a, b, dim=0) >= 0.9999
         assert abs(float(a.norm()) - 1.0) < 1e-5
+
+
+LENGTHS = (65, 1, 130, 7, 64, 33, 2, 90)
+"""Mixed lengths, not in length order: steps regroup them, vectors must come back in order."""
+
+
+@pytest.mark.parametrize("mode", ["last", "mean", "cls", "max"])
+@pytest.mark.parametrize("max_step_tokens", [8192, 200])  # one dense step; several
+def test_dense_steps_pool_like_the_paged_path_and_transformers(qwen3, qwen3_folder, mode,
+                                                               max_step_tokens):
+    rng = np.random.default_rng(1)
+    inputs = [tuple(int(t) for t in rng.integers(3, 500, n)) for n in LENGTHS]
+    dense = Embedder(qwen3.model, Pooling(mode, False), max_step_tokens)
+    ours = dense.embed(inputs)
+    assert dense.dense and dense._pool is None  # no KV pool was ever made
+    paged = Embedder(qwen3.model, Pooling(mode, False), max_step_tokens, paged=True)
+    for a, b in zip(ours, paged.embed(inputs)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    hf = _hf_embeddings(qwen3_folder, inputs, mode)
+    for a, b in zip(ours, hf):
+        assert torch.nn.functional.cosine_similarity(a, b, dim=0) >= 0.9999
+
+
+def test_dense_steps_group_inputs_of_similar_length_under_the_budget(qwen3):
+    inputs = [(5,) * n for n in (100, 3, 50, 4, 98, 300)]
+    steps = Embedder(qwen3.model, Pooling("last", True), 200)._steps(inputs)
+    assert steps == [[1, 3, 2], [4, 0], [5]]  # shortest first; 300 alone, over the budget
+    paged = Embedder(qwen3.model, Pooling("last", True), 200, paged=True)._steps(inputs)
+    assert paged == [[0, 1, 2, 3], [4], [5]]  # packed in order, no padding counted
+
+
+def test_latent_kv_models_embed_through_the_paged_path(tmp_path):
+    from test_deepseek import save_tiny
+
+    hf = save_tiny(tmp_path, seed=2)
+    model = load_model(ModelConfig(model=str(tmp_path), dtype="float32"),
+                       torch.device("cpu")).model
+    embedder = Embedder(model, Pooling("last", True))
+    assert not embedder.dense
+    inputs = [(5, 9, 11, 40), tuple(range(3, 80)), (7,)]
+    with torch.inference_mode():
+        for got, ids in zip(embedder.embed(inputs), inputs):
+            hidden = hf.model(torch.tensor([ids])).last_hidden_state[0, -1]
+            expected = torch.nn.functional.normalize(hidden, dim=0)
+            assert torch.nn.functional.cosine_similarity(got, expected, dim=0) >= 0.9999
 
 
 def test_mean_pooling_and_matryoshka_cut(qwen3, qwen3_folder):
@@ -241,6 +287,7 @@ def test_bench_embeddings_mode_runs_tiny_on_cpu_and_agrees_with_transformers():
                             device="cpu", tiny=True))
     assert report["min_cosine"] >= 0.9999
     assert report["ours"]["tokens_per_s"] > 0 and report["hf"]["tokens_per_s"] > 0
+    assert report["paged"]["tokens_per_s"] > 0 and "paged path" in format_table(report)
     assert report["speedup"] == pytest.approx(report["hf"]["seconds"] / report["ours"]["seconds"])
     assert "speedup" in format_table(report)
     with pytest.raises(ValueError, match="qwen3-embedding-0.6b"):
@@ -254,3 +301,25 @@ def test_bench_cli_mode_is_checked():
 
     result = CliRunner().invoke(app, ["bench", "--mode", "rerank"])
     assert result.exit_code == 2 and "generate or embeddings" in result.output
+
+
+def test_dense_steps_of_a_model_with_windows_and_sinks_match_transformers(tmp_path):
+    """gpt-oss: sliding-window layers, attention sinks and MoE over padded rows, with inputs
+    longer than the window grouped with short ones."""
+    from transformers import GptOssForCausalLM
+
+    from test_gpt_oss import WINDOW, load_ours, randomize_biases, tiny_config
+
+    torch.manual_seed(0)
+    hf = GptOssForCausalLM(tiny_config()).float().eval()
+    randomize_biases(hf, torch.Generator().manual_seed(1))
+    hf.save_pretrained(str(tmp_path), safe_serialization=True)
+    embedder = Embedder(load_ours(tmp_path), Pooling("mean", False), 4 * WINDOW * 3)
+    assert embedder.dense
+    gen = torch.Generator().manual_seed(4)
+    inputs = [tuple(torch.randint(3, 500, (n,), generator=gen).tolist())
+              for n in (WINDOW + 9, 3, 3 * WINDOW, 17, 1)]
+    with torch.inference_mode():
+        for got, ids in zip(embedder.embed(inputs), inputs):
+            expected = hf.model(torch.tensor([ids])).last_hidden_state[0].mean(0)
+            assert torch.nn.functional.cosine_similarity(got, expected, dim=0) >= 0.9999

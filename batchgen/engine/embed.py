@@ -1,10 +1,15 @@
 """Embeddings: prefill-only forwards of a decoder model, pooled per input.
 
-`Embedder` packs inputs into steps of at most `max_step_tokens` tokens (no padding), runs the
-model's own layers up to the final norm (not the LM head) over a scratch KV pool that is
-overwritten by the next step (no KV outlives its step, nothing is cached), and pools each
-input's rows: last token, mean, first token (cls) or max, then cuts to `dimensions` and L2
-normalises, as the model folder's sentence-transformers files say (`read_pooling`).
+`Embedder` orders the inputs it is given by length and groups them into dense steps: inputs of
+similar length right-padded to the longest, at most `max_step_tokens` rows with the padding.
+It runs the model's own layers up to the final norm (not the LM head) on a dense ForwardBatch,
+whose attention is causal SDPA over each input's own rows: no KV pool, no pages, nothing
+stored or kept. Then it pools each input's real rows: last token, mean, first token (cls) or
+max, cuts to `dimensions` and L2 normalises, as the model folder's sentence-transformers files
+say (`read_pooling`). Vectors come back in the order of the inputs.
+
+Models whose attention keeps a latent KV (MLA) take the paged path instead: inputs packed
+without padding, K/V stored into a scratch pool that the next step overwrites.
 """
 
 from __future__ import annotations
@@ -68,14 +73,19 @@ def read_pooling(folder: Path | None, hf_config) -> Pooling:
 
 
 class Embedder:
-    """Embeds token-id sequences with `model` (a PagedCausalLM); see the module docstring."""
+    """Embeds token-id sequences with `model` (a PagedCausalLM); see the module docstring.
+    `paged=True` runs the paged path even where the dense one could (a reference for tests)."""
 
-    def __init__(self, model: torch.nn.Module, pooling: Pooling, max_step_tokens: int = 8192):
+    def __init__(self, model: torch.nn.Module, pooling: Pooling, max_step_tokens: int = 8192,
+                 paged: bool = False):
         self.model = model
         self.pooling = pooling
         self.max_step_tokens = max_step_tokens
         param = next(model.parameters())
         self.device, dtype = param.device, param.dtype
+        # K and V per token is the layout `paged_attention` serves, and it honours dense
+        # batches; a latent KV (MLA: one vector per token) runs its own attention, which pages.
+        self.dense = not paged and tuple(model.kv_token_shape)[0] == 2
         self.layout = KVLayout(model.config.num_hidden_layers, tuple(model.kv_token_shape),
                                dtype, dtype)
         self.width = model.config.hidden_size
@@ -83,26 +93,55 @@ class Embedder:
 
     def embed(self, inputs: list[tuple[int, ...]],
               dimensions: list[int | None] | None = None) -> list[torch.Tensor]:
-        """One float32 vector (on the CPU) per input; `dimensions[i]` cuts vector i."""
+        """One float32 vector (on the CPU) per input, in the order of `inputs`;
+        `dimensions[i]` cuts vector i."""
         dimensions = dimensions or [None] * len(inputs)
-        out: list[torch.Tensor] = []
-        for first, last in self._steps(inputs):
-            pooled = self._step(inputs[first:last])
-            for row, dims in zip(pooled, dimensions[first:last]):
-                out.append(self._finish(row, dims))
+        out: list[torch.Tensor | None] = [None] * len(inputs)
+        for group in self._steps(inputs):
+            step = self._dense_step if self.dense else self._paged_step
+            pooled = step([inputs[i] for i in group]).cpu()  # one copy per step
+            for i, row in zip(group, pooled):
+                out[i] = self._finish(row, dimensions[i])
         return out
 
-    def _steps(self, inputs) -> list[tuple[int, int]]:
-        """[first, last) index ranges of inputs packed into one step each."""
-        steps, first, tokens = [], 0, 0
-        for i, ids in enumerate(inputs):
-            if i > first and tokens + len(ids) > self.max_step_tokens:
-                steps.append((first, i))
-                first, tokens = i, 0
-            tokens += len(ids)
-        if first < len(inputs):
-            steps.append((first, len(inputs)))
+    def _steps(self, inputs) -> list[list[int]]:
+        """Indices of `inputs` by step. Dense steps take inputs shortest first, so each step
+        holds inputs of similar length, as many as fit `max_step_tokens` padded to the
+        longest; paged steps pack inputs in order, `max_step_tokens` tokens with no padding.
+        An input over the budget is a step of its own."""
+        order = (sorted(range(len(inputs)), key=lambda i: len(inputs[i])) if self.dense
+                 else list(range(len(inputs))))
+        steps: list[list[int]] = []
+        group: list[int] = []
+        tokens = 0
+        for i in order:
+            n = len(inputs[i])
+            cost = (len(group) + 1) * n if self.dense else tokens + n
+            if group and cost > self.max_step_tokens:
+                steps.append(group)
+                group, tokens = [], 0
+            group.append(i)
+            tokens += n
+        if group:
+            steps.append(group)
         return steps
+
+    @torch.inference_mode()
+    def _dense_step(self, group: list[tuple[int, ...]]) -> torch.Tensor:
+        """Right-padded [B, L] rows through `dense_attention`: no pool, no pages."""
+        batch = ForwardBatch.build_dense([list(ids) for ids in group], self.device)
+        hidden = self._hidden(batch)
+        rows = hidden.reshape(batch.dense.seqs, batch.dense.length, -1)
+        mode = self.pooling.mode
+        if mode == "last":
+            return hidden[batch.logits_indices].float()
+        if mode == "cls":
+            return rows[:, 0].float()
+        lengths = torch.tensor(batch.q_lens, device=hidden.device)
+        real = torch.arange(batch.dense.length, device=hidden.device)[None] < lengths[:, None]
+        if mode == "mean":
+            return (rows.float() * real[..., None]).sum(1) / lengths[:, None]
+        return rows.float().masked_fill(~real[..., None], float("-inf")).amax(1)
 
     def _scratch(self, pages: int) -> KVPool:
         if self._pool is None or self._pool.num_pages < pages:
@@ -111,7 +150,8 @@ class Embedder:
         return self._pool
 
     @torch.inference_mode()
-    def _step(self, group: list[tuple[int, ...]]) -> torch.Tensor:
+    def _paged_step(self, group: list[tuple[int, ...]]) -> torch.Tensor:
+        """Packed rows, K/V stored into a scratch pool that the next step overwrites."""
         counts = [-(-len(ids) // PAGE_SIZE) for ids in group]
         pool = self._scratch(sum(counts))
         tables, next_page = [], 0
@@ -120,10 +160,14 @@ class Embedder:
             next_page += n
         batch = ForwardBatch.build([list(ids) for ids in group], [0] * len(group), tables,
                                    [False] * len(group), pool, self.device)
+        return self._pool_rows(self._hidden(batch).float(), [len(ids) for ids in group])
+
+    def _hidden(self, batch: ForwardBatch) -> torch.Tensor:
+        """The final norm's output of every row: the model's segments but the LM head."""
         hidden = None
-        for segment in self.model.segments()[:-1]:  # everything but the LM head
+        for segment in self.model.segments()[:-1]:
             hidden = segment(hidden, batch)
-        return self._pool_rows(hidden.float(), [len(ids) for ids in group])
+        return hidden
 
     def _pool_rows(self, hidden: torch.Tensor, lengths: list[int]) -> torch.Tensor:
         ends = torch.tensor(lengths, device=hidden.device).cumsum(0)
@@ -146,4 +190,4 @@ class Embedder:
             vector = vector[:dims]
         if self.pooling.normalize:
             vector = torch.nn.functional.normalize(vector, dim=0)
-        return vector.cpu()
+        return vector

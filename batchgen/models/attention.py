@@ -9,6 +9,8 @@ in tests/test_cpu_attention.py:
 - a whole prompt attends to its own fresh K/V with SDPA's causal flash kernel (no gather);
 - a decode-only batch attends page by page (`_decode`): no padding to the longest sequence,
   no mask tensor, no GQA expansion, a softmax combined across each sequence's pages.
+`dense_attention` serves dense batches (embeddings): right-padded [B, L] prompts, causal SDPA
+on their own K/V, no pool at all.
 """
 
 from __future__ import annotations
@@ -46,6 +48,30 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tens
     return out.to(q.dtype)
 
 
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
+                    scale: float, window: int | None = None, sinks: torch.Tensor | None = None,
+                    rope=None) -> torch.Tensor:
+    """Attention of a dense batch: q [B*L, H, D], k/v [B*L, KVH, D] -> [B*L, H, D], each
+    sequence's L rows causally over its own rows as [B, H, L, D] tensors (no KV pool, no
+    pages, nothing kept). Padding rows follow a sequence's tokens, so causal attention keeps
+    them from every real row; their own outputs are garbage that the caller never reads.
+    Plain attention is SDPA's causal kernel (flash on CUDA; GQA without repeating K/V); a
+    sliding window or attention sinks take `_attend` with positions 0...L-1."""
+    if rope is not None:
+        q, k = rope(batch.positions, q, k)
+    seqs, length = batch.dense.seqs, batch.dense.length
+    q4, k4, v4 = (x.reshape(seqs, length, *x.shape[1:]) for x in (q, k, v))
+    if window is None and sinks is None:
+        out = F.scaled_dot_product_attention(q4.transpose(1, 2), k4.transpose(1, 2),
+                                             v4.transpose(1, 2), is_causal=True, scale=scale,
+                                             enable_gqa=True).transpose(1, 2)
+    else:
+        q_pos = torch.arange(length, device=q.device)[None].expand(seqs, -1)
+        k_len = torch.full((seqs,), length, device=q.device)
+        out = _attend(q4, k4, v4, q_pos, k_len, scale, window, sinks)
+    return out.reshape(q.shape)
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
                     batch: ForwardBatch, scale: float, window: int | None = None,
                     sinks: torch.Tensor | None = None, rope=None) -> torch.Tensor:
@@ -53,7 +79,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
 
     `rope` (a RotaryEmbedding) rotates q and k by `batch.positions` first; on CUDA in the
     same kernel as the store, so the rotated k never goes through memory.
-    On CUDA the Triton kernels run (batchgen_kernels); elsewhere the PyTorch paths below."""
+    On CUDA the Triton kernels run (batchgen_kernels); elsewhere the PyTorch paths below.
+    A dense batch (`batch.dense`) stores nothing: `dense_attention`."""
+    if batch.dense is not None:
+        return dense_attention(q, k, v, batch, scale, window, sinks, rope)
     if q.is_cuda:
         return _triton_attention(q, k, v, layer, batch, scale, window, sinks, rope)
     if rope is not None:

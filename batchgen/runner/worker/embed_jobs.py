@@ -1,5 +1,6 @@
 """Embeddings lines in a worker: queued at intake, embedded together once per step by the
-`Embedder` (prefill only, packed, no KV kept), written as result lines like any other."""
+`Embedder` (prefill only: inputs ordered by length into dense steps, no KV kept), written
+as result lines like any other, each under its own custom_id."""
 
 from __future__ import annotations
 
