@@ -81,11 +81,11 @@ PLAN_TILE_ELEMENTS = 8192
 the padded group count, 16 to 256)."""
 
 
-@triton.jit(do_not_specialize=["pages_per_split", "num_splits", "split_offset", "stride_pp"])
+@triton.jit(do_not_specialize=["num_splits", "split_offset", "stride_pp"])
 def _prefix_kernel(
         q_ptr, kv_ptr, scale_ptr, prefix_pages_ptr, prefix_num_pages_ptr, member_rows_ptr,
         tile_group_ptr, tile_start_ptr, tile_end_ptr, part_out_ptr, part_lse_ptr,
-        sm_scale, pages_per_split, num_splits, split_offset,
+        sm_scale, num_splits, split_offset,
         stride_qt, stride_qh, stride_page, stride_slot, stride_kv, stride_head,
         stride_s_page, stride_s_slot, stride_s_kv, stride_s_head, stride_pp,
         GROUP: tl.constexpr, GROUP_P2: tl.constexpr, ROWS: tl.constexpr,
@@ -98,6 +98,9 @@ def _prefix_kernel(
     start = tl.load(tile_start_ptr + tile)
     end = tl.load(tile_end_ptr + tile)
     num_pages = tl.load(prefix_num_pages_ptr + group)
+    # Each group's own prefix is cut into the splits (a fixed-width buffer, as under CUDA
+    # graphs, would leave every page to the first splits).
+    pages_per_split = tl.cdiv(num_pages, tl.num_programs(2))
     first = split * pages_per_split
     last = tl.minimum(first + pages_per_split, num_pages)
 
@@ -279,7 +282,8 @@ def plan_shared_prefix(row_group: torch.Tensor, prefix_pages: torch.Tensor,
 
 def default_prefix_splits(plan: SharedPrefixPlan, kv_heads: int, device: torch.device) -> int:
     """Splits of the prefix pages: enough to give every SM about two prefix programs, with
-    >= 2 pages per split (a function of the plan's shapes only, so graphs stay valid)."""
+    >= 2 pages per split of the widest prefix the buffer holds (a function of the plan's shapes
+    only, so graphs stay valid; each group's own prefix is cut into that many ranges)."""
     if device.type != "cuda":
         return 1
     programs = plan.tile_group.shape[0] * kv_heads
@@ -347,7 +351,7 @@ def shared_prefix_decode(q: torch.Tensor, kv: torch.Tensor, kv_scales: torch.Ten
     _prefix_kernel[(kv_heads, plan.tile_group.shape[0], num_prefix_splits)](
         q, kv, scales, plan.prefix_pages, plan.prefix_num_pages, plan.member_rows,
         plan.tile_group, plan.tile_start, plan.tile_end, part_out, part_lse,
-        sm_scale, triton.cdiv(prefix_pages, num_prefix_splits), total, num_splits,
+        sm_scale, total, num_splits,
         q.stride(0), q.stride(1), *kv_strides, *s_strides, plan.prefix_pages.stride(0),
         GROUP=group, GROUP_P2=next_pow2(group), ROWS=plan.rows_per_tile, HEAD_DIM=head_dim,
         BLOCK_D=block_d, PAGE=PAGE_SIZE, FP8=fp8, DOT_DTYPE=dot_dtype, F32_DOT=f32_dot,
