@@ -15,6 +15,7 @@ from batchgen.core import PAGE_SIZE
 from batchgen.engine.kv_cache import KVLayout, KVPool
 from batchgen.forward_batch import ForwardBatch, PrefixGroups
 from batchgen.models.attention import _triton_attention
+from batchgen.sched.decode_groups import MAX_GROUPS
 
 LAYERS, KV_HEADS, GROUP, DIM = 2, 2, 2, 32
 
@@ -53,7 +54,7 @@ def test_grouped_decode_equals_plain_decode(device, kv_dtype, with_sinks, padded
     prefix_pages = [3, 2]
     pool, batch, shared, layer = grouped_batch(device, kv_dtype, contexts, groups, prefix_pages)
     width = 5 if padded else max(prefix_pages)
-    count = 4 if padded else len(prefix_pages)
+    count = MAX_GROUPS if padded else len(prefix_pages)
     table = torch.zeros(count, width, dtype=torch.int32)
     for g, pages in enumerate(shared):
         table[g, :len(pages)] = torch.tensor(pages, dtype=torch.int32)

@@ -1,0 +1,64 @@
+"""Data-parallel replicas take requests that start alike together, in equal shares."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+from hypothesis import given, strategies as st
+
+from batchgen.io.prefix_shards import PREFIX_CHARS, assign_replicas, prefix_key
+
+
+def chat(system: str, user: str) -> list[dict]:
+    return [{"role": "system", "content": system}, {"role": "user", "content": user}]
+
+
+def test_requests_sharing_a_long_system_prompt_share_a_key():
+    long = "You are a careful assistant. " * 200  # > PREFIX_CHARS
+    assert prefix_key(chat(long, "a"), None) == prefix_key(chat(long, "b"), None)
+    assert prefix_key(chat(long, "a"), None) != prefix_key(chat(long[::-1], "a"), None)
+    short = "Be brief."
+    assert prefix_key(chat(short, "a"), None) != prefix_key(chat(short, "b"), None)
+
+
+def test_completion_prompts_key_by_text_or_token_ids():
+    text = "x" * PREFIX_CHARS
+    assert prefix_key(None, text + "tail one") == prefix_key(None, text + "tail two")
+    assert prefix_key(None, "abc") != prefix_key(None, "abd")
+    ids = list(range(PREFIX_CHARS))
+    assert prefix_key(None, ids + [1]) == prefix_key(None, ids + [2])
+    assert prefix_key(None, [1, 2, 3]) != prefix_key(None, [1, 2, 4])
+    assert prefix_key(None, "1,2") != prefix_key(None, [1, 2])
+
+
+def test_four_prefixes_over_eight_replicas_one_each():
+    rng = random.Random(0)
+    keys = [bytes([k]) for k in range(4) for _ in range(256)]
+    rng.shuffle(keys)
+    replica = assign_replicas(keys, 8)
+    assert Counter(replica) == {r: 128 for r in range(8)}
+    for r in range(8):
+        assert len({k for k, owner in zip(keys, replica) if owner == r}) == 1
+
+
+@given(st.lists(st.integers(0, 6), max_size=300), st.integers(1, 9))
+def test_shares_are_equal_and_each_key_is_one_run(raw, world):
+    keys = [bytes([k]) for k in raw]
+    replica = assign_replicas(keys, world)
+    assert replica == assign_replicas(keys, world)  # the same on every rank and every run
+    sizes = Counter(replica)
+    assert sum(sizes.values()) == len(keys)
+    if keys:
+        counts = [sizes.get(r, 0) for r in range(world)]
+        assert max(counts) - min(counts) <= 1
+    for key in set(keys):  # a key's records are one run: as few replicas as its size needs
+        owners = {owner for k, owner in zip(keys, replica) if k == key}
+        size = keys.count(key)
+        assert len(owners) <= -(-size * world // len(keys)) + 1
+
+
+def test_bad_world_is_refused():
+    with pytest.raises(ValueError):
+        assign_replicas([b"a"], 0)
