@@ -131,7 +131,7 @@ class DecodeGraphs:
         x, graphs = None, []
         for index, segment in enumerate(segments):
             try:
-                graph, x = self._capture_segment(segment, x, batch)
+                graph, x = self._capture_segment(segment, x, batch, grouped)
             except Exception as err:
                 where = f" (segment {index} of {len(segments)})" if self.segmented else ""
                 raise RuntimeError(f"batch size {size}{where}: {err}") from err
@@ -160,10 +160,14 @@ class DecodeGraphs:
         log.info("captured the shared-prefix decode CUDA graph for batch size %d", size)
         return True
 
-    def _capture_segment(self, segment, x: torch.Tensor | None, batch: ForwardBatch):
+    def _capture_segment(self, segment, x: torch.Tensor | None, batch: ForwardBatch,
+                         mid_job: bool):
         """One graph of `segment(x, batch)`; its output tensor stays the next one's input."""
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool_handle):
+        # A capture in the middle of a job (the shared-prefix graphs) may meet the host pool's
+        # background registration on another thread: only this thread's calls may break it.
+        mode = "thread_local" if mid_job else "global"
+        with torch.cuda.graph(graph, pool=self._pool_handle, capture_error_mode=mode):
             out = segment(x, batch)
         if self._pool_handle is None:
             self._pool_handle = graph.pool()
