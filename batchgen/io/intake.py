@@ -379,20 +379,21 @@ def parse_sampling(body: dict, kind: str, default_max_tokens: int = 256) -> Samp
         "frequency_penalty": _get_number(body, "frequency_penalty"),
         "repetition_penalty": _get_number(body, "repetition_penalty"),
     }
-    params = SamplingParams(**{k: v for k, v in given.items() if v is not None})
+    given = {k: v for k, v in given.items() if v is not None}
     try:
-        params.validate()
+        return SamplingParams(**given)  # checks its values (the only check they get)
     except ValueError as e:
         name, rest = (str(e).split(" ", 1) + [""])[:2]
-        got = f", got {getattr(params, name)!r}" if name in _SAMPLING_FIELDS else ""
+        got = (f", got {given.get(name, _SAMPLING_DEFAULTS.get(name))!r}"
+               if name in _SAMPLING_FIELDS else "")
         if name == "max_tokens" and body.get("max_completion_tokens") is not None:
             name = "max_completion_tokens"  # the field the line spelled
         raise _BadLine("invalid_sampling_param", f"{name} {rest}{got}".strip(),
                        name if name in _SAMPLING_FIELDS or name in _ALLOWED else None) from None
-    return params
 
 
 _SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
+_SAMPLING_DEFAULTS = {f.name: f.default for f in fields(SamplingParams)}
 
 
 def tokenize_request(parsed: ParsedRequest | EmbeddingRequest, tokenizer: Any,
