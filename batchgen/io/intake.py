@@ -3,7 +3,9 @@
 Two steps so `batchgen validate` can check a file without a model:
   parse_record()     shape, custom_id, messages/prompt, sampling fields -> ParsedRequest
   tokenize_request() chat template + tokenizer + context check      -> PendingRequest
-intake() does both. A bad line returns an IntakeError; nothing here raises for bad input.
+intake() does both (tokenize_parsed() the second half, for a record parsed earlier: a job's
+supervisor parses every line once, its workers tokenize). A bad line returns an IntakeError;
+nothing here raises for bad input.
 """
 
 from __future__ import annotations
@@ -93,6 +95,14 @@ def intake(record: RawRecord, tokenizer: Any, max_context: int,
     parsed = parse_record(record, default_max_tokens)
     if isinstance(parsed, IntakeError):
         return parsed
+    return tokenize_parsed(parsed, tokenizer, max_context, max_model_len)
+
+
+def tokenize_parsed(parsed: ParsedRequest | EmbeddingRequest, tokenizer: Any, max_context: int,
+                    max_model_len: int | None = None
+                    ) -> PendingRequest | EmbeddingRequest | IntakeError:
+    """What intake does after parse_record: tokenize, and refuse a prompt + max_tokens above
+    the `max_model_len` cap. A job's workers call it on the records the supervisor parsed."""
     if max_model_len is not None:  # the model's own context may be the smaller cap
         return _within_cap(tokenize_request(parsed, tokenizer, max_context), parsed,
                            min(max_model_len, max_context))

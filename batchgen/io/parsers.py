@@ -2,8 +2,8 @@
 
 Everything here works on the completion text after generation has stopped (batchgen never
 streams), decoded with special tokens kept (``Detokenizer.markup``, batchgen/detokenizer.py) so
-the markers below survive, and without the stop token itself. Nothing here raises on model output: a block that
-cannot be parsed stays in ``content``.
+the markers below survive, and without the stop token itself. Nothing here raises on model
+output: a block that cannot be parsed stays in ``content``.
 
 Reasoning styles (``parse_reasoning``):
 
