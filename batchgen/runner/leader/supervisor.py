@@ -411,8 +411,8 @@ def _failure_cause(spec: JobSpec, failure: WorkerFailure) -> str:
         return (f"worker rank {failure.rank} ran out of device memory; {resume}: the requests "
                 "in flight are retried in smaller groups")
     if failure.exitcode == ExitCode.INPUT:
-        said = mine.get("failure", "it could not read the input file")
-        return f"worker rank {failure.rank}: {said}; put the input back and {resume}"
+        said = mine.get("failure", "it could not read the job's parsed input")
+        return f"worker rank {failure.rank}: {said}; {resume}"
     if failure.exitcode == ExitCode.LOCKED:
         said = mine.get("failure", "its results file is locked by another live batchgen process")
         return (f"worker rank {failure.rank}: {said}; stop the other process (or wait for it) "

@@ -426,7 +426,7 @@ def serve(spec: JobSpec, rank: RankInfo, stop: StopFlag, watchdog: Watchdog) -> 
         log.error("rank %d: %s", rank.rank, err)  # one clear line, no traceback
         watchdog.stats.update({"failure": str(err)})
         code = ExitCode.DISK
-    # Another live writer of the results file, or an input gone since the scan.
+    # Another live writer of the results file, or the parsed input gone or damaged.
     except (WriterLocked, InputFileError) as err:
         log.error("rank %d: %s", rank.rank, err)
         watchdog.stats.update({"failure": str(err)})  # the supervisor's report names it
