@@ -15,7 +15,9 @@ PAGE_SIZE = 64
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How one request is decoded. Validated by `validate()`, once, at intake."""
+    """How one request is decoded. Checked once, when it is made (`__post_init__`): an instance
+    is valid, so whoever receives one (the engine, the scheduler, the sampler) trusts it. The job
+    runner's intake makes them from input lines, turning a refusal into that line's error."""
 
     max_tokens: int = 256
     """Upper bound on generated tokens (the stop reason is then "length")."""
@@ -54,7 +56,9 @@ class SamplingParams:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
 
-    def validate(self) -> None:
+    def __post_init__(self) -> None:
+        """Raises ValueError naming the first field out of range (its name starts the
+        message: intake reports it as the line's `param`)."""
         checks = [
             (self.max_tokens >= 1, "max_tokens must be >= 1"),
             (self.min_tokens >= 0, "min_tokens must be >= 0"),

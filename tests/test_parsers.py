@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from batchgen.detokenizer import Detokenizer
 from batchgen.io.parsers import (
     ParsedMessage,
     count_reasoning_tokens,
@@ -159,11 +160,12 @@ class CharTokenizer:
 
 def test_count_reasoning_tokens_uses_the_close_tag_position():
     tok = CharTokenizer()
+    detok = Detokenizer(tok)
     ids = tok.encode("<think>abc</think>hello")
-    assert count_reasoning_tokens(ids, tok, "qwen3") == 5  # <think> a b c </think>
-    assert count_reasoning_tokens(tok.encode("<think>abcdef"), tok, "qwen3") == 7  # unterminated
-    assert count_reasoning_tokens(tok.encode("hello"), tok, "qwen3") == 0
-    assert count_reasoning_tokens(tok.encode("xy</think>z"), tok, "deepseek_r1") == 3
+    assert count_reasoning_tokens(ids, detok, "qwen3") == 5  # <think> a b c </think>
+    assert count_reasoning_tokens(tok.encode("<think>abcdef"), detok, "qwen3") == 7  # unterminated
+    assert count_reasoning_tokens(tok.encode("hello"), detok, "qwen3") == 0
+    assert count_reasoning_tokens(tok.encode("xy</think>z"), detok, "deepseek_r1") == 3
 
 
 def test_count_reasoning_tokens_retokenizes_harmony():
@@ -171,7 +173,7 @@ def test_count_reasoning_tokens_retokenizes_harmony():
         special: ClassVar[dict[str, int]] = {}
 
     tok = Chars()
-    assert count_reasoning_tokens(tok.encode(HARMONY), tok, "harmony") == len(
+    assert count_reasoning_tokens(tok.encode(HARMONY), Detokenizer(tok), "harmony") == len(
         "User asks 2+2. Easy."
     )
 

@@ -12,7 +12,7 @@ from test_reliability_support import (
     run,
 )
 
-from batchgen.io.reader import RawRecord
+from batchgen.io.parsed_input import ParsedRecord
 from batchgen.runner.worker.quarantine import (
     ISOLATION_GROUPS,
     Quarantine,
@@ -98,17 +98,17 @@ def test_isolation_groups_shrink_the_set_in_flight(tmp_path):
     ids = [f"r{i}" for i in range(40)]
     q = _crashed_run(tmp_path, ids)
     q.book.strikes["r7"] = 2
-    records = [RawRecord(i + 1, {"custom_id": cid}) for i, cid in enumerate(ids)]
+    records = [ParsedRecord(i + 1, cid, None) for i, cid in enumerate(ids)]
     groups = q.isolation_groups(records)
     assert len(groups) <= ISOLATION_GROUPS and sum(map(len, groups)) == 40
-    assert groups[0][0].data["custom_id"] == "r7"  # most strikes first
+    assert groups[0][0].key == "r7"  # most strikes first
     assert max(map(len, groups)) == 3
 
 
 def test_quarantine_line_is_a_failure_line(tmp_path):
     q = Quarantine(tmp_path, "b", 0, 1)
     q.book.strikes, q.book.last_crash_in_flight = {"x": 1}, 1
-    line = orjson.loads(q.error_line(RawRecord(6, {"custom_id": "x"})))
+    line = orjson.loads(q.error_line(ParsedRecord(6, "x", None)))
     assert line["response"] is None and line["error"]["code"] == "quarantined"
     assert line["error"]["line"] == 6 and "--quarantine-after 1" in line["error"]["message"]
 

@@ -168,14 +168,14 @@ def test_tokens_holding_part_of_a_character_are_named_by_their_bytes():
     formatter = OutputFormatter(SimpleNamespace(config=SimpleNamespace(output=OutputConfig()),
                                                 batch_id="b", created=1), loaded)
     ids = tok.encode("😀 日本", add_special_tokens=False)
-    labels = [formatter.decode_token(i) for i in ids]
+    labels = [formatter.detokenizer.label(i) for i in ids]
     assert any(label.startswith("bytes:\\x") for label in labels)
     assert all("\ufffd" not in label for label in labels)
     chat = success_line(pending(logprobs=True, top=2), FinishedRequest("req-1", 3, [Completion(
         0, ids, FinishReason.LENGTH, "😀 日本",
         [TokenLogprob(t, -0.5, [(t, -0.5), (ids[0], -1.0)]) for t in ids])]),
-        batch_id="b", model="m", created=1, decode_token=formatter.decode_token,
-        decode_text=formatter.decode_text)
+        batch_id="b", model="m", created=1, decode_token=formatter.detokenizer.label,
+        decode_text=formatter.detokenizer.text)
     content = chat["response"]["body"]["choices"][0]["logprobs"]["content"]
     assert b"".join(bytes(e["bytes"]) for e in content) == "😀 日本".encode()
     # Each token's runner-up is another token that alone decodes to U+FFFD.
@@ -184,7 +184,7 @@ def test_tokens_holding_part_of_a_character_are_named_by_their_bytes():
         "req-1", 3, [Completion(0, ids, FinishReason.LENGTH, "😀 日本",
                                 [TokenLogprob(t, -0.5, [(t, -0.5), (partner[t], -1.0)])
                                  for t in ids])]),
-        batch_id="b", model="m", created=1, decode_token=formatter.decode_token,
-        decode_text=formatter.decode_text)["response"]["body"]["choices"][0]["logprobs"]
+        batch_id="b", model="m", created=1, decode_token=formatter.detokenizer.label,
+        decode_text=formatter.detokenizer.text)["response"]["body"]["choices"][0]["logprobs"]
     for token, top in zip(text["tokens"], text["top_logprobs"]):
         assert top[token] == -0.5 and len(top) == 2

@@ -14,7 +14,8 @@ from batchgen.core import SamplingParams
 from batchgen.io import templates as templates_module
 from batchgen.io.grammar_limits import (MAX_REGEX_DEPTH, GrammarTooComplex,
                                         check_grammar_limits, regex_depth)
-from batchgen.io.intake import ParsedRequest, intake, tokenize_request
+from batchgen.io.intake import ParsedRequest, intake, parse_record, tokenize_request
+from batchgen.io.parsed_input import ParsedRecord
 from batchgen.io.reader import RawRecord, read_records, scan_input
 from batchgen.runner.worker.quarantine import CrashJournal, Quarantine
 from job_utils import BATCHGEN, batchgen, read_jsonl, write_jsonl
@@ -70,18 +71,19 @@ def test_each_line_is_journaled_before_its_risky_intake(tmp_path, monkeypatch):
     quarantine.recover(set(), restarted=False)
     seen_in_journal = []
 
-    def spy_intake(record, *args):
+    def spy_intake(parsed, *args):
         last = CrashJournal(quarantine.journal.path).read()
-        seen_in_journal.append(record.data["custom_id"] in last.admitted)
+        seen_in_journal.append(parsed.custom_id in last.admitted)
         raise SystemExit("crash while reading the line")
 
-    monkeypatch.setattr(worker_module, "intake", spy_intake)
+    monkeypatch.setattr(worker_module, "tokenize_parsed", spy_intake)
     config = SimpleNamespace(storage=SimpleNamespace(max_tokens=16),
                              engine=SimpleNamespace(model=SimpleNamespace(max_model_len=None)))
     fake = SimpleNamespace(engine=SimpleNamespace(num_requests=0), done=set(), writer=object(),
                            quarantine=quarantine, embeddings=[], spec=SimpleNamespace(config=config),
                            loaded=SimpleNamespace(tokenizer=None, max_context=64))
-    records = iter([RawRecord(1, {"custom_id": "poison", "prompt": "x"})])
+    line = RawRecord(1, {"custom_id": "poison", "prompt": "x"})
+    records = iter([ParsedRecord(1, "poison", parse_record(line))])
     with pytest.raises(SystemExit):
         worker_module.Worker._intake(fake, records, 8, [])
     assert seen_in_journal == [True]

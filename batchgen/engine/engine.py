@@ -151,9 +151,7 @@ class Engine:
                              f"{len(request.prompt_token_ids)} tokens but the model context is "
                              f"{self.model.max_context} (at least one token must be left to "
                              "generate)")
-        params = request.sampling
-        params.validate()
-        params = params.fit_context(room)
+        params = request.sampling.fit_context(room)  # SamplingParams are valid once made
         if request.request_id in self._groups:
             raise ValueError(f"request id {request.request_id!r} is already in the engine")
         base_seed = (params.seed if params.seed is not None

@@ -1,9 +1,10 @@
-"""Stop strings and final text: the only place the engine detokenizes."""
+"""Stop strings and final text, decoded by the job's Detokenizer (batchgen/detokenizer.py)."""
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
+from batchgen.detokenizer import REPLACEMENT, Detokenizer
 from batchgen.sched.sequence import Sequence
 
 TAIL_SLACK = 8
@@ -21,8 +22,12 @@ class StopMatch(NamedTuple):
 
 class StopChecker:
     def __init__(self, tokenizer, skip_special_tokens: bool = True):
-        self.tokenizer = tokenizer
-        self.skip_special = skip_special_tokens
+        """`tokenizer`: a Hugging Face tokenizer (wrapped in a Detokenizer with
+        `skip_special_tokens`), a Detokenizer (used as it is), or None (no text)."""
+        if tokenizer is None or isinstance(tokenizer, Detokenizer):
+            self.detokenizer = tokenizer
+        else:
+            self.detokenizer = Detokenizer(tokenizer, skip_special_tokens)
 
     def match(self, seq: Sequence, token: int | None = None) -> StopMatch | None:
         """The stop string that the newest token (`token`, drawn but not yet appended, else the
@@ -33,7 +38,7 @@ class StopChecker:
         O(length): a stop string of B UTF-8 bytes spans at most B tokens (an emoji is one
         character but up to 4 byte tokens).
         """
-        if self.tokenizer is None:
+        if self.detokenizer is None:
             raise ValueError("stop strings need a tokenizer; pass one to Engine")
         stops = seq.sampling.stop
         tail = max(len(s.encode("utf-8")) for s in stops) + TAIL_SLACK
@@ -41,16 +46,13 @@ class StopChecker:
             generated = seq.token_ids[seq.prompt_len:][-tail:]
         else:
             generated = seq.token_ids[max(seq.prompt_len, seq.num_tokens - tail + 1):] + [token]
-        text = self.tokenizer.decode(generated, skip_special_tokens=self.skip_special)
-        before = self.tokenizer.decode(generated[:-1], skip_special_tokens=self.skip_special)
-        # Where the newest token's characters begin (an unfinished character, shown as
-        # U+FFFD, is finished by this token). Only stops ending after that count now: earlier
-        # ones stopped the sequence already or fell among the first min_tokens tokens, where
-        # they are suppressed.
-        new_from = len(before.rstrip("\ufffd"))
+        # new_from: where the newest token's characters begin. Only stops ending after it
+        # count now: earlier ones stopped the sequence already or fell among the first
+        # min_tokens tokens, where they are suppressed.
+        text, new_from = self.detokenizer.newest(generated)
         # A character still unfinished at the end is no text yet (a stop holding U+FFFD must
         # not match it); the token that finishes it is checked then.
-        whole = text.rstrip("\ufffd")
+        whole = text.rstrip(REPLACEMENT)
         found = []
         for order, stop in enumerate(stops):
             start = whole.find(stop, max(0, new_from - len(stop) + 1))
@@ -66,10 +68,10 @@ class StopChecker:
         """The answer's text, cut before the stop string `stop`; `ended_by_token`: the last
         token (EOS or a stop token id) ended the answer, and its text is no part of it (as
         vLLM: otherwise `<|im_end|>` with special tokens kept, or a stop id's "." stays)."""
-        if self.tokenizer is None:
+        if self.detokenizer is None:
             return None
-        answer = seq.token_ids[seq.prompt_len:len(seq.token_ids) - int(ended_by_token)]
-        text = self.tokenizer.decode(answer, skip_special_tokens=self.skip_special)
+        text = self.detokenizer.text(
+            seq.token_ids[seq.prompt_len:len(seq.token_ids) - int(ended_by_token)])
         if stop is not None:
             cut = len(text) - stop.from_end
             if text[cut:cut + len(stop.stop)] != stop.stop:

@@ -3,7 +3,9 @@
 Two steps so `batchgen validate` can check a file without a model:
   parse_record()     shape, custom_id, messages/prompt, sampling fields -> ParsedRequest
   tokenize_request() chat template + tokenizer + context check      -> PendingRequest
-intake() does both. A bad line returns an IntakeError; nothing here raises for bad input.
+intake() does both (tokenize_parsed() the second half, for a record parsed earlier: a job's
+supervisor parses every line once, its workers tokenize). A bad line returns an IntakeError;
+nothing here raises for bad input.
 """
 
 from __future__ import annotations
@@ -93,6 +95,14 @@ def intake(record: RawRecord, tokenizer: Any, max_context: int,
     parsed = parse_record(record, default_max_tokens)
     if isinstance(parsed, IntakeError):
         return parsed
+    return tokenize_parsed(parsed, tokenizer, max_context, max_model_len)
+
+
+def tokenize_parsed(parsed: ParsedRequest | EmbeddingRequest, tokenizer: Any, max_context: int,
+                    max_model_len: int | None = None
+                    ) -> PendingRequest | EmbeddingRequest | IntakeError:
+    """What intake does after parse_record: tokenize, and refuse a prompt + max_tokens above
+    the `max_model_len` cap. A job's workers call it on the records the supervisor parsed."""
     if max_model_len is not None:  # the model's own context may be the smaller cap
         return _within_cap(tokenize_request(parsed, tokenizer, max_context), parsed,
                            min(max_model_len, max_context))
@@ -379,20 +389,21 @@ def parse_sampling(body: dict, kind: str, default_max_tokens: int = 256) -> Samp
         "frequency_penalty": _get_number(body, "frequency_penalty"),
         "repetition_penalty": _get_number(body, "repetition_penalty"),
     }
-    params = SamplingParams(**{k: v for k, v in given.items() if v is not None})
+    given = {k: v for k, v in given.items() if v is not None}
     try:
-        params.validate()
+        return SamplingParams(**given)  # checks its values (the only check they get)
     except ValueError as e:
         name, rest = (str(e).split(" ", 1) + [""])[:2]
-        got = f", got {getattr(params, name)!r}" if name in _SAMPLING_FIELDS else ""
+        got = (f", got {given.get(name, _SAMPLING_DEFAULTS.get(name))!r}"
+               if name in _SAMPLING_FIELDS else "")
         if name == "max_tokens" and body.get("max_completion_tokens") is not None:
             name = "max_completion_tokens"  # the field the line spelled
         raise _BadLine("invalid_sampling_param", f"{name} {rest}{got}".strip(),
                        name if name in _SAMPLING_FIELDS or name in _ALLOWED else None) from None
-    return params
 
 
 _SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
+_SAMPLING_DEFAULTS = {f.name: f.default for f in fields(SamplingParams)}
 
 
 def tokenize_request(parsed: ParsedRequest | EmbeddingRequest, tokenizer: Any,

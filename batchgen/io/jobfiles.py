@@ -66,6 +66,11 @@ class JobPaths:
         return self.storage_path / "batches" / f"{self.batch_id}.json"
 
     @property
+    def parsed_input(self) -> Path:
+        """The input's records, parsed once by the supervisor (io/parsed_input.py)."""
+        return self.storage_path / "batches" / f"{self.batch_id}.requests"
+
+    @property
     def errors_output(self) -> Path:
         return errors_path_for(self.output)
 

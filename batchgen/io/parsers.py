@@ -1,9 +1,9 @@
 """Output parsing: split a finished completion into reasoning, content and tool calls.
 
 Everything here works on the completion text after generation has stopped (batchgen never
-streams), decoded with special tokens kept (``skip_special_tokens=False``) so the markers below
-survive, and without the stop token itself. Nothing here raises on model output: a block that
-cannot be parsed stays in ``content``.
+streams), decoded with special tokens kept (``Detokenizer.markup``, batchgen/detokenizer.py) so
+the markers below survive, and without the stop token itself. Nothing here raises on model
+output: a block that cannot be parsed stays in ``content``.
 
 Reasoning styles (``parse_reasoning``):
 
@@ -49,6 +49,8 @@ import hashlib
 import json
 import re
 from dataclasses import dataclass, field
+
+from batchgen.detokenizer import Detokenizer
 
 REASONING_STYLES = ("deepseek_r1", "qwen3", "think", "harmony")
 TOOL_PARSERS = ("hermes", "deepseek_v3", "llama3_json", "harmony")
@@ -159,7 +161,7 @@ def _split_think(text: str, opened_in_prompt: bool) -> tuple[str | None, str | N
     return None, text
 
 
-def count_reasoning_tokens(token_ids: list[int], tokenizer, style: str) -> int:
+def count_reasoning_tokens(token_ids: list[int], detokenizer: Detokenizer, style: str) -> int:
     """Completion tokens spent on reasoning (OpenAI's ``reasoning_tokens``).
 
     Exact for the think styles when ``</think>`` is one token (Qwen3, DeepSeek-R1): the tokens up
@@ -167,7 +169,8 @@ def count_reasoning_tokens(token_ids: list[int], tokenizer, style: str) -> int:
     tokenizer that splits ``</think>``) the reasoning text is re-tokenized, which may differ from
     the generated count by a few tokens at the block edges and omits the message headers.
     """
-    text = tokenizer.decode(token_ids, skip_special_tokens=False)
+    text = detokenizer.markup(token_ids)
+    tokenizer = detokenizer.tokenizer  # re-tokenizing the reasoning text, below
     reasoning, content = parse_reasoning(text, style)
     if reasoning is None:
         return 0

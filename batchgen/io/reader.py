@@ -1,9 +1,12 @@
 """Stream input records from JSONL or Parquet with bounded memory.
 
-Two passes over the input, both streaming:
-  scan_input()   before any weights load: sha256, record count, duplicate custom_ids
-                 (file-level errors, raised as InputFileError with line numbers);
-  read_records() the job's pass: one RawRecord per non-blank line (per Parquet row).
+Streaming passes over the input:
+  identify_input() its format, sha256 and size (bytes only: nothing is parsed);
+  scan_input()     the one pass that parses the lines: record count, duplicate custom_ids
+                   (file-level errors, raised as InputFileError with line numbers), and each
+                   record handed to a callback (a job parses and stores it there:
+                   io/parsed_input.py; `batchgen validate` checks it);
+  read_records()   one RawRecord per non-blank line (per Parquet row), what scan_input reads.
 A bad line never raises here: it becomes RawRecord(error=LineError(...)) and, later, an error
 result line. Line numbers are 1-based physical lines (blank lines count, they are just skipped);
 for Parquet the line number is row index + 1.
@@ -15,7 +18,7 @@ import hashlib
 import math
 import stat
 from array import array
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -56,6 +59,17 @@ class RawRecord:
     """1-based line number (Parquet: row index + 1)."""
     data: dict | None
     error: LineError | None = None
+
+
+@dataclass(frozen=True)
+class InputFile:
+    """What identifies an input before it is parsed (the job's batch id derives from it)."""
+
+    path: Path
+    format: str
+    """"jsonl" or "parquet"."""
+    sha256: str
+    size_bytes: int
 
 
 @dataclass(frozen=True)
@@ -291,21 +305,36 @@ def _file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def scan_input(path: str | Path, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> InputSummary:
-    """First pass, before weights load: hash, count, and refuse duplicate custom_ids.
+def identify_input(path: str | Path) -> InputFile:
+    """The input's format, sha256 and size, from its bytes (no line is parsed)."""
+    p = Path(path)
+    fmt = detect_format(p)
+    return InputFile(p, fmt, _file_sha256(p), p.stat().st_size)
+
+
+def scan_input(path: str | Path, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+               each: Callable[[RawRecord, str], None] | None = None,
+               identity: InputFile | None = None) -> InputSummary:
+    """The pass that parses every line, before weights load: count, and refuse duplicate
+    custom_ids; `each(record, custom_id)` sees every record, in input order. `identity`: the
+    input's identify_input(), when the caller took it already (else it is taken here).
 
     Memory: 8 bytes per record (an array of 64-bit id digests), sorted once at the end; only
-    digests that repeat are looked at again, on the real strings, in a second pass."""
+    when digests repeat (a duplicate, which fails the job) are the real strings read again."""
     p = Path(path)
     fmt = detect_format(p)
     digests = array("Q")
     errors: dict[str, int] = {}
     for record in read_records(p, max_line_bytes):
-        digests.append(digest64(record_key(record)))
+        key = record_key(record)
+        digests.append(digest64(key))
         if record.error is not None:
             errors[record.error.code] = errors.get(record.error.code, 0) + 1
+        if each is not None:
+            each(record, key)
     _refuse_duplicates(p, digests, max_line_bytes)
-    return InputSummary(p, fmt, _file_sha256(p), p.stat().st_size, len(digests), errors)
+    identity = identity or identify_input(p)
+    return InputSummary(p, fmt, identity.sha256, identity.size_bytes, len(digests), errors)
 
 
 def _refuse_duplicates(path: Path, digests: array, max_line_bytes: int) -> None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import orjson
 
 from batchgen.core import Completion, FinishedRequest, TokenLogprob
+from batchgen.detokenizer import BYTES_PREFIX
 from batchgen.io.embeddings import EmbeddingRequest, embeddings_body
 from batchgen.io.intake import IntakeError, PendingRequest
 
@@ -156,14 +157,6 @@ def _chat_choice(c: Completion, text: str, parsed: ParsedChoice | None, top_n: i
 
 def _floor(logprob: float) -> float:
     return max(float(logprob), LOGPROB_FLOOR)
-
-
-BYTES_PREFIX = "bytes:"
-
-
-def bytes_label(raw: bytes) -> str:
-    """How OpenAI names a token that is part of a character: "bytes:\\xe3\\x81"."""
-    return BYTES_PREFIX + "".join(f"\\x{b:02x}" for b in raw)
 
 
 def _label_bytes(token: str) -> list[int]:

@@ -14,7 +14,7 @@ import orjson
 from batchgen.atomic import atomic_file
 from batchgen.config import JobConfig, StorageConfig
 from batchgen.io.jobfiles import FingerprintMismatch, JobPaths, make_fingerprint
-from batchgen.io.reader import DEFAULT_MAX_LINE_BYTES, scan_input
+from batchgen.io.reader import DEFAULT_MAX_LINE_BYTES, InputFileError, identify_input
 
 
 
@@ -111,13 +111,18 @@ def file_version(path: Path) -> tuple[int, ...]:
 
 def check_input_unchanged(spec: JobSpec, version: tuple[int, ...]) -> None:
     """Refuse to publish results when the input was edited or replaced after the job read its
-    identity (`version` was taken before): workers read the input as they go, so answers to
-    edited lines would go out under the original input's identity. Re-hashes only when the
+    identity (`version` was taken before): the lines are parsed after its sha256 was taken,
+    so answers to edited lines would go out under the original input's identity. Re-hashes only when the
     file's version moved."""
     path = Path(spec.config.storage.input)
     if file_version(path) == version:
         return
-    now_sha = scan_input(path).sha256
+    try:
+        now_sha = identify_input(path).sha256
+    except InputFileError as err:
+        raise InputFileError(f"{err}. The input went away while job {spec.batch_id} ran: "
+                             "nothing was published; put the input back and re-run the same "
+                             "command (the finished results are kept)") from None
     if now_sha != spec.input_sha256:
         raise FingerprintMismatch(
             f"the input {path} changed while job {spec.batch_id} ran (sha256 "

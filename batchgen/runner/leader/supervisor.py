@@ -34,7 +34,8 @@ from batchgen.io.jobfiles import (
     errors_path_for,
     record_upload,
 )
-from batchgen.io.reader import InputFileError, InputSummary, iter_keys, scan_input
+from batchgen.io.parsed_input import parse_input, parsed_keys
+from batchgen.io.reader import InputFile, InputFileError, InputSummary, identify_input
 from batchgen.io.writer import (IncompleteResults, final_files_complete, finalize,
                                 read_done_ids)
 from batchgen.models.folder_checks import check_model_folder, machine_memory
@@ -77,17 +78,26 @@ def model_weights(config: JobConfig) -> str:
     return weights_signature(resolve_model(m.model, m.cache_dir, m.revision).path)
 
 
-def identify(config: JobConfig) -> tuple[InputSummary, JobPaths]:
-    """Scan the input and derive the job identity; creates the job's folders, nothing else."""
+def identify(config: JobConfig) -> tuple[InputFile, JobPaths]:
+    """Hash the input and derive the job identity; creates the job's folders, nothing else."""
     s = config.storage
-    summary = scan_input(Path(s.input), s.max_line_bytes)
-    if summary.records == 0:
-        raise InputFileError(f"input file {s.input} holds no requests (it is "
-                             "empty): write one JSON request per line")
-    batch_id = s.batch_id or derive_batch_id(summary.sha256)
+    source = identify_input(Path(s.input))
+    batch_id = s.batch_id or derive_batch_id(source.sha256)
     paths = JobPaths.for_job(s.storage_path, batch_id, s.incremental_output_dir, s.output)
     make_job_dirs(config, paths)
-    return summary, paths
+    return source, paths
+
+
+def parse(config: JobConfig, source: InputFile, paths: JobPaths) -> InputSummary:
+    """The one pass that parses the input (under the job lock): every record checked and
+    stored for the workers (paths.parsed_input); duplicates and an empty input refused."""
+    s = config.storage
+    summary = parse_input(source, paths.parsed_input, s.max_line_bytes, s.max_tokens)
+    if summary.records == 0:
+        paths.parsed_input.unlink(missing_ok=True)
+        raise InputFileError(f"input file {s.input} holds no requests (it is "
+                             "empty): write one JSON request per line")
+    return summary
 
 
 def prepare(config: JobConfig, summary: InputSummary, paths: JobPaths) -> tuple[JobSpec, BatchFile]:
@@ -140,7 +150,7 @@ def _run(config: JobConfig, stops: StopSignals, member: Member) -> int:
     group = member.group
     with _abort_followers(group):
         input_version = file_version(Path(config.storage.input))  # before it is read
-        summary, paths = identify(config)
+        source, paths = identify(config)
         lock = member.lock(paths.batch_file)
         # before anything is written: a second live run changes nothing
         lock.acquire(config.storage.wait_for_lock)
@@ -149,6 +159,7 @@ def _run(config: JobConfig, stops: StopSignals, member: Member) -> int:
     try:
         with _abort_followers(group):
             _lock_output(output_lock, paths, config.storage.wait_for_lock)
+            summary = parse(config, source, paths)
             spec, batch_file = prepare(config, summary, paths)
             if batch_file.load().status == "completed" and final_files_complete(
                     paths.output, paths.errors_output, summary.records) and outputs_belong_to(
@@ -157,10 +168,11 @@ def _run(config: JobConfig, stops: StopSignals, member: Member) -> int:
                 stops.completed = True
                 if config.storage.no_incremental_save:  # a kill came before their removal
                     paths.remove_incremental()
+                paths.parsed_input.unlink(missing_ok=True)
                 if group is not None:
                     group.publish_final("done")
                 return ExitCode.OK
-            already = done_records(config, paths, summary.records)
+            already = done_records(paths, summary.records)
             left = summary.records - already
             preflight(config, paths, summary.size_bytes, summary.records, left)
             with disk_errors("convert the model into the converted-checkpoint cache"):
@@ -185,7 +197,7 @@ def _lock_output(output_lock: JobLock, paths: JobPaths, wait_s: float) -> None:
         raise
 
 
-def done_records(config: JobConfig, paths: JobPaths, records: int) -> int:
+def done_records(paths: JobPaths, records: int) -> int:
     """How many input records have a saved result (a corrupt incremental file is refused).
     When the results seem to cover every record, their ids are checked against the input's:
     a result whose custom_id is no input's (a damaged id, a line from another file) must not
@@ -193,12 +205,10 @@ def done_records(config: JobConfig, paths: JobPaths, records: int) -> int:
     done = read_done_ids(paths.incremental_files())
     if len(done) < records:
         return len(done)
-    answered = sum(1 for _, key in iter_keys(config.storage.input,
-                                              config.storage.max_line_bytes) if key in done)
+    answered = sum(1 for _, key in parsed_keys(paths.parsed_input) if key in done)
     if answered < len(done):
-        log.warning("%d saved results belong to no record of %s (ignored: the final files "
-                    "hold one line per input record)", len(done) - answered,
-                    config.storage.input)
+        log.warning("%d saved results belong to no record of the input (ignored: the final "
+                    "files hold one line per input record)", len(done) - answered)
     return answered
 
 
@@ -401,8 +411,8 @@ def _failure_cause(spec: JobSpec, failure: WorkerFailure) -> str:
         return (f"worker rank {failure.rank} ran out of device memory; {resume}: the requests "
                 "in flight are retried in smaller groups")
     if failure.exitcode == ExitCode.INPUT:
-        said = mine.get("failure", "it could not read the input file")
-        return f"worker rank {failure.rank}: {said}; put the input back and {resume}"
+        said = mine.get("failure", "it could not read the job's parsed input")
+        return f"worker rank {failure.rank}: {said}; {resume}"
     if failure.exitcode == ExitCode.LOCKED:
         said = mine.get("failure", "its results file is locked by another live batchgen process")
         return (f"worker rank {failure.rank}: {said}; stop the other process (or wait for it) "
@@ -426,8 +436,7 @@ def _finish(spec: JobSpec, batch_file: BatchFile, started: float, stops: StopSig
     while True:
         try:
             with disk_errors("write the final outputs"):
-                s = spec.config.storage
-                keys = (key for _, key in iter_keys(s.input, s.max_line_bytes))
+                keys = (key for _, key in parsed_keys(paths.parsed_input))
                 report = finalize(paths.incremental_files(), keys, paths.output,
                                   paths.errors_output)
             break
@@ -456,7 +465,7 @@ def _finish(spec: JobSpec, batch_file: BatchFile, started: float, stops: StopSig
         paths.remove_incremental()
     # Every request has its result: no checkpoint holds anything a rerun would resume (a stop
     # after the last result was saved leaves one behind, and no worker runs again to drop it).
-    for leftover in checkpoint_files(paths.batch_file, spec.batch_id):
+    for leftover in (*checkpoint_files(paths.batch_file, spec.batch_id), paths.parsed_input):
         leftover.unlink(missing_ok=True)
     stats = read_worker_stats(paths.batch_file.parent, spec.batch_id)
     print(run_summary(time.time() - started, report.completed, report.failed,

@@ -11,7 +11,7 @@ import typer
 
 from batchgen.core import SamplingParams
 from batchgen.io.intake import EXTRA_FIELDS, IntakeError, parse_record
-from batchgen.io.reader import read_records, scan_input
+from batchgen.io.reader import RawRecord, scan_input
 from batchgen.runner.exits import ExitCode
 
 SHOWN_ERRORS = 50
@@ -56,21 +56,28 @@ def _plural(n: int, word: str) -> str:
 def validate_file(path: Path, max_tokens: int) -> int:
     """0 when every line is a valid request, 1 when some lines would become error results.
     Unknown fields are warnings: the line still runs, with defaults for what it misspelled."""
-    summary = scan_input(path)  # file-level problems (duplicates, unreadable) raise here
     codes: Counter[str] = Counter()
-    shown = warned = 0
-    for record in read_records(path):
+    shown: list[str] = []  # at most SHOWN_ERRORS + SHOWN_WARNINGS^2 lines, printed after the scan
+    warned = 0
+
+    def check(record: RawRecord, _key: str) -> None:
+        nonlocal warned
         parsed = parse_record(record, max_tokens)
         if isinstance(parsed, IntakeError):
             codes[parsed.code] += 1
-            if shown < SHOWN_ERRORS:
-                typer.echo(f"line {parsed.line}: {parsed.code}: {parsed.message}")
-                shown += 1
-            continue
+            if codes.total() <= SHOWN_ERRORS:
+                shown.append(f"line {parsed.line}: {parsed.code}: {parsed.message}")
+            return
         problems = unknown_fields(record.data) if isinstance(record.data, dict) else []
         warned += bool(problems)
         for problem in problems[:SHOWN_WARNINGS] if warned <= SHOWN_WARNINGS else []:
-            typer.echo(f"line {record.line}: warning: {problem}")
+            shown.append(f"line {record.line}: warning: {problem}")
+
+    # The one pass that parses the lines; file-level problems (duplicates, unreadable) raise
+    # here, before any line's message is shown.
+    summary = scan_input(path, each=check)
+    for message in shown:
+        typer.echo(message)
     if summary.records == 0:
         typer.echo(f"{path}: the file holds no requests (it is empty): nothing to run")
         return ExitCode.FAILED

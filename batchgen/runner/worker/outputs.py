@@ -3,46 +3,22 @@ and whether final output files hold this job's lines."""
 
 from __future__ import annotations
 
-import functools
-import re
 from pathlib import Path
 
 import orjson
 
 from batchgen.core import FinishedRequest
+from batchgen.detokenizer import Detokenizer
 from batchgen.io.intake import PendingRequest
 from batchgen.io.parsers import (count_reasoning_tokens, parse_output, reasoning_style_for,
                                  tool_parser_for)
-from batchgen.io.results import ParsedChoice, bytes_label, item_id, success_line
+from batchgen.io.results import ParsedChoice, item_id, success_line
 from batchgen.engine.tool_choice import forces_call
-
-_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
-
-
-@functools.cache
-def _byte_level_alphabet() -> dict[str, int]:
-    """GPT-2's byte-level BPE alphabet, character -> byte (transformers' own table)."""
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-
-    return {char: byte for byte, char in bytes_to_unicode().items()}
-
-
-def token_bytes(piece: str) -> bytes | None:
-    """The raw bytes of a vocabulary piece that holds part of a character: a SentencePiece
-    byte-fallback piece (`<0xE3>`) or a byte-level BPE piece; None when it is neither."""
-    match = _BYTE_TOKEN.fullmatch(piece)
-    if match:
-        return bytes([int(match.group(1), 16)])
-    alphabet = _byte_level_alphabet()
-    if piece and all(c in alphabet for c in piece):
-        return bytes(alphabet[c] for c in piece)
-    return None
 
 
 class OutputFormatter:
     def __init__(self, spec, loaded):
         self.spec = spec
-        self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
         out = spec.config.output
         model_type = getattr(loaded.hf_config, "model_type", "") or ""
@@ -53,26 +29,9 @@ class OutputFormatter:
         parsed from it even without --parse-tool-call."""
         self.tool_parser = self.tool_format if out.parse_tool_call else None
         self.reasoning_field = out.reasoning_field
-        self.skip_special = not out.detokenization_include_special_tokens
-        """As the engine decodes the choices' texts."""
-        self._token_text: dict[int, str] = {}
-
-    def decode_token(self, token_id: int) -> str:
-        """A token's name in logprobs: its text, or, for a token holding part of a character
-        (its text alone decodes to U+FFFD), its bytes as OpenAI names them ("bytes:\\xe3\\x81"),
-        so that such alternatives neither collide nor lose their bytes."""
-        label = self._token_text.get(token_id)
-        if label is None:
-            label = self.tokenizer.decode([token_id], skip_special_tokens=False)
-            if "\ufffd" in label:
-                raw = token_bytes(self.tokenizer.convert_ids_to_tokens(token_id))
-                if raw is not None and raw != label.encode("utf-8"):
-                    label = bytes_label(raw)
-            self._token_text[token_id] = label
-        return label
-
-    def decode_text(self, token_ids) -> str:
-        return self.tokenizer.decode(list(token_ids), skip_special_tokens=self.skip_special)
+        self.detokenizer = Detokenizer(loaded.tokenizer,
+                                       not out.detokenization_include_special_tokens)
+        """Names logprobs' tokens and decodes texts as the engine decodes the choices'."""
 
     def success(self, pending: PendingRequest, finished: FinishedRequest) -> dict:
         parsed = None
@@ -80,20 +39,20 @@ class OutputFormatter:
         if pending.kind == "chat" and (self.reasoning_style or tools):
             parsed = [self._parse(c, tools) for c in finished.completions]
         return success_line(pending, finished, batch_id=self.spec.batch_id, model=self.model_name,
-                            created=self.spec.created, decode_token=self.decode_token,
-                            decode_text=self.decode_text,
+                            created=self.spec.created, decode_token=self.detokenizer.label,
+                            decode_text=self.detokenizer.text,
                             parsed=parsed, reasoning_field=self.reasoning_field)
 
     def _parse(self, completion, tool_parser: str | None) -> ParsedChoice:
         text = completion.text or ""
         if "harmony" in (self.reasoning_style, tool_parser):
             # Harmony's channel markers are special tokens: parse the text that keeps them.
-            text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=False)
+            text = self.detokenizer.markup(completion.token_ids)
         message = parse_output(text, reasoning_style=self.reasoning_style,
                                tool_parser=tool_parser)
         tokens = 0
         if self.reasoning_style and message.reasoning:
-            tokens = count_reasoning_tokens(completion.token_ids, self.tokenizer,
+            tokens = count_reasoning_tokens(completion.token_ids, self.detokenizer,
                                             self.reasoning_style)
         return ParsedChoice(message.content, message.reasoning, message.tool_calls or None, tokens)
 

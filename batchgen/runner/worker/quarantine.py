@@ -34,7 +34,7 @@ from pathlib import Path
 import orjson
 
 from batchgen.atomic import open_job_file, write_json_atomic
-from batchgen.io.reader import RawRecord, record_key
+from batchgen.io.parsed_input import ParsedRecord
 from batchgen.io.results import dumps, failure_line
 from batchgen.testing import faults
 
@@ -165,8 +165,8 @@ class Quarantine:
         return (self.book.strikes.get(custom_id, 0) >= self.after
                 and self.book.last_crash_in_flight == 1)
 
-    def error_line(self, record: RawRecord) -> bytes:
-        cid = record_key(record)
+    def error_line(self, record: ParsedRecord) -> bytes:
+        cid = record.key
         n = self.book.strikes[cid]
         return dumps(failure_line(
             self.batch_id, cid, record.line, "quarantined",
@@ -181,9 +181,9 @@ class Quarantine:
             self.book.quarantined.append(cid)
         self._save()
 
-    def isolation_groups(self, records: Iterable[RawRecord]) -> list[list[RawRecord]]:
+    def isolation_groups(self, records: Iterable[ParsedRecord]) -> list[list[ParsedRecord]]:
         """The suspects' records in at most ISOLATION_GROUPS groups, most strikes first."""
-        suspects = sorted(records, key=lambda r: -self.book.strikes[record_key(r)])
+        suspects = sorted(records, key=lambda r: -self.book.strikes[r.key])
         if not suspects:
             return []
         size = math.ceil(len(suspects) / ISOLATION_GROUPS)

@@ -23,8 +23,9 @@ from batchgen.engine.heap import frozen_heap
 from batchgen.engine.memory import job_demand_tokens
 from batchgen.engine.resume import ResumeError
 from batchgen.io.embeddings import EmbeddingRequest
-from batchgen.io.intake import IntakeError, PendingRequest, intake
-from batchgen.io.reader import InputFileError, read_records, record_key, shard
+from batchgen.io.intake import IntakeError, PendingRequest, tokenize_parsed
+from batchgen.io.parsed_input import read_parsed
+from batchgen.io.reader import InputFileError
 from batchgen.io.results import dumps, error_line
 from batchgen.io.jobfiles import JobPaths
 from batchgen.io.writer import (IdSet, IncrementalWriter, WriteFailed, WriterLocked,
@@ -181,9 +182,8 @@ class Worker:
             self.clock.mark("graphs", end)
 
     def _records(self):
-        storage = self.spec.config.storage
-        return shard(read_records(storage.input, storage.max_line_bytes), self.place.dp_rank,
-                     self.place.dp_size)
+        """This replica's shard of the records the supervisor parsed (never the input)."""
+        return read_parsed(self.spec.paths.parsed_input, self.place.dp_rank, self.place.dp_size)
 
     def run(self) -> int:
         self.stop.serving = True
@@ -192,11 +192,11 @@ class Worker:
         groups, handled = self.tp.broadcast((groups, self.handled))
         self.handled = set(handled)
         for group in groups:
-            self.handled.update(record_key(r) for r in group)
+            self.handled.update(r.key for r in group)
             if self._serve(iter(group), limit=len(group)):
                 return ExitCode.REQUEUE
         sched = self.spec.config.engine.scheduler
-        rest = (r for r in self._records() if record_key(r) not in self.handled)
+        rest = (r for r in self._records() if r.key not in self.handled)
         if self._serve(rest, min(sched.max_intake_capacity, sched.max_pool_size)):
             return ExitCode.REQUEUE
         if self.checkpoints:
@@ -209,12 +209,12 @@ class Worker:
         q = self.quarantine
         if not q.book.strikes:
             return []
-        records = [r for r in self._records() if q.is_suspect(record_key(r))]
-        convicted = [r for r in records if q.convicted(record_key(r))]
-        others = [r for r in records if not q.convicted(record_key(r))]
+        records = [r for r in self._records() if q.is_suspect(r.key)]
+        convicted = [r for r in records if q.convicted(r.key)]
+        others = [r for r in records if not q.convicted(r.key)]
         if convicted:
             self.writer.write_batch([q.error_line(r) for r in convicted])
-            keys = [record_key(r) for r in convicted]
+            keys = [r.key for r in convicted]
             q.mark_quarantined(keys)
             self.handled.update(keys)
             self.stats.failed += len(keys)
@@ -292,15 +292,15 @@ class Worker:
             if record is None:
                 exhausted = True
                 break
-            key = record_key(record)
-            if key in self.done:
+            if record.key in self.done:
                 continue
             if self.writer:
                 with disk_errors("journal the request read"):
-                    self.quarantine.admitted([key])
-            item = intake(record, self.loaded.tokenizer, self.loaded.max_context,
-                          self.spec.config.storage.max_tokens,
-                          self.spec.config.engine.model.max_model_len)
+                    self.quarantine.admitted([record.key])
+            item = record.item  # parsed and checked by the supervisor: tokenized here
+            if not isinstance(item, IntakeError):
+                item = tokenize_parsed(item, self.loaded.tokenizer, self.loaded.max_context,
+                                       self.spec.config.engine.model.max_model_len)
             if isinstance(item, EmbeddingRequest):
                 item = self.embeddings.add(item)  # None: queued for this step's embedding
                 if item is None:
@@ -426,7 +426,7 @@ def serve(spec: JobSpec, rank: RankInfo, stop: StopFlag, watchdog: Watchdog) -> 
         log.error("rank %d: %s", rank.rank, err)  # one clear line, no traceback
         watchdog.stats.update({"failure": str(err)})
         code = ExitCode.DISK
-    # Another live writer of the results file, or an input gone since the scan.
+    # Another live writer of the results file, or the parsed input gone or damaged.
     except (WriterLocked, InputFileError) as err:
         log.error("rank %d: %s", rank.rank, err)
         watchdog.stats.update({"failure": str(err)})  # the supervisor's report names it

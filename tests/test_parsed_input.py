@@ -1,0 +1,149 @@
+"""The input is parsed once: the supervisor's scan parses and checks every line and stores it
+(io/parsed_input.py); workers tokenize their shard of the stored records, resume and the final
+merge read the stored custom_ids. No line is decoded or checked a second time."""
+
+from __future__ import annotations
+
+import pickle
+from collections import Counter
+from pathlib import Path
+from types import SimpleNamespace
+
+import orjson
+import pytest
+from tiny_models import embedded_tokenizer
+
+from batchgen.config import JobConfig, StorageConfig
+from batchgen.io import intake as intake_module
+from batchgen.io import reader as reader_module
+from batchgen.io.intake import IntakeError, PendingRequest, parse_record
+from batchgen.io.parsed_input import HEADER, parse_input, parsed_keys, read_parsed
+from batchgen.io.reader import InputFileError, identify_input, read_records, record_key
+
+LINES = [
+    {"custom_id": "a", "messages": [{"role": "user", "content": "Hi there"}], "max_tokens": 5},
+    {"custom_id": "bad", "messages": "not a list"},
+    "",  # a blank line keeps its number
+    {"prompt": "Once upon a time", "max_tokens": 4, "temperature": 0.5},
+    "{not json",
+    {"custom_id": "c", "prompt": "x", "top_p": 0.0},
+    {"custom_id": "emb", "input": "embed me"},
+    {"custom_id": "d", "prompt": [1, 2, 3], "n": 2, "max_tokens": 3},
+]
+
+
+def write_input(path: Path, lines=LINES) -> Path:
+    with open(path, "wb") as f:
+        for line in lines:
+            f.write((line if isinstance(line, str) else orjson.dumps(line).decode()).encode()
+                    + b"\n")
+    return path
+
+
+def test_stored_records_are_what_parse_record_makes(tmp_path):
+    inp = write_input(tmp_path / "in.jsonl")
+    out = tmp_path / "job.requests"
+    summary = parse_input(identify_input(inp), out, 1 << 20, 16)
+    assert summary.records == 7 and summary.line_errors == {"invalid_json": 1}
+    assert summary.sha256 == identify_input(inp).sha256
+    expected = [(r.line, record_key(r), parse_record(r, 16)) for r in read_records(inp)]
+    got = [(r.line, r.key, r.item) for r in read_parsed(out)]
+    assert got == expected
+    assert list(parsed_keys(out)) == [(line, key) for line, key, _ in expected]
+    errors = {r.key: r.item for r in read_parsed(out) if isinstance(r.item, IntakeError)}
+    assert set(errors) == {"bad", "line-5", "c"}
+    assert errors["c"].message == "line 6: top_p must be in (0, 1], got 0.0"
+    for world in (2, 3):  # shards by line index, as reader.shard: disjoint, complete
+        shards = [list(read_parsed(out, rank, world)) for rank in range(world)]
+        assert all((r.line - 1) % world == rank for rank, s in enumerate(shards) for r in s)
+        assert sorted(r.line for s in shards for r in s) == [line for line, _, _ in expected]
+
+
+def test_a_duplicate_leaves_no_stored_file(tmp_path):
+    inp = write_input(tmp_path / "in.jsonl", LINES + [{"custom_id": "a", "prompt": "again"}])
+    out = tmp_path / "job.requests"
+    with pytest.raises(InputFileError, match="custom_id 'a' appears on line 1 and line 9"):
+        parse_input(identify_input(inp), out, 1 << 20, 16)
+    assert not out.exists() and not list(tmp_path.glob(".job.requests*"))
+
+
+def test_only_parsed_requests_are_read_back(tmp_path):
+    out = tmp_path / "job.requests"
+    item = pickle.dumps(SimpleNamespace(x=1))
+    out.write_bytes(HEADER.pack(1, 1, len(item)) + b"a" + item)
+    with pytest.raises(InputFileError, match="damaged"):
+        list(read_parsed(out))
+    out.write_bytes(HEADER.pack(1, 1, 40) + b"a" + b"\x80")
+    with pytest.raises(InputFileError, match="ends inside a record"):
+        list(read_parsed(out))
+    with pytest.raises(InputFileError, match="missing"):
+        list(read_parsed(tmp_path / "none.requests"))
+
+
+class _Queue(list):
+    """The worker's embeddings queue: takes an embedding line (None: queued)."""
+
+    def __init__(self, admitted: list):
+        super().__init__()
+        self.admitted = admitted
+
+    def add(self, item):
+        self.admitted.append(item)
+
+
+def _fake_worker():
+    """What Worker._intake needs of a worker: an engine taking requests, no writer."""
+    admitted, lines = [], []
+    fake = SimpleNamespace(
+        engine=SimpleNamespace(num_requests=0), done=set(), writer=None,
+        embeddings=_Queue(admitted), grammars=SimpleNamespace(request=lambda p: p.to_request()),
+        _admit=admitted.append, stats=SimpleNamespace(failed=0),
+        spec=SimpleNamespace(batch_id="b", config=SimpleNamespace(
+            engine=SimpleNamespace(model=SimpleNamespace(max_model_len=None)))),
+        loaded=SimpleNamespace(tokenizer=embedded_tokenizer(), max_context=256))
+    return fake, admitted, lines
+
+
+def test_each_line_is_parsed_once_from_the_scan_to_the_final_merge(tmp_path, monkeypatch):
+    """Counts JSON decodes (reader.parse_line) and checks (intake._parse) per line across the
+    supervisor's scan, two data-parallel workers' intake, resume and the merge's key order."""
+    from batchgen.runner.leader import supervisor
+    from batchgen.runner.worker.worker import Worker
+
+    inp = write_input(tmp_path / "in.jsonl")
+    decoded, checked = Counter(), Counter()
+    parse_line, check = reader_module.parse_line, intake_module._parse
+
+    def counted_parse_line(raw, line):
+        decoded[line] += 1
+        return parse_line(raw, line)
+
+    def counted_check(data, key, line, default_max_tokens):
+        checked[line] += 1
+        return check(data, key, line, default_max_tokens)
+
+    monkeypatch.setattr(reader_module, "parse_line", counted_parse_line)
+    monkeypatch.setattr(intake_module, "_parse", counted_check)
+    config = JobConfig(storage=StorageConfig(input=str(inp), storage_path=str(tmp_path / "s"),
+                                             max_tokens=16)).validate()
+    source, paths = supervisor.identify(config)
+    summary = supervisor.parse(config, source, paths)
+    assert summary.records == 7
+    pending, errors = [], []
+    for rank in range(2):
+        fake, admitted, lines = _fake_worker()
+        records = read_parsed(paths.parsed_input, rank, 2)
+        assert Worker._intake(fake, records, 100, lines) is True
+        pending += [r.origin for r in admitted if hasattr(r, "origin")]
+        errors += [orjson.loads(line) for line in lines]
+    assert sorted(p.custom_id for p in pending if isinstance(p, PendingRequest)) == [
+        "a", "d", "line-4"]
+    by_id = {e["custom_id"]: e["response"]["body"]["error"] for e in errors}
+    assert set(by_id) == {"bad", "line-5", "c"} and by_id["c"]["line"] == 6
+    assert by_id["line-5"]["code"] == "invalid_json"
+    assert supervisor.done_records(paths, summary.records) == 0
+    assert [key for _, key in parsed_keys(paths.parsed_input)] == [
+        "a", "bad", "line-4", "line-5", "c", "emb", "d"]
+    nonblank = [1, 2, 4, 5, 6, 7, 8]
+    assert decoded == Counter(nonblank)  # one JSON decode per line
+    assert checked == Counter(n for n in nonblank if n != 5)  # one check per JSON object
