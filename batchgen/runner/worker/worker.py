@@ -38,6 +38,7 @@ from batchgen.runner.files.errors import DiskError, disk_errors
 from batchgen.runner.worker.embed_jobs import EmbeddingJobs
 from batchgen.runner.worker.grammars import Grammars
 from batchgen.runner.worker.inflight import InflightCheckpoints, with_progress
+from batchgen.runner.worker.job_size import job_sequences
 from batchgen.runner.exits import ExitCode
 from batchgen.runner.files.job import JobSpec
 from batchgen.runner.worker.outputs import OutputFormatter
@@ -159,7 +160,10 @@ class Worker:
                              skip_special_tokens=(
                                  not cfg.output.detokenization_include_special_tokens),
                              tp=self.tp, host_share=1.0 / rank.local_world,
-                             demand_tokens=demand)
+                             demand_tokens=demand,
+                             job_sequences=job_sequences(self._records(), self.done,
+                                                         cfg.engine.runtime
+                                                         .cuda_graph_max_bucket_size))
         self._mark_engine_phases()
         guard_decode_steps(self.engine, watchdog, faults.stuck_seconds())
         self.formatter = OutputFormatter(spec, self.loaded)
