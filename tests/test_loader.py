@@ -119,3 +119,32 @@ def test_building_a_model_draws_no_normal_weights(shape, monkeypatch):
     monkeypatch.setattr(torch.Tensor, "normal_", drawn)
     model = meta_model(hf_config_for(shape, tiny=True))
     assert model.model.embed_tokens.weight.is_meta
+
+
+def test_weights_are_read_while_the_config_is(tmp_path, monkeypatch):
+    """load_model starts the checkpoint's readers before it reads config.json (which imports
+    transformers), and the model it builds is the same."""
+    import threading
+
+    import batchgen.models.factory as factory
+
+    folder = save_tiny_model("llama", tmp_path / "m")
+    readers_at_config = []
+    real = factory.load_hf_config
+
+    def config_after_readers(path):
+        readers_at_config.extend(t.name for t in threading.enumerate()
+                                 if t.name.startswith("batchgen-weights"))
+        return real(path)
+
+    monkeypatch.setattr(factory, "load_hf_config", config_after_readers)
+    loaded = load_model(ModelConfig(model=str(folder)), torch.device("cpu"))
+    assert readers_at_config
+    assert not [t for t in threading.enumerate() if t.name.startswith("batchgen-weights")]
+    from batchgen.models.loader import build_model, load_hf_config, read_safetensors
+
+    again = build_model(load_hf_config(folder), read_safetensors(folder), torch.float32,
+                        torch.device("cpu"))
+    for (name, ours), (_, ref) in zip(loaded.model.state_dict().items(),
+                                      again.state_dict().items()):
+        assert torch.equal(ours, ref), name
