@@ -10,6 +10,7 @@ Exit codes: 0 shard done, 75 stopped by a signal, 4 results file locked, 6 disk,
 from __future__ import annotations
 
 import faulthandler
+import gc
 import logging
 import os
 import sys
@@ -151,6 +152,9 @@ class Worker:
         self.clock.mark("config")
         self.loaded = load_model(cfg.engine.model, device, rank.world, self.tp)
         self.clock.mark("weights")
+        # Off through the imports and the load (worker_entry.py); on again before the engine
+        # runs forwards, whose cyclic garbage (an exception's frames) may hold device memory.
+        gc.enable()
         sched = cfg.engine.scheduler
         demand = job_demand_tokens(-(-spec.total_records // self.place.dp_size),
                                    min(sched.max_intake_capacity, sched.max_pool_size),
