@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import shutil
 import sys
@@ -53,8 +54,8 @@ def run(ctx: typer.Context, **flags) -> None:
     Re-running the same command resumes: finished requests are never recomputed."""
     requeue_on_stop_signals()  # already done by the entry point, not under `-m batchgen.cli`
     from batchgen.io.locations import refuse_storage_urls
-    from batchgen.runner.leader.supervisor import run_job
 
+    run_job = _import_run_job()
     for line in deprecated_given(given_on_command_line(ctx)):
         warn(line)
     _setup_logging()
@@ -66,6 +67,18 @@ def run(ctx: typer.Context, **flags) -> None:
 
 
 app.command("run", cls=PanelCommand)(with_config_options(run))
+
+
+def _import_run_job():
+    """The supervisor's entry, imported with the cyclic garbage collector off: it imports torch
+    (for the workers' launcher), whose objects live for the whole run, so collections during
+    that import only re-scan them (~0.4 s of a 2-core machine's ~1.4 s)."""
+    gc.disable()
+    try:
+        from batchgen.runner.leader.supervisor import run_job
+    finally:
+        gc.enable()
+    return run_job
 
 
 @app.command()

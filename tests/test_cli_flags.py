@@ -132,3 +132,28 @@ def test_simulate_spells_flags_as_run_and_keeps_old_spellings_with_a_warning():
     assert "--tensor-parallel-size" in old.stderr and "--shape" in old.stderr
     shown = cli("simulate", "--help").stdout
     assert "--host-kv-gb" not in shown and "--host-kv-cache-size" in shown
+
+
+def test_the_supervisor_and_torch_are_imported_with_the_collector_off(monkeypatch):
+    """`batchgen run` imports the supervisor (and torch) with the cyclic GC off, and turns it
+    back on after."""
+    import gc
+    import sys
+
+    from batchgen import cli
+
+    name = "batchgen.runner.leader.supervisor"
+    seen = []
+
+    class Watch:
+        @staticmethod
+        def find_spec(fullname, path=None, target=None):
+            if fullname == name:
+                seen.append(gc.isenabled())
+            return None
+
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.setattr(sys, "meta_path", [Watch(), *sys.meta_path])
+    assert gc.isenabled()
+    assert callable(cli._import_run_job())
+    assert seen == [False] and gc.isenabled()

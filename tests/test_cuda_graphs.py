@@ -181,3 +181,37 @@ def test_shared_prefix_decode_matches_plain_decode_on_cuda(tmp_path):
             assert any(grouped for _, grouped in engine.runner.graphs.graphs)
     assert tokens[True, True] == tokens[False, True]
     assert tokens[True, False] == tokens[False, True]
+
+
+def test_buckets_stop_at_what_the_job_can_decode():
+    """No bucket above the most sequences a decode step of the job can hold; that size itself
+    is the largest bucket, so every batch the job can form still runs in a graph."""
+    from batchgen.engine.graphs import capture_sizes, graph_limit
+
+    full = bucket_sizes(128, 16)
+    assert capture_sizes(128, 16) == full == capture_sizes(128, 16, 128)
+    assert capture_sizes(128, 16, 1000) == full  # a job larger than the buckets: all of them
+    assert capture_sizes(128, 16, 20) == [1, 2, 4, 8, 16, 20]
+    assert capture_sizes(128, 16, 16) == [1, 2, 4, 8, 16]
+    assert capture_sizes(128, 16, 1) == [1] == capture_sizes(128, 16, 0)
+    assert graph_limit(None, None) is None
+    assert graph_limit(300, None) == 300 and graph_limit(None, 64) == 64
+    assert graph_limit(300, 64) == 64 and graph_limit(10, 64) == 10
+
+
+def test_capture_and_warm_up_follow_the_job_size(monkeypatch):
+    """A job of 5 sequences under buckets [1, 2, 16] captures [1, 2, 5] and runs no eager
+    warm-up size above 5 (4 is warmed: 3-4 decode rows take its launch settings)."""
+    monkeypatch.setattr(DecodeGraphs, "_capture_segment", capture_on_cpu)
+    model = random_model(hf_config_for("smollm2-135m", tiny=True), torch.float32,
+                         torch.device("cpu"))
+    seen = []
+    model.register_forward_pre_hook(lambda _, args: seen.append(args[0].num_seqs))
+    pool = KVPool(KVLayout(model.config.num_hidden_layers, tuple(model.kv_token_shape),
+                           torch.float32, torch.float32), 8, "cpu")
+    with torch.inference_mode():
+        graphs = DecodeGraphs(model, pool, 16, 3, 256, limit=5)
+        graphs.capture()
+    assert graphs.sizes == [1, 2, 5]
+    assert sorted(graphs.graphs) == [(1, False), (2, False), (5, False)]
+    assert sorted(set(seen)) == [1, 2, 4, 5]

@@ -101,3 +101,50 @@ def test_embedded_smollm2_matches_hf_on_chat_prompts():
     hf = AutoModelForCausalLM.from_pretrained(str(loaded.folder), dtype=torch.float32).eval()
     for prompt, result in zip(prompts, results):
         assert result.completions[0].token_ids == hf_greedy(hf, prompt, 32)
+
+
+@pytest.mark.parametrize("shape", ["llama3-8b", "deepseek-v3-4l", "gpt-oss-20b"])
+def test_building_a_model_draws_no_normal_weights(shape, monkeypatch):
+    """Every weight is loaded, so the meta model draws no normal_ init: nn.Embedding's, even
+    on the meta device, cost about a second of each worker's start-up (Linear's uniform init
+    on meta costs nothing measurable and is left to torch)."""
+    from batchgen.bench_models import hf_config_for
+    from batchgen.models.loader import meta_model
+
+    def drawn(*args, **kwargs):
+        raise AssertionError("a normal_ init ran while building the model")
+
+    for name in ("normal_", "trunc_normal_"):
+        monkeypatch.setattr(torch.nn.init, name, drawn)
+    monkeypatch.setattr(torch.Tensor, "normal_", drawn)
+    model = meta_model(hf_config_for(shape, tiny=True))
+    assert model.model.embed_tokens.weight.is_meta
+
+
+def test_weights_are_read_while_the_config_is(tmp_path, monkeypatch):
+    """load_model starts the checkpoint's readers before it reads config.json (which imports
+    transformers), and the model it builds is the same."""
+    import threading
+
+    import batchgen.models.factory as factory
+
+    folder = save_tiny_model("llama", tmp_path / "m")
+    readers_at_config = []
+    real = factory.load_hf_config
+
+    def config_after_readers(path):
+        readers_at_config.extend(t.name for t in threading.enumerate()
+                                 if t.name.startswith("batchgen-weights"))
+        return real(path)
+
+    monkeypatch.setattr(factory, "load_hf_config", config_after_readers)
+    loaded = load_model(ModelConfig(model=str(folder)), torch.device("cpu"))
+    assert readers_at_config
+    assert not [t for t in threading.enumerate() if t.name.startswith("batchgen-weights")]
+    from batchgen.models.loader import build_model, load_hf_config, read_safetensors
+
+    again = build_model(load_hf_config(folder), read_safetensors(folder), torch.float32,
+                        torch.device("cpu"))
+    for (name, ours), (_, ref) in zip(loaded.model.state_dict().items(),
+                                      again.state_dict().items()):
+        assert torch.equal(ours, ref), name

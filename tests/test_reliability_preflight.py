@@ -121,3 +121,18 @@ def test_preflight_fails_before_weights_load(tmp_path, tiny_chat_model):
     assert proc.returncode == 8, proc.stderr[-2000:]
     assert "preflight failed" in proc.stderr and "Fix:" in proc.stderr
     assert "Traceback" not in proc.stderr and "loading" not in proc.stderr
+
+
+def test_gpus_are_counted_without_initialising_cuda(monkeypatch):
+    """The supervisor counts GPUs through torch.cuda.device_count (NVML where present), never
+    torch.cuda.is_available, which initialises the CUDA driver in a process that needs none."""
+    import torch
+
+    def initialises():
+        raise AssertionError("the CUDA driver was initialised in the supervisor")
+
+    monkeypatch.setattr(torch.cuda, "is_available", initialises)
+    monkeypatch.setattr(torch._C, "_cuda_getDeviceCount", initialises, raising=False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    assert pf.cuda_device_count() == 3
+    assert pf.uses_cuda("auto")

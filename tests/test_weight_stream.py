@@ -53,6 +53,20 @@ def test_read_ahead_is_bounded():
 def test_consumer_stopping_early_ends_the_readers():
     before = threading.active_count()
     stream = stream_to_device(_source(1000), torch.device("cpu"), readers=4, ahead_bytes=256)
-    next(stream)
-    stream.close()  # GeneratorExit: the readers are told and joined
+    next(iter(stream))
+    stream.close()  # the readers are told and joined
+    assert threading.active_count() <= before
+
+
+def test_readers_start_before_the_first_tensor_is_asked_for():
+    """stream_to_device starts reading at once, so a caller's own work before the first
+    tensor (reading the model's config) overlaps the reads; closing it unread ends them."""
+    before = threading.active_count()
+    taken = []
+    stream = stream_to_device(_source(10, held=taken), torch.device("cpu"), readers=2)
+    deadline = time.monotonic() + 5
+    while len(taken) < 10 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(taken) == 10
+    stream.close()
     assert threading.active_count() <= before

@@ -16,6 +16,7 @@ import torch
 from batchgen.config import EAGER_DECODE_BATCH, EngineConfig
 from batchgen.core import ChoiceProgress, Completion, FinishedRequest, FinishReason, Request
 from batchgen.engine.burst import QueuedBurst
+from batchgen.engine.graphs import graph_limit
 from batchgen.engine.kv_cache import KVLayout
 from batchgen.engine.memory import PoolSizes, detect_gpu_arch, plan_pools
 from batchgen.engine.penalties import Penalties
@@ -89,11 +90,13 @@ class Engine:
     def __init__(self, model: torch.nn.Module, config: EngineConfig, tokenizer=None,
                  eos_token_ids: Iterable[int] = (), skip_special_tokens: bool = True,
                  tp: TensorParallel = TensorParallel(), host_share: float = 1.0,
-                 demand_tokens: int | None = None):
+                 demand_tokens: int | None = None, job_sequences: int | None = None):
         """`tp`: the model's tensor-parallel group (its ranks agree on pool sizes and may check
         that their decisions agree); `host_share`: this worker's share of the node's host KV
         budget (1 / workers per node); `demand_tokens`: the most KV tokens the job can hold
-        at once, which bounds the pools left to their default size (memory.plan_pools)."""
+        at once, which bounds the pools left to their default size (memory.plan_pools);
+        `job_sequences`: the most sequences the job can decode at once (its remaining requests
+        times their n), which with --max-decode-batch bounds the CUDA graphs captured."""
         self.config = config
         if config.scheduler.enable_host_kv_eviction:
             log.warning("--enable-host-kv-eviction is deprecated and ignored: "
@@ -115,7 +118,8 @@ class Engine:
         self.replicas = ReplicaCheck.from_env(tp)
         self.runner = ModelRunner(model, self.layout, sizes.device_pages, sizes.host_pages,
                                   self.device, config.memory.fast_init,
-                                  config.memory.enable_hugetlbfs, config.runtime)
+                                  config.memory.enable_hugetlbfs, config.runtime,
+                                  graph_limit(job_sequences, config.scheduler.max_decode_batch))
         # An unset --max-decode-batch follows the largest graph-captured batch; ranks whose
         # captures differ (one failed) must still decode the same batches.
         graphs = self.runner.graphs
@@ -124,7 +128,8 @@ class Engine:
         self.scheduler = Scheduler(config.scheduler.with_decode_batch(decode_batch),
                                    sizes.device_pages, sizes.host_pages,
                                    prefix_salt=self._prefix_salt(model))
-        if graphs is not None and self.scheduler.cfg.max_decode_batch > graphs.sizes[-1]:
+        reachable = graph_limit(job_sequences, self.scheduler.cfg.max_decode_batch)
+        if graphs is not None and reachable > graphs.sizes[-1]:  # not cut to the job's size
             log.warning("--max-decode-batch %d is above the largest CUDA graph (%d): bigger "
                         "decode batches run eagerly; raise --cuda-graph-max-bucket-size",
                         self.scheduler.cfg.max_decode_batch, graphs.sizes[-1])

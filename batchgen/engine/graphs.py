@@ -21,7 +21,9 @@ decode kernel picks its launch settings (warps, split-K) by batch size, and the 
 mixed steps run eagerly at any size, so a size class no bucket warmed would compile its Triton
 variant in the middle of a job. (With buckets [1, 2, 4, 8, 16, 512] on an H200, 33-82 decode
 rows with fp8 KV take the two-warp unsplit launch that no bucket runs: the likely variant the
-W1 FP8 benchmark compiled inside its timed run.)
+W1 FP8 benchmark compiled inside its timed run.) The warm-up sizes stop below the largest
+bucket, so a job whose buckets were cut to its size (`capture_sizes`) warms up no size it cannot
+reach either.
 """
 
 from __future__ import annotations
@@ -54,6 +56,26 @@ def bucket_sizes(max_bucket: int, num_buckets: int) -> list[int]:
     return sorted(sizes)
 
 
+def graph_limit(job_sequences: int | None, max_decode_batch: int | None) -> int | None:
+    """The most sequences one decode step can hold: the job's sequences and the decode batch,
+    whichever are known (None: neither)."""
+    known = [n for n in (job_sequences, max_decode_batch) if n is not None]
+    return min(known) if known else None
+
+
+def capture_sizes(max_bucket: int, num_buckets: int, limit: int | None = None) -> list[int]:
+    """The buckets to capture: `bucket_sizes`, less those above `limit` (the most sequences
+    the job can decode at once, None: no bound), with `limit` itself as the largest bucket
+    when it falls between two. A job of 20 sequences under the default 128 / 16 captures
+    [1, 2, 4, 8, 16, 20] instead of 16 graphs up to 128: capturing (and warming up) a bucket
+    the job can never fill costs start-up time and buys nothing."""
+    sizes = bucket_sizes(max_bucket, num_buckets)
+    if limit is None or limit >= sizes[-1]:
+        return sizes
+    limit = max(1, limit)
+    return [size for size in sizes if size < limit] + [limit]
+
+
 def eager_warmup_sizes(sizes: list[int]) -> list[int]:
     """The powers of two below the largest bucket that are not buckets themselves."""
     extra, size = [], 1
@@ -66,11 +88,12 @@ def eager_warmup_sizes(sizes: list[int]) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, pool: KVPool, max_bucket: int, num_buckets: int,
-                 max_context: int, segmented: bool = False):
+                 max_context: int, segmented: bool = False, limit: int | None = None):
+        """`limit`: the most sequences a decode step of this job can hold (capture_sizes)."""
         self.model = model
         self.segmented = segmented
         self.pool = pool
-        self.sizes = bucket_sizes(max_bucket, num_buckets)
+        self.sizes = capture_sizes(max_bucket, num_buckets, limit)
         device = pool.device
         largest = self.sizes[-1]
         self.max_pages = -(-max_context // PAGE_SIZE)

@@ -30,7 +30,9 @@ log = logging.getLogger("batchgen.runner")
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, layout: KVLayout, device_pages: int,
                  host_pages: int, device: torch.device, fast_init: bool = False,
-                 hugetlbfs: bool = False, runtime=None):
+                 hugetlbfs: bool = False, runtime=None, graph_limit: int | None = None):
+        """`graph_limit`: the most sequences a decode step can hold (the job's size, the
+        decode batch); CUDA graphs above it are not captured (graphs.capture_sizes)."""
         self.model = model
         self.device = device
         self.overlaps_host = device.type == "cuda"
@@ -56,7 +58,7 @@ class ModelRunner:
             start = time.perf_counter()
             try:
                 if runtime is not None and runtime.use_cuda_graphs:
-                    self.graphs = self._capture(runtime)
+                    self.graphs = self._capture(runtime, graph_limit)
             finally:
                 captured.set()
             self.startup["graphs"] = time.perf_counter() - start
@@ -83,7 +85,7 @@ class ModelRunner:
             return f"failed: {segment.pin_error}"
         return "pinning" if self.device.type == "cuda" else "pageable"
 
-    def _capture(self, runtime):
+    def _capture(self, runtime, limit: int | None = None):
         from batchgen.engine.graphs import DecodeGraphs
 
         if getattr(self.model, "expert_stager", None) is not None:
@@ -93,7 +95,8 @@ class ModelRunner:
             return None
         segmented = os.environ.get("BATCHGEN_SEGMENTED_GRAPH", "0") not in ("", "0")
         graphs = DecodeGraphs(self.model, self.device_pool, runtime.cuda_graph_max_bucket_size,
-                              runtime.cuda_graph_num_buckets, self.model.max_context, segmented)
+                              runtime.cuda_graph_num_buckets, self.model.max_context, segmented,
+                              limit)
         try:
             graphs.capture()
         except Exception as err:  # a model or kernel that cannot be captured still runs

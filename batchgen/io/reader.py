@@ -24,8 +24,6 @@ from pathlib import Path
 
 import numpy as np
 import orjson
-import pyarrow as pa
-import pyarrow.parquet as pq
 
 JSONL_SUFFIXES = {".jsonl", ".ndjson", ".json"}
 PARQUET_SUFFIXES = {".parquet", ".pq"}
@@ -213,6 +211,9 @@ def _clean_value(value: object) -> object:
 
 
 def _parquet_rows(path: Path) -> Iterator[tuple[int, dict]]:
+    import pyarrow as pa  # only Parquet inputs pay for importing it
+    import pyarrow.parquet as pq
+
     try:
         pf = pq.ParquetFile(path)
     except (pa.ArrowException, OSError) as e:

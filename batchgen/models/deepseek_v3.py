@@ -30,7 +30,7 @@ from batchgen.models.fp8 import (
     weight_block_size,
 )
 from batchgen.models.layers import (SINGLE, GatedMLP, RMSNorm, RowParallelLinear,
-                                    default_max_positions)
+                                    default_max_positions, token_embedding)
 from batchgen.models.mla import MlaRope, MLAttention
 from batchgen.models.moe import DeepseekMoE, ExpertStager, RoutedExperts
 from batchgen.models.tp_slices import local_part
@@ -73,7 +73,7 @@ class DeepseekV3Model(DecoderStack):
     def __init__(self, cfg, num_offloaded: int, stager: ExpertStager | None, tp: TensorParallel):
         super().__init__()
         rope = MlaRope(cfg)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = token_embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, rope, num_offloaded, stager, tp)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

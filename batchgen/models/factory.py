@@ -15,6 +15,7 @@ from batchgen.models.convert import (EMBEDDED_NAME, check_manifest, converted_fo
                                      embedded_gguf, rank_shard, read_manifest)
 from batchgen.models.loader import (MANIFEST, build_model, load_hf_config, meta_model,
                                     read_safetensors, resolve_dtype, resolve_model)
+from batchgen.models.weight_stream import stream_to_device
 from batchgen.parallel import TensorParallel
 
 log = logging.getLogger("batchgen.models")
@@ -85,11 +86,17 @@ def load_model(cfg: ModelConfig, device: torch.device, world_size: int = 1,
     folder, name = model_folder(cfg, world_size, tp.size)
     # Said here, once: memory sizing resolves the folder too, before the load.
     log.info("loading %s from %s", name, folder)
-    hf_config = load_hf_config(folder)
-    dtype = resolve_dtype(cfg.dtype, device)
     shard = rank_shard(folder, tp)  # converted per TP rank: read only ours, slice nothing
-    weights = read_safetensors(folder, [shard] if shard else None)
-    model = build_model(hf_config, weights, dtype, device, cfg, tp, presharded=shard is not None)
+    # The reads (and on CUDA the pinned staging) start before the config is read: reading it
+    # imports transformers, ~1-2 s of CPU the readers overlap.
+    weights = stream_to_device(read_safetensors(folder, [shard] if shard else None), device)
+    try:
+        hf_config = load_hf_config(folder)
+        dtype = resolve_dtype(cfg.dtype, device)
+        model = build_model(hf_config, weights, dtype, device, cfg, tp,
+                            presharded=shard is not None)
+    finally:
+        weights.close()
     model.max_context = capped_context(model.max_context, cfg.max_model_len)
     tokenizer = load_tokenizer(folder)
     log.info("model %s ready on %s in %.1fs (%s)", name, device, time.perf_counter() - start, dtype)

@@ -40,6 +40,7 @@ from batchgen.models.layers import (
     default_max_positions,
     rope_inv_freq,
     softmax_scale,
+    token_embedding,
 )
 from batchgen.models.mxfp4 import BLOCK, dequantize_mxfp4
 
@@ -314,7 +315,7 @@ class GptOssModel(DecoderStack):
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         inv_freq, scaling = rope_inv_freq(cfg, head_dim)
         rope = RotaryEmbedding(inv_freq, default_max_positions(cfg), scaling)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = token_embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(GptOssDecoderLayer(cfg, i, rope, packed)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = GptOssRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

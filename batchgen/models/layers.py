@@ -220,6 +220,13 @@ class FusedGatedMLP(nn.Module):
         return self.down_proj(act(gate) * up)
 
 
+def token_embedding(vocab_size: int, hidden_size: int) -> nn.Embedding:
+    """The token embedding with uninitialised weights: a model is built on the meta device and
+    its weights are always loaded, and nn.Embedding's own normal_ init, even on the meta
+    device, costs about a second of CPU the first time a process runs it."""
+    return nn.Embedding(vocab_size, hidden_size, _weight=torch.empty(vocab_size, hidden_size))
+
+
 def default_max_positions(hf_config) -> int:
     """The longest context the model runs: `max_position_embeddings`, except for longrope.
     HF switches a longrope model to its long factors in every forward whose sequence passes

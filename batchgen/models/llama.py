@@ -16,7 +16,7 @@ from batchgen.models.fp8 import QuantizedWeight, dequantize_blocks, pair_scales,
 from batchgen.models.fp8_dense import Fp8Projections, feed_quantized_rows, is_fp8_checkpoint
 from batchgen.models.layers import (SINGLE, FusedGatedMLP, RMSNorm, RotaryEmbedding,
                                     RowParallelLinear, default_max_positions, rope_inv_freq,
-                                    softmax_scale)
+                                    softmax_scale, token_embedding)
 from batchgen.models.tp_slices import narrow, rank_part, split_dim
 from batchgen.parallel import TensorParallel
 
@@ -126,7 +126,7 @@ class LlamaModel(DecoderStack):
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         inv_freq, scaling = rope_inv_freq(cfg, head_dim)
         rope = RotaryEmbedding(inv_freq, default_max_positions(cfg), scaling)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = token_embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, rope, biases, qk_norm, tp)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

@@ -19,7 +19,7 @@ import torch
 
 from batchgen.models import hub
 from batchgen.models.registry import model_class
-from batchgen.models.weight_stream import stream_to_device
+from batchgen.models.weight_stream import StreamedWeights, stream_to_device
 from batchgen.parallel import TensorParallel
 
 log = logging.getLogger("batchgen.loader")
@@ -218,9 +218,11 @@ def build_model(hf_config, weights, dtype: torch.dtype, device: torch.device,
     `options` is the job's ModelConfig (expert offloading, pre-dequantization) or None; `tp`
     this rank's tensor-parallel group (each rank keeps only its slice of the weights).
     `presharded`: `weights` are already this rank's slice (`batchgen convert
-    --tensor-parallel-size`), so the model copies them as they are."""
+    --tensor-parallel-size`), so the model copies them as they are. `weights` already streamed
+    (stream_to_device, started before the config was read) are taken as they come."""
     model = materialize(meta_model(hf_config, options, tp).to(dtype), device)
-    weights = stream_to_device(weights, device)
+    if not isinstance(weights, StreamedWeights):
+        weights = stream_to_device(weights, device)
     if presharded:  # only TP-capable models take the switch (meta_model checked that)
         model.load_weights(weights, presharded=True)
     else:

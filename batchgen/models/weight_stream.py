@@ -6,7 +6,9 @@ half the time and runs the copy at a fraction of the link's speed. `stream_to_de
 ahead with several threads, each landing its tensor in pinned memory (the copy that also pulls
 the pages in from disk), and issues every host-to-device copy asynchronously, in checkpoint
 order, on the device's current stream: the model's own copies of those tensors queue behind
-them, and nothing waits on the host per tensor.
+them, and nothing waits on the host per tensor. The readers start when the stream is made:
+`load_model` makes it before it reads the model's config, so the reads overlap the import of
+transformers that reading the config costs.
 """
 
 from __future__ import annotations
@@ -24,16 +26,32 @@ READERS = 4
 
 def stream_to_device(weights: Iterable[tuple[str, torch.Tensor]], device: torch.device,
                      readers: int = READERS, ahead_bytes: int = READ_AHEAD_BYTES
-                     ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor on `device`) for each of `weights`, in order. An error of the reader
-    (a corrupt shard) is raised here, at the tensor it concerns."""
-    staged = _ReadAhead(iter(weights), readers, ahead_bytes,
-                        pin=device.type == "cuda" and torch.cuda.is_available())
-    try:
-        for name, tensor in staged:
-            yield name, tensor.to(device, non_blocking=True)
-    finally:
-        staged.close()
+                     ) -> StreamedWeights:
+    """(name, tensor on `device`) for each of `weights`, in order, as it is iterated. The
+    readers start now: a caller that still has other work before it needs the first tensor
+    (importing transformers to read the model's config) overlaps it with the reads. An error
+    of the reader (a corrupt shard) is raised at the tensor it concerns."""
+    return StreamedWeights(_ReadAhead(iter(weights), readers, ahead_bytes,
+                                      pin=device.type == "cuda" and torch.cuda.is_available()),
+                           device)
+
+
+class StreamedWeights:
+    """Checkpoint tensors on their way to the device (stream_to_device). Iterate once; `close`
+    (also at the end of the iteration) stops the readers and drops what they hold."""
+
+    def __init__(self, staged: _ReadAhead, device: torch.device):
+        self._staged, self._device = staged, device
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        try:
+            for name, tensor in self._staged:
+                yield name, tensor.to(self._device, non_blocking=True)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        self._staged.close()
 
 
 class _ReadAhead:
@@ -120,3 +138,5 @@ class _ReadAhead:
             self._lock.notify_all()
         for thread in self._threads:
             thread.join()
+        with self._lock:
+            self._ready.clear()  # staged tensors (pinned memory on CUDA) nobody will take

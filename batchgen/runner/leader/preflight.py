@@ -52,9 +52,12 @@ def disk_free(path: Path) -> int:
 
 
 def cuda_device_count() -> int:
+    """GPUs the workers will see, counted through NVML where torch can (it honours
+    CUDA_VISIBLE_DEVICES): unlike torch.cuda.is_available(), that initialises no CUDA driver in
+    the supervisor, which needs none and whose checks come before the workers start."""
     import torch
 
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return torch.cuda.device_count()
 
 
 def uses_cuda(device: str) -> bool:

@@ -10,6 +10,7 @@ Exit codes: 0 shard done, 75 stopped by a signal, 4 results file locked, 6 disk,
 from __future__ import annotations
 
 import faulthandler
+import gc
 import logging
 import os
 import sys
@@ -39,6 +40,7 @@ from batchgen.runner.files.errors import DiskError, disk_errors
 from batchgen.runner.worker.embed_jobs import EmbeddingJobs
 from batchgen.runner.worker.grammars import Grammars
 from batchgen.runner.worker.inflight import InflightCheckpoints, with_progress
+from batchgen.runner.worker.job_size import job_sequences
 from batchgen.runner.exits import ExitCode
 from batchgen.runner.files.job import JobSpec
 from batchgen.runner.worker.outputs import OutputFormatter
@@ -151,6 +153,9 @@ class Worker:
         self.clock.mark("config")
         self.loaded = load_model(cfg.engine.model, device, rank.world, self.tp)
         self.clock.mark("weights")
+        # Off through the imports and the load (worker_entry.py); on again before the engine
+        # runs forwards, whose cyclic garbage (an exception's frames) may hold device memory.
+        gc.enable()
         sched = cfg.engine.scheduler
         demand = job_demand_tokens(-(-spec.total_records // self.place.dp_size),
                                    min(sched.max_intake_capacity, sched.max_pool_size),
@@ -160,7 +165,10 @@ class Worker:
                              skip_special_tokens=(
                                  not cfg.output.detokenization_include_special_tokens),
                              tp=self.tp, host_share=1.0 / rank.local_world,
-                             demand_tokens=demand)
+                             demand_tokens=demand,
+                             job_sequences=job_sequences(self._records(), self.done,
+                                                         cfg.engine.runtime
+                                                         .cuda_graph_max_bucket_size))
         self._mark_engine_phases()
         guard_decode_steps(self.engine, watchdog, faults.stuck_seconds())
         self.formatter = OutputFormatter(spec, self.loaded)

@@ -1,0 +1,42 @@
+"""The job size the worker gives the engine before it captures CUDA graphs."""
+
+from __future__ import annotations
+
+from batchgen.io.reader import RawRecord
+from batchgen.runner.worker.job_size import job_sequences
+
+
+def _chat(key: str, n: int | None = None) -> RawRecord:
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    if n is not None:
+        body["n"] = n
+    return RawRecord(0, {"custom_id": key, "method": "POST", "url": "/v1/chat/completions",
+                         "body": body})
+
+
+def test_counts_each_remaining_request_n_times():
+    records = [_chat("a"), _chat("b", n=4), _chat("c", n=8), _chat("d")]
+    assert job_sequences(records, set(), 1000) == 14
+    assert job_sequences(records, {"c"}, 1000) == 6  # finished requests decode nothing
+    assert job_sequences(records, {"a", "b", "c", "d"}, 1000) == 0
+
+
+def test_bad_and_embedding_lines_count_one():
+    bad = RawRecord(3, {"custom_id": "x", "messages": "not a list"})
+    embedding = RawRecord(4, {"custom_id": "e", "method": "POST", "url": "/v1/embeddings",
+                              "body": {"input": "text"}})
+    assert job_sequences([bad, embedding, _chat("a", n=2)], set(), 1000) == 4
+
+
+def test_stops_reading_at_the_limit():
+    """A job at least as large as the largest bucket uses them all: the input is read no
+    further than needed to know it."""
+    read = []
+
+    def records():
+        for i in range(10_000):
+            read.append(i)
+            yield _chat(f"r{i}", n=2)
+
+    assert job_sequences(records(), set(), 16) == 16
+    assert len(read) == 8
