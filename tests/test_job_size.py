@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
+from batchgen.io.intake import parse_record
+from batchgen.io.parsed_input import ParsedRecord
 from batchgen.io.reader import RawRecord
 from batchgen.runner.worker.job_size import job_sequences
 
 
-def _chat(key: str, n: int | None = None) -> RawRecord:
+def _parsed(record: RawRecord) -> ParsedRecord:
+    """The record as the supervisor's scan stores it."""
+    item = parse_record(record)
+    return ParsedRecord(record.line, item.custom_id, item)
+
+
+def _chat(key: str, n: int | None = None) -> ParsedRecord:
     body = {"messages": [{"role": "user", "content": "hi"}]}
     if n is not None:
         body["n"] = n
-    return RawRecord(0, {"custom_id": key, "method": "POST", "url": "/v1/chat/completions",
-                         "body": body})
+    return _parsed(RawRecord(0, {"custom_id": key, "method": "POST",
+                                 "url": "/v1/chat/completions", "body": body}))
 
 
 def test_counts_each_remaining_request_n_times():
@@ -22,9 +30,9 @@ def test_counts_each_remaining_request_n_times():
 
 
 def test_bad_and_embedding_lines_count_one():
-    bad = RawRecord(3, {"custom_id": "x", "messages": "not a list"})
-    embedding = RawRecord(4, {"custom_id": "e", "method": "POST", "url": "/v1/embeddings",
-                              "body": {"input": "text"}})
+    bad = _parsed(RawRecord(3, {"custom_id": "x", "messages": "not a list"}))
+    embedding = _parsed(RawRecord(4, {"custom_id": "e", "method": "POST",
+                                      "url": "/v1/embeddings", "body": {"input": "text"}}))
     assert job_sequences([bad, embedding, _chat("a", n=2)], set(), 1000) == 4
 
 

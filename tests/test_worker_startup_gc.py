@@ -10,6 +10,8 @@ import pytest
 import batchgen.runner.worker.worker as worker_mod
 import batchgen.runner.worker.worker_entry as entry
 from batchgen.config import JobConfig, StorageConfig
+from batchgen.io.parsed_input import parse_input
+from batchgen.io.reader import identify_input
 from batchgen.runner.files.job import JobSpec
 from batchgen.runner.worker.process import StopFlag
 
@@ -41,6 +43,7 @@ def test_collector_is_back_on_before_the_engine(tmp_path, monkeypatch, collector
                    created=0)
     for path in (spec.paths.batch_file, spec.paths.incremental(0, 1)):
         path.parent.mkdir(parents=True, exist_ok=True)
+    parse_input(identify_input(source), spec.paths.parsed_input, 1 << 20, 16)  # the leader's
     seen = {}
 
     def load(*args, **kwargs):
