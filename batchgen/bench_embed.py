@@ -2,7 +2,7 @@
 
 Both run in one process on the same random weights (`hf_twin`: HF's model holds our tensors),
 over the same inputs (`--requests` inputs of `--input-len` random tokens): ours runs them in
-dense prefill-only steps of at most `--max-prefill-tokens` rows (no KV pool); transformers runs
+dense prefill-only steps of at most 4x `--max-prefill-tokens` rows (no KV pool); transformers runs
 its base model on `[--peer-batch, input_len]` batches (equal lengths: no padding) and pools the
 last token. Both pool the last token and L2-normalise. The Embedder's paged path (`paged=True`:
 packed steps, K/V stored into a scratch pool, paged attention) runs the same inputs too. The

@@ -181,11 +181,13 @@ def bench(shape: str = typer.Option("smollm2-135m", help="Model shape: smollm2-1
         _fail(f"--mode {mode!r} is not allowed: generate or embeddings")
     if mode == "embeddings":
         from batchgen.bench_embed import EmbedBench, format_table as embed_table, run as embed_run
+        from batchgen.engine.embed import step_tokens
 
         _setup_logging()
         try:
-            report = embed_run(EmbedBench(shape, requests, input_len, max_prefill_tokens,
-                                          peer_batch, dtype, device, tiny))
+            report = embed_run(EmbedBench(shape, requests, input_len,
+                                          step_tokens(max_prefill_tokens), peer_batch, dtype,
+                                          device, tiny))
         except ValueError as err:
             _fail(str(err))
         typer.echo(embed_table(report))

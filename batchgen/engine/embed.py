@@ -24,6 +24,18 @@ from batchgen.core import PAGE_SIZE
 from batchgen.forward_batch import ForwardBatch
 from batchgen.engine.kv_cache import KVLayout, KVPool
 
+STEP_TOKENS_PER_PREFILL_TOKEN = 4
+"""An embedding step takes this many times `--max-prefill-tokens` tokens: it keeps no KV, so
+its memory is its activations only, and larger steps amortise the per-layer launches (Qwen3-
+Embedding-0.6B shape on an H200: 0.81x transformers' batched forward at 8,192 tokens per step,
+1.60x at 32,768)."""
+
+
+def step_tokens(max_prefill_tokens: int) -> int:
+    """Tokens per embedding step for a job whose prefill budget is `max_prefill_tokens`."""
+    return STEP_TOKENS_PER_PREFILL_TOKEN * max_prefill_tokens
+
+
 POOLING_MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean",
                  "pooling_mode_cls_token": "cls", "pooling_mode_max_tokens": "max"}
 """sentence-transformers' Pooling config keys -> our pooling modes."""

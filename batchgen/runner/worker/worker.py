@@ -22,6 +22,7 @@ import torch
 from batchgen.engine.engine import Engine, pick_device
 from batchgen.engine.heap import frozen_heap
 from batchgen.engine.memory import job_demand_tokens
+from batchgen.engine.embed import step_tokens
 from batchgen.engine.resume import ResumeError
 from batchgen.io.embeddings import EmbeddingRequest
 from batchgen.io.intake import IntakeError, PendingRequest, tokenize_parsed
@@ -175,7 +176,7 @@ class Worker:
         self.grammars = Grammars(self.loaded.tokenizer, self.loaded.hf_config.vocab_size,
                                  self.loaded.eos_token_ids, self.formatter.tool_format)
         self.embeddings = EmbeddingJobs(self.loaded, spec.batch_id,
-                                        cfg.engine.scheduler.max_prefill_tokens)
+                                        step_tokens(cfg.engine.scheduler.max_prefill_tokens))
         self.handled: set[str] = set()
         """Suspects served (or quarantined) before the main pass, which must skip them."""
         self._last_stats = 0.0
