@@ -5,6 +5,7 @@ merge read the stored custom_ids. No line is decoded or checked a second time.""
 from __future__ import annotations
 
 import pickle
+import random
 from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
@@ -53,10 +54,30 @@ def test_stored_records_are_what_parse_record_makes(tmp_path):
     errors = {r.key: r.item for r in read_parsed(out) if isinstance(r.item, IntakeError)}
     assert set(errors) == {"bad", "line-5", "c"}
     assert errors["c"].message == "line 6: top_p must be in (0, 1], got 0.0"
-    for world in (2, 3):  # shards by line index, as reader.shard: disjoint, complete
+    for world in (2, 3):  # data-parallel shards: disjoint, complete, equal, in input order
         shards = [list(read_parsed(out, rank, world)) for rank in range(world)]
-        assert all((r.line - 1) % world == rank for rank, s in enumerate(shards) for r in s)
         assert sorted(r.line for s in shards for r in s) == [line for line, _, _ in expected]
+        assert max(map(len, shards)) - min(map(len, shards)) <= 1
+        assert all([r.line for r in s] == sorted(r.line for r in s) for s in shards)
+
+
+def test_replicas_take_requests_that_share_a_system_prompt_together(tmp_path):
+    """Four long system prompts over 32 shuffled chat lines, four replicas: each replica gets
+    the eight lines of one system prompt, so each prompt's prefix is computed once."""
+    systems = [f"You are assistant {i}. " + "Follow the house style. " * 200 for i in range(4)]
+    order = [i % 4 for i in range(32)]
+    random.Random(2).shuffle(order)
+    lines = [{"custom_id": f"q{n}", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"messages": [{"role": "system", "content": systems[which]},
+                                    {"role": "user", "content": f"q {n}"}]}}
+             for n, which in enumerate(order)]
+    inp = write_input(tmp_path / "in.jsonl", lines)
+    out = tmp_path / "job.requests"
+    parse_input(identify_input(inp), out, 1 << 20, 16)
+    for rank in range(4):
+        mine = list(read_parsed(out, rank, 4))
+        assert len(mine) == 8
+        assert len({r.item.messages[0]["content"] for r in mine}) == 1
 
 
 def test_a_duplicate_leaves_no_stored_file(tmp_path):
@@ -70,10 +91,10 @@ def test_a_duplicate_leaves_no_stored_file(tmp_path):
 def test_only_parsed_requests_are_read_back(tmp_path):
     out = tmp_path / "job.requests"
     item = pickle.dumps(SimpleNamespace(x=1))
-    out.write_bytes(HEADER.pack(1, 1, len(item)) + b"a" + item)
+    out.write_bytes(HEADER.pack(1, 1, len(item), bytes(12)) + b"a" + item)
     with pytest.raises(InputFileError, match="damaged"):
         list(read_parsed(out))
-    out.write_bytes(HEADER.pack(1, 1, 40) + b"a" + b"\x80")
+    out.write_bytes(HEADER.pack(1, 1, 40, bytes(12)) + b"a" + b"\x80")
     with pytest.raises(InputFileError, match="ends inside a record"):
         list(read_parsed(out))
     with pytest.raises(InputFileError, match="missing"):

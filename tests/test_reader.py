@@ -1,4 +1,4 @@
-"""Input streaming: JSONL and Parquet records, per-line errors, file-level errors, scan, shard."""
+"""Input streaming: JSONL and Parquet records, per-line errors, file-level errors, scan."""
 
 import gzip
 import hashlib
@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchgen.io.reader import (InputFileError, RawRecord, detect_format, iter_keys,
-                                read_records, record_key, scan_input, shard)
+                                read_records, record_key, scan_input)
 
 DATA = Path(__file__).parent / "data"
 MIXED = DATA / "mixed.jsonl"
@@ -200,16 +200,6 @@ def test_empty_file_scans_to_zero(tmp_path):
     path = tmp_path / "empty.jsonl"
     path.write_bytes(b"\n\n")
     assert scan_input(path).records == 0
-
-
-def test_shard_partitions_by_line(tmp_path):
-    records = list(read_records(MIXED))
-    parts = [list(shard(records, r, 3)) for r in range(3)]
-    lines = sorted(r.line for part in parts for r in part)
-    assert lines == [r.line for r in records]
-    assert all((r.line - 1) % 3 == rank for rank, part in enumerate(parts) for r in part)
-    with pytest.raises(ValueError):
-        list(shard(records, 3, 3))
 
 
 def test_100k_lines_scanned_and_read_with_bounded_memory(tmp_path):

@@ -10,7 +10,8 @@ input order from it. The file is rewritten from the input on every run (the inpu
 is checked anyway) and removed when the job completes.
 
 Format: records one after another, each a header (line: u64, custom_id bytes: u32, item bytes:
-u32), the custom_id in UTF-8, and the item pickled (ParsedRequest, EmbeddingRequest or
+u32, prompt-prefix key: 12 bytes, prefix_shards.prefix_key), the custom_id in UTF-8, and the
+item pickled (ParsedRequest, EmbeddingRequest or
 IntakeError, built by this package); read back by an unpickler that admits those classes and
 SamplingParams only. Pickling keeps what parse_record made: SamplingParams are not checked again.
 """
@@ -28,10 +29,11 @@ from typing import BinaryIO
 from batchgen.atomic import atomic_file
 from batchgen.io.embeddings import EmbeddingRequest
 from batchgen.io.intake import IntakeError, ParsedRequest, parse_record
+from batchgen.io.prefix_shards import assign_replicas, prefix_key
 from batchgen.io.reader import InputFile, InputFileError, InputSummary, RawRecord, scan_input
 
-HEADER = struct.Struct("<QII")
-"""line number, custom_id length, pickled item length."""
+HEADER = struct.Struct("<QII12s")
+"""line number, custom_id length, pickled item length, prompt-prefix key."""
 _CLASSES = {("batchgen.io.intake", "ParsedRequest"), ("batchgen.io.intake", "IntakeError"),
             ("batchgen.io.embeddings", "EmbeddingRequest"), ("batchgen.core", "SamplingParams")}
 
@@ -55,10 +57,12 @@ class _Store:
         self.f, self.default_max_tokens = f, default_max_tokens
 
     def add(self, record: RawRecord, key: str) -> None:
-        item = pickle.dumps(parse_record(record, self.default_max_tokens),
-                            protocol=pickle.HIGHEST_PROTOCOL)
+        parsed = parse_record(record, self.default_max_tokens)
+        item = pickle.dumps(parsed, protocol=pickle.HIGHEST_PROTOCOL)
         raw_key = key.encode("utf-8", "surrogatepass")
-        self.f.write(HEADER.pack(record.line, len(raw_key), len(item)))
+        prefix = (prefix_key(parsed.messages, parsed.prompt) if isinstance(parsed, ParsedRequest)
+                  else bytes(12))  # embeddings and bad lines: one group, spread evenly
+        self.f.write(HEADER.pack(record.line, len(raw_key), len(item), prefix))
         self.f.write(raw_key)
         self.f.write(item)
 
@@ -79,18 +83,37 @@ class _Unpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
-def _records(path: Path, rank: int, world: int, items: bool) -> Iterator[ParsedRecord]:
+def _open(path: Path) -> BinaryIO:
     try:
-        f = open(path, "rb")
+        return open(path, "rb")
     except FileNotFoundError:
         raise InputFileError(f"the job's parsed input {path} is missing (the supervisor writes "
                              "it before the workers start): re-run the job") from None
-    with f:
-        while head := f.read(HEADER.size):
-            if len(head) < HEADER.size:
-                raise _damaged(path)
-            line, key_len, item_len = HEADER.unpack(head)
-            if (line - 1) % world != rank:
+
+
+def _headers(f: BinaryIO, path: Path) -> Iterator[tuple[int, int, int, bytes]]:
+    """Each record's header; the file is left at the record's custom_id."""
+    while head := f.read(HEADER.size):
+        if len(head) < HEADER.size:
+            raise _damaged(path)
+        yield HEADER.unpack(head)
+
+
+def replica_of_records(path: Path, world: int) -> list[int]:
+    """The data-parallel replica of each stored record, in input order (prefix_shards)."""
+    keys = []
+    with _open(path) as f:
+        for _, key_len, item_len, prefix in _headers(f, path):
+            keys.append(prefix)
+            f.seek(key_len + item_len, 1)
+    return assign_replicas(keys, world)
+
+
+def _records(path: Path, rank: int, world: int, items: bool) -> Iterator[ParsedRecord]:
+    owner = replica_of_records(path, world) if world > 1 else None
+    with _open(path) as f:
+        for index, (line, key_len, item_len, _) in enumerate(_headers(f, path)):
+            if owner is not None and owner[index] != rank:
                 f.seek(key_len + item_len, 1)
                 continue
             key = f.read(key_len)
@@ -121,8 +144,9 @@ def _damaged(path: Path) -> InputFileError:
 
 
 def read_parsed(path: Path, rank: int = 0, world: int = 1) -> Iterator[ParsedRecord]:
-    """The stored records rank `rank` of `world` owns (line index modulo world, as
-    reader.shard), streamed; the others' are skipped unread."""
+    """The stored records data-parallel replica `rank` of `world` owns (prefix_shards:
+    records that start alike together, equal shares), streamed in input order; the others'
+    are skipped unread."""
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} outside [0, {world})")
     return _records(Path(path), rank, world, items=True)

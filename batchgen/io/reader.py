@@ -18,7 +18,7 @@ import hashlib
 import math
 import stat
 from array import array
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -286,16 +286,6 @@ def iter_keys(path: str | Path,
 def digest64(key: str) -> int:
     """A 64-bit digest of a custom_id; callers confirm candidate matches on the real string."""
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
-
-
-def shard(records: Iterable[RawRecord], rank: int, world: int) -> Iterator[RawRecord]:
-    """The records rank `rank` of `world` owns: line index modulo world (deterministic, so every
-    rank and every restart agree without talking)."""
-    if not 0 <= rank < world:
-        raise ValueError(f"rank {rank} outside [0, {world})")
-    for record in records:
-        if (record.line - 1) % world == rank:
-            yield record
 
 
 def _file_sha256(path: Path) -> str:

@@ -115,9 +115,10 @@ class WorkerStats:
 
 
 class Worker:
-    """One rank. Data-parallel replicas (TP groups) take disjoint shards of the input by line
-    index; inside a TP group every rank reads the same shard and runs the same scheduler, and
-    only the group's first rank writes results and the crash journal."""
+    """One rank. Data-parallel replicas (TP groups) take disjoint, equal shards of the input,
+    requests that start alike in the same shard (io/prefix_shards.py); inside a TP group every
+    rank reads the same shard and runs the same scheduler, and only the group's first rank
+    writes results and the crash journal."""
 
     def __init__(self, spec: JobSpec, rank: RankInfo, stop: StopFlag, watchdog: Watchdog):
         self.spec, self.rank, self.stop, self.watchdog = spec, rank, stop, watchdog
