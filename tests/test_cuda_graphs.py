@@ -74,6 +74,22 @@ def capture_on_cpu(graphs, segment, x, batch, mid_job=False):
     graph = ReplayedOnCpu(segment, x, batch)
     return graph, graph.out
 
+def tiny_graphs(monkeypatch, limit=None):
+    """DecodeGraphs of a tiny model over buckets [1, 2, 16], captured on the CPU stand-in, and
+    the batch size of every forward the capture ran."""
+    monkeypatch.setattr(DecodeGraphs, "_capture_segment", capture_on_cpu)
+    model = random_model(hf_config_for("smollm2-135m", tiny=True), torch.float32,
+                         torch.device("cpu"))
+    seen = []
+    model.register_forward_pre_hook(lambda _, args: seen.append(args[0].num_seqs))
+    pool = KVPool(KVLayout(model.config.num_hidden_layers, tuple(model.kv_token_shape),
+                           torch.float32, torch.float32), 8, "cpu")
+    with torch.inference_mode():
+        graphs = DecodeGraphs(model, pool, 16, 3, 256, limit=limit)
+        graphs.capture()
+    return graphs, seen
+
+
 
 def test_capture_also_runs_the_powers_of_two_between_buckets(monkeypatch):
     """Launch settings follow the batch size, so the sizes eager decode rows take between the
@@ -83,15 +99,7 @@ def test_capture_also_runs_the_powers_of_two_between_buckets(monkeypatch):
     assert bucket_sizes(512, 6) == [1, 2, 4, 8, 16, 512]
     assert eager_warmup_sizes([1, 2, 4, 8, 16, 512]) == [32, 64, 128, 256]
     assert eager_warmup_sizes(bucket_sizes(384, 12)) == []
-    monkeypatch.setattr(DecodeGraphs, "_capture_segment", capture_on_cpu)
-    model = random_model(hf_config_for("smollm2-135m", tiny=True), torch.float32,
-                         torch.device("cpu"))
-    seen = []
-    model.register_forward_pre_hook(lambda _, args: seen.append(args[0].num_seqs))
-    pool = KVPool(KVLayout(model.config.num_hidden_layers, tuple(model.kv_token_shape),
-                           torch.float32, torch.float32), 8, "cpu")
-    with torch.inference_mode():
-        DecodeGraphs(model, pool, 16, 3, 256).capture()  # buckets [1, 2, 16]
+    graphs, seen = tiny_graphs(monkeypatch)  # buckets [1, 2, 16]
     assert seen[:2] == [4, 8] and sorted(set(seen)) == [1, 2, 4, 8, 16]
 
 
@@ -202,16 +210,7 @@ def test_buckets_stop_at_what_the_job_can_decode():
 def test_capture_and_warm_up_follow_the_job_size(monkeypatch):
     """A job of 5 sequences under buckets [1, 2, 16] captures [1, 2, 5] and runs no eager
     warm-up size above 5 (4 is warmed: 3-4 decode rows take its launch settings)."""
-    monkeypatch.setattr(DecodeGraphs, "_capture_segment", capture_on_cpu)
-    model = random_model(hf_config_for("smollm2-135m", tiny=True), torch.float32,
-                         torch.device("cpu"))
-    seen = []
-    model.register_forward_pre_hook(lambda _, args: seen.append(args[0].num_seqs))
-    pool = KVPool(KVLayout(model.config.num_hidden_layers, tuple(model.kv_token_shape),
-                           torch.float32, torch.float32), 8, "cpu")
-    with torch.inference_mode():
-        graphs = DecodeGraphs(model, pool, 16, 3, 256, limit=5)
-        graphs.capture()
+    graphs, seen = tiny_graphs(monkeypatch, limit=5)
     assert graphs.sizes == [1, 2, 5]
     assert sorted(graphs.graphs) == [(1, False), (2, False), (5, False)]
     assert sorted(set(seen)) == [1, 2, 4, 5]
