@@ -112,7 +112,7 @@ def test_copy_pages_moves_exactly_the_listed_pages(dtype):
     before = [dst.data.float().clone(), None if dst.scales is None else dst.scales.clone()]
     src_pages, dst_pages = [4, 5, 6, 0, 11, 9, 10], [1, 2, 3, 7, 0, 8, 9]
     assert page_runs(src_pages, dst_pages) == [(4, 1, 3), (0, 7, 1), (11, 0, 1), (9, 8, 2)]
-    copy_pages(src, src_pages, dst, dst_pages)
+    copy_pages(src, dst, page_runs(src_pages, dst_pages))
     for s, d in zip(src_pages, dst_pages):
         assert torch.equal(dst.data[d].float(), src.data[s].float())
         if dtype == torch.float8_e4m3fn:

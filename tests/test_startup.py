@@ -1,9 +1,8 @@
 """Start-up that scales with the job: pools sized from what the job can use, CPU pools that
-cost memory only as they fill, a host pool pinned off the caller's thread, and the start-up
-phases reported."""
+cost memory only as they fill, and the start-up phases reported (the host pool's pinning as
+it fills: test_host_pin.py)."""
 
 import json
-import threading
 import time
 
 import pytest
@@ -73,58 +72,10 @@ def test_prefault_keeps_contents():
     segment = HostSegment(3 * host_pool.PREFAULT_SLICE // 2)
     try:
         segment.tensor[::4096] = 7
-        segment.prefault(workers=2)
+        segment.prefault(4096, segment.num_bytes, workers=2)  # runs past the end: clipped
         assert int(segment.tensor[::4096].min()) == 7 and int(segment.tensor[1::4096].max()) == 0
     finally:
         segment.close()
-
-
-def test_background_pin_waits_for_ready_and_never_blocks(monkeypatch):
-    pinned_at = []
-    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
-
-    def fake_pin(self):
-        time.sleep(0.2)
-        pinned_at.append(time.perf_counter())
-        self.pinned = True
-
-    monkeypatch.setattr(HostSegment, "pin", fake_pin)
-    segment = HostSegment(1 << 20)
-    ready = threading.Event()
-    start = time.perf_counter()
-    segment.pin_in_background(CPU, ready)
-    assert time.perf_counter() - start < 0.1  # the caller goes on at once
-    time.sleep(0.3)
-    assert not pinned_at  # graphs not captured yet: no registration
-    ready.set()
-    assert segment.wait_pinned(5)
-    assert pinned_at
-    monkeypatch.setattr(HostSegment, "close", lambda self: None)  # fake pin: nothing to unpin
-
-
-def test_close_stops_a_pending_pin(monkeypatch):
-    monkeypatch.setattr(HostSegment, "pin", lambda self: pytest.fail("pinned after close"))
-    segment = HostSegment(1 << 20)
-    segment.pin_in_background(CPU, threading.Event())
-    start = time.perf_counter()
-    segment.close()
-    assert time.perf_counter() - start < 2 and not segment.pinned
-
-
-def test_a_failed_pin_is_reported_not_raised(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
-
-    def broken(self):
-        raise RuntimeError("cudaHostRegister failed")
-
-    monkeypatch.setattr(HostSegment, "pin", broken)
-    segment = HostSegment(1 << 20)
-    ready = threading.Event()
-    ready.set()
-    segment.pin_in_background(CPU, ready)
-    assert not segment.wait_pinned(5)
-    assert "cudaHostRegister failed" in str(segment.pin_error)
-    segment.close()
 
 
 def test_clock_phases_in_order_from_process_start():

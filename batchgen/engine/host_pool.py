@@ -2,8 +2,9 @@
 
 Backings: POSIX shm in /dev/shm (default; O_EXCL, mode 0600, unlinked as soon as it is mapped so
 a crash cannot leak it), memfd_create + MADV_HUGEPAGE (`--fast-init`), or a hugetlbfs file
-(`--enable-hugetlbfs`). On CUDA the mapping is pinned with cudaHostRegister so copies run at
-PCIe speed (pageable copies are ~9x slower: docs/architecture.md, "Measured transfer costs").
+(`--enable-hugetlbfs`). On CUDA its chunks are pinned as a job first uses them
+(`engine/host_pin.py`), so copies run at PCIe speed (pageable copies are ~9x slower:
+docs/architecture.md, "Measured transfer costs").
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import os
 import secrets
 import shutil
 import threading
-import time
 
 import torch
 
@@ -25,7 +25,7 @@ HUGETLBFS_DIR = "/dev/hugepages"
 MADV_POPULATE_WRITE = 23
 """Linux 5.14+: fault in a range of a mapping for writing without changing its contents."""
 PREFAULT_SLICE = 256 << 20
-"""Bytes one prefault call covers: a stop request is noticed within one slice."""
+"""Bytes one prefault call covers (the unit the prefault threads share out)."""
 
 
 def host_memory_bytes() -> int:
@@ -102,11 +102,6 @@ class HostSegment:
         if fast_init:
             self._advise_hugepages()
         self.tensor = torch.frombuffer(self._map, dtype=torch.uint8, count=self.num_bytes)
-        self.pinned = False
-        self._pinning: threading.Thread | None = None
-        self._stop = threading.Event()
-        self.pin_error: BaseException | None = None
-        """Why the background pin failed (the pool then stays pageable: slower, correct)."""
 
     def _open(self, fast_init: bool, hugetlbfs: bool) -> int:
         if hugetlbfs:
@@ -139,99 +134,39 @@ class HostSegment:
         if hasattr(self._map, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
             self._map.madvise(mmap.MADV_HUGEPAGE)
 
-    def pin_in_background(self, device: torch.device, ready: threading.Event,
-                          threads: int | None = None) -> None:
-        """Page-lock the mapping without blocking the caller: fault its memory in with
-        `threads` parallel threads (contents unchanged: the pool may already be in use), then,
-        once `ready` is set (CUDA graphs captured: no capture may see a registration),
-        cudaHostRegister it. Until then copies to and from the pool run pageable (slower,
-        equally correct). `close()` stops and joins it."""
-        if self._pinning is not None or self.pinned:
-            return
-        # Half the cores at most: the serving thread keeps launching work meanwhile.
-        workers = threads or max(1, min(8, (os.cpu_count() or 2) // 2))
-        self._pinning = threading.Thread(target=self._pin_worker, args=(device, ready, workers),
-                                         name="batchgen-host-pin", daemon=True)
-        self._pinning.start()
-
-    def wait_pinned(self, timeout: float | None = None) -> bool:
-        """Wait for a background pin; True when the pool is pinned."""
-        if self._pinning is not None:
-            self._pinning.join(timeout)
-        return self.pinned
-
-    def _pin_worker(self, device: torch.device, ready: threading.Event, workers: int) -> None:
-        try:
-            self.prefault(workers)
-            while not ready.wait(0.1):
-                if self._stop.is_set():
-                    return
-            if not self._stop.is_set():
-                torch.cuda.set_device(device)
-                start = time.perf_counter()
-                self.pin()
-                log.info("host KV pool (%.1f GB) pinned in the background; registration %.1f s",
-                         self.num_bytes / 1e9, time.perf_counter() - start)
-        except BaseException as err:  # reported by the runner; the pool works unpinned
-            self.pin_error = err
-
-    def prefault(self, workers: int) -> None:
-        """Fault the whole mapping in, `workers` threads each over its share, contents
-        unchanged (MADV_POPULATE_WRITE; ctypes releases the GIL). Registering memory that is
-        already present takes ~0.05 s per GB; faulting it in inside the registration, one
-        4 KiB page at a time, ~0.7 s per GB. Kernels without the advice skip this step."""
+    def prefault(self, offset: int, nbytes: int, workers: int) -> None:
+        """Fault bytes [offset, offset + nbytes) of the mapping in, `workers` threads each over
+        its share, contents unchanged (MADV_POPULATE_WRITE; ctypes releases the GIL).
+        Registering memory that is already present takes ~0.05-0.09 s per GB; faulting it in
+        inside the registration, one 4 KiB page at a time, ~0.7 s per GB. Kernels without the
+        advice skip this step."""
         libc = ctypes.CDLL(None, use_errno=True)
         base = self.tensor.data_ptr()
-        slices = [(start, min(PREFAULT_SLICE, self.num_bytes - start))
-                  for start in range(0, self.num_bytes, PREFAULT_SLICE)]
+        end = min(self.num_bytes, offset + nbytes)
+        slices = [(start, min(PREFAULT_SLICE, end - start))
+                  for start in range(offset, end, PREFAULT_SLICE)]
         unsupported = threading.Event()
 
         def work(mine):
             for start, length in mine:
-                if self._stop.is_set() or unsupported.is_set():
+                if unsupported.is_set():
                     return
                 if libc.madvise(ctypes.c_void_p(base + start), ctypes.c_size_t(length),
                                 MADV_POPULATE_WRITE) != 0:
                     unsupported.set()
 
         pool = [threading.Thread(target=work, args=(slices[i::workers],), daemon=True)
-                for i in range(max(1, workers))]
+                for i in range(max(1, min(workers, len(slices))))]
         for thread in pool:
             thread.start()
         for thread in pool:
             thread.join()
 
-    def pin(self) -> None:
-        """cudaHostRegister the mapping (CUDA only)."""
-        if not torch.cuda.is_available() or self.pinned:
-            return
-        torch.cuda.init()  # cudart calls below need a live context
-        err = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), self.num_bytes, 0)
-        if int(err) != 0:
-            raise RuntimeError(f"cudaHostRegister of {self.num_bytes / 1e9:.1f} GB failed ({err}); "
-                               "check `ulimit -l` (memlock) and free host memory")
-        self.pinned = True
-
     def close(self) -> None:
-        self._stop.set()
-        if self._pinning is not None:
-            self._pinning.join()  # a registration in progress ends before the unmap
-        if self.pinned:
-            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
-            self.pinned = False
+        """Unmap the segment (its pinned chunks must be unregistered first)."""
         if hasattr(self, "tensor"):
             del self.tensor
         try:
             self._map.close()
         except BufferError:
             pass  # a view is still alive; the OS reclaims the memory at exit
-
-    def __del__(self) -> None:
-        # An engine dropped without close() must not leave its range registered with CUDA:
-        # the next registration of the same addresses would fail ("already mapped").
-        try:
-            if getattr(self, "pinned", False):
-                torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
-                self.pinned = False
-        except Exception:
-            pass

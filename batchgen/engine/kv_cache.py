@@ -207,8 +207,9 @@ def v_logical(stored: torch.Tensor) -> torch.Tensor:
     return stored.reshape(*lead, dim, page).transpose(-1, -2).contiguous()
 
 
-def copy_pages(src: KVPool, src_pages: list[int], dst: KVPool, dst_pages: list[int]) -> None:
-    """Copy whole pages between tiers, one slice copy per run of consecutive pages.
+def copy_pages(src: KVPool, dst: KVPool, runs: list[tuple[int, int, int]]) -> None:
+    """Copy whole pages between tiers, one slice copy per run of consecutive pages
+    (`page_runs`: first source page, first destination page, count).
 
     A page is one contiguous block of every layer (8.4 MB for Llama-3-8B in bf16), so each run
     is one large DMA between the device and the pinned (cudaHostRegister'd) host pool at full
@@ -219,9 +220,8 @@ def copy_pages(src: KVPool, src_pages: list[int], dst: KVPool, dst_pages: list[i
     the host reads the host pool, and every step that runs a forward ends by reading its
     sampled tokens, which waits for the stream; `ModelRunner.close` synchronises before the
     segment is unregistered."""
-    assert len(src_pages) == len(dst_pages)
     asynchronous = src.device.type == "cuda" or dst.device.type == "cuda"
-    for src_first, dst_first, count in page_runs(src_pages, dst_pages):
+    for src_first, dst_first, count in runs:
         source, target = slice(src_first, src_first + count), slice(dst_first, dst_first + count)
         dst.data[target].copy_(src.data[source], non_blocking=asynchronous)
         if src.scale_pages is not None:
@@ -231,6 +231,8 @@ def copy_pages(src: KVPool, src_pages: list[int], dst: KVPool, dst_pages: list[i
 def page_runs(src_pages: list[int], dst_pages: list[int]) -> list[tuple[int, int, int]]:
     """(first source page, first destination page, count) of each maximal run in which both
     page lists step by one, in order."""
+    if len(src_pages) != len(dst_pages):
+        raise ValueError(f"{len(src_pages)} source pages for {len(dst_pages)} destinations")
     runs: list[tuple[int, int, int]] = []
     for s, d in zip(src_pages, dst_pages):
         if runs and s == runs[-1][0] + runs[-1][2] and d == runs[-1][1] + runs[-1][2]:

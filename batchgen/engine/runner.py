@@ -18,7 +18,8 @@ import torch
 
 from batchgen.engine.burst import DecodeBurst, QueuedBurst
 from batchgen.forward_batch import ForwardBatch
-from batchgen.engine.kv_cache import KVLayout, KVPool, copy_pages
+from batchgen.engine.host_pin import ChunkedPin, cuda_register, cuda_unregister
+from batchgen.engine.kv_cache import KVLayout, KVPool, copy_pages, page_runs
 from batchgen.engine.sampler import HostSample, SamplingRows, sample, sample_on_device
 from batchgen.engine.host_pool import HostSegment, lazy_zeros
 from batchgen.engine.prefix_groups import prefix_groups
@@ -48,13 +49,20 @@ class ModelRunner:
         `graphs` (CUDA-graph capture)."""
         start = time.perf_counter()
         self.device_pool = self._device_pool(device_pages)
-        self.host_segment = HostSegment(host_pages * layout.bytes_per_page, fast_init, hugetlbfs)
-        self.host_pool = self._host_pool(host_pages)
+        self.host_segment = HostSegment(self._host_bytes(host_pages), fast_init, hugetlbfs)
+        self.host_pool, parts = self._host_pool(host_pages)
+        self.host_pin: ChunkedPin | None = None
+        """Pins the host pool's chunks as copies first touch them (CUDA only)."""
         self.startup["host_pool"] = time.perf_counter() - start
         self.graphs = None
         if device.type == "cuda":
             captured = threading.Event()
-            self.host_segment.pin_in_background(device, captured)
+            segment = self.host_segment
+            self.host_pin = ChunkedPin(segment.tensor.data_ptr(), host_pages, parts,
+                                       cuda_register, cuda_unregister, segment.prefault,
+                                       workers=max(1, min(8, (os.cpu_count() or 2) // 2)))
+            self.host_pin.start(captured, device)
+            self.host_pin.touch([0])  # the first pages a job unloads land here
             start = time.perf_counter()
             try:
                 if runtime is not None and runtime.use_cuda_graphs:
@@ -72,18 +80,10 @@ class ModelRunner:
         raw = lazy_zeros(math.prod(shape) * self.layout.dtype.itemsize)
         return KVPool(self.layout, pages, self.device, data=raw.view(self.layout.dtype).view(shape))
 
-    def wait_host_pinned(self) -> bool:
-        """Wait until the background pin of the host pool is done; True when it is pinned."""
-        return self.host_segment.wait_pinned()
-
     def host_pin_state(self) -> str:
-        """"pinned", "pinning", "pageable" (CPU), or why the pin failed."""
-        segment = self.host_segment
-        if segment.pinned:
-            return "pinned"
-        if segment.pin_error is not None:
-            return f"failed: {segment.pin_error}"
-        return "pinning" if self.device.type == "cuda" else "pageable"
+        """How much of the host pool is pinned ("pageable" on CPU), and why pinning stopped
+        if it failed."""
+        return self.host_pin.state() if self.host_pin is not None else "pageable"
 
     def _capture(self, runtime, limit: int | None = None):
         from batchgen.engine.graphs import DecodeGraphs
@@ -104,30 +104,52 @@ class ModelRunner:
             return None
         return graphs
 
-    def _host_pool(self, host_pages: int) -> KVPool:
-        """Carve the host segment into the page data tensor (and fp8 scales after it)."""
+    def _host_bytes(self, host_pages: int) -> int:
+        """The segment's size: the pages, and an fp8 pool's scales from the next OS page."""
+        layout = self.layout
+        if not layout.quantized:
+            return host_pages * layout.bytes_per_page
+        return _scales_offset(layout, host_pages) + host_pages * _scale_bytes_per_page(layout)
+
+    def _host_pool(self, host_pages: int) -> tuple[KVPool, list[tuple[int, int]]]:
+        """Carve the host segment into the page data tensor (and fp8 scales after it):
+        the pool, and the (offset, bytes per page) of each part, as ChunkedPin takes them."""
         layout = self.layout
         raw = self.host_segment.tensor
-        data_bytes = host_pages * layout.bytes_per_page
         scale_pages = None
         if layout.quantized:
-            data_bytes = host_pages * layout.num_layers * 64 * layout.values_per_token
+            value_bytes = layout.num_layers * 64 * layout.values_per_token
+            offset = _scales_offset(layout, host_pages)
             scale_shape = layout.scale_pages_shape(host_pages)
-            scale_pages = (raw[data_bytes:].view(torch.float32)[: math.prod(scale_shape)]
+            scale_pages = (raw[offset:].view(torch.float32)[: math.prod(scale_shape)]
                            .view(scale_shape))
+            parts = [(0, value_bytes), (offset, _scale_bytes_per_page(layout))]
+        else:
+            value_bytes = layout.bytes_per_page
+            parts = [(0, value_bytes)]
         shape = (host_pages, layout.num_layers, 64, *layout.token_shape)
-        data = raw[:data_bytes].view(layout.dtype).view(shape)
-        return KVPool(layout, host_pages, "cpu", data=data, scale_pages=scale_pages)
+        data = raw[: host_pages * value_bytes].view(layout.dtype).view(shape)
+        return KVPool(layout, host_pages, "cpu", data=data, scale_pages=scale_pages), parts
 
     def move_pages(self, out: ScheduleOutput) -> None:
         """The step's page copies: unloads (device -> host), forks (device -> device), then
-        loads (host -> device)."""
+        loads (host -> device). A copy touching a host chunk not pinned yet runs pageable and
+        asks for the chunk to be pinned."""
         for copy in out.swap_out:
-            copy_pages(self.device_pool, copy.src, self.host_pool, copy.dst)
+            copy_pages(self.device_pool, self.host_pool,
+                       self._host_runs(copy.src, copy.dst, host_is_src=False))
         for copy in out.device_copies:
-            copy_pages(self.device_pool, copy.src, self.device_pool, copy.dst)
+            copy_pages(self.device_pool, self.device_pool, page_runs(copy.src, copy.dst))
         for copy in out.swap_in:
-            copy_pages(self.host_pool, copy.src, self.device_pool, copy.dst)
+            copy_pages(self.host_pool, self.device_pool,
+                       self._host_runs(copy.src, copy.dst, host_is_src=True))
+
+    def _host_runs(self, src: list[int], dst: list[int], host_is_src: bool):
+        runs = page_runs(src, dst)
+        if self.host_pin is None:
+            return runs
+        self.host_pin.touch(src if host_is_src else dst)
+        return self.host_pin.cut_runs(runs, host_is_src)
 
     @torch.inference_mode()
     def execute(self, out: ScheduleOutput, rows: SamplingRows, logits_processor=None,
@@ -206,5 +228,18 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # no page copy may still target the segment
         self.host_pool = None
+        if self.host_pin is not None:
+            self.host_pin.close()
         self.host_segment.close()
 
+
+
+def _scale_bytes_per_page(layout: KVLayout) -> int:
+    return math.prod(layout.scale_pages_shape(1)) * 4
+
+
+def _scales_offset(layout: KVLayout, host_pages: int) -> int:
+    """Where an fp8 host pool's scales start: after the values, on an OS page boundary (a
+    pinned chunk's scales never share a locked page with its values)."""
+    values = host_pages * layout.num_layers * 64 * layout.values_per_token
+    return -(-values // 4096) * 4096
