@@ -19,6 +19,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from batchgen.models.hf_text import text_only
+
 DEEPSEEK_V3_4L = dict(
     architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", vocab_size=129280,
     hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
@@ -87,6 +89,7 @@ def hf_config_for(shape: str, tiny: bool = False, fp8_weights: bool | str = Fals
     """The HF config of a bench shape; `fp8_weights` (True or one of FP8_SCALES; True is
     "block") adds an FP8 quantization_config: DeepSeek's block one, or AutoFP8's per-tensor
     one (dense shapes load both through models/fp8_dense.py)."""
+    text_only()
     from transformers import AutoConfig
 
     if shape not in SHAPES:

@@ -15,6 +15,7 @@ from batchgen.models.convert import (EMBEDDED_NAME, check_manifest, converted_fo
                                      embedded_gguf, rank_shard, read_manifest)
 from batchgen.models.loader import (MANIFEST, build_model, load_hf_config, meta_model,
                                     read_safetensors, resolve_dtype, resolve_model)
+from batchgen.models.hf_text import text_only
 from batchgen.models.weight_stream import stream_to_device
 from batchgen.parallel import TensorParallel
 
@@ -70,6 +71,7 @@ def eos_token_ids(folder: Path, hf_config, tokenizer) -> tuple[int, ...]:
 
 
 def load_tokenizer(folder: Path):
+    text_only()
     from transformers import AutoTokenizer
 
     names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")

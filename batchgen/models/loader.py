@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from batchgen.models import hub
+from batchgen.models.hf_text import text_only
 from batchgen.models.registry import model_class
 from batchgen.models.weight_stream import StreamedWeights, stream_to_device
 from batchgen.parallel import TensorParallel
@@ -176,6 +177,7 @@ def read_safetensors(folder: Path, files: list[str] | None = None):
 
 
 def load_hf_config(folder: Path):
+    text_only()
     from transformers import AutoConfig
 
     try:
