@@ -14,7 +14,13 @@ from .mla_kv_store import store_mla_kv
 from .moe_gemm import grouped_gemm, grouped_gemm_fp8, quantize_fp8_groups
 from .moe_routing import deepseek_route
 from .prefill_attention import paged_prefill_attention
-from .rmsnorm import fused_add_rmsnorm, fused_add_rmsnorm_fp8, rmsnorm, rmsnorm_fp8
+from .rmsnorm import (
+    fused_add_rmsnorm,
+    fused_add_rmsnorm_fp8,
+    rmsnorm,
+    rmsnorm_fp8,
+    rmsnorm_heads,
+)
 from .rope import apply_rope
 from .rope_store import rope_store_kv
 from .shared_prefix_attention import plan_shared_prefix, shared_prefix_decode
@@ -35,6 +41,7 @@ __all__ = [
     "quantize_fp8_rows",
     "rmsnorm",
     "rmsnorm_fp8",
+    "rmsnorm_heads",
     "rope_store_kv",
     "shared_prefix_decode",
     "silu_and_mul",

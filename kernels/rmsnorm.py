@@ -51,6 +51,29 @@ def _rmsnorm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, 
     tl.store(out_ptr + row * stride_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+HEADS_FEATURES = 4096
+"""`rmsnorm_heads` gives a program as many whole heads of one token as fit this many features."""
+
+
+@triton.jit
+def _rmsnorm_heads_kernel(x_ptr, weight_ptr, out_ptr, eps, heads, n_cols, stride_t, stride_h,
+                          HEADS: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (token, j): heads j * HEADS ... of one token as a [HEADS, n_cols] tile, each head
+    normalised on its own; out is a contiguous [T, heads, n_cols]."""
+    token = tl.program_id(0).to(tl.int64)
+    h_offs = tl.program_id(1) * HEADS + tl.arange(0, HEADS)[:, None]
+    offs = tl.arange(0, BLOCK)[None, :]
+    mask = (h_offs < heads) & (offs < n_cols)
+    act = x_ptr.dtype.element_ty
+    x = tl.load(x_ptr + token * stride_t + h_offs * stride_h + offs, mask=mask, other=0.0)
+    xf = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / n_cols + eps)
+    normed = (xf * rstd[:, None]).to(act).to(tl.float32)
+    w = tl.load(weight_ptr + offs, mask=offs < n_cols, other=0.0).to(tl.float32)
+    y = (normed * w).to(act)
+    tl.store(out_ptr + (token * heads + h_offs) * n_cols + offs, y, mask=mask)
+
+
 def _check_rows(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> None:
     check_shape(name, t, shape)
     if t.dtype != dtype:
@@ -119,6 +142,38 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
             out: torch.Tensor | None = None) -> torch.Tensor:
     """weight * rmsnorm(x) for x [T, N]; see fused_add_rmsnorm."""
     return fused_add_rmsnorm(x, None, weight, eps, out=out)[0]
+
+
+def rmsnorm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * rmsnorm of every head of x [T, H, D]: per-head norms such as Qwen3's q_norm
+    and k_norm, read straight from a strided view (a slice of a fused QKV projection's output)
+    with no copy first. A program takes several heads of one token (up to 4,096 features), not
+    one head: a 128-feature row alone leaves a program mostly idle.
+
+    x       [T, H, D] float32/float16/bfloat16, last dim contiguous, D <= 65536.
+    weight  [D] any float dtype.
+    Returns a contiguous [T, H, D] of x's dtype.
+    """
+    check_device(x, weight)
+    check_dtype("x", x, FLOAT_DTYPES)
+    if x.dim() != 3:
+        raise ValueError("x is [T, H, D]")
+    tokens, heads, cols = x.shape
+    if cols > 65536:
+        raise ValueError(f"D = {cols}: a row of over 64K features does not fit a program")
+    if x.stride(2) != 1:
+        raise ValueError("x: last dim must be contiguous")
+    check_shape("weight", weight, (cols,))
+    if weight.stride(0) != 1:
+        raise ValueError("weight must be contiguous")
+    out = torch.empty(tokens, heads, cols, dtype=x.dtype, device=x.device)
+    if out.numel():
+        block = next_pow2(cols)
+        heads_block = min(next_pow2(heads), max(1, HEADS_FEATURES // block))
+        _rmsnorm_heads_kernel[(tokens, triton.cdiv(heads, heads_block))](
+            x, weight, out, eps, heads, cols, x.stride(0), x.stride(1), HEADS=heads_block,
+            BLOCK=block, num_warps=row_warps(heads_block * block))
+    return out
 
 
 def rmsnorm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -36,6 +36,20 @@ def test_greedy_tokens_match_hf_batched(family_models):
         assert result.completions[0].token_ids == hf_greedy(hf, prompt, 80)
 
 
+@pytest.mark.gpu
+def test_qwen3_greedy_tokens_match_hf_through_the_cuda_kernels(tmp_path):
+    """On CUDA the Triton kernels run: the per-head q/k norms read the fused QKV output."""
+    from transformers import AutoModelForCausalLM
+
+    folder = save_tiny_model("qwen3", tmp_path)
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    ps = prompts()
+    results = make_engine(load_ours(folder, device="cuda")).generate(
+        greedy_requests(ps, 40, ignore_eos=True))
+    for prompt, result in zip(ps, results):
+        assert result.completions[0].token_ids == hf_greedy(hf, prompt, 40)
+
+
 def test_logits_match_hf(family_models):
     _, hf, ours = family_models
     prompt = prompts(1)[4]

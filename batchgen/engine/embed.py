@@ -109,9 +109,14 @@ class Embedder:
         `dimensions[i]` cuts vector i."""
         dimensions = dimensions or [None] * len(inputs)
         out: list[torch.Tensor | None] = [None] * len(inputs)
-        for group in self._steps(inputs):
-            step = self._dense_step if self.dense else self._paged_step
-            pooled = step([inputs[i] for i in group]).cpu()  # one copy per step
+        step = self._dense_step if self.dense else self._paged_step
+        # Each step's pooled rows are copied out without waiting (into pinned memory on CUDA),
+        # so the next step is built and launched while this one runs; one wait at the end.
+        pending = [(group, step([inputs[i] for i in group]).to("cpu", non_blocking=True))
+                   for group in self._steps(inputs)]
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        for group, pooled in pending:
             for i, row in zip(group, pooled):
                 out[i] = self._finish(row, dimensions[i])
         return out

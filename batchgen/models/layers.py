@@ -27,6 +27,10 @@ class RMSNorm(nn.Module):
         """Return QuantizedRows on CUDA: the output feeds only a row-scaled FP8 projection."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | QuantizedRows:
+        if x.is_cuda and x.dim() == 3 and not self.fp8_rows:  # per-head: Qwen3's q/k norms
+            from batchgen_kernels import rmsnorm_heads
+
+            return rmsnorm_heads(x, self.weight, self.eps)
         if x.is_cuda and x.dim() == 2:
             from batchgen_kernels import rmsnorm, rmsnorm_fp8
 
