@@ -3,8 +3,9 @@
 # `batchgen run`) command; the last lines of each report are printed, the whole reports are
 # kept as JSON under $RESULTS (default ./bench-results).
 #
-#   bash benchmarks/targets.sh prefix       W3 and W4, prefix caching on vs off
-#   bash benchmarks/targets.sh w1           W1 bf16 (caching on vs off) and W1 FP8
+#   bash benchmarks/targets.sh prefix       W3 and W4, prefix caching on vs off (or one: w3, w4)
+#   bash benchmarks/targets.sh w1           W1 bf16 (caching on vs off) and W1 FP8 (or one:
+#                                           w1bf16, w1fp8)
 #   bash benchmarks/targets.sh startup      SmolLM2-135M shape through `batchgen run`: seconds
 #                                           to the first result line (needs MODEL=folder)
 #   bash benchmarks/targets.sh embeddings   Qwen3-Embedding-0.6B shape vs transformers
@@ -23,16 +24,22 @@ bench() {  # name, then bench flags
   tail -n 3 "$RESULTS/$name.log" | grep -i "error\|traceback" || true
 }
 
-prefix() {
+w3() {
   bench w3 --shape llama3-8b --requests 1024 --input-len 2200 --shared-prefix-len 2000 \
     --num-prefixes 4 --output-len 500 --max-decode-batch 512 --cuda-graph-num-buckets 12 \
     --compare-prefix-caching
+}
+
+w4() {
   bench w4 --shape llama3-8b --requests 128 --input-len 1000 --n 8 --output-len 500 \
     --max-decode-batch 384 --cuda-graph-num-buckets 12 --compare-prefix-caching
 }
 
-w1() {
+w1bf16() {
   bench w1-bf16 $W1 --max-decode-batch 384 --cuda-graph-num-buckets 12 --compare-prefix-caching
+}
+
+w1fp8() {
   bench w1-fp8 $W1 --max-decode-batch 512 --cuda-graph-num-buckets 6 --fp8-weights \
     --fp8-scales tensor --kv-dtype fp8
 }
@@ -49,10 +56,14 @@ embeddings() {
 }
 
 case "${1:-all}" in
-  prefix) prefix ;;
-  w1) w1 ;;
+  prefix) w3; w4 ;;
+  w3) w3 ;;
+  w4) w4 ;;
+  w1) w1bf16; w1fp8 ;;
+  w1bf16) w1bf16 ;;
+  w1fp8) w1fp8 ;;
   startup) startup ;;
   embeddings) embeddings ;;
-  all) prefix; w1; startup; embeddings ;;
-  *) echo "usage: $0 prefix|w1|startup|embeddings|all" >&2; exit 2 ;;
+  all) w3; w4; w1bf16; w1fp8; startup; embeddings ;;
+  *) echo "usage: $0 prefix|w3|w4|w1|w1bf16|w1fp8|startup|embeddings|all" >&2; exit 2 ;;
 esac
