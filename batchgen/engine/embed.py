@@ -26,9 +26,9 @@ from batchgen.engine.kv_cache import KVLayout, KVPool
 
 STEP_TOKENS_PER_PREFILL_TOKEN = 4
 """An embedding step takes this many times `--max-prefill-tokens` tokens: it keeps no KV, so
-its memory is its activations only, and larger steps amortise the per-layer launches (Qwen3-
-Embedding-0.6B shape on an H200: 0.81x transformers' batched forward at 8,192 tokens per step,
-1.60x at 32,768)."""
+its memory is its activations only, and larger steps amortise the per-layer launches (~400 a
+step: at 8,192 tokens per step a Qwen3-Embedding-0.6B-shaped model leaves an H200 waiting on
+them; at 32,768 the GPU stays busy)."""
 
 
 def step_tokens(max_prefill_tokens: int) -> int:
