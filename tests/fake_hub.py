@@ -5,8 +5,11 @@ endpoints huggingface_hub and batchgen call (no network).
   HEAD /{org}/{name}/resolve/{rev}/{file}           X-Repo-Commit, ETag, Content-Length, ...
   GET  /{org}/{name}/resolve/{rev}/{file}           the bytes; Range: bytes=N- gives 206
 
-Repos can be private (401 without the right token) or gated (403, X-Error-Code: GatedRepo);
-unknown repos are 404 (X-Error-Code: RepoNotFound). `stall_after` makes GETs of one file stop
+Repos can be private (401 without the right token) or gated: as on the real Hub, a gated
+repo's info is served to anyone and its files are refused (401 without a token, 403 with a
+token not granted access; X-Error-Code: GatedRepo). Unknown repos are 404 (X-Error-Code:
+RepoNotFound). A repo may hold several revisions (`revisions`: name -> folder), each its own
+commit; an unknown revision is 404 (X-Error-Code: RevisionNotFound). `stall_after` makes GETs of one file stop
 after that many bytes until `release()`, so a test can kill a download mid-file.
 """
 
@@ -26,10 +29,20 @@ class Repo:
     sha: str
     private_token: str | None = None
     gated: bool = False
+    granted_token: str | None = None
+    """The token allowed to read a gated repo's files."""
+    revisions: dict[str, Path] = field(default_factory=dict)
+    """Branch or tag -> the folder that revision holds ("main" and the sha: `folder`)."""
 
-    def files(self) -> list[str]:
-        return sorted(str(p.relative_to(self.folder)) for p in self.folder.rglob("*")
-                      if p.is_file())
+    def commit(self, revision: str) -> tuple[str, Path] | None:
+        """(sha, folder) of a branch, tag or commit; None when the repo has no such one."""
+        if revision in ("main", self.sha):
+            return self.sha, self.folder
+        for name, folder in self.revisions.items():
+            sha = hashlib.sha1(f"{self.sha}@{name}".encode()).hexdigest()
+            if revision in (name, sha):
+                return sha, folder
+        return None
 
 
 @dataclass
@@ -107,10 +120,13 @@ def _handler(hub: FakeHub):
             if repo.private_token and auth != f"Bearer {repo.private_token}":
                 self._error(401, None, "Invalid username or password.")
                 return None
-            if repo.gated:
-                self._error(403, "GatedRepo", "Access to model is restricted.")
-                return None
             return repo
+
+        def _commit(self, repo: Repo, revision: str) -> tuple[str, Path] | None:
+            found = repo.commit(revision)
+            if found is None:
+                self._error(404, "RevisionNotFound", f"Invalid rev id: {revision}")
+            return found
 
         def _serve(self, body: bool) -> None:
             path = self.path.split("?")[0]
@@ -118,20 +134,39 @@ def _handler(hub: FakeHub):
             parts = path.strip("/").split("/")
             if parts[:2] == ["api", "models"] and len(parts) >= 6 and parts[4] == "revision":
                 repo = self._repo("/".join(parts[2:4]))
-                if repo is not None:
-                    self._info(repo, parts[2:4])
+                found = repo and self._commit(repo, parts[5])
+                if found:
+                    self._info(repo, parts[2:4], *found)
             elif len(parts) >= 5 and parts[2] == "resolve":
                 repo = self._repo("/".join(parts[:2]))
-                if repo is not None:
-                    self._file(repo, "/".join(parts[4:]), body)
+                found = repo and self._commit(repo, parts[3])
+                if found and self._granted(repo):
+                    self._file(*found, "/".join(parts[4:]), body)
             else:
                 self._error(404, None, "Not found")
 
-        def _info(self, repo: Repo, name: list[str]) -> None:
-            siblings = [{"rfilename": f, "size": (repo.folder / f).stat().st_size,
-                         "blobId": hashlib.sha1(f.encode()).hexdigest()} for f in repo.files()]
-            data = json.dumps({"id": "/".join(name), "modelId": "/".join(name), "sha": repo.sha,
+        def _granted(self, repo: Repo) -> bool:
+            """A gated repo's files need the granted token (the real Hub's answers)."""
+            if not repo.gated:
+                return True
+            auth = self.headers.get("Authorization", "")
+            if repo.granted_token and auth == f"Bearer {repo.granted_token}":
+                return True
+            if auth:
+                self._error(403, "GatedRepo", "Access to model is restricted and you are not "
+                            "in the authorized list. Visit the repo's page to ask for access.")
+            else:
+                self._error(401, "GatedRepo", "Access to model is restricted. You must have "
+                            "access to it and be authenticated to access it. Please log in.")
+            return False
+
+        def _info(self, repo: Repo, name: list[str], sha: str, folder: Path) -> None:
+            files = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+            siblings = [{"rfilename": f, "size": (folder / f).stat().st_size,
+                         "blobId": hashlib.sha1(f.encode()).hexdigest()} for f in files]
+            data = json.dumps({"id": "/".join(name), "modelId": "/".join(name), "sha": sha,
                                "private": bool(repo.private_token),
+                               "gated": "auto" if repo.gated else False,
                                "siblings": siblings}).encode()
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
@@ -140,8 +175,8 @@ def _handler(hub: FakeHub):
             if self.command != "HEAD":
                 self.wfile.write(data)
 
-        def _file(self, repo: Repo, name: str, body: bool) -> None:
-            file = repo.folder / name
+        def _file(self, sha: str, folder: Path, name: str, body: bool) -> None:
+            file = folder / name
             if not file.is_file():
                 self._error(404, "EntryNotFound", "Entry not found")
                 return
@@ -151,7 +186,7 @@ def _handler(hub: FakeHub):
             if range_ and range_.startswith("bytes=") and body:
                 start = int(range_[6:].split("-")[0])
             self.send_response(206 if start else 200)
-            self.send_header("X-Repo-Commit", repo.sha)
+            self.send_header("X-Repo-Commit", sha)
             self.send_header("ETag", '"' + hashlib.sha256(data).hexdigest() + '"')
             self.send_header("X-Linked-Size", str(len(data)))
             self.send_header("Content-Length", str(len(data) - start))

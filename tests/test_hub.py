@@ -155,15 +155,49 @@ def test_private_repo_without_token_is_exit_5_one_line(fake_hub, repo_folder, tm
         del os.environ["HF_TOKEN"]
 
 
-def test_gated_repo_says_accept_the_licence(fake_hub, repo_folder, tmp_path):
-    fake_hub.add("org/gated", repo_folder, gated=True)
-    with pytest.raises(ModelNotFoundError, match="gated.*HF_TOKEN"):
-        resolve_model("org/gated", cache_dir=str(tmp_path))
+def test_gated_repo_says_accept_the_licence(fake_hub, repo_folder, tmp_path, monkeypatch):
+    # As on the real Hub: the repo's info is public, its files need a granted token.
+    fake_hub.add("org/gated", repo_folder, gated=True, granted_token="granted")
+    cache = str(tmp_path / "cache")
+    for token, said in ((None, "needs a token (401)"),
+                        ("not-granted", "needs access granted to this token's account (403)")):
+        if token:
+            monkeypatch.setenv("HF_TOKEN", token)
+        with pytest.raises(ModelNotFoundError) as err:
+            resolve_model("org/gated", cache_dir=cache)
+        message = str(err.value)
+        assert f"org/gated is gated on {fake_hub.url} and {said}" in message
+        assert "accept its licence" in message and "HF_TOKEN" in message
+        assert "run again" not in message  # running again changes nothing
+    monkeypatch.setenv("HF_TOKEN", "granted")
+    path = resolve_model("org/gated", cache_dir=cache).path
+    assert (path / WEIGHTS).read_bytes() == (repo_folder / WEIGHTS).read_bytes()
+
+
+def test_revision_fetches_that_commit_and_an_unknown_one_is_named(fake_hub, repo_folder,
+                                                                  tmp_path):
+    other = tmp_path / "v2"
+    shutil.copytree(repo_folder, other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 1e-3}))
+    repo = fake_hub.repos["org/tiny"]
+    repo.revisions["v2"] = other
+    cache = tmp_path / "cache"
+    main = resolve_model("org/tiny", cache_dir=str(cache)).path
+    v2 = resolve_model("org/tiny", cache_dir=str(cache), revision="v2").path
+    sha = repo.commit("v2")[0]
+    assert v2.name == sha and main.name == repo.sha
+    assert (cache / "models--org--tiny" / "refs" / "v2").read_text().strip() == sha
+    assert json.loads((v2 / "config.json").read_text())["rms_norm_eps"] == 1e-3
+    assert json.loads((main / "config.json").read_text())["rms_norm_eps"] != 1e-3
+    with pytest.raises(ModelNotFoundError, match="org/tiny has no revision 'nope'.*--revision"):
+        resolve_model("org/tiny", cache_dir=str(cache), revision="nope")
 
 
 def test_offline_uses_the_warm_cache_and_names_every_place_when_cold(fake_hub, tmp_path,
                                                                      monkeypatch):
     cache = str(tmp_path / "cache")
+    fake_hub.repos["org/tiny"].revisions["v1"] = fake_hub.repos["org/tiny"].folder
     path = resolve_model("org/tiny", cache_dir=cache, revision="v1").path
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     before = len(fake_hub.requests)

@@ -172,14 +172,19 @@ def test_url_schemes_are_recognised(value, scheme):
 
 
 def test_refuse_urls_says_what_is_supported():
-    with pytest.raises(InputFileError, match="--output 'https://example.com/o.jsonl' is a "
-                                             "https:// URL.*local or mounted"):
+    with pytest.raises(InputFileError, match="--output 'https://example.com/o.jsonl' is an "
+                                             "https:// URL.*local or mounted.*hf upload"):
         refuse_urls(input="in.jsonl", output="https://example.com/o.jsonl")
+    with pytest.raises(InputFileError, match="--input 'gs://b/in.jsonl' is a gs:// URL.*"
+                                             "download the file first"):
+        refuse_urls(input="gs://b/in.jsonl", output="out.jsonl")
     refuse_urls(input="in.jsonl", output=None)
 
 
 @pytest.mark.parametrize("flag, value", [("--output", "https://example.com/out.jsonl"),
-                                         ("--input", "s3://bucket/in.jsonl")])
+                                         ("--input", "s3://bucket/in.jsonl"),
+                                         ("--input", "http://example.com/in.jsonl"),
+                                         ("--input", "hf://datasets/org/jobs/in.jsonl")])
 def test_run_refuses_urls_before_any_work(tmp_path, flag, value):
     rows = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "x"}])
     args = {"--input": rows, "--output": tmp_path / "out.jsonl", flag: value}
@@ -187,7 +192,7 @@ def test_run_refuses_urls_before_any_work(tmp_path, flag, value):
                     "--storage-path", tmp_path / "s")
     assert proc.returncode == 2
     assert "URL" in proc.stderr and "not supported" in proc.stderr
-    assert not (tmp_path / "s").exists() and not list(tmp_path.glob("https*"))
+    assert not (tmp_path / "s").exists() and not list(tmp_path.glob("http*"))
     assert read_jsonl(rows)  # the input is untouched
     proc = batchgen("validate", "--input", "gs://bucket/in.jsonl")
     assert proc.returncode == 2 and "gs:// URL" in proc.stderr

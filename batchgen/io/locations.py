@@ -14,6 +14,11 @@ _KNOWN = re.compile(r"^(https?|s3a?|gs|gcs|hf|az|abfss?|wasbs?|ftp|sftp|file|hdf
 """Known schemes even after a path library collapsed `//` into `/` (`https:/host/x`)."""
 
 
+_SPELLED_WITH_A_VOWEL_SOUND = {"http", "https", "s3", "s3a", "hf", "hdfs", "ftp", "sftp", "az",
+                               "abfs", "abfss"}
+"""Schemes read letter by letter from a vowel sound ("an https:// URL", "a gs:// URL")."""
+
+
 def url_scheme(value: str) -> str | None:
     """The scheme of a URL-looking path, or None for a plain path."""
     match = _URL.match(value) or _KNOWN.match(value)
@@ -27,12 +32,15 @@ def refuse_urls(**paths: str | None) -> None:
         if scheme is None:
             continue
         name = "--" + flag.replace("_", "-")
-        fix = ("download the file first and give its path" if flag == "input"
-               else "give a local path and copy the results up after the job ends")
+        fix = ("download the file first and give its path (e.g. with `aws s3 cp`, "
+               "`gcloud storage cp`, `hf download` or `curl -O`)" if flag == "input"
+               else "give a local path and copy the results up after the job ends (e.g. with "
+               "`aws s3 cp`, `gcloud storage cp` or `hf upload`)")
+        article = "an" if scheme in _SPELLED_WITH_A_VOWEL_SOUND else "a"
         raise InputFileError(
-            f"{name} {value!r} is a {scheme}:// URL: batchgen reads and writes local or mounted "
-            "shared-filesystem paths only (http(s)://, s3://, gs://, hf:// are not supported): "
-            f"{fix} (e.g. with `aws s3 cp`, `gcloud storage cp` or `hf download`)")
+            f"{name} {value!r} is {article} {scheme}:// URL: batchgen reads and writes local or "
+            "mounted shared-filesystem paths only (http(s)://, s3://, gs://, hf:// are not "
+            f"supported): {fix}")
 
 
 def refuse_storage_urls(storage) -> None:

@@ -260,8 +260,7 @@ def fetch_file(repo: str, commit: str, f: RepoFile, snapshot: Path, bar) -> None
                 out.flush()
                 os.fsync(out.fileno())
     except urllib.error.HTTPError as err:
-        raise HubError(f"cannot download {f.path} of {repo}: HTTP {err.code} from {url}; run "
-                       "again to continue the download") from None
+        raise HubError(refused_file(err, repo, f.path, url)) from None
     except OSError as err:
         raise HubError(f"download of {f.path} of {repo} was cut ({err}); run again to "
                        "continue where it stopped") from None
@@ -271,6 +270,25 @@ def fetch_file(repo: str, commit: str, f: RepoFile, snapshot: Path, bar) -> None
         raise HubError(f"{f.path} of {repo} arrived with {size} bytes, the Hub lists {f.size}: "
                        "run again to download it afresh")
     os.replace(partial, dest)
+
+
+def refused_file(err: urllib.error.HTTPError, repo: str, path: str, url: str) -> str:
+    """One line for a file the Hub refused. A gated repo's info is served to anyone: the Hub
+    refuses only its files (401 without a token, 403 when the token's account has not been
+    granted access), saying so in X-Error-Code."""
+    code = err.headers.get("X-Error-Code", "") if err.headers else ""
+    if code == "GatedRepo":
+        said = "a token" if err.code == 401 else "access granted to this token's account"
+        return (f"{repo} is gated on {endpoint()} and needs {said} ({err.code}): accept its "
+                "licence on the repo's page, then set HF_TOKEN to a token of that account")
+    if err.code in (401, 403):
+        return (f"{endpoint()} refused {path} of {repo} ({err.code}): set HF_TOKEN to a token "
+                "allowed to read it")
+    if err.code == 404:
+        return (f"{path} of {repo} is listed by {endpoint()} but not served (404): the "
+                "revision may have been rewritten; run again, or pin --revision to a commit")
+    return (f"cannot download {path} of {repo}: HTTP {err.code} from {url}; run again to "
+            "continue the download")
 
 
 class _SameHostAuth(urllib.request.HTTPRedirectHandler):
