@@ -193,9 +193,6 @@ class SchedulerConfig:
     """Safety multiplier on the EMA estimate."""
     enable_prepack: bool = True
     """Pack many prompts into one varlen prefill batch (always on)."""
-    enable_prefix_caching: bool = True
-    """Reuse the KV pages of a prompt prefix already computed for another request
-    (--no-enable-prefix-caching: compute every prompt in full)."""
     max_prefill_tokens: int = 8192
     """Token budget of one packed prefill step; longer prompts are prefilled in chunks.
     Larger steps are faster on big GPUs (fewer steps, fewer host gaps): 16384 / 32768 ran

@@ -127,10 +127,13 @@ requests = st.builds(Req, st.integers(0, 2), st.integers(0, 300), st.integers(0,
 
 
 @given(st.lists(requests, min_size=1, max_size=14), st.integers(0, 3), st.booleans(),
-       st.sampled_from([16, 64, 333, 4096]), st.integers(1, 12), st.integers(1, 12))
+       st.sampled_from([16, 64, 333, 4096]), st.integers(1, 12), st.integers(1, 12),
+       st.sampled_from([0.0, 70.0, 100.0]))
 @PROPERTY
 def test_random_sharing_keeps_kv_and_pages_right(reqs, room, roomy_host, prefill, batch,
-                                                 extension):
+                                                 extension, watermark):
+    """host_kv_watermark picks which comes first in a decision: admitting (100) or loading
+    swapped sequences (0; 70, the default, switches as the host tier fills)."""
     reqs = [r for r in reqs if r.prefix_len + r.own_len > 0]
     if not reqs:
         return
@@ -140,7 +143,7 @@ def test_random_sharing_keeps_kv_and_pages_right(reqs, room, roomy_host, prefill
     host = need * (12 if roomy_host else 1) + room
     cfg = SchedulerConfig(initial_gpu_page_buffer=2, extension_gpu_page_buffer=extension,
                           decision_frequency_pages=1, host_kv_chunk_size=64,
-                          host_kv_eviction_watermark=0.0, host_kv_watermark=100.0,
+                          host_kv_eviction_watermark=0.0, host_kv_watermark=watermark,
                           adaptive_chunk_min=64, max_prefill_tokens=prefill,
                           max_decode_batch=batch, max_pool_size=batch + 2)
     run = FakeRun(reqs, device, host, cfg, prefixes)
@@ -239,6 +242,24 @@ def test_idle_cached_pages_are_reclaimed_least_recently_used_first():
         pool.free([2, 2])
 
 
+def test_a_choice_never_forks_from_a_sibling_loaded_in_the_same_plan():
+    """Loading before admitting (host watermark 0): a sibling of an n = 2 request loaded in
+    the decision that admits the other choice must not lend its partial last page, which the
+    step fills only after its device copies (FakeRun checks every KV read)."""
+    reqs = [Req(0, 0, 1, 1, 132, 132), Req(0, 0, 1, 1, 192, 132), Req(0, 0, 49, 1, 144, 129),
+            Req(0, 141, 100, 1, 400, 1), Req(0, 0, 97, 2, 60, 60)]
+    prefixes = [[1 + (p * 31 + j * 17) % 49_999 for j in range(300)] for p in range(3)]
+    need = max(pages_for(r.prefix_len + r.own_len + r.max_tokens) for r in reqs)
+    cfg = SchedulerConfig(initial_gpu_page_buffer=2, extension_gpu_page_buffer=1,
+                          decision_frequency_pages=1, host_kv_chunk_size=64,
+                          host_kv_eviction_watermark=0.0, host_kv_watermark=0.0,
+                          adaptive_chunk_min=64, max_prefill_tokens=16, max_decode_batch=4,
+                          max_pool_size=6)
+    run = FakeRun(reqs, need + 1, need * 12 + 1, cfg, prefixes)
+    run.run()
+    assert run.sched.counters.loads and run.finished == {s.seq_id for s in run.seqs}
+
+
 def test_integrity_check_catches_a_page_held_without_a_reference():
     pool = PageAllocator(3, "device", PrefixCache("device"))
     pages = pool.allocate(2)
@@ -284,3 +305,21 @@ def test_sequences_sharing_a_prefix_are_admitted_together_oldest_first():
     order = [c.seq.seq_id for c in second.chunks if c.seq.num_decoded == 0]
     assert order == [2, 4, 3, 5]
     assert all(c.start == 128 for c in second.chunks if c.seq.num_decoded == 0)
+
+
+def test_a_group_of_new_requests_is_ordered_longest_shared_prefix_first():
+    """Requests filed together by their first page come after the oldest one in the order of
+    how many of its pages they share, from the first scan on (not only once deferred)."""
+    sched = Scheduler(SchedulerConfig(), 400, 800, prefix_salt="t")
+    base = list(range(1, 5 * PAGE_SIZE + 1))
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+
+    def sharing(i: int, pages: int) -> Sequence:
+        own = [10_000 + 1_000 * i + j for j in range((5 - pages) * PAGE_SIZE)]
+        tokens = base[:pages * PAGE_SIZE] + own + [7]
+        return Sequence(i, f"r{i}", 0, tokens, len(tokens), params, 0)
+
+    for seq in [Sequence(0, "r0", 0, base + [7], len(base) + 1, params, 0),
+                sharing(1, 1), sharing(2, 2), sharing(3, 4)]:
+        sched.add(seq)
+    assert [s.seq_id for s in sched.prefix.order(sched.waiting, 100)] == [0, 3, 2, 1]

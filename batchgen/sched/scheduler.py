@@ -449,8 +449,11 @@ class Scheduler:
             on_host = on_device
         seq.num_on_host = on_host * PAGE_SIZE
         seq.num_computed = hit.pages * PAGE_SIZE
-        if hit.donor is not None and hit.donor.state is SeqState.RUNNING:
-            # fork: copy the sibling's partial last prompt page
+        if hit.donor is not None and hit.donor.state is SeqState.RUNNING and not any(
+                c.seq_id == hit.donor.seq_id for c in out.swap_in):
+            # fork: copy the sibling's partial last prompt page. Not from a sibling loaded in
+            # this plan: the step copies device pages before it loads (a load may reuse a
+            # page a copy reads), so its page would still hold what was there before.
             page = hit.pages
             out.device_copies.append(PageCopy(seq.seq_id, [hit.donor.device_pages[page]],
                                               [seq.device_pages[page]]))

@@ -118,8 +118,10 @@ class PrefixSharing:
             group = self._groups.get(seq.page_keys[0], {}).values()
             members = [m for m in islice(group, limit)
                        if id(m) not in pulled and m.state is SeqState.WAITING]
-            mine = seq.page_keys
-            members.sort(key=lambda m: -_common(mine, m.page_keys))
+            # Longest shared prefix first: every key of each prompt (each hashed once, kept
+            # in page_keys; a sequence is filed in its group by its first key only).
+            mine = self.keys(seq)
+            members.sort(key=lambda m: -_common(mine, self.keys(m)))
             for member in members[:limit - len(pulled)]:
                 pulled.add(id(member))
                 yield member
