@@ -8,7 +8,8 @@ from collections import Counter
 import pytest
 from hypothesis import given, strategies as st
 
-from batchgen.io.prefix_shards import PREFIX_CHARS, assign_replicas, prefix_key
+from batchgen.io.prefix_shards import (LEVEL_BYTES, LEVEL_CHARS, PREFIX_CHARS, assign_replicas,
+                                       prefix_key)
 
 
 def chat(system: str, user: str) -> list[dict]:
@@ -21,6 +22,32 @@ def test_requests_sharing_a_long_system_prompt_share_a_key():
     assert prefix_key(chat(long, "a"), None) != prefix_key(chat(long[::-1], "a"), None)
     short = "Be brief."
     assert prefix_key(chat(short, "a"), None) != prefix_key(chat(short, "b"), None)
+
+
+def test_a_key_has_a_level_per_prompt_start():
+    """Requests sharing a 600-character system prompt share the key's first level (256
+    characters) only; those sharing 2,000 share two."""
+    def levels(key: bytes) -> list[bytes]:
+        return [key[i:i + LEVEL_BYTES] for i in range(0, len(key), LEVEL_BYTES)]
+
+    mid, longer = "Answer as a tax lawyer would. " * 20, "Cite the statute. " * 112
+    a, b = levels(prefix_key(chat(mid, "q1"), None)), levels(prefix_key(chat(mid, "q2"), None))
+    assert len(a) == len(LEVEL_CHARS) and a[0] == b[0] and a[1:] != b[1:]
+    a, b = (levels(prefix_key(chat(longer, q), None)) for q in ("q1", "q2"))
+    assert a[:2] == b[:2] and a[2] != b[2]
+
+
+def test_requests_sharing_a_system_prompt_shorter_than_the_key_go_together():
+    """Two 2,000-character system prompts, 512 distinct questions each, shuffled: over eight
+    replicas each replica meets one system prompt, not both."""
+    rng = random.Random(1)
+    systems = ["You grade essays strictly. " * 74, "You translate into French. " * 74]
+    rows = [(s, f"question {i} of {s[:8]}") for s in systems for i in range(512)]
+    rng.shuffle(rows)
+    replica = assign_replicas([prefix_key(chat(s, q), None) for s, q in rows], 8)
+    assert Counter(replica) == {r: 128 for r in range(8)}
+    for r in range(8):
+        assert len({s for (s, _), owner in zip(rows, replica) if owner == r}) == 1
 
 
 def test_completion_prompts_key_by_text_or_token_ids():

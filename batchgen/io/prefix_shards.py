@@ -1,12 +1,15 @@
 """Which data-parallel replica takes each request: requests that start alike go to the same one.
 
 Replicas share no KV, so a prompt prefix computed by one replica is computed again by every
-other replica that meets it. Records are keyed by the start of their prompt (`prefix_key`: the
-first `PREFIX_CHARS` characters of the chat messages or of the completion prompt); records of
-one key are laid out together, keys in the order they first appear and records in input order
-within a key, and the layout is cut into `world` contiguous runs of equal size (+-1 record). So
-each replica gets its share of the job, and a shared prefix is computed by one replica, or by
-the two or three whose runs a large group straddles, instead of by all of them.
+other replica that meets it. Records are keyed by the start of their prompt (`prefix_key`: a
+digest of each of its first `LEVEL_CHARS` characters of the chat messages or the completion
+prompt, ~64, ~256 and ~1,000 tokens). The records are laid out in trie order of those keys:
+grouped by their first level, within it by the second, then the third (groups in the order
+they first appear, records in input order within a group), and the layout is cut into `world`
+contiguous runs of equal size (+-1 record). So each replica gets its share of the job, and
+requests that share a system prompt of a page or more sit together whatever follows it: a
+shared prefix is computed by one replica, or by the two or three whose runs a large group
+straddles, instead of by all of them.
 
 The assignment depends only on the records and the number of replicas, so every rank and every
 resumed run computes the same one.
@@ -17,14 +20,19 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable, Sequence
 
-PREFIX_CHARS = 4096
-"""Characters of a prompt's start that key it (~1,000 tokens): records that share less are
-spread as if unrelated, which costs each replica at most that prefix once."""
+LEVEL_CHARS = (256, 1024, 4096)
+"""Prompt starts (characters; a quarter as many token ids) that key a record, one digest each:
+records that share less than the first are spread as if unrelated, which costs each replica
+at most that much prefix once."""
+PREFIX_CHARS = LEVEL_CHARS[-1]
+LEVEL_BYTES = 4
+"""Bytes of each level's digest: a collision only files two groups together."""
 
 
 def prefix_key(messages: Sequence[dict] | None, prompt: str | Sequence[int] | None) -> bytes:
     """The key of a chat request (`messages`) or a completion request (`prompt`: text or token
-    ids): a digest of its first PREFIX_CHARS characters (or PREFIX_CHARS // 4 token ids)."""
+    ids): the digests of its first LEVEL_CHARS characters (or a quarter as many token ids),
+    LEVEL_BYTES each."""
     if messages is not None:
         parts, size = [], 0
         for message in messages:
@@ -33,14 +41,16 @@ def prefix_key(messages: Sequence[dict] | None, prompt: str | Sequence[int] | No
             size += len(text)
             if size >= PREFIX_CHARS:
                 break
-        head = "".join(parts)[:PREFIX_CHARS].encode("utf-8", "surrogatepass")
+        text = "".join(parts)
+        heads = [text[:n].encode("utf-8", "surrogatepass") for n in LEVEL_CHARS]
     elif isinstance(prompt, str):
-        head = prompt[:PREFIX_CHARS].encode("utf-8", "surrogatepass")
+        heads = [prompt[:n].encode("utf-8", "surrogatepass") for n in LEVEL_CHARS]
     elif prompt is not None:
-        head = b"ids:" + ",".join(str(t) for t in prompt[:PREFIX_CHARS // 4]).encode()
+        heads = [b"ids:" + ",".join(str(t) for t in prompt[:n // 4]).encode()
+                 for n in LEVEL_CHARS]
     else:
-        head = b""
-    return hashlib.blake2b(head, digest_size=12).digest()
+        heads = [b""] * len(LEVEL_CHARS)
+    return b"".join(hashlib.blake2b(head, digest_size=LEVEL_BYTES).digest() for head in heads)
 
 
 def assign_replicas(keys: Iterable[bytes], world: int) -> list[int]:
@@ -48,15 +58,15 @@ def assign_replicas(keys: Iterable[bytes], world: int) -> list[int]:
     docstring)."""
     if world < 1:
         raise ValueError(f"world must be >= 1, got {world}")
-    groups: dict[bytes, list[int]] = {}
-    count = 0
-    for index, key in enumerate(keys):
-        groups.setdefault(key, []).append(index)
-        count = index + 1
-    replica = [0] * count
-    position = 0
-    for members in groups.values():  # keys in order of first appearance
-        for index in members:
-            replica[index] = position * world // max(1, count)
-            position += 1
+    keys = list(keys)
+    first_seen: dict[bytes, int] = {}
+    order = []
+    for index, key in enumerate(keys):  # trie order: each level ranked by first appearance
+        levels = [key[:end] for end in range(LEVEL_BYTES, len(key) + LEVEL_BYTES, LEVEL_BYTES)]
+        order.append((*(first_seen.setdefault(level, len(first_seen)) for level in levels),
+                      index))
+    order.sort()
+    replica = [0] * len(keys)
+    for position, (*_, index) in enumerate(order):
+        replica[index] = position * world // max(1, len(keys))
     return replica
