@@ -227,8 +227,10 @@ def _job_rows():
     rows.append({"custom_id": "ids", "method": "POST", "url": "/v1/embeddings",
                  "body": {"input": [[5, 6, 7], [8]], "dimensions": 16}})
     rows.append({"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions",
-                 "body": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}})
-    rows.append({"custom_id": "cmpl", "prompt": "Once", "max_tokens": 3})
+                 "body": {"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}],
+                          "max_tokens": 4}})
+    rows.append({"custom_id": "cmpl", "model": "gpt-3.5-turbo-instruct", "prompt": "Once",
+                 "max_tokens": 3})
     rows.append({"custom_id": "bad", "method": "POST", "url": "/v1/embeddings",
                  "body": {"input": "x", "dimensions": 4096}})
     return texts, rows
@@ -250,6 +252,8 @@ def test_mixed_job_file_answers_embeddings_like_transformers_and_resumes(embed_m
     assert errors[0]["response"]["body"]["error"]["param"] == "dimensions"
     assert results["chat"]["response"]["body"]["object"] == "chat.completion"
     assert results["cmpl"]["response"]["body"]["object"] == "text_completion"
+    # Every answer names the model that answered, not the one a line asked for.
+    assert {results[c]["response"]["body"]["model"] for c in ("chat", "cmpl")} == {str(folder)}
     ids = [tokenizer.encode(t) for t in texts]
     expected = _hf_embeddings(folder, ids)
     for i, vector in enumerate(expected):
