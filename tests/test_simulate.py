@@ -245,3 +245,23 @@ def test_shared_prefixes_are_read_once_per_group_in_decode(monkeypatch):
     plain = run_simulation(sim, SchedulerConfig())
     assert grouped.output_tokens == plain.output_tokens
     assert grouped.total_time_s < 0.9 * plain.total_time_s
+
+
+def test_data_parallel_replicas_take_requests_by_shared_prefix():
+    """As `batchgen run` splits a job: four prefixes over four replicas, one prefix each, so
+    each prefix is computed once, not once per replica."""
+    from batchgen.simulate.config import prefix_choices
+    from batchgen.simulate.driver import replica_of
+
+    sim = SimulationConfig(model="llama3-8b", num_requests=256, prompt_len="fixed:2200",
+                           output_len="fixed:20", shared_prefix_len=2000, num_prefixes=4,
+                           world_size=4, device_kv_gb=40, host_kv_gb=80, seed=1)
+    prefixes = prefix_choices(sim, sim.num_requests)
+    owner = replica_of(sim, prefixes, 4)
+    assert sorted(np.bincount(owner).tolist()) == [64] * 4
+    assert sum(len(set(prefixes[owner == r])) for r in range(4)) <= 4 + 3  # runs straddle
+    result = run_simulation(sim, SchedulerConfig())
+    prompt_tokens = sim.num_requests * 2200
+    # Each replica computes its prefixes once: at least ~(256 - 7) x 1,984 cached tokens.
+    assert result.cached_prompt_tokens >= (sim.num_requests - 7) * 1984
+    assert result.cached_prompt_tokens < prompt_tokens

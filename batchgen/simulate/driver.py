@@ -23,6 +23,7 @@ import numpy as np
 
 from batchgen.config import SchedulerConfig
 from batchgen.core import PAGE_SIZE, SamplingParams
+from batchgen.io.prefix_shards import assign_replicas
 from batchgen.sched.decode_groups import saved_page_reads
 from batchgen.sched.scheduler import Scheduler
 from batchgen.sched.sequence import Sequence
@@ -234,11 +235,22 @@ def run_simulation(sim: SimulationConfig, sched_cfg: SchedulerConfig) -> Simulat
     prompts, outputs, budgets = load_workload(sim)
     prefixes, numbers = prefix_choices(sim, len(prompts)), np.arange(len(prompts))
     dp = sim.world_size // sim.tensor_parallel
+    owner = replica_of(sim, prefixes, dp)
     replicas = [_Replica(sim, sched_cfg, cost, pages,
-                         (prompts[r::dp], outputs[r::dp], budgets[r::dp], prefixes[r::dp],
-                          numbers[r::dp])).run()
+                         tuple(a[owner == r] for a in (prompts, outputs, budgets, prefixes,
+                                                       numbers))).run()
                 for r in range(dp)]
     return _combine(sim, cost, pages, replicas, prompts, time.perf_counter() - started)
+
+
+def replica_of(sim: SimulationConfig, prefixes: np.ndarray, dp: int) -> np.ndarray:
+    """Each request's data-parallel replica, split as `batchgen run` splits a job: requests
+    that share a prompt prefix together, in equal contiguous shares (io/prefix_shards.py)."""
+    if sim.shared_prefix_len:
+        keys = [int(p).to_bytes(4, "little") for p in prefixes]
+    else:  # nothing shared: every request its own key
+        keys = [i.to_bytes(4, "little") for i in range(len(prefixes))]
+    return np.asarray(assign_replicas(keys, dp), dtype=np.int64)
 
 
 def _combine(sim: SimulationConfig, cost: CostModel, pages: tuple[int, int],
