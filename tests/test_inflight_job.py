@@ -21,7 +21,7 @@ from test_reliability_support import (
     run,
     seeded_rng,
     wait_for,
-    without_created,
+    without_run_details,
 )
 
 ROWS = chat_rows(8, max_tokens=24, temperature=0.8)
@@ -99,7 +99,7 @@ def stopped_job(tmp_path, model, sig, stops: int, *extra) -> tuple[list[dict], i
     attempts.append({"exit": 0, "generated": generated(storage),
                      **stats(storage).get("checkpoint", {})})
     print(json.dumps(attempts))
-    assert without_created(outputs(storage)[0]) == without_created(outputs(clean)[0])
+    assert without_run_details(outputs(storage)[0]) == without_run_details(outputs(clean)[0])
     assert not list((storage / "batches").glob("*.checkpoint.*"))  # done: nothing in flight
     return attempts, sum(a["generated"] for a in attempts), generated(clean)
 

@@ -19,8 +19,19 @@ from pathlib import Path
 
 from job_utils import batchgen, chat_rows, read_jsonl, start, write_jsonl
 
-ROWS = chat_rows(32, max_tokens=40, temperature=0.0)
-"""Greedy: resumed answers must equal the clean run token for token."""
+SYSTEM = ("You answer questions about the world for a children's encyclopedia. Use short "
+          "sentences, plain words and one concrete example. Never invent dates, names or "
+          "numbers; when you are not sure, say so. Keep every answer under sixty words, and end "
+          "with a question that invites the reader to look further. Readers are between eight "
+          "and twelve years old: explain any word a child might not know, prefer everyday "
+          "comparisons to technical terms, and never talk down to them. If a question is "
+          "about something dangerous, say how to stay safe and suggest asking an adult.")
+ROWS = [{**row, "body": {**row["body"], "messages": [{"role": "system", "content": SYSTEM},
+                                                      *row["body"]["messages"]]}}
+        for row in chat_rows(32, max_tokens=40, temperature=0.0)]
+"""Greedy: resumed answers must equal the clean run token for token. Every request starts
+with the same system prompt (over a KV page of tokens), so the faults land on jobs whose
+requests share cached prefix pages."""
 _CLEAN: dict[str, Path] = {}
 FIGURES_ENV = "BATCHGEN_RELIABILITY_FIGURES"
 """When set, tests append their measured figures (one JSON object per line) to this file."""
@@ -120,13 +131,19 @@ def worker_pids(storage: Path) -> list[int]:
     return pids
 
 
-def without_created(lines: list[dict]) -> list[dict]:
-    """Two separate jobs differ only in their start time ("created")."""
+def without_run_details(lines: list[dict], created: bool = False) -> list[dict]:
+    """The lines less what says how this run computed them rather than what it answered:
+    `usage.prompt_tokens_details.cached_tokens` (which request met a shared prompt prefix
+    first depends on kills, resumes and replicas) and, unless `created`, the start time of the
+    job ("created": two separate jobs differ in it)."""
     lines = json.loads(json.dumps(lines))
     for line in lines:
-        if line.get("response"):
-            line["response"]["body"].pop("created", None)
+        body = (line.get("response") or {}).get("body") or {}
+        if not created:
+            body.pop("created", None)
+        (body.get("usage") or {}).get("prompt_tokens_details", {}).pop("cached_tokens", None)
     return lines
+
 
 
 def check_against_clean(storage: Path, model: Path, same_job: bool = False,
@@ -145,10 +162,8 @@ def check_against_clean(storage: Path, model: Path, same_job: bool = False,
     assert not lost and not duplicated, f"lost {lost}, duplicated {duplicated}"
     assert sorted(e["custom_id"] for e in errors) == sorted(allowed_errors)
     wanted = [r for r in clean if r["custom_id"] not in allowed_errors]
-    if same_job:
-        assert results == wanted
-    else:
-        assert without_created(results) == without_created(wanted)
+    assert without_run_details(results, created=same_job) == \
+        without_run_details(wanted, created=same_job)
     return {"records": len(expected), "lost": len(lost), "duplicated": len(duplicated)}
 
 
