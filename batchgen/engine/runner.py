@@ -233,7 +233,6 @@ class ModelRunner:
         self.host_segment.close()
 
 
-
 def _scale_bytes_per_page(layout: KVLayout) -> int:
     return math.prod(layout.scale_pages_shape(1)) * 4
 
