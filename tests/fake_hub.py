@@ -9,8 +9,9 @@ Repos can be private (401 without the right token) or gated: as on the real Hub,
 repo's info is served to anyone and its files are refused (401 without a token, 403 with a
 token not granted access; X-Error-Code: GatedRepo). Unknown repos are 404 (X-Error-Code:
 RepoNotFound). A repo may hold several revisions (`revisions`: name -> folder), each its own
-commit; an unknown revision is 404 (X-Error-Code: RevisionNotFound). `stall_after` makes GETs of one file stop
-after that many bytes until `release()`, so a test can kill a download mid-file.
+commit; an unknown revision is 404 (X-Error-Code: RevisionNotFound). `stall_after` makes GETs
+of one file stop after that many bytes until `release()`, so a test can kill a download
+mid-file.
 """
 
 from __future__ import annotations

@@ -62,7 +62,8 @@ def test_every_part_of_a_chunk_is_whole_os_pages(part_bytes, chunk_bytes):
 def test_nothing_is_registered_before_ready_and_only_touched_chunks_after():
     cuda, faulted = FakeCuda(), []
     pin = make_pin(cuda, faulted=faulted)
-    assert pin.pages_per_chunk == 8 and pin.num_chunks == 5  # 16 MiB / 3 MiB -> 5; 1 KiB scales -> 4s
+    # 16 MiB / 3 MiB -> 5 pages, rounded up to 8 so 1 KiB scales fill whole 4 KiB OS pages
+    assert pin.pages_per_chunk == 8 and pin.num_chunks == 5
     ready = threading.Event()
     pin.start(ready)
     pin.touch([17])  # chunk 2, then 1 + 2 // 2 chunks after it
