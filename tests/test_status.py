@@ -86,3 +86,30 @@ def test_prefix_hits_share_over_engines():
                         {"prompt_tokens": 1000, "cached_prompt_tokens": 0}]) == \
         "44% of 2,000 prompt tokens"
     assert prefix_hits([{}, {"prompt_tokens": 0}]) == "-"
+
+
+def test_a_job_sharing_a_system_prompt_reports_its_prefix_hits(tiny_chat_model, tmp_path):
+    """Through `batchgen run`: every answer's cached_tokens, the batch record's counters and
+    `batchgen status` tell the same reuse."""
+    import re
+
+    from job_utils import batchgen, read_jsonl, write_jsonl
+    from test_reliability_support import ROWS
+
+    rows = write_jsonl(tmp_path / "in.jsonl", ROWS[:12])
+    storage, out = tmp_path / "s", tmp_path / "out.jsonl"
+    batchgen("run", "--input", rows, "--output", out, "--storage-path", storage,
+             "--model", tiny_chat_model, check=True)
+    cached = [r["response"]["body"]["usage"]["prompt_tokens_details"]["cached_tokens"]
+              for r in read_jsonl(out)]
+    assert len(cached) == 12 and sum(cached) >= 11 * 64  # the first computes the prompt
+    record = next(p for p in (storage / "batches").glob("batch_*.json")
+                  if p.name.count(".") == 1)  # not its .spec.json or .workerN.json
+    counters = json.loads(record.read_text())["counters"]
+    assert counters["cached_prompt_tokens"] == sum(cached)
+    assert counters["prefix_hit_rate"] > 0
+    rate = f"{counters['cached_prompt_tokens'] / counters['prompt_tokens']:.0%}"
+    code, shown = status(record.stem, "--storage-path", str(storage))
+    assert code == 0
+    assert re.search(rf"prefix cache\s*│?\s*{rate} of {counters['prompt_tokens']:,} prompt",
+                     shown), shown
