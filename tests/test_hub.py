@@ -269,3 +269,18 @@ def test_a_resume_is_pinned_to_the_commit(tmp_path):
     plain.mkdir()
     (plain / "config.json").write_text("{}")
     assert weights_signature(plain) == signatures[0].split("@")[0]
+
+
+def test_a_download_logs_its_progress_where_stderr_is_not_a_terminal(fake_hub, tmp_path,
+                                                                      caplog):
+    """Under Slurm or nohup stderr is a file: progress comes as log lines, not a tqdm bar."""
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="batchgen.hub"):
+        resolve_model("org/tiny", cache_dir=str(tmp_path / "cache"))
+        lines = [r.getMessage() for r in caplog.records
+                 if r.getMessage().startswith("download:")]
+        assert lines and "(100%)" in lines[-1] and "MB/s" in lines[-1]
+        progress = hub.LoggedProgress(total=10, initial=0, every_s=0.0)
+        progress.update(4)  # past its interval: a line now
+        assert "0.00 of 0.00 GB (40%)" in caplog.records[-1].getMessage()

@@ -11,6 +11,9 @@ stopped (the bytes so far sit in `{file}.incomplete`). A snapshot folder holding
 being downloaded and is never loaded. One process per cache folder downloads (a file lock);
 the others wait for it and then find the files on disk.
 
+Progress: a tqdm bar on a terminal; where stderr is a file or a pipe (Slurm, nohup), a log line
+every 30 s and at the end (bytes so far, share, rate).
+
 Environment: HF_ENDPOINT (the Hub's address), HF_TOKEN (or a saved `hf auth login`),
 HF_HUB_OFFLINE=1 (nothing is downloaded; `offline()`).
 """
@@ -21,6 +24,7 @@ import fnmatch
 import logging
 import os
 import shutil
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -314,7 +318,42 @@ def _write_ref(folder: Path, revision: str, commit: str) -> None:
 
 
 def _progress(total: int, initial: int):
+    """A tqdm bar on a terminal; where stderr is a file or a pipe (a Slurm log, a job under
+    nohup), `LoggedProgress` lines instead, which a log can hold."""
+    import sys
+
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, initial=initial, unit="B", unit_scale=True, desc="download",
-                disable=None if os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS") is None else True)
+    if os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS") is not None:
+        return tqdm(total=total, initial=initial, disable=True)
+    if not sys.stderr.isatty():
+        return LoggedProgress(total, initial)
+    return tqdm(total=total, initial=initial, unit="B", unit_scale=True, desc="download")
+
+
+class LoggedProgress:
+    """Download progress as a log line every `every_s` seconds (and at the end): bytes so far,
+    share, rate since the start."""
+
+    def __init__(self, total: int, initial: int, every_s: float = 30.0):
+        self.total, self.done, self.start_done = total, initial, initial
+        self.every_s = every_s
+        self.started = self.last = time.monotonic()
+
+    def __enter__(self) -> "LoggedProgress":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if exc[0] is None:
+            self._say()
+
+    def update(self, n: int) -> None:
+        self.done += n
+        if time.monotonic() - self.last >= self.every_s:
+            self._say()
+
+    def _say(self) -> None:
+        self.last = time.monotonic()
+        rate = (self.done - self.start_done) / max(1e-9, self.last - self.started)
+        log.info("download: %.2f of %.2f GB (%.0f%%), %.0f MB/s", self.done / 1e9,
+                 self.total / 1e9, 100 * self.done / max(1, self.total), rate / 1e6)
