@@ -71,8 +71,6 @@ class ChunkedPin:
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
         """Why a chunk could not be pinned (pinning then stops; the pool works pageable)."""
-        self.seconds = 0.0
-        """Time the pinning thread spent faulting in and registering."""
 
     def start(self, ready: threading.Event, device: torch.device | None = None) -> None:
         """Serve pin requests in a background thread once `ready` is set. `device`: the CUDA
@@ -177,7 +175,6 @@ class ChunkedPin:
             self._wake.notify_all()
 
     def _pin(self, chunk: int) -> None:
-        start = time.perf_counter()
         ranges = self._ranges(chunk)
         for offset, nbytes in ranges:
             self._prefault(offset, nbytes, self.workers)
@@ -191,7 +188,6 @@ class ChunkedPin:
                 self._unregister(self.base + offset)
             raise
         self.pinned[chunk] = 1
-        self.seconds += time.perf_counter() - start
 
     def close(self) -> None:
         """Stop pinning (a registration in progress ends first) and unregister every chunk."""

@@ -49,7 +49,7 @@ class ModelRunner:
         `graphs` (CUDA-graph capture)."""
         start = time.perf_counter()
         self.device_pool = self._device_pool(device_pages)
-        self.host_segment = HostSegment(self._host_bytes(host_pages), fast_init, hugetlbfs)
+        self.host_segment = HostSegment(_host_bytes(layout, host_pages), fast_init, hugetlbfs)
         self.host_pool, parts = self._host_pool(host_pages)
         self.host_pin: ChunkedPin | None = None
         """Pins the host pool's chunks as copies first touch them (CUDA only)."""
@@ -104,31 +104,19 @@ class ModelRunner:
             return None
         return graphs
 
-    def _host_bytes(self, host_pages: int) -> int:
-        """The segment's size: the pages, and an fp8 pool's scales from the next OS page."""
-        layout = self.layout
-        if not layout.quantized:
-            return host_pages * layout.bytes_per_page
-        return _scales_offset(layout, host_pages) + host_pages * _scale_bytes_per_page(layout)
-
     def _host_pool(self, host_pages: int) -> tuple[KVPool, list[tuple[int, int]]]:
         """Carve the host segment into the page data tensor (and fp8 scales after it):
         the pool, and the (offset, bytes per page) of each part, as ChunkedPin takes them."""
         layout = self.layout
         raw = self.host_segment.tensor
+        parts = _host_parts(layout, host_pages)
         scale_pages = None
         if layout.quantized:
-            value_bytes = layout.num_layers * 64 * layout.values_per_token
-            offset = _scales_offset(layout, host_pages)
             scale_shape = layout.scale_pages_shape(host_pages)
-            scale_pages = (raw[offset:].view(torch.float32)[: math.prod(scale_shape)]
+            scale_pages = (raw[parts[1][0]:].view(torch.float32)[: math.prod(scale_shape)]
                            .view(scale_shape))
-            parts = [(0, value_bytes), (offset, _scale_bytes_per_page(layout))]
-        else:
-            value_bytes = layout.bytes_per_page
-            parts = [(0, value_bytes)]
         shape = (host_pages, layout.num_layers, 64, *layout.token_shape)
-        data = raw[: host_pages * value_bytes].view(layout.dtype).view(shape)
+        data = raw[: host_pages * parts[0][1]].view(layout.dtype).view(shape)
         return KVPool(layout, host_pages, "cpu", data=data, scale_pages=scale_pages), parts
 
     def move_pages(self, out: ScheduleOutput) -> None:
@@ -233,12 +221,17 @@ class ModelRunner:
         self.host_segment.close()
 
 
-def _scale_bytes_per_page(layout: KVLayout) -> int:
-    return math.prod(layout.scale_pages_shape(1)) * 4
+def _host_parts(layout: KVLayout, host_pages: int) -> list[tuple[int, int]]:
+    """(byte offset, bytes per page) of each part of the host segment: the page values, and an
+    fp8 pool's scales after them from the next OS page (a pinned chunk's scales never share a
+    locked page with its values)."""
+    if not layout.quantized:
+        return [(0, layout.bytes_per_page)]
+    value_bytes = layout.num_layers * 64 * layout.values_per_token
+    scales_at = -(-host_pages * value_bytes // 4096) * 4096
+    return [(0, value_bytes), (scales_at, math.prod(layout.scale_pages_shape(1)) * 4)]
 
 
-def _scales_offset(layout: KVLayout, host_pages: int) -> int:
-    """Where an fp8 host pool's scales start: after the values, on an OS page boundary (a
-    pinned chunk's scales never share a locked page with its values)."""
-    values = host_pages * layout.num_layers * 64 * layout.values_per_token
-    return -(-values // 4096) * 4096
+def _host_bytes(layout: KVLayout, host_pages: int) -> int:
+    """The host segment's size: where its last part ends."""
+    return max(offset + host_pages * size for offset, size in _host_parts(layout, host_pages))
