@@ -129,14 +129,20 @@ def test_weights_are_read_while_the_config_is(tmp_path, monkeypatch):
     import batchgen.models.factory as factory
 
     folder = save_tiny_model("llama", tmp_path / "m")
-    readers_at_config = []
-    real = factory.load_hf_config
+    readers_at_config, streams = [], []
+    real, real_stream = factory.load_hf_config, factory.stream_to_device
+
+    def stream(*args, **kw):
+        streams.append(real_stream(*args, **kw))
+        return streams[-1]
 
     def config_after_readers(path):
-        readers_at_config.extend(t.name for t in threading.enumerate()
-                                 if t.name.startswith("batchgen-weights"))
+        # Started readers (a tiny checkpoint's may already have read everything and ended).
+        readers_at_config.extend(t.name for s in streams for t in s._staged._threads
+                                 if t.ident is not None)
         return real(path)
 
+    monkeypatch.setattr(factory, "stream_to_device", stream)
     monkeypatch.setattr(factory, "load_hf_config", config_after_readers)
     loaded = load_model(ModelConfig(model=str(folder)), torch.device("cpu"))
     assert readers_at_config
