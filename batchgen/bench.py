@@ -61,6 +61,7 @@ from batchgen.config import EngineConfig, MemoryConfig, ModelConfig, RuntimeConf
 from batchgen.core import FinishReason, Request, SamplingParams
 from batchgen.engine.engine import Engine
 from batchgen.engine.heap import frozen_heap
+from batchgen.engine.precompile import CompileWorkers
 from batchgen.parallel import TensorParallel
 from batchgen.phases import StartupClock
 
@@ -178,16 +179,18 @@ def roofline_seconds(stats: dict, layout, work: Workload, outputs: list[int], ba
 
 
 def run_ours(model, tokenizer, engine_cfg: EngineConfig, work: Workload,
-             tp: TensorParallel = TensorParallel()) -> dict:
+             tp: TensorParallel = TensorParallel(), compile_workers=None) -> dict:
     prompts, outputs = work.prompts(model.config.vocab_size), work.lengths()
     ids = [f"b{i}" for i in range(work.requests)]
     # Every choice of every request holds its whole context at once, at worst.
     demand = work.n * sum(work.input_len + out for out in outputs)
     if work.max_tokens_mode == "cap":
         engine = LengthStopEngine(model, engine_cfg, tokenizer, (), tp=tp,
-                                  stop_after=dict(zip(ids, outputs)), demand_tokens=demand)
+                                  stop_after=dict(zip(ids, outputs)), demand_tokens=demand,
+                                  compile_workers=compile_workers)
     else:
-        engine = Engine(model, engine_cfg, tokenizer, (), tp=tp, demand_tokens=demand)
+        engine = Engine(model, engine_cfg, tokenizer, (), tp=tp, demand_tokens=demand,
+                        compile_workers=compile_workers)
     startup = dict(engine.runner.startup)
     warmup_s = warm_up(engine, model, work, engine_cfg.scheduler.max_prefill_tokens)
     with frozen_heap():  # as a job's worker: no collection re-scans the startup objects
@@ -415,6 +418,8 @@ def bench(cfg: BenchConfig, work: Workload, tp: TensorParallel | None = None) ->
     dtype = resolve_dtype(cfg.dtype, device)
     hf_config = cfg.hf_config()
     options = cfg.model_config()
+    # Triton's compile processes import while the weights are drawn (engine/precompile.py).
+    compile_workers = CompileWorkers() if device.type == "cuda" else None
     model = random_model(hf_config, dtype, device, options, tp=tp)
     stats = weight_stats(model)
     clock.mark("weights")
@@ -431,7 +436,7 @@ def bench(cfg: BenchConfig, work: Workload, tp: TensorParallel | None = None) ->
                               cuda_graph_num_buckets=cfg.cuda_graph_num_buckets,
                               disable_cuda_graphs=cfg.disable_cuda_graphs,
                               decode_burst_steps=cfg.decode_burst_steps)).validate()
-    ours = run_ours(model, None, engine_cfg, work, tp)
+    ours = run_ours(model, None, engine_cfg, work, tp, compile_workers)
     timed_end = clock.since_origin()
     bandwidth = measure_hbm_bandwidth(device)
     bound = roofline_seconds(stats, ours["layout"], work, ours["outputs"], cfg.max_decode_batch,

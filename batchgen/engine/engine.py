@@ -19,6 +19,7 @@ from batchgen.engine.burst import QueuedBurst
 from batchgen.engine.graphs import graph_limit
 from batchgen.engine.kv_cache import KVLayout
 from batchgen.engine.memory import PoolSizes, detect_gpu_arch, plan_pools
+from batchgen.engine.precompile import CompileWorkers
 from batchgen.engine.penalties import Penalties
 from batchgen.engine.replicas import ReplicaCheck
 from batchgen.engine.resume import progress_of, restore
@@ -90,13 +91,16 @@ class Engine:
     def __init__(self, model: torch.nn.Module, config: EngineConfig, tokenizer=None,
                  eos_token_ids: Iterable[int] = (), skip_special_tokens: bool = True,
                  tp: TensorParallel = TensorParallel(), host_share: float = 1.0,
-                 demand_tokens: int | None = None, job_sequences: int | None = None):
+                 demand_tokens: int | None = None, job_sequences: int | None = None,
+                 compile_workers: CompileWorkers | None = None):
         """`tp`: the model's tensor-parallel group (its ranks agree on pool sizes and may check
         that their decisions agree); `host_share`: this worker's share of the node's host KV
         budget (1 / workers per node); `demand_tokens`: the most KV tokens the job can hold
         at once, which bounds the pools left to their default size (memory.plan_pools);
         `job_sequences`: the most sequences the job can decode at once (its remaining requests
-        times their n), which with --max-decode-batch bounds the CUDA graphs captured."""
+        times their n), which with --max-decode-batch bounds the CUDA graphs captured;
+        `compile_workers`: Triton compile processes started before the model loaded
+        (engine/precompile.py), given to start-up's precompile."""
         self.config = config
         if config.scheduler.enable_host_kv_eviction:
             log.warning("--enable-host-kv-eviction is deprecated and ignored: "
@@ -119,7 +123,8 @@ class Engine:
         self.runner = ModelRunner(model, self.layout, sizes.device_pages, sizes.host_pages,
                                   self.device, config.memory.fast_init,
                                   config.memory.enable_hugetlbfs, config.runtime,
-                                  graph_limit(job_sequences, config.scheduler.max_decode_batch))
+                                  graph_limit(job_sequences, config.scheduler.max_decode_batch),
+                                  compile_workers)
         # An unset --max-decode-batch follows the largest graph-captured batch; ranks whose
         # captures differ (one failed) must still decode the same batches.
         graphs = self.runner.graphs

@@ -131,6 +131,13 @@ class DecodeGraphs:
                             q_lens=[1] * size, ctx_lens=[1] * size, prefix_groups=groups)
 
     @torch.inference_mode()
+    def probe(self) -> None:
+        """One forward at each size `capture` runs (eager warm-up sizes and buckets), for
+        start-up's precompile pass (`engine.precompile`); nothing is captured."""
+        for size in eager_warmup_sizes(self.sizes) + self.sizes:
+            self.model(self._batch(size))
+
+    @torch.inference_mode()
     def capture(self) -> None:
         """Capture every bucket, largest first so smaller graphs reuse its memory pool."""
         for size in eager_warmup_sizes(self.sizes):  # compiles what eager steps will meet

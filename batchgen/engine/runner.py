@@ -16,12 +16,14 @@ import time
 
 import torch
 
+from batchgen.core import PAGE_SIZE
 from batchgen.engine.burst import DecodeBurst, QueuedBurst
 from batchgen.forward_batch import ForwardBatch
 from batchgen.engine.host_pin import ChunkedPin, cuda_register, cuda_unregister
 from batchgen.engine.kv_cache import KVLayout, KVPool, copy_pages, page_runs
 from batchgen.engine.sampler import HostSample, SamplingRows, sample, sample_on_device
 from batchgen.engine.host_pool import HostSegment, lazy_zeros
+from batchgen.engine.precompile import CompileWorkers, precompile
 from batchgen.engine.prefix_groups import prefix_groups
 from batchgen.sched.scheduler import PrefixShare, ScheduleOutput, SeqChunk
 
@@ -31,9 +33,12 @@ log = logging.getLogger("batchgen.runner")
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, layout: KVLayout, device_pages: int,
                  host_pages: int, device: torch.device, fast_init: bool = False,
-                 hugetlbfs: bool = False, runtime=None, graph_limit: int | None = None):
+                 hugetlbfs: bool = False, runtime=None, graph_limit: int | None = None,
+                 compile_workers: CompileWorkers | None = None):
         """`graph_limit`: the most sequences a decode step can hold (the job's size, the
-        decode batch); CUDA graphs above it are not captured (graphs.capture_sizes)."""
+        decode batch); CUDA graphs above it are not captured (graphs.capture_sizes).
+        `compile_workers`: processes started while the model loaded, for `precompile`
+        (closed here either way)."""
         self.model = model
         self.device = device
         self.overlaps_host = device.type == "cuda"
@@ -66,9 +71,11 @@ class ModelRunner:
             start = time.perf_counter()
             try:
                 if runtime is not None and runtime.use_cuda_graphs:
-                    self.graphs = self._capture(runtime, graph_limit)
+                    self.graphs = self._capture(runtime, graph_limit, compile_workers)
             finally:
                 captured.set()
+        if compile_workers is not None:
+            compile_workers.close()  # unused, or done
             self.startup["graphs"] = time.perf_counter() - start
 
     def _device_pool(self, pages: int) -> KVPool:
@@ -85,7 +92,8 @@ class ModelRunner:
         if it failed."""
         return self.host_pin.state() if self.host_pin is not None else "pageable"
 
-    def _capture(self, runtime, limit: int | None = None):
+    def _capture(self, runtime, limit: int | None = None,
+                 compile_workers: CompileWorkers | None = None):
         from batchgen.engine.graphs import DecodeGraphs
 
         if getattr(self.model, "expert_stager", None) is not None:
@@ -97,12 +105,28 @@ class ModelRunner:
         graphs = DecodeGraphs(self.model, self.device_pool, runtime.cuda_graph_max_bucket_size,
                               runtime.cuda_graph_num_buckets, self.model.max_context, segmented,
                               limit)
+        if getattr(self.model, "probe_without_kernels", False):
+            precompile(lambda: self._probe(graphs), self.device, compile_workers)
         try:
             graphs.capture()
         except Exception as err:  # a model or kernel that cannot be captured still runs
             log.warning("CUDA graph capture failed (%s); decoding eagerly", err)
             return None
         return graphs
+
+    @torch.inference_mode()
+    def _probe(self, graphs) -> None:
+        """The forwards whose Triton variants `precompile` compiles ahead: every decode size
+        the capture runs, then a mixed step (three decode rows, a fresh prompt, a chunk after
+        a cached prefix: 197 rows) and a prefill step of 256 rows, so the row counts cover 1,
+        multiples of 16 and the rest. The prefill batches write no KV (every slot -1)."""
+        graphs.probe()
+        for starts, lengths in (([64, 64, 64, 0, 64], [1, 1, 1, 130, 64]), ([0, 0], [128, 128])):
+            tables = [[0] * -(-(s + n) // PAGE_SIZE) for s, n in zip(starts, lengths)]
+            batch = ForwardBatch.build([[1] * n for n in lengths], starts, tables,
+                                       [True] * len(starts), self.device_pool, self.device)
+            batch.slot_mapping.fill_(-1)
+            self.model(batch)
 
     def _host_pool(self, host_pages: int) -> tuple[KVPool, list[tuple[int, int]]]:
         """Carve the host segment into the page data tensor (and fp8 scales after it):

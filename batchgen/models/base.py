@@ -76,6 +76,10 @@ class PagedCausalLM(nn.Module):
     shared_prefix_decode = True
     """Whether decode attention reads a group's shared prefix pages once
     (`ForwardBatch.prefix_groups`); False where attention keeps another cache layout."""
+    probe_without_kernels = True
+    """Whether a forward may run with its Triton kernels skipped, as start-up's precompile pass
+    does (`engine.precompile`): True where every kernel's output only feeds arithmetic, False
+    where one is read as indices or on the host (MoE routing), which garbage would break."""
 
     def tie_weights(self) -> None:
         """Share lm_head with the embedding when the config says so (again after to_empty)."""

@@ -96,6 +96,7 @@ class DeepseekV3ForCausalLM(PagedCausalLM):
 
     supports_tensor_parallel = True
     shared_prefix_decode = False  # the latent cache has its own decode kernel
+    probe_without_kernels = False  # routing ids feed scatters
 
     def __init__(self, hf_config, options=None, tp: TensorParallel = SINGLE):
         super().__init__()

@@ -327,6 +327,7 @@ def checkpoint_is_mxfp4(hf_config) -> bool:
 
 
 class GptOssForCausalLM(PagedCausalLM):
+    probe_without_kernels = False  # routing ids feed gathers and host reads
     def __init__(self, hf_config, options=None):
         super().__init__()
         self.config = hf_config

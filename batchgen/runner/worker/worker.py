@@ -23,6 +23,7 @@ from batchgen.engine.engine import Engine, pick_device
 from batchgen.engine.heap import frozen_heap
 from batchgen.engine.memory import job_demand_tokens
 from batchgen.engine.embed import step_tokens
+from batchgen.engine.precompile import CompileWorkers
 from batchgen.engine.resume import ResumeError
 from batchgen.io.embeddings import EmbeddingRequest
 from batchgen.io.intake import IntakeError, PendingRequest, tokenize_parsed
@@ -153,6 +154,8 @@ class Worker:
         self.resumable = self.tp.broadcast(self.checkpoints.resumable if self.checkpoints
                                            else None)
         self.clock.mark("config")
+        # Triton's compile processes import while the weights load (engine/precompile.py).
+        compile_workers = CompileWorkers() if device.type == "cuda" else None
         self.loaded = load_model(cfg.engine.model, device, rank.world, self.tp)
         self.clock.mark("weights")
         # Off through the imports and the load (worker_entry.py); on again before the engine
@@ -170,7 +173,8 @@ class Worker:
                              demand_tokens=demand,
                              job_sequences=job_sequences(self._records(), self.done,
                                                          cfg.engine.runtime
-                                                         .cuda_graph_max_bucket_size))
+                                                         .cuda_graph_max_bucket_size),
+                             compile_workers=compile_workers)
         self._mark_engine_phases()
         guard_decode_steps(self.engine, watchdog, faults.stuck_seconds())
         self.formatter = OutputFormatter(spec, self.loaded)

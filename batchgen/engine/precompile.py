@@ -1,0 +1,242 @@
+"""Triton kernel variants compiled in parallel worker processes before the first forwards need them.
+
+Triton compiles a kernel variant (one specialisation of a kernel's arguments: dtypes, constexprs,
+which ints are 1 or multiples of 16) the first time a process launches it: ~0.5-1 s each on a
+machine whose Triton cache is empty, one after another. A model's CUDA-graph capture and first
+prefill steps meet 10-20 variants, so a fresh machine (a new spot node, a Slurm job on a new host)
+paid ~10 s of serial compiling at every start. Threads do not help: the compiler holds the GIL.
+
+`precompile(forwards)` runs the given forwards once with Triton's cache hook set to note every
+variant not compiled yet and skip it (the kernel is neither compiled nor launched: that pass's
+outputs are garbage and nobody reads them), then compiles the noted variants in worker processes
+(`python -m batchgen.engine.precompile`, one per core up to 16) into Triton's disk cache, for the
+device's target. The real forwards then load each variant from the cache in milliseconds.
+
+Nothing depends on it for correctness: a variant the pass does not meet, or that a worker fails
+to compile, compiles in-process on first launch as before. It needs Triton's runtime hooks
+(`triton.knobs`, 3.4+) and a CUDA device; elsewhere it does nothing.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from typing import Callable
+
+log = logging.getLogger("batchgen.precompile")
+
+MAX_WORKERS = 16
+"""Worker processes at most (each imports torch and Triton: ~0.3 GB of host memory)."""
+
+SAFE_PATH = ["-P"] if sys.version_info >= (3, 11) else []
+"""The workers' Python flag that keeps the current folder off sys.path (a `batchgen` or
+`triton` folder where the job was started must not shadow the installed ones)."""
+
+TIMEOUT_S = 300.0
+"""Seconds the workers may take in all; after that the rest compiles in-process."""
+
+
+@contextmanager
+def noted_variants():
+    """Inside the block, a Triton launch of a variant not compiled in this process is noted and
+    skipped (neither compiled nor run). Yields the list of notes `(module, qualname,
+    specialization)`; yields None where Triton has no runtime hooks."""
+    try:
+        from triton import knobs
+
+        runtime = knobs.runtime
+        previous = runtime.jit_cache_hook
+    except (ImportError, AttributeError):
+        yield None
+        return
+    notes: list[tuple[str, str, str]] = []
+    seen: set[str] = set()
+
+    def note(*, fn, compile, **_) -> bool:
+        spec = compile["specialization_data"]
+        if spec not in seen:
+            seen.add(spec)
+            notes.append((fn.module, fn.name, spec))
+        return True  # skip: the workers compile it
+
+    runtime.jit_cache_hook = note
+    try:
+        yield notes
+    finally:
+        runtime.jit_cache_hook = previous
+
+
+def precompile(forwards: Callable[[], None], device, workers: CompileWorkers | None = None) -> int:
+    """Run `forwards` with every new Triton variant noted and skipped, then compile the noted
+    variants in worker processes (`workers`, started earlier, or new ones; closed after).
+    Returns how many the workers compiled (0 where nothing was done: not CUDA, no hooks,
+    nothing new, or the pass failed)."""
+    try:
+        if getattr(device, "type", device) != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+            return 0
+        start = time.perf_counter()
+        with noted_variants() as notes:
+            if notes is None:
+                return 0
+            try:
+                forwards()
+            except Exception as err:  # the real forwards compile what this pass missed
+                log.debug("precompile pass stopped early: %s", err)
+        notes = [n for n in notes if "<locals>" not in n[1]]  # workers import top-level ones
+        if not notes:
+            return 0
+        import triton
+
+        target = triton.runtime.driver.active.get_current_target()
+        workers = workers or CompileWorkers(len(notes))
+        compiled = workers.compile(notes, (target.backend, target.arch, target.warp_size))
+        log.info("compiled %d of %d Triton kernel variants in %d worker processes in %.1f s",
+                 compiled, len(notes), len(workers.procs), time.perf_counter() - start)
+        return compiled
+    finally:
+        if workers is not None:
+            workers.close()
+
+
+class CompileWorkers:
+    """Processes that compile Triton variants: each imports Triton and the kernels as soon as
+    it starts (~1-2 s, which a caller that starts them before loading the model hides), then
+    waits for its share of the variants on stdin."""
+
+    def __init__(self, count: int | None = None):
+        """`count` workers (default: one per core this rank has, at most MAX_WORKERS)."""
+        count = max(1, min(count or MAX_WORKERS, MAX_WORKERS, _cores_per_rank()))
+        self.procs = [subprocess.Popen(
+            [sys.executable, *SAFE_PATH, "-m", "batchgen.engine.precompile"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for _ in range(count)]
+
+    def compile(self, notes: list[tuple[str, str, str]], target: tuple) -> int:
+        """Compile `notes` into Triton's disk cache for `target` (backend, arch, warp size),
+        shared out among the workers. Returns how many compiled; a worker that fails or runs
+        past TIMEOUT_S costs only its share."""
+        count = len(self.procs)
+        for i, proc in enumerate(self.procs):
+            try:
+                proc.stdin.write(json.dumps({"target": list(target),
+                                             "variants": notes[i::count]}))
+                proc.stdin.close()
+            except OSError:  # it died already: _collect reports it
+                pass
+            proc.stdin = None  # communicate() must not touch it again
+        return _collect(self.procs)
+
+    def close(self) -> None:
+        """Stop the workers not done (they were never given work, or ran too long)."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def compile_in_workers(notes: list[tuple[str, str, str]], target: tuple,
+                       workers: int | None = None) -> int:
+    """Compile `notes` in up to `workers` new processes (see CompileWorkers.compile)."""
+    pool = CompileWorkers(min(workers or MAX_WORKERS, len(notes)))
+    try:
+        return pool.compile(notes, target)
+    finally:
+        pool.close()
+
+
+def _cores_per_rank() -> int:
+    """The cores this process may use (its CPU affinity: a Slurm allocation's, not the whole
+    node's), shared among the node's ranks (LOCAL_WORLD_SIZE)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)))
+
+
+def _collect(procs: list) -> int:
+    """Wait for the workers (TIMEOUT_S in all) and add up what they compiled."""
+    deadline = time.monotonic() + TIMEOUT_S
+    compiled = 0
+    for proc in procs:
+        try:
+            out, err = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            log.debug("a precompile worker ran past %.0f s and was stopped", TIMEOUT_S)
+            continue
+        try:
+            report = json.loads(out.strip().splitlines()[-1])
+        except (IndexError, ValueError):
+            log.debug("a precompile worker failed (exit %s): %s", proc.returncode, err[-2000:])
+            continue
+        compiled += report["compiled"]
+        for failure in report["failed"]:
+            log.debug("precompile of %s failed: %s", *failure)
+    return compiled
+
+
+def compile_variant(module: str, qualname: str, spec: str, target: tuple) -> None:
+    """Compile one noted variant for `target` (backend, arch, warp size) as the launching
+    process would (same source, specialisation and options: the same disk-cache key)."""
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.compiler.compiler import make_backend
+
+    fn = importlib.import_module(module)
+    for part in qualname.split("."):
+        fn = getattr(fn, part)
+    data = json.loads(spec)
+
+    def constant(value):
+        if isinstance(value, str) and tl.dtype.is_dtype(value):
+            return tl.dtype(value)
+        if isinstance(value, dict) and "constexpr" in value:
+            return tl.constexpr(value["constexpr"])
+        return value
+
+    def as_tuple(value):
+        return tuple(as_tuple(v) for v in value) if isinstance(value, list) else value
+
+    constexprs = {tuple(k): constant(v)
+                  for k, v in zip(data["constant_keys"], data["constant_vals"])}
+    attrs = {tuple(k): v for k, v in zip(data["attrs_keys"], data["attrs_vals"])}
+    signature = {k: as_tuple(v) for k, v in data["signature"].items()}
+    gpu = GPUTarget(*target)
+    options = make_backend(gpu).parse_options(
+        {k: tuple(v) if isinstance(v, list) else v for k, v in data["options"].items()})
+    source = ASTSource(fn, signature, constexprs, attrs)
+    triton.compile(source, target=gpu, options=options.__dict__)
+
+
+def _worker() -> None:
+    """A worker process: import Triton and the kernels, then read {"target", "variants"} from
+    stdin, compile each variant, and print {"compiled": n, "failed": [[name, error], ...]} as
+    stdout's last line."""
+    import triton  # noqa: F401  (imported before the work arrives: that is the head start)
+
+    import batchgen_kernels  # noqa: F401
+
+    job = json.loads(sys.stdin.read() or "{}")
+    target = tuple(job.get("target", ()))
+    compiled, failed = 0, []
+    for module, qualname, spec in job.get("variants", []):
+        try:
+            compile_variant(module, qualname, spec, target)
+            compiled += 1
+        except Exception as err:  # reported; the launching process compiles it itself
+            failed.append([f"{module}.{qualname}", f"{type(err).__name__}: {err}"[:500]])
+    print(json.dumps({"compiled": compiled, "failed": failed}), flush=True)
+
+
+if __name__ == "__main__":
+    _worker()

@@ -1,0 +1,159 @@
+"""Start-up's precompile: Triton variants noted in a pass that skips them, compiled in worker
+processes into the disk cache the launching process then reads."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from batchgen.bench_models import hf_config_for, random_model
+from batchgen.engine import precompile as P
+from batchgen.engine.kv_cache import KVLayout, KVPool
+
+
+def silu_variant():
+    """A noted variant of the SiLU-and-mul kernel as Triton serialises one (bf16 rows, block
+    1024), its source and options for sm_90: (note, source, options)."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.compiler.compiler import make_backend
+
+    from batchgen_kernels import silu_mul
+
+    kernel = silu_mul._silu_mul_kernel
+    try:
+        options = make_backend(GPUTarget("cuda", 90, 32)).parse_options({"num_warps": 4})
+    except Exception as err:  # a Triton build without the NVIDIA backend
+        pytest.skip(f"no CUDA backend in this Triton: {err}")
+    signature = {"x_ptr": "*bf16", "out_ptr": "*bf16", "n_cols": "i32", "stride_x": "i32",
+                 "stride_o": "i32", "BLOCK": "constexpr"}
+    constexprs = {(5,): 1024}
+    attrs = {(0,): [["tt.divisibility", 16]], (1,): [["tt.divisibility", 16]]}
+    spec = json.dumps({  # the layout of Triton's serialize_specialization_data
+        "name": f"{kernel.module}.{kernel.fn.__qualname__}", "signature": signature,
+        "constant_keys": [list(k) for k in constexprs], "constant_vals": list(constexprs.values()),
+        "attrs_keys": [list(k) for k in attrs], "attrs_vals": list(attrs.values()),
+        "options": options.__dict__, "key": "key"})
+    source = ASTSource(kernel, signature, constexprs, attrs)
+    assert triton is not None
+    return (kernel.module, kernel.fn.__qualname__, spec), source, options
+
+
+def test_a_worker_compiles_into_the_cache_the_launcher_reads(tmp_path, monkeypatch):
+    note, source, options = silu_variant()
+    import triton
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    assert P.compile_in_workers([note], ("cuda", 90, 32), workers=1) == 1
+    hits = []
+    monkeypatch.setattr(knobs.compilation, "listener",
+                        lambda **kw: hits.append(kw["cache_hit"]))
+    triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options.__dict__)
+    assert hits == [True]  # the launcher's own compile found the worker's binary
+
+
+def test_a_variant_a_worker_cannot_compile_costs_only_itself(tmp_path, monkeypatch):
+    note, _, _ = silu_variant()
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    broken = ("batchgen_kernels.silu_mul", "no_such_kernel", note[2])
+    assert P.compile_in_workers([broken, note], ("cuda", 90, 32), workers=1) == 1
+
+
+def test_a_worker_that_dies_is_counted_as_nothing(monkeypatch):
+    # The interpreter runs `-c` and exits 3 before reading its share.
+    monkeypatch.setattr(P, "SAFE_PATH", ["-c", "import sys; sys.exit(3)"])
+    workers = P.CompileWorkers(2)
+    assert P.precompile(lambda: None, torch.device("cpu"), workers) == 0  # closes them
+    assert all(proc.poll() is not None for proc in workers.procs)
+    workers = P.CompileWorkers(2)
+    assert workers.compile([("m", "f", "{}")] * 3, ("cuda", 90, 32)) == 0
+
+
+def test_the_pass_notes_each_new_variant_once_and_skips_it():
+    knobs = pytest.importorskip("triton").knobs
+    outer = knobs.runtime.jit_cache_hook
+
+    class Fn:
+        module, name = "batchgen_kernels.rmsnorm", "_rmsnorm_kernel"
+
+    with P.noted_variants() as notes:
+        hook = knobs.runtime.jit_cache_hook
+        for spec in ("a", "b", "a"):
+            assert hook(key=spec, repr=spec, fn=Fn, compile={"specialization_data": spec}) is True
+    assert notes == [(Fn.module, Fn.name, "a"), (Fn.module, Fn.name, "b")]
+    assert knobs.runtime.jit_cache_hook is outer
+
+
+def test_precompile_does_nothing_off_cuda():
+    ran = []
+    assert P.precompile(lambda: ran.append(1), torch.device("cpu")) == 0
+    assert ran == []
+
+
+def test_the_probe_forwards_run_and_write_no_kv():
+    """The runner's probe batches (decode sizes, a mixed step, a prefill step) are valid
+    forwards for the model, and leave the KV pool as it was (every slot -1)."""
+    from batchgen.engine.graphs import DecodeGraphs
+    from batchgen.engine.runner import ModelRunner
+
+    model = random_model(hf_config_for("llama3-8b", tiny=True), torch.float32,
+                         torch.device("cpu"))
+    pool = KVPool(KVLayout(model.config.num_hidden_layers, tuple(model.kv_token_shape),
+                           torch.float32, torch.float32), 8, "cpu")
+    pool.data.normal_()
+    before = pool.data.clone()
+    seen = []
+    model.register_forward_pre_hook(lambda _, args: seen.append(args[0].q_lens))
+    runner = ModelRunner.__new__(ModelRunner)  # only what _probe reads
+    runner.model, runner.device_pool, runner.device = model, pool, torch.device("cpu")
+    runner._probe(DecodeGraphs(model, pool, 16, 3, 256))
+    assert [len(q) for q in seen[:4]] == [4, 8, 1, 2]  # eager sizes, then the buckets
+    assert seen[-2:] == [[1, 1, 1, 130, 64], [128, 128]]
+    assert sum(seen[-2]) % 16 and not sum(seen[-1]) % 16
+    assert torch.equal(pool.data, before)
+
+
+@pytest.mark.gpu
+def test_capture_finds_every_variant_compiled_by_the_workers(tmp_path):
+    """In a fresh process with an empty Triton cache, a CUDA engine's start-up precompiles
+    the variants its capture needs: the capture compiles none itself."""
+    script = textwrap.dedent("""
+        import json, sys, torch
+        from triton import knobs
+        from batchgen.bench_models import hf_config_for, random_model
+        from batchgen.config import EngineConfig, MemoryConfig, RuntimeConfig
+        from batchgen.engine import runner
+        from batchgen.engine.engine import Engine
+
+        counts = {"workers": 0, "misses": 0}
+        real = runner.precompile
+
+        def counted(forwards, device):
+            counts["workers"] += real(forwards, device)
+            knobs.compilation.listener = (
+                lambda **kw: counts.__setitem__("misses", counts["misses"] + (not kw["cache_hit"])))
+            return 0
+
+        runner.precompile = counted
+        model = random_model(hf_config_for("llama3-8b", tiny=True), torch.bfloat16,
+                             torch.device("cuda"))
+        runtime = RuntimeConfig(cuda_graph_max_bucket_size=8, cuda_graph_num_buckets=4)
+        Engine(model, EngineConfig(memory=MemoryConfig(gpu_kv_cache_size=0.2,
+                                                       host_kv_cache_size=0.2),
+                                   runtime=runtime).validate())
+        print(json.dumps(counts))
+    """)
+    env = {**__import__("os").environ, "TRITON_CACHE_DIR": str(tmp_path / "cache")}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    counts = json.loads(out.stdout.strip().splitlines()[-1])
+    assert counts["workers"] >= 5 and counts["misses"] == 0, counts
