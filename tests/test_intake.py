@@ -142,6 +142,19 @@ def test_context_length_exceeded_names_both_lengths(tok):
     assert isinstance(ok, PendingRequest) and ok.sampling.max_tokens == 1
 
 
+def test_an_assistant_turn_of_tool_calls_with_null_content_renders(tok):
+    """OpenAI's assistant message with tool calls says "content": null: the template gets an
+    empty string, not a missing field (strict templates raise) or "None"."""
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    req = run(tok, chat_line({"messages": [*USER, {"role": "assistant", "content": None,
+                                                   "tool_calls": [call]},
+                                           {"role": "tool", "content": "hello",
+                                            "tool_call_id": "c"}]}))
+    assert not isinstance(req, IntakeError), req
+    assert req.prompt_token_ids == ids(
+        tok, "<|user|> hello world <|assistant|> <|tool|> hello <|assistant|>")
+
+
 def test_tools_and_template_kwargs_reach_the_template(tok):
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
     req = run(tok, chat_line({"messages": USER, "tools": tools, "tool_choice": "auto",
@@ -193,6 +206,22 @@ BAD_LINES = [
     ({"messages": [{"content": "x"}]}, "invalid_messages", "messages[0].role"),
     ({"messages": [{"role": "user"}]}, "invalid_messages", "messages[0].content"),
     ({"messages": [{"role": "user", "content": 5}]}, "invalid_messages", "content"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "invalid_messages",
+     "messages[0].role 'wizard' is not a chat role: use one of assistant, developer"),
+    ({"messages": [{"role": "user", "content": None}]}, "invalid_messages", "missing or null"),
+    # What the grammar builders would refuse, refused at intake (validate sees it too).
+    ({"messages": USER, "tool_choice": "sometimes"}, "invalid_tool_choice", "got 'sometimes'"),
+    ({"messages": USER, "tool_choice": "required"}, "invalid_tool_choice", "non-empty tools"),
+    ({"messages": USER, "tools": "x"}, "invalid_tools", "tools must be a list"),
+    ({"messages": USER, "tools": [{"type": "function"}]}, "invalid_tools", "tools[0]"),
+    ({"messages": USER, "response_format": {"type": "xml"}}, "unsupported_response_format",
+     "'xml' is not supported"),
+    ({"messages": USER, "response_format": {"type": "json_schema"}},
+     "unsupported_response_format", "json_schema must be an object"),
+    ({"messages": USER, "response_format": {"type": "json_schema", "json_schema": {
+        "schema": "{}"}}}, "unsupported_response_format", "schema must be an object"),
+    ({"messages": USER, "response_format": {"type": "json_schema", "json_schema": {
+        "schema": {"not": {"type": "null"}}}}}, "unsupported_response_format", "'not'"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
      "invalid_messages", "text parts"),
     ({"messages": USER, "prompt": "x"}, "invalid_messages", "not both"),

@@ -3,7 +3,9 @@ incremental folder never hands a job the results of one with other settings, and
 job whose final files were cut or deleted afterwards merges them again."""
 
 import json
+import os
 import time
+from pathlib import Path
 
 import pytest
 
@@ -29,13 +31,17 @@ def _setup(tmp_path, output=None, incremental=None, storage="s"):
     (lambda t: (t / "f").write_text("") or t / "f" / "r.jsonl", "--output", "that is a file"),
     (lambda t: t / "results.parquet", "--output", "written as JSONL"),
     (lambda t: t / "results.jsonl.gz", "--output", "not .gz"),
+    (lambda t: os.mkfifo(t / "fifo.jsonl") or t / "fifo.jsonl", "--output", "not a regular file"),
+    (lambda t: Path("/dev/null"), "--output", "not a regular file"),
 ])
 def test_unusable_output_paths_are_refused_by_flag(tmp_path, make_output, flag, needle):
     output = make_output(tmp_path)
     config, paths = _setup(tmp_path, output=str(output))
+    mode = output.lstat().st_mode if output.exists() else None
     with pytest.raises(ConfigError) as err:
         make_job_dirs(config, paths)
     assert err.value.flag == flag and needle in str(err.value)
+    assert (output.lstat().st_mode if output.exists() else None) == mode  # left as it was
 
 
 def test_folders_that_are_files_are_refused_by_flag(tmp_path):

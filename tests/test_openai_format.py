@@ -154,9 +154,11 @@ def test_free_text_without_a_forced_choice_and_conflicts_are_errors(smol, tools_
     both = _pending(tools_tokenizer, "required", response_format={"type": "json_object"})
     err = grammars.request(both)
     assert isinstance(err, IntakeError) and err.param == "tool_choice"
-    unnamed = _pending(tools_tokenizer, {"type": "function", "function": {"name": "x"}})
-    err = grammars.request(unnamed)
-    assert isinstance(err, IntakeError) and "not in tools" in err.message
+    unnamed = intake(line({"messages": USER, "tools": [WEATHER, TIME],  # refused at intake
+                           "tool_choice": {"type": "function", "function": {"name": "x"}}}),
+                     tools_tokenizer, 2048)
+    assert isinstance(unnamed, IntakeError) and "not in tools" in unnamed.message
+    assert unnamed.param == "tool_choice" and unnamed.code == "invalid_tool_choice"
     harmony = Grammars(smol.tokenizer, smol.hf_config.vocab_size, smol.eos_token_ids, "harmony")
     assert isinstance(harmony.request(_pending(tools_tokenizer, "required")), IntakeError)
 

@@ -79,6 +79,24 @@ def test_an_unfinished_job_shows_saved_results_and_whether_a_run_holds_it(tmp_pa
     assert "not running" in status(str(root))[1]
 
 
+def test_an_unfinished_job_is_found_by_its_output_file_before_it_exists(tmp_path,
+                                                                        monkeypatch):
+    """`batchgen status out/x.jsonl` while the job runs, or after it was stopped or killed:
+    the results file is not there yet, its batch file names it."""
+    out = tmp_path / "out"
+    batches = out / ".batchgen" / "batches"
+    batches.mkdir(parents=True)
+    (batches / "batch_live.json").write_text(json.dumps({
+        "batch_id": "batch_live", "status": "in_progress", "output_file": str(out / "x.jsonl"),
+        "request_counts": {"total": 8, "completed": 0, "failed": 0}}))
+    monkeypatch.chdir(tmp_path)
+    for target in (str(out / "x.jsonl"), "out/x.jsonl"):
+        code, text = status(target)
+        assert code == 0 and "batch_live: in_progress" in text, text
+    code, text = status("out/y.jsonl")
+    assert code == 1 and "no job under" in text
+
+
 def test_prefix_hits_share_over_engines():
     from batchgen.runner.leader.progress import prefix_hits
 

@@ -60,46 +60,12 @@ from dataclasses import dataclass
 import torch
 import xgrammar as xgr
 
+from batchgen.request_checks import StructuredOutputError, response_format_schema
+
 # Whitespace between JSON tokens is free-form (models pretty-print), but bounded so that a
 # small model cannot loop on spaces or newlines until max_tokens.
 MAX_WHITESPACE = 16
 
-# Assertion keywords the grammar cannot enforce (see _is_permissive for harmless values).
-_UNENFORCED = {
-    "not",
-    "if",
-    "then",
-    "else",
-    "contains",
-    "minContains",
-    "maxContains",
-    "uniqueItems",
-    "dependentRequired",
-    "dependentSchemas",
-    "dependencies",
-    "unevaluatedProperties",
-    "additionalItems",
-    "$dynamicRef",
-    "$recursiveRef",
-}
-# Keywords whose values are data or names, not subschemas.
-_DATA_KEYWORDS = {
-    "enum",
-    "const",
-    "default",
-    "examples",
-    "required",
-    "type",
-    "title",
-    "description",
-}
-# Keywords whose values map names to subschemas.
-_SCHEMA_MAPS = {"properties", "patternProperties", "$defs", "definitions"}
-_LOOKAROUND = ("(?=", "(?!", "(?<=", "(?<!")
-
-
-class StructuredOutputError(ValueError):
-    """A response_format that cannot be enforced; the request becomes an error line."""
 
 
 @dataclass(frozen=True)
@@ -133,10 +99,9 @@ class GrammarCompiler:
 
     def compile(self, response_format: dict | None) -> CompiledGrammar | None:
         """Grammar for ``response_format``; None for plain text. Raises StructuredOutputError."""
-        schema, strict = _schema_of(response_format)
+        schema, strict = response_format_schema(response_format)
         if schema is None:
             return None
-        _check_enforceable(schema, "#")
         try:
             grammar = self._compiler.compile_json_schema(
                 # Key order matters: properties are generated in the order the schema lists them.
@@ -157,61 +122,6 @@ class GrammarCompiler:
         except (RuntimeError, ValueError) as exc:
             raise StructuredOutputError(f"invalid grammar: {_first_line(exc)}") from None
         return CompiledGrammar(compiled, self.vocab_size, tuple(self._info.stop_token_ids))
-
-
-def _schema_of(response_format: dict | None) -> tuple[dict | None, bool]:
-    """(schema, strict) of a response_format; (None, False) for plain text."""
-    if response_format is None:
-        return None, False
-    if not isinstance(response_format, dict):
-        raise StructuredOutputError("response_format must be an object")
-    kind = response_format.get("type")
-    if kind == "text":
-        return None, False
-    if kind == "json_object":
-        return {"type": "object"}, False
-    if kind != "json_schema":
-        raise StructuredOutputError(
-            f"response_format.type {kind!r} is not supported; use text, json_object or json_schema"
-        )
-    spec = response_format.get("json_schema")
-    if not isinstance(spec, dict):
-        raise StructuredOutputError("response_format.json_schema must be an object")
-    schema = spec.get("schema", {"type": "object"})  # OpenAI: schema is optional
-    if not isinstance(schema, dict):
-        raise StructuredOutputError("response_format.json_schema.schema must be an object")
-    return schema, bool(spec.get("strict", False))
-
-
-def _check_enforceable(schema, path: str) -> None:
-    """Raise for keywords the grammar would silently ignore, naming where they are."""
-    if not isinstance(schema, dict):
-        return  # boolean subschemas are fine
-    for key, value in schema.items():
-        where = f"{path}/{key}"
-        if key in _UNENFORCED and not _is_permissive(key, value):
-            raise StructuredOutputError(f"JSON schema keyword {key!r} at {where} is not supported")
-        if key == "allOf" and isinstance(value, list) and len(value) > 1:
-            raise StructuredOutputError(f"allOf with several schemas at {where} is not supported")
-        if key == "pattern" and isinstance(value, str) and any(s in value for s in _LOOKAROUND):
-            raise StructuredOutputError(f"regex lookaround in pattern at {where} is not supported")
-        if key in _DATA_KEYWORDS:
-            continue
-        if key in _SCHEMA_MAPS and isinstance(value, dict):
-            for name, sub in value.items():
-                _check_enforceable(sub, f"{where}/{name}")
-        elif isinstance(value, dict):
-            _check_enforceable(value, where)
-        elif isinstance(value, list):
-            for i, sub in enumerate(value):
-                _check_enforceable(sub, f"{where}/{i}")
-
-
-def _is_permissive(key: str, value) -> bool:
-    """A keyword value that constrains nothing, e.g. ``additionalItems: true``."""
-    if key == "uniqueItems":
-        return value is False
-    return value is True or value == {}
 
 
 def _first_line(exc: Exception) -> str:

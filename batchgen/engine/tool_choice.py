@@ -12,56 +12,9 @@ from __future__ import annotations
 
 import json
 
+from batchgen.request_checks import ToolChoiceError, forced_functions, forces_call  # noqa: F401
+
 FORCING_PARSERS = ("hermes", "llama3_json", "deepseek_v3")
-
-
-class ToolChoiceError(ValueError):
-    """A tool_choice that cannot be enforced; the request becomes an error line."""
-
-
-def forced_functions(tools, tool_choice) -> list[dict] | None:
-    """The functions (`{"name", "parameters"}`) a call must be made to, or None when
-    tool_choice leaves the model free ("auto", "none", absent)."""
-    if tool_choice in (None, "auto", "none"):
-        return None
-    functions = _functions(tools)
-    if tool_choice == "required":
-        if not functions:
-            raise ToolChoiceError("tool_choice \"required\" needs a non-empty tools list")
-        return functions
-    if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
-        name = (tool_choice.get("function") or {}).get("name")
-        chosen = [f for f in functions if f["name"] == name]
-        if not chosen:
-            raise ToolChoiceError(f"tool_choice names function {name!r}, which is not in tools")
-        return chosen
-    raise ToolChoiceError(f"tool_choice must be \"none\", \"auto\", \"required\" or "
-                          "{\"type\": \"function\", \"function\": {\"name\": ...}}, got "
-                          f"{tool_choice!r}")
-
-
-def forces_call(extra: dict) -> bool:
-    """Whether a request's tool_choice forces a call (a bad one is no request: False)."""
-    try:
-        return forced_functions(extra.get("tools"), extra.get("tool_choice")) is not None
-    except ToolChoiceError:
-        return False
-
-
-def _functions(tools) -> list[dict]:
-    if not isinstance(tools, list):
-        return []
-    out = []
-    for i, tool in enumerate(tools):
-        fn = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise ToolChoiceError(f"tools[{i}] must be {{\"type\": \"function\", \"function\": "
-                                  "{\"name\", \"parameters\"}}")
-        params = fn.get("parameters") or {"type": "object"}
-        if not isinstance(params, dict):
-            raise ToolChoiceError(f"tools[{i}].function.parameters must be a JSON schema object")
-        out.append({"name": fn["name"], "parameters": params})
-    return out
 
 
 def tool_call_grammar(functions: list[dict], parser: str | None):

@@ -15,6 +15,8 @@ from typing import Any
 import numpy as np
 
 EMBEDDINGS_URL = "/v1/embeddings"
+EMBEDDING_FIELDS = ("input", "encoding_format", "dimensions")
+"""The body fields of an embeddings line batchgen reads."""
 MAX_INPUTS = 2048
 """OpenAI's limit of inputs per embeddings request."""
 

@@ -22,6 +22,8 @@ from batchgen.io.embeddings import (EMBEDDINGS_URL, EmbeddingLineError, Embeddin
 from batchgen.io.grammar_limits import GrammarTooComplex, check_grammar_limits
 from batchgen.io.reader import RawRecord, custom_id_of, record_key
 from batchgen.io.templates import TemplateError, render_chat
+from batchgen.request_checks import (StructuredOutputError, ToolChoiceError, check_tools,
+                                     forced_functions, response_format_schema)
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
@@ -162,11 +164,7 @@ def _parse(data: dict, key: str, line: int,
             return parse_embedding(body, key, line)
         except EmbeddingLineError as bad:
             raise _BadLine(bad.code, str(bad), bad.param) from None
-    if "response_format" in extra:
-        try:
-            check_grammar_limits(extra["response_format"])
-        except GrammarTooComplex as err:
-            raise _BadLine("unsupported_response_format", str(err), "response_format") from None
+    _check_structured(extra)
     messages = _messages(body.get("messages")) if kind == "chat" else None
     prompt = _prompt(body.get("prompt")) if kind == "completion" else None
     sampling = parse_sampling(body, kind, default_max_tokens)
@@ -223,6 +221,29 @@ def _maybe_json(value: Any) -> Any:
     return value
 
 
+ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function", "ipython"})
+"""Message roles accepted: OpenAI's, and Llama 3's `ipython` (tool output in its template)."""
+
+
+def _check_structured(extra: dict) -> None:
+    """tools, tool_choice and response_format as the grammar builders will take them: a line
+    they would refuse is refused here, where `batchgen validate` sees it too."""
+    try:
+        check_tools(extra.get("tools"))
+    except ToolChoiceError as err:
+        raise _BadLine("invalid_tools", str(err), "tools") from None
+    try:
+        forced_functions(extra.get("tools"), extra.get("tool_choice"))
+    except ToolChoiceError as err:
+        raise _BadLine("invalid_tool_choice", str(err), "tool_choice") from None
+    if "response_format" in extra:
+        try:
+            check_grammar_limits(extra["response_format"])
+            response_format_schema(extra["response_format"])
+        except (GrammarTooComplex, StructuredOutputError) as err:
+            raise _BadLine("unsupported_response_format", str(err), "response_format") from None
+
+
 def _messages(value: Any) -> list[dict]:
     value = _maybe_json(value)
     if not isinstance(value, list) or not value:
@@ -242,11 +263,18 @@ def _message(message: Any, index: int) -> dict:
     if not isinstance(role, str) or not role:
         raise _BadLine("invalid_messages", f"messages[{index}].role must be a non-empty string",
                        f"messages[{index}].role")
+    if role not in ROLES:
+        raise _BadLine("invalid_messages", f"messages[{index}].role {role!r} is not a chat "
+                                           f"role: use one of {', '.join(sorted(ROLES))}",
+                       f"messages[{index}].role")
     content = message.get("content")
     if isinstance(content, list):
         message["content"] = _flatten_parts(content, index)
-    elif content is None and not (role == "assistant" and message.get("tool_calls")):
-        raise _BadLine("invalid_messages", f"messages[{index}].content is missing",
+    elif content is None and role == "assistant" and message.get("tool_calls"):
+        message["content"] = ""  # OpenAI's null beside tool calls; templates read .content
+    elif content is None:
+        raise _BadLine("invalid_messages", f"messages[{index}].content is missing or null: "
+                                           "give the message's text",
                        f"messages[{index}].content")
     elif content is not None and not isinstance(content, str):
         raise _BadLine("invalid_messages", f"messages[{index}].content must be a string or a "

@@ -137,11 +137,11 @@ def _refuse_json_document(p: Path, head: bytes) -> None:
     first_line = head.removeprefix(_BOM).lstrip().split(b"\n", 1)[0].strip()
     if first_line == b"[" or first_line.startswith(b"[{"):
         raise InputFileError(f"input file {p} is a JSON array, not JSONL (one JSON object per "
-                             f"line): convert it with jq -c '.[]' {p.name} > {p.stem}.jsonl")
+                             f"line): convert it with jq -c '.[]' {p.name} > {p.stem}.lines.jsonl")
     if first_line == b"{":
         raise InputFileError(f"input file {p} holds pretty-printed JSON, not JSONL (one JSON "
                              f"object per line): convert it with jq -c . {p.name} > "
-                             f"{p.stem}.jsonl")
+                             f"{p.stem}.lines.jsonl")
 
 
 def parse_line(raw: bytes, line: int) -> RawRecord:

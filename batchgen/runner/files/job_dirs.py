@@ -72,6 +72,12 @@ def _check_outputs(config: JobConfig, paths: JobPaths) -> None:
         if target.is_dir():
             raise ConfigError("output", str(paths.output), f"{target} is a folder; give a file "
                                                            "path, e.g. results.jsonl inside it")
+        if os.path.exists(target) and not os.path.isfile(target):
+            # The results are renamed into place: a device (/dev/null), FIFO or socket there
+            # would be replaced by a regular file, not written to.
+            raise ConfigError("output", str(paths.output),
+                              f"{target} is not a regular file (a device, pipe or socket), "
+                              "which the results would replace: give a file path")
 
 
 def claim_incremental(paths: JobPaths, fingerprint: dict, job_recorded: bool) -> None:

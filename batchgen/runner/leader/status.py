@@ -21,13 +21,18 @@ from batchgen.runner.leader.progress import human_seconds, prefix_hits, read_wor
 
 
 def show_status(storage: Path, target: str | None) -> int:
-    """Print each job's table. target: a batch id under `storage`, or a job folder (a storage
-    path: every job in it); None: every job under `storage`."""
+    """Print each job's table. target: a job's results file (finished or not), a batch id
+    under `storage`, or a job folder (a storage path: every job in it); None: every job under
+    `storage`."""
     batch_id = target
-    if target is not None and Path(target).is_file():
-        return _show_files(_jobs_writing(Path(target), storage), f"no job writes {target} under "
-                           f"{Path(target).absolute().parent / '.batchgen'} or {storage} (give "
-                           "the job's --storage-path)")
+    if target is not None and not Path(target).is_dir():
+        # A results file: present once the job finished, only named in its batch file before
+        # (a running, stopped or killed job's output does not exist yet).
+        jobs = _jobs_writing(Path(target), storage)
+        if jobs or Path(target).is_file():
+            return _show_files(jobs, f"no job writes {target} under "
+                               f"{Path(target).absolute().parent / '.batchgen'} or {storage} "
+                               "(give the job's --storage-path)")
     if target is not None and ("/" in target or Path(target).is_dir()):
         storage, batch_id = Path(target), None
     batches = storage / "batches"

@@ -10,6 +10,7 @@ from pathlib import Path
 import typer
 
 from batchgen.core import SamplingParams
+from batchgen.io.embeddings import EMBEDDING_FIELDS, EMBEDDINGS_URL
 from batchgen.io.intake import EXTRA_FIELDS, IntakeError, parse_record
 from batchgen.io.reader import RawRecord, scan_input
 from batchgen.runner.exits import ExitCode
@@ -29,6 +30,8 @@ def unknown_fields(data: dict) -> list[str]:
     """One message per field batchgen does not read (a typo runs with the default), with the
     closest field it does read."""
     known = sorted(REQUEST_FIELDS | IGNORED_FIELDS)
+    if data.get("url") == EMBEDDINGS_URL:
+        known = sorted({*EMBEDDING_FIELDS, *IGNORED_FIELDS})
     if any(k in data for k in ENVELOPE_FIELDS[1:]):  # an OpenAI batch line
         body = data.get("body")
         checks = [(k, "", ENVELOPE_FIELDS) for k in data if k not in ENVELOPE_FIELDS]
