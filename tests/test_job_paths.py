@@ -145,3 +145,31 @@ def test_input_deleted_before_the_worker_reads_it_is_no_crash(tmp_path, tiny_cha
     write_jsonl(inp, rows)
     assert batchgen(*args).returncode == 0
     assert len(read_jsonl(next((tmp_path / "s" / "outputs").glob("*[0-9a-f].jsonl")))) == 2
+
+
+def test_the_fingerprint_records_the_dtypes_a_run_resolves(tmp_path):
+    """"auto" is bfloat16 on CUDA and float32 on the CPU: a CPU job is not resumed on a GPU in
+    another precision, and the dtype the CPU resolves to, given by name, resumes it."""
+    from batchgen.config import EngineConfig, ModelConfig
+    from batchgen.io.jobfiles import check_fingerprint
+    from batchgen.runner.files.job import fingerprint
+    from batchgen.runner.leader.supervisor import _as_recorded_then
+
+    def fp(device, **model):
+        config = JobConfig(storage=StorageConfig(input="in.jsonl"),
+                           engine=EngineConfig(model=ModelConfig(**model)))
+        return config, fingerprint(config, "sha", "model", "weights", device)
+
+    auto_cpu, on_cpu = fp("cpu")
+    assert (on_cpu["dtype"], on_cpu["kv_dtype"]) == ("float32", "float32")
+    assert fp("cuda")[1]["dtype"] == "bfloat16" and fp("cuda")[1]["kv_dtype"] == "bfloat16"
+    assert fp("cuda", kv_dtype="fp8_e4m3fn")[1]["kv_dtype"] == "fp8_e4m3fn"
+    check_fingerprint(on_cpu, fp("cpu", dtype="float32")[1])
+    with pytest.raises(FingerprintMismatch, match="dtype: 'float32' -> 'bfloat16'"):
+        check_fingerprint(on_cpu, fp("cuda")[1])
+    # A job recorded by an earlier version ("auto" as given) resumes with the same flags.
+    legacy = {**on_cpu, "dtype": "auto", "kv_dtype": "auto"}
+    check_fingerprint(legacy, _as_recorded_then(legacy, fp("cuda")[1], auto_cpu))
+    config, new = fp("cpu", dtype="bfloat16")
+    with pytest.raises(FingerprintMismatch, match="dtype: 'auto' -> 'bfloat16'"):
+        check_fingerprint(legacy, _as_recorded_then(legacy, new, config))

@@ -67,8 +67,12 @@ def _config_from_dict(cls, data: dict):
 
 
 def fingerprint(config: JobConfig, input_sha256: str, model_identity: str,
-                model_weights: str) -> dict:
-    """What decides the answers: a resume with any of it changed is refused."""
+                model_weights: str, device_type: str = "cpu") -> dict:
+    """What decides the answers: a resume with any of it changed is refused. The dtypes are
+    recorded as they resolve on `device_type` ("auto" is bfloat16 on CUDA, float32 on the
+    CPU; the KV cache's "auto" is the model's dtype), so a job started on the CPU is not
+    resumed on a GPU in another precision, and `--dtype float32` resumes a CPU job started
+    with "auto"."""
     m = config.engine.model
     out = config.output
     lengths = {}  # absent at their defaults: jobs started before they existed still resume
@@ -81,8 +85,7 @@ def fingerprint(config: JobConfig, input_sha256: str, model_identity: str,
         "input_sha256": input_sha256,
         "model": model_identity,
         "model_weights": model_weights,
-        "dtype": m.dtype,
-        "kv_dtype": m.kv_dtype,
+        **resolved_dtypes(m.dtype, m.kv_dtype, device_type),
         "seed": config.engine.runtime.seed,
         "parse_thinking": out.parse_thinking,
         "parse_tool_call": out.parse_tool_call,
@@ -93,6 +96,13 @@ def fingerprint(config: JobConfig, input_sha256: str, model_identity: str,
         **({} if config.storage.max_line_bytes == DEFAULT_MAX_LINE_BYTES
            else {"max_line_bytes": config.storage.max_line_bytes}),
     })
+
+
+def resolved_dtypes(dtype: str, kv_dtype: str, device_type: str) -> dict[str, str]:
+    """{"dtype", "kv_dtype"} as a run on `device_type` resolves them ("auto" made concrete)."""
+    if dtype == "auto":
+        dtype = "bfloat16" if device_type == "cuda" else "float32"
+    return {"dtype": dtype, "kv_dtype": dtype if kv_dtype == "auto" else kv_dtype}
 
 
 def now() -> int:

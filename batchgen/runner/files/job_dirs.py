@@ -80,16 +80,19 @@ def _check_outputs(config: JobConfig, paths: JobPaths) -> None:
                               "which the results would replace: give a file path")
 
 
-def claim_incremental(paths: JobPaths, fingerprint: dict, job_recorded: bool) -> None:
+def claim_incremental(paths: JobPaths, fingerprint: dict, job_recorded: bool,
+                      as_recorded=lambda old, new: new) -> None:
     """Record (once) the fingerprint of the job whose results the batch id's incremental files
     hold, or refuse a job with another: a shared --incremental-output-dir must not hand one job
     another's answers. A job with the same fingerprint gives the same answers, so its results
     are this job's too (wherever its folder lies: job folders are copied and moved, and the
-    results file's lock keeps two live writers apart)."""
+    results file's lock keeps two live writers apart). `as_recorded(old, new)`: `new` in the
+    form an earlier version recorded `old` in."""
     owner = read_json_dict(paths.incremental_owner)  # unreadable: rewritten if the job is ours
     if owner is not None and isinstance(owner.get("fingerprint"), dict):
         try:
-            check_fingerprint(owner["fingerprint"], fingerprint)
+            check_fingerprint(owner["fingerprint"], as_recorded(owner["fingerprint"],
+                                                                fingerprint))
         except FingerprintMismatch as err:
             raise FingerprintMismatch(
                 f"{paths.incremental_dir} holds results of batch {paths.batch_id} written by a "

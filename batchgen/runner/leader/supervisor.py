@@ -100,17 +100,39 @@ def parse(config: JobConfig, source: InputFile, paths: JobPaths) -> InputSummary
     return summary
 
 
+def job_device_type(config: JobConfig) -> str:
+    """"cuda" or "cpu": where the workers will run (GPUs counted through NVML: the CUDA
+    driver is not initialised here)."""
+    name = config.engine.runtime.device
+    if name == "auto":
+        import torch
+
+        return "cuda" if torch.cuda.device_count() > 0 else "cpu"
+    return name.split(":")[0]
+
+
+def _as_recorded_then(old: dict, new: dict, config: JobConfig) -> dict:
+    """`new` in the form of a fingerprint recorded by an earlier version: without the weights'
+    signature if it lacks one, with the dtype flags as given if it recorded them so ("auto")."""
+    new = dict(new)
+    if "model_weights" not in old:
+        new.pop("model_weights", None)
+    if "auto" in (old.get("dtype"), old.get("kv_dtype")):
+        new.update(dtype=config.engine.model.dtype, kv_dtype=config.engine.model.kv_dtype)
+    return new
+
+
 def prepare(config: JobConfig, summary: InputSummary, paths: JobPaths) -> tuple[JobSpec, BatchFile]:
     """Check the fingerprint and record a new job (under the job lock). No weights loaded."""
     batch_id, s = paths.batch_id, config.storage
     batch_file = BatchFile(paths.batch_file)
     state = batch_file.load()
-    fp = fingerprint(config, summary.sha256, model_identity(config), model_weights(config))
+    fp = fingerprint(config, summary.sha256, model_identity(config), model_weights(config),
+                     job_device_type(config))
     if state is not None and state.fingerprint:
-        legacy = "model_weights" not in state.fingerprint  # started before weights counted
-        check_fingerprint(state.fingerprint, {k: v for k, v in fp.items()
-                                              if not (legacy and k == "model_weights")})
-    claim_incremental(paths, fp, job_recorded=state is not None)
+        check_fingerprint(state.fingerprint, _as_recorded_then(state.fingerprint, fp, config))
+    claim_incremental(paths, fp, job_recorded=state is not None,
+                      as_recorded=lambda old, new: _as_recorded_then(old, new, config))
     created = int(state.timings.get("created_at", now())) if state else now()
     spec = JobSpec(config, batch_id, summary.sha256, summary.records, created)
     if state is None:
