@@ -93,6 +93,7 @@ def test_corrupt_middle_line_is_refused_then_salvaged(tmp_path):
         IncrementalWriter(path)
     message = str(info.value)
     assert "line 4" in message and "--repair-incremental" in message and str(path) in message
+    assert f"{sys.executable} -m batchgen.io.writer" in message  # the interpreter that has it
     assert path.read_bytes() == before  # refused without touching it
     assert salvage(path) == (6, 1)
     assert path.read_bytes() == b"".join(LINES[:6])

@@ -29,7 +29,7 @@ from batchgen.io.reader import digest64, iter_keys
 from batchgen.io.results import is_success
 
 REPAIR_HINT = ("move the file aside (its requests are then recomputed), or keep its good lines "
-               "with `python -m batchgen.io.writer --repair-incremental {path}` (the original "
+               "with `{python} -m batchgen.io.writer --repair-incremental {path}` (the original "
                "is kept as {path}.corrupt-<time>, bad lines are dropped and recomputed)")
 
 
@@ -101,7 +101,7 @@ class IncrementalScan:
                     raise CorruptIncrementalFile(
                         f"{self.path}: line {bad_line} is not a complete result line but more "
                         "lines follow it, so it is corruption, not a torn write; "
-                        + REPAIR_HINT.format(path=self.path))
+                        + REPAIR_HINT.format(path=self.path, python=sys.executable or "python"))
                 cid = _custom_id(raw)
                 if cid is None:
                     bad_line = number
