@@ -136,8 +136,8 @@ def test_capture_finds_every_variant_compiled_by_the_workers(tmp_path):
         counts = {"workers": 0, "misses": 0}
         real = runner.precompile
 
-        def counted(forwards, device):
-            counts["workers"] += real(forwards, device)
+        def counted(forwards, device, workers=None):
+            counts["workers"] += real(forwards, device, workers)
             knobs.compilation.listener = (
                 lambda **kw: counts.__setitem__("misses", counts["misses"] + (not kw["cache_hit"])))
             return 0

@@ -94,10 +94,12 @@ def precompile(forwards: Callable[[], None], device, workers: CompileWorkers | N
         import triton
 
         target = triton.runtime.driver.active.get_current_target()
+        noted = time.perf_counter()
         workers = workers or CompileWorkers(len(notes))
         compiled = workers.compile(notes, (target.backend, target.arch, target.warp_size))
-        log.info("compiled %d of %d Triton kernel variants in %d worker processes in %.1f s",
-                 compiled, len(notes), len(workers.procs), time.perf_counter() - start)
+        log.info("compiled %d of %d Triton kernel variants in %d worker processes in %.1f s "
+                 "(the pass noting them %.1f s)", compiled, len(notes), len(workers.procs),
+                 time.perf_counter() - noted, noted - start)
         return compiled
     finally:
         if workers is not None:
@@ -178,6 +180,8 @@ def _collect(procs: list) -> int:
             log.debug("a precompile worker failed (exit %s): %s", proc.returncode, err[-2000:])
             continue
         compiled += report["compiled"]
+        log.debug("a precompile worker compiled %d variants in %.1f s", report["compiled"],
+                  report.get("seconds", 0.0))
         for failure in report["failed"]:
             log.debug("precompile of %s failed: %s", *failure)
     return compiled
@@ -227,6 +231,7 @@ def _worker() -> None:
     import batchgen_kernels  # noqa: F401
 
     job = json.loads(sys.stdin.read() or "{}")
+    start = time.perf_counter()
     target = tuple(job.get("target", ()))
     compiled, failed = 0, []
     for module, qualname, spec in job.get("variants", []):
@@ -235,7 +240,8 @@ def _worker() -> None:
             compiled += 1
         except Exception as err:  # reported; the launching process compiles it itself
             failed.append([f"{module}.{qualname}", f"{type(err).__name__}: {err}"[:500]])
-    print(json.dumps({"compiled": compiled, "failed": failed}), flush=True)
+    print(json.dumps({"compiled": compiled, "failed": failed,
+                      "seconds": round(time.perf_counter() - start, 3)}), flush=True)
 
 
 if __name__ == "__main__":

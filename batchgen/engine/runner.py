@@ -120,6 +120,10 @@ class ModelRunner:
         the capture runs, then a mixed step (three decode rows, a fresh prompt, a chunk after
         a cached prefix: 197 rows) and a prefill step of 256 rows, so the row counts cover 1,
         multiples of 16 and the rest. The prefill batches write no KV (every slot -1)."""
+        with self.model.probe_layers():
+            self._probe_forwards(graphs)
+
+    def _probe_forwards(self, graphs) -> None:
         graphs.probe()
         for starts, lengths in (([64, 64, 64, 0, 64], [1, 1, 1, 130, 64]), ([0, 0], [128, 128])):
             tables = [[0] * -(-(s + n) // PAGE_SIZE) for s, n in zip(starts, lengths)]

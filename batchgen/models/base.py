@@ -14,7 +14,9 @@ graph per link.
 
 from __future__ import annotations
 
+
 from collections.abc import Callable
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -80,6 +82,19 @@ class PagedCausalLM(nn.Module):
     """Whether a forward may run with its Triton kernels skipped, as start-up's precompile pass
     does (`engine.precompile`): True where every kernel's output only feeds arithmetic, False
     where one is read as indices or on the host (MoE routing), which garbage would break."""
+
+    @contextmanager
+    def probe_layers(self):
+        """Inside, a forward runs the first two and the last two decoder layers only: start-up's
+        precompile pass (`engine.precompile`), for which the layers between launch the same
+        kernel variants, runs 8x faster on a 32-layer model."""
+        layers = self.model.layers
+        if len(layers) > 4:
+            self.model.layers = nn.ModuleList([layers[0], layers[1], layers[-2], layers[-1]])
+        try:
+            yield
+        finally:
+            self.model.layers = layers
 
     def tie_weights(self) -> None:
         """Share lm_head with the embedding when the config says so (again after to_empty)."""
