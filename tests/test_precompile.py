@@ -16,53 +16,72 @@ from batchgen.engine import precompile as P
 from batchgen.engine.kv_cache import KVLayout, KVPool
 
 
-def silu_variant():
-    """A noted variant of the SiLU-and-mul kernel as Triton serialises one (bf16 rows, block
-    1024), its source and options for sm_90: (note, source, options)."""
-    triton = pytest.importorskip("triton")
+SILU = {"signature": {"x_ptr": "*bf16", "out_ptr": "*bf16", "n_cols": "i32", "stride_x": "i32",
+                      "stride_o": "i32", "BLOCK": "constexpr"},
+        "constexprs": {(5,): 1024},
+        "attrs": {(0,): [["tt.divisibility", 16]], (1,): [["tt.divisibility", 16]]}}
+"""A variant of the SiLU-and-mul kernel: bf16 rows, block 1024, aligned pointers."""
+
+LAUNCHER = """
+import json, sys
+import triton
+from triton import knobs
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.compiler.compiler import make_backend
+from batchgen_kernels import silu_mul
+sig, consts, attrs = json.loads(sys.argv[1])
+target = GPUTarget("cuda", 90, 32)
+options = make_backend(target).parse_options({"num_warps": 4})
+hits = []
+knobs.compilation.listener = lambda **kw: hits.append(kw["cache_hit"])
+source = ASTSource(silu_mul._silu_mul_kernel, sig, {(5,): consts}, {(0,): attrs, (1,): attrs})
+triton.compile(source, target=target, options=options.__dict__)
+print(json.dumps(hits))
+"""
+"""Compiles the variant as a launching process would (without TRITON_INTERPRET, which the
+kernel tests set in this one) and prints whether Triton found it in its disk cache."""
+
+
+def silu_note():
+    """The variant as `noted_variants` notes it: (module, qualname, Triton's serialised
+    specialisation) for sm_90."""
+    pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
     from triton.compiler.compiler import make_backend
 
-    from batchgen_kernels import silu_mul
-
-    kernel = silu_mul._silu_mul_kernel
     try:
         options = make_backend(GPUTarget("cuda", 90, 32)).parse_options({"num_warps": 4})
     except Exception as err:  # a Triton build without the NVIDIA backend
         pytest.skip(f"no CUDA backend in this Triton: {err}")
-    signature = {"x_ptr": "*bf16", "out_ptr": "*bf16", "n_cols": "i32", "stride_x": "i32",
-                 "stride_o": "i32", "BLOCK": "constexpr"}
-    constexprs = {(5,): 1024}
-    attrs = {(0,): [["tt.divisibility", 16]], (1,): [["tt.divisibility", 16]]}
+    name = "_silu_mul_kernel"
     spec = json.dumps({  # the layout of Triton's serialize_specialization_data
-        "name": f"{kernel.module}.{kernel.fn.__qualname__}", "signature": signature,
-        "constant_keys": [list(k) for k in constexprs], "constant_vals": list(constexprs.values()),
-        "attrs_keys": [list(k) for k in attrs], "attrs_vals": list(attrs.values()),
+        "name": f"batchgen_kernels.silu_mul.{name}", "signature": SILU["signature"],
+        "constant_keys": [list(k) for k in SILU["constexprs"]],
+        "constant_vals": list(SILU["constexprs"].values()),
+        "attrs_keys": [list(k) for k in SILU["attrs"]], "attrs_vals": list(SILU["attrs"].values()),
         "options": options.__dict__, "key": "key"})
-    source = ASTSource(kernel, signature, constexprs, attrs)
-    assert triton is not None
-    return (kernel.module, kernel.fn.__qualname__, spec), source, options
+    return "batchgen_kernels.silu_mul", name, spec
 
 
-def test_a_worker_compiles_into_the_cache_the_launcher_reads(tmp_path, monkeypatch):
-    note, source, options = silu_variant()
-    import triton
-    from triton import knobs
-    from triton.backends.compiler import GPUTarget
-
+@pytest.fixture
+def clean_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+
+def test_a_worker_compiles_into_the_cache_the_launcher_reads(clean_cache):
+    note = silu_note()
     assert P.compile_in_workers([note], ("cuda", 90, 32), workers=1) == 1
-    hits = []
-    monkeypatch.setattr(knobs.compilation, "listener",
-                        lambda **kw: hits.append(kw["cache_hit"]))
-    triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options.__dict__)
-    assert hits == [True]  # the launcher's own compile found the worker's binary
+    args = json.dumps([SILU["signature"], 1024, [["tt.divisibility", 16]]])
+    out = subprocess.run([sys.executable, "-c", LAUNCHER, args], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == [True]  # the worker's binary
 
 
-def test_a_variant_a_worker_cannot_compile_costs_only_itself(tmp_path, monkeypatch):
-    note, _, _ = silu_variant()
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+def test_a_variant_a_worker_cannot_compile_costs_only_itself(clean_cache):
+    note = silu_note()
     broken = ("batchgen_kernels.silu_mul", "no_such_kernel", note[2])
     assert P.compile_in_workers([broken, note], ("cuda", 90, 32), workers=1) == 1
 
