@@ -61,7 +61,7 @@ from batchgen.config import EngineConfig, MemoryConfig, ModelConfig, RuntimeConf
 from batchgen.core import FinishReason, Request, SamplingParams
 from batchgen.engine.engine import Engine
 from batchgen.engine.heap import frozen_heap
-from batchgen.engine.precompile import CompileWorkers
+from batchgen.engine.precompile import CompileWorkers, triton_cache_hook
 from batchgen.parallel import TensorParallel
 from batchgen.phases import StartupClock
 
@@ -242,25 +242,16 @@ def triton_variants_first_used():
     is compiled then, or read from Triton's disk cache): yields the list they are appended to
     (kernel name and specialization, as Triton states it), or None where Triton has no
     runtime hooks (triton.knobs, 3.4+)."""
-    try:
-        from triton import knobs
-
-        runtime = knobs.runtime
-        previous = runtime.jit_cache_hook
-    except (ImportError, AttributeError):
-        yield None
-        return
     seen: list[str] = []
 
-    def count(*args, **kwargs):
-        seen.append(str(kwargs.get("repr", "?"))[:400])
-        return previous(*args, **kwargs) if previous else False  # False: compile as usual
+    def counting(previous):
+        def count(*args, **kwargs):
+            seen.append(str(kwargs.get("repr", "?"))[:400])
+            return previous(*args, **kwargs) if previous else False  # False: compile as usual
+        return count
 
-    runtime.jit_cache_hook = count
-    try:
-        yield seen
-    finally:
-        runtime.jit_cache_hook = previous
+    with triton_cache_hook(counting) as hooked:
+        yield seen if hooked else None
 
 
 def warm_up(engine: Engine, model, work: Workload, prefill_tokens: int) -> float:

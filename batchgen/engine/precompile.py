@@ -43,18 +43,30 @@ TIMEOUT_S = 300.0
 
 
 @contextmanager
-def noted_variants():
-    """Inside the block, a Triton launch of a variant not compiled in this process is noted and
-    skipped (neither compiled nor run). Yields the list of notes `(module, qualname,
-    specialization)`; yields None where Triton has no runtime hooks."""
+def triton_cache_hook(make_hook: Callable):
+    """Inside the block, `make_hook(previous)` is Triton's `jit_cache_hook` (called before a
+    variant is compiled; True skips it), the previous hook restored after. Yields False where
+    Triton has no runtime hooks (triton.knobs, 3.4+), else True."""
     try:
         from triton import knobs
 
         runtime = knobs.runtime
         previous = runtime.jit_cache_hook
     except (ImportError, AttributeError):
-        yield None
+        yield False
         return
+    runtime.jit_cache_hook = make_hook(previous)
+    try:
+        yield True
+    finally:
+        runtime.jit_cache_hook = previous
+
+
+@contextmanager
+def noted_variants():
+    """Inside the block, a Triton launch of a variant not compiled in this process is noted and
+    skipped (neither compiled nor run). Yields the list of notes `(module, qualname,
+    specialization)`; yields None where Triton has no runtime hooks."""
     notes: list[tuple[str, str, str]] = []
     seen: set[str] = set()
 
@@ -65,11 +77,8 @@ def noted_variants():
             notes.append((fn.module, fn.name, spec))
         return True  # skip: the workers compile it
 
-    runtime.jit_cache_hook = note
-    try:
-        yield notes
-    finally:
-        runtime.jit_cache_hook = previous
+    with triton_cache_hook(lambda _previous: note) as hooked:
+        yield notes if hooked else None
 
 
 def precompile(forwards: Callable[[], None], device, workers: CompileWorkers | None = None) -> int:
