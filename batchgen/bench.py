@@ -410,7 +410,7 @@ def bench(cfg: BenchConfig, work: Workload, tp: TensorParallel | None = None) ->
     hf_config = cfg.hf_config()
     options = cfg.model_config()
     # Triton's compile processes import while the weights are drawn (engine/precompile.py).
-    compile_workers = CompileWorkers() if device.type == "cuda" else None
+    compile_workers = CompileWorkers(device=device) if device.type == "cuda" else None
     model = random_model(hf_config, dtype, device, options, tp=tp)
     stats = weight_stats(model)
     clock.mark("weights")

@@ -110,6 +110,9 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=384)
     parser.add_argument("--input-len", type=int, default=1000)
     parser.add_argument("--output-len", type=int, default=200)
+    parser.add_argument("--shared-prefix-len", type=int, default=0,
+                        help="Leading prompt tokens drawn from --num-prefixes shared prefixes.")
+    parser.add_argument("--num-prefixes", type=int, default=1)
     parser.add_argument("--after-bursts", type=int, default=6,
                         help="Bursts to run (after the warm-up) before the window opens.")
     parser.add_argument("--window", type=int, default=6, help="Engine steps profiled.")
@@ -126,7 +129,9 @@ def main() -> None:
                       fp8_scales=args.fp8_scales, tiny=args.tiny,
                       gpu_kv_cache_size=None if torch.cuda.is_available() else 0.05)
     report = bench(cfg, Workload(requests=args.requests, input_len=args.input_len,
-                                 output_len=args.output_len))
+                                 output_len=args.output_len,
+                                 shared_prefix_len=args.shared_prefix_len,
+                                 num_prefixes=args.num_prefixes))
     if not window.done:
         print("the window never closed: raise --requests/--output-len or lower --after-bursts")
     print(f"whole run: {report['results']['batchgen']['output_tok_s']:,.0f} output tok/s")

@@ -80,6 +80,23 @@ def test_a_worker_compiles_into_the_cache_the_launcher_reads(clean_cache):
     assert json.loads(out.stdout.strip().splitlines()[-1]) == [True]  # the worker's binary
 
 
+def test_a_warmed_worker_compiles_its_warm_up_kernel_then_its_share(clean_cache, tmp_path,
+                                                                    monkeypatch):
+    note = silu_note()
+    monkeypatch.setattr(P, "device_target", lambda device: ("cuda", 90, 32))
+    workers = P.CompileWorkers(1, device="cuda")
+    assert workers.procs[0].args[-4:] == ["--warm", "cuda", "90", "32"]
+    with pytest.MonkeyPatch.context() as patch:
+        reports = []
+        patch.setattr(P.log, "debug", lambda *args: reports.append(args))
+        assert workers.compile([note], ("cuda", 90, 32)) == 1
+    assert any("warm-up" in args[0] and args[3] > 0 for args in reports), reports
+    kernels = {p.suffix for p in (tmp_path / "cache").rglob("*") if p.is_file()}
+    assert ".cubin" in kernels
+    # two kernels in the cache: the warm-up's and the variant's
+    assert len(list((tmp_path / "cache").rglob("*.cubin"))) == 2
+
+
 def test_a_variant_a_worker_cannot_compile_costs_only_itself(clean_cache):
     note = silu_note()
     broken = ("batchgen_kernels.silu_mul", "no_such_kernel", note[2])

@@ -117,14 +117,19 @@ def precompile(forwards: Callable[[], None], device, workers: CompileWorkers | N
 
 class CompileWorkers:
     """Processes that compile Triton variants: each imports Triton and the kernels as soon as
-    it starts (~1-2 s, which a caller that starts them before loading the model hides), then
-    waits for its share of the variants on stdin."""
+    it starts and, given the device's target, compiles a one-line kernel (a process's first
+    compile also loads the compiler's backends: ~1-2 s in all, which a caller that starts them
+    before loading the model hides), then waits for its share of the variants on stdin. They
+    run at a lower CPU priority than the job, whose weight load they overlap."""
 
-    def __init__(self, count: int | None = None):
-        """`count` workers (default: one per core this rank has, at most MAX_WORKERS)."""
+    def __init__(self, count: int | None = None, device=None):
+        """`count` workers (default: one per core this rank has, at most MAX_WORKERS);
+        `device`: the CUDA device whose target the warm-up compile is for (None: no warm-up)."""
         count = max(1, min(count or MAX_WORKERS, MAX_WORKERS, _cores_per_rank()))
+        target = device_target(device)
+        warm = ["--warm", *map(str, target)] if target else []
         self.procs = [subprocess.Popen(
-            [sys.executable, *SAFE_PATH, "-m", "batchgen.engine.precompile"],
+            [sys.executable, *SAFE_PATH, "-m", "batchgen.engine.precompile", *warm],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             for _ in range(count)]
 
@@ -141,7 +146,7 @@ class CompileWorkers:
             except OSError:  # it died already: _collect reports it
                 pass
             proc.stdin = None  # communicate() must not touch it again
-        return _collect(self.procs)
+        return _collect(self.procs, time.time())
 
     def close(self) -> None:
         """Stop the workers not done (they were never given work, or ran too long)."""
@@ -161,6 +166,17 @@ def compile_in_workers(notes: list[tuple[str, str, str]], target: tuple,
         pool.close()
 
 
+def device_target(device) -> tuple | None:
+    """(backend, arch, warp size) Triton compiles for on a CUDA `device` (as
+    `triton.runtime.driver.active.get_current_target()` states it there); None elsewhere."""
+    import torch
+
+    if getattr(device, "type", device) != "cuda" or torch.version.hip is not None:
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    return ("cuda", major * 10 + minor, 32)
+
+
 def _cores_per_rank() -> int:
     """The cores this process may use (its CPU affinity: a Slurm allocation's, not the whole
     node's), shared among the node's ranks (LOCAL_WORLD_SIZE)."""
@@ -171,8 +187,9 @@ def _cores_per_rank() -> int:
     return max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)))
 
 
-def _collect(procs: list) -> int:
-    """Wait for the workers (TIMEOUT_S in all) and add up what they compiled."""
+def _collect(procs: list, sent_at: float) -> int:
+    """Wait for the workers (TIMEOUT_S in all) and add up what they compiled. `sent_at`: when
+    they were given their work (time.time())."""
     deadline = time.monotonic() + TIMEOUT_S
     compiled = 0
     for proc in procs:
@@ -189,8 +206,10 @@ def _collect(procs: list) -> int:
             log.debug("a precompile worker failed (exit %s): %s", proc.returncode, err[-2000:])
             continue
         compiled += report["compiled"]
-        log.debug("a precompile worker compiled %d variants in %.1f s", report["compiled"],
-                  report.get("seconds", 0.0))
+        log.debug("a precompile worker compiled %d variants in %.1f s (warm-up %.1f s, ready "
+                  "%+.1f s after its work was sent)", report["compiled"],
+                  report.get("seconds", 0.0), report.get("warm_up", 0.0),
+                  report.get("ready_at", sent_at) - sent_at)
         for failure in report["failed"]:
             log.debug("precompile of %s failed: %s", *failure)
     return compiled
@@ -231,14 +250,44 @@ def compile_variant(module: str, qualname: str, spec: str, target: tuple) -> Non
     triton.compile(source, target=gpu, options=options.__dict__)
 
 
-def _worker() -> None:
-    """A worker process: import Triton and the kernels, then read {"target", "variants"} from
-    stdin, compile each variant, and print {"compiled": n, "failed": [[name, error], ...]} as
+def _warm_up(target: tuple) -> None:
+    """Compile a one-line kernel for `target`: a process's first compile loads the compiler's
+    backends and passes, which the noted variants then need not wait for."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _touch(ptr):
+        tl.store(ptr, tl.load(ptr) + 1)
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    source = ASTSource(_touch, {"ptr": "*fp32"}, {}, {})
+    triton.compile(source, target=GPUTarget(*target))
+
+
+def _worker(argv: list[str]) -> None:
+    """A worker process: lower its CPU priority, import Triton and the kernels, warm the
+    compiler up (`--warm BACKEND ARCH WARP`), then read {"target", "variants"} from stdin,
+    compile each variant, and print {"compiled": n, "failed": [[name, error], ...]} as
     stdout's last line."""
+    try:
+        os.nice(10)  # the job's own start-up (weights, capture) comes first
+    except OSError:
+        pass
     import triton  # noqa: F401  (imported before the work arrives: that is the head start)
 
     import batchgen_kernels  # noqa: F401
 
+    start = time.perf_counter()
+    if argv[:1] == ["--warm"] and len(argv) == 4:
+        try:
+            _warm_up((argv[1], int(argv[2]), int(argv[3])))
+        except Exception:  # only a head start: the variants compile without it
+            pass
+    warmed = time.perf_counter() - start
+    ready = time.time()
     job = json.loads(sys.stdin.read() or "{}")
     start = time.perf_counter()
     target = tuple(job.get("target", ()))
@@ -249,9 +298,12 @@ def _worker() -> None:
             compiled += 1
         except Exception as err:  # reported; the launching process compiles it itself
             failed.append([f"{module}.{qualname}", f"{type(err).__name__}: {err}"[:500]])
-    print(json.dumps({"compiled": compiled, "failed": failed,
-                      "seconds": round(time.perf_counter() - start, 3)}), flush=True)
+    print(json.dumps({"compiled": compiled, "failed": failed, "warm_up": round(warmed, 3),
+                      "ready_at": ready, "seconds": round(time.perf_counter() - start, 3)}),
+          flush=True)
 
 
 if __name__ == "__main__":
-    _worker()
+    _worker(sys.argv[1:])
+    sys.stderr.flush()
+    os._exit(0)  # the report is out: skip tearing down torch and Triton (~0.5 s a process)

@@ -155,7 +155,7 @@ class Worker:
                                            else None)
         self.clock.mark("config")
         # Triton's compile processes import while the weights load (engine/precompile.py).
-        compile_workers = CompileWorkers() if device.type == "cuda" else None
+        compile_workers = CompileWorkers(device=device) if device.type == "cuda" else None
         self.loaded = load_model(cfg.engine.model, device, rank.world, self.tp)
         self.clock.mark("weights")
         # Off through the imports and the load (worker_entry.py); on again before the engine

@@ -1,0 +1,166 @@
+"""Where a whole `batchgen bench` run's wall time goes, step by step: every engine step is timed
+and classed by what its plan held, so the run splits into decode-only steps (by batch size),
+steps with prefill (by prefill tokens), and time between steps.
+
+    python benchmarks/step_timeline.py --shape llama3-8b --requests 1024 --input-len 2200 \\
+        --shared-prefix-len 2000 --num-prefixes 4 --output-len 500 --max-decode-batch 512
+
+Prints one row per class: steps, decode tokens, prefill tokens, seconds and ms per step, then
+the run cut into --slices equal spans of wall time with what each held. Wall times are the
+host's: a queued decode burst is charged to the step() that collects it. --tiny: a CPU smoke run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections import defaultdict
+
+import torch
+
+import batchgen.bench as bench_module
+from batchgen.bench import BenchConfig, Workload, bench
+from batchgen.engine.engine import Engine
+from batchgen.sched.scheduler import Scheduler
+
+
+class Timeline:
+    """Wraps Scheduler.schedule / continue_plan (what a step holds) and Engine.step (how long
+    it took); `steps` collects (start, seconds, decode rows, decode steps, prefill tokens)."""
+
+    def __init__(self):
+        self.steps: list[tuple[float, float, int, int, int]] = []
+        self._plans: list = []
+        self.origin = None
+
+    def wrap_timed_run(self, fn):
+        """Forget the warm-up's steps when the timed run starts."""
+        def fresh(*args, **kwargs):
+            self.steps, self._plans, self.origin = [], [], None
+            return fn(*args, **kwargs)
+        return fresh
+
+    def wrap_plans(self, fn):
+        def noted(scheduler, *args, **kwargs):
+            out = fn(scheduler, *args, **kwargs)
+            if out is not None:
+                self._plans.append(out)
+            return out
+        return noted
+
+    def wrap_step(self, step):
+        def timed(engine: Engine):
+            start = time.perf_counter()
+            self.origin = self.origin or start
+            before = engine.times.decode_steps
+            out = step(engine)
+            seconds = time.perf_counter() - start
+            decode = engine.times.decode_steps - before
+            prefill = 0
+            plans, self._plans = self._plans, []
+            rows = 0
+            for plan in plans[:1]:  # the plan this step ran (a continuation is the next one's)
+                prefill = sum(c.end - c.start for c in plan.chunks
+                              if not (c.sample and c.end - c.start == 1))
+                rows = sum(1 for c in plan.chunks if c.sample and c.end - c.start == 1)
+            if plans[1:]:
+                self._plans = plans[1:]
+            self.steps.append((start - self.origin, seconds, rows, decode, prefill))
+            return out
+        return timed
+
+
+def size_class(value: int, edges: tuple[int, ...]) -> str:
+    for edge in edges:
+        if value <= edge:
+            return f"<= {edge:5d}"
+    return f">  {edges[-1]:5d}"
+
+
+def step_class(rows: int, prefill: int) -> str:
+    if prefill:
+        mixed = f" + {size_class(rows, ROW_EDGES)} decode rows" if rows else ""
+        return f"prefill {size_class(prefill, TOKEN_EDGES)} tok{mixed}"
+    return f"decode {size_class(rows, ROW_EDGES)} rows" if rows else "no forward"
+
+
+ROW_EDGES = (1, 16, 64, 128, 256, 384, 512, 768, 1024)
+TOKEN_EDGES = (512, 2048, 4096, 8192, 16384)
+
+
+def report(timeline: Timeline, slices: int) -> None:
+    steps = timeline.steps
+    if not steps:
+        print("no steps ran")
+        return
+    end = steps[-1][0] + steps[-1][1]
+    table = defaultdict(lambda: [0, 0, 0, 0, 0.0])
+    for _, seconds, rows, decode, prefill in steps:
+        row = table[step_class(rows, prefill)]
+        row[0] += 1
+        row[1] += max(decode, 1)
+        row[2] += rows * max(decode, 1)
+        row[3] += prefill
+        row[4] += seconds
+    busy = sum(s[1] for s in steps)
+    print(f"{len(steps)} engine steps over {end:.2f} s; between steps {end - busy:.2f} s")
+    print(f"{'class':44} {'calls':>6} {'fwds':>6} {'decode tok':>11} {'prefill tok':>12} "
+          f"{'s':>7} {'ms/fwd':>7}")
+    for key in sorted(table):
+        calls, forwards, tokens, prefill, seconds = table[key]
+        print(f"{key:44} {calls:6d} {forwards:6d} {tokens:11d} {prefill:12d} {seconds:7.2f} "
+              f"{seconds * 1e3 / max(forwards, 1):7.2f}")
+    width = end / slices
+    print(f"\nthe run in {slices} spans of {width:.2f} s: decode tok/s, prefill tok/s, calls")
+    for i in range(slices):
+        lo, hi = i * width, (i + 1) * width
+        inside = [s for s in steps if lo <= s[0] < hi]
+        dec = sum(s[2] * max(s[3], 1) for s in inside)
+        pre = sum(s[4] for s in inside)
+        print(f"  {lo:7.2f}-{hi:7.2f} s  {dec / width:10,.0f}  {pre / width:10,.0f}  "
+              f"{len(inside):5d}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", default="llama3-8b")
+    parser.add_argument("--fp8-weights", action="store_true")
+    parser.add_argument("--fp8-scales", default="block")
+    parser.add_argument("--kv-dtype", default="auto")
+    parser.add_argument("--max-decode-batch", type=int, default=512)
+    parser.add_argument("--cuda-graph-num-buckets", type=int, default=12)
+    parser.add_argument("--requests", type=int, default=1024)
+    parser.add_argument("--input-len", type=int, default=1000)
+    parser.add_argument("--output-len", type=int, default=500)
+    parser.add_argument("--shared-prefix-len", type=int, default=0)
+    parser.add_argument("--num-prefixes", type=int, default=1)
+    parser.add_argument("--n", type=int, default=1)
+    parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--host-kv-cache-size", type=float, default=None)
+    parser.add_argument("--slices", type=int, default=12)
+    parser.add_argument("--tiny", action="store_true", help="Toy widths (a CPU smoke run).")
+    args = parser.parse_args()
+
+    timeline = Timeline()
+    Engine.step = timeline.wrap_step(Engine.step)
+    bench_module._timed_run = timeline.wrap_timed_run(bench_module._timed_run)
+    Scheduler.schedule = timeline.wrap_plans(Scheduler.schedule)
+    Scheduler.continue_plan = timeline.wrap_plans(Scheduler.continue_plan)
+    cfg = BenchConfig(shape=args.shape, kv_dtype=args.kv_dtype,
+                      max_decode_batch=args.max_decode_batch,
+                      host_kv_cache_size=args.host_kv_cache_size,
+                      cuda_graph_num_buckets=args.cuda_graph_num_buckets,
+                      fp8_weights=args.fp8_weights, fp8_scales=args.fp8_scales, tiny=args.tiny,
+                      enable_prefix_caching=not args.no_prefix_caching,
+                      gpu_kv_cache_size=None if torch.cuda.is_available() else 0.05)
+    result = bench(cfg, Workload(requests=args.requests, input_len=args.input_len,
+                                 output_len=args.output_len,
+                                 shared_prefix_len=args.shared_prefix_len,
+                                 num_prefixes=args.num_prefixes, n=args.n))
+    row = result["results"]["batchgen"]
+    print(f"whole run: {row['output_tok_s']:,.0f} output tok/s in {row['seconds']:.2f} s")
+    report(timeline, args.slices)
+
+
+if __name__ == "__main__":
+    main()
