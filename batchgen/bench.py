@@ -54,6 +54,7 @@ from batchgen.bench_models import (
     hf_config_for,
     hf_twin,
     random_model,
+    stand_in_model,
     weight_stats,
 )
 from batchgen.bench_tp import bench_tensor_parallel
@@ -61,6 +62,7 @@ from batchgen.config import EngineConfig, MemoryConfig, ModelConfig, RuntimeConf
 from batchgen.core import FinishReason, Request, SamplingParams
 from batchgen.engine.engine import Engine
 from batchgen.engine.heap import frozen_heap
+from batchgen.engine.runner import precompile_stand_in
 from batchgen.engine.precompile import CompileWorkers, triton_cache_hook
 from batchgen.parallel import TensorParallel
 from batchgen.phases import StartupClock
@@ -409,11 +411,6 @@ def bench(cfg: BenchConfig, work: Workload, tp: TensorParallel | None = None) ->
     dtype = resolve_dtype(cfg.dtype, device)
     hf_config = cfg.hf_config()
     options = cfg.model_config()
-    # Triton's compile processes import while the weights are drawn (engine/precompile.py).
-    compile_workers = CompileWorkers(device=device) if device.type == "cuda" else None
-    model = random_model(hf_config, dtype, device, options, tp=tp)
-    stats = weight_stats(model)
-    clock.mark("weights")
     engine_cfg = EngineConfig(
         model=options,
         memory=MemoryConfig(gpu_kv_cache_size=cfg.gpu_kv_cache_size,
@@ -427,6 +424,18 @@ def bench(cfg: BenchConfig, work: Workload, tp: TensorParallel | None = None) ->
                               cuda_graph_num_buckets=cfg.cuda_graph_num_buckets,
                               disable_cuda_graphs=cfg.disable_cuda_graphs,
                               decode_burst_steps=cfg.decode_burst_steps)).validate()
+    # Triton's compile processes start now and compile while the weights are drawn
+    # (engine/precompile.py).
+    compile_workers = None
+    if device.type == "cuda":
+        compile_workers = CompileWorkers(device=device)
+        if tp.size == 1:
+            precompile_stand_in(lambda: stand_in_model(hf_config, dtype, device, options),
+                                engine_cfg, compile_workers)
+            clock.mark("precompile")
+    model = random_model(hf_config, dtype, device, options, tp=tp)
+    stats = weight_stats(model)
+    clock.mark("weights")
     ours = run_ours(model, None, engine_cfg, work, tp, compile_workers)
     timed_end = clock.since_origin()
     bandwidth = measure_hbm_bandwidth(device)

@@ -129,6 +129,21 @@ def random_model(hf_config, dtype: torch.dtype, device: torch.device, options=No
     return model.eval()
 
 
+def stand_in_model(hf_config, dtype: torch.dtype, device: torch.device,
+                   options=None) -> nn.Module:
+    """`hf_config`'s model with only its first two and last two decoder layers (and their
+    layer_types), random weights: it launches the kernel variants the whole model launches
+    (start-up's precompile pass runs it before the real weights load)."""
+    cfg = copy.deepcopy(hf_config)
+    total = cfg.num_hidden_layers
+    keep = sorted({0, 1, total - 2, total - 1} & set(range(total)))
+    cfg.num_hidden_layers = len(keep)
+    types = getattr(cfg, "layer_types", None)
+    if types:
+        cfg.layer_types = [types[i] for i in keep]
+    return random_model(cfg, dtype, device, options)
+
+
 def checkpoint_specs(model: nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
     """(name, shape, kind) of each tensor a checkpoint of `model` holds, in module order.
 

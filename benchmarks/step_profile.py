@@ -19,7 +19,7 @@ from batchgen.bench import measure_hbm_bandwidth
 from batchgen.bench_models import FP8_SCALES, hf_config_for, random_model, weight_stats
 from batchgen.config import ModelConfig
 from batchgen.core import PAGE_SIZE
-from batchgen.engine.engine import KV_DTYPES
+from batchgen.engine.kv_cache import KV_DTYPES
 from batchgen.forward_batch import ForwardBatch
 from batchgen.engine.graphs import DecodeGraphs
 from batchgen.engine.kv_cache import KVLayout, KVPool

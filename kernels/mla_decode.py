@@ -42,7 +42,7 @@ from ._common import (
 )
 
 # The split merge is the GQA decode kernel's: same partial layout [B, H, S, D], no sinks.
-from .decode_attention import _reduce_kernel, reduce_block
+from .decode_attention import merge_splits
 
 MAX_SPLITS = 16
 """The merge holds a [splits, C] float32 tile per program; 16 x 512 keeps it in registers."""
@@ -223,8 +223,5 @@ def mla_decode_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, kv: torch.Ten
         PAGE=PAGE_SIZE, SPLIT=split, FP8=fp8, F32_DOT=use_f32_dot(q_nope.dtype),
         num_warps=num_warps, num_stages=num_stages)
     if split:
-        _reduce_kernel[(batch, heads)](
-            part_out, part_lse, q_nope, out, num_splits, out.stride(0), out.stride(1),
-            HEAD_DIM=latent, BLOCK_S=reduce_block(num_splits), BLOCK_D=next_pow2(latent),
-            HAS_SINKS=False, num_warps=4)
+        merge_splits(part_out, part_lse, None, out, num_splits)
     return out

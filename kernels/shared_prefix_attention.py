@@ -12,7 +12,7 @@ part, so:
   sequence. It writes a partial (log2-sum-exp, normalised output) per (row, head).
 - The paged decode kernel (`decode_attention._decode_kernel`, split mode) walks each row's own
   pages and writes its partials beside the prefix's.
-- `decode_attention._reduce_kernel` merges the partials of each (row, head), sinks included.
+- `decode_attention.merge_splits` merges the partials of each (row, head), sinks included.
 
 The result equals the plain paged decode over the concatenated page list (prefix pages, then
 own pages) within rounding. Rows in no group get an empty prefix partial (weight zero).
@@ -66,10 +66,9 @@ from ._common import (
 )
 from .decode_attention import (
     _decode_kernel,
-    _reduce_kernel,
     default_num_splits,
     launch_config,
-    reduce_block,
+    merge_splits,
 )
 
 TILE_QUERIES = 64
@@ -283,10 +282,12 @@ def plan_shared_prefix(row_group: torch.Tensor, prefix_pages: torch.Tensor,
 def default_prefix_splits(plan: SharedPrefixPlan, kv_heads: int, device: torch.device) -> int:
     """Splits of the prefix pages: enough to give every SM about two prefix programs, with
     >= 2 pages per split of the widest prefix the buffer holds (a function of the plan's shapes
-    only, so graphs stay valid; each group's own prefix is cut into that many ranges)."""
+    only, so graphs stay valid; each group's own prefix is cut into that many ranges). The
+    programs counted are the tiles the batch's rows fill, not the plan's padding tiles (one
+    per group of the buffer's capacity), which walk no pages."""
     if device.type != "cuda":
         return 1
-    programs = plan.tile_group.shape[0] * kv_heads
+    programs = triton.cdiv(plan.member_rows.shape[0], plan.rows_per_tile) * kv_heads
     max_pages = plan.prefix_pages.shape[1]
     return max(1, min(triton.cdiv(2 * sm_count(device), programs), max_pages // 2,
                       MAX_PREFIX_SPLITS))
@@ -367,10 +368,7 @@ def shared_prefix_decode(q: torch.Tensor, kv: torch.Tensor, kv_scales: torch.Ten
         PAGE=PAGE_SIZE, SPLIT=True, HAS_WINDOW=False, HAS_SINKS=False, FP8=fp8,
         DOT_DTYPE=dot_dtype, F32_DOT=f32_dot,
         **launch_config(fp8, batch * kv_heads * num_splits, device))
-    _reduce_kernel[(batch, heads)](
-        part_out, part_lse, sinks if sinks is not None else q, out, total,
-        out.stride(0), out.stride(1), HEAD_DIM=head_dim, BLOCK_S=reduce_block(total),
-        BLOCK_D=next_pow2(head_dim), HAS_SINKS=sinks is not None, num_warps=4)
+    merge_splits(part_out, part_lse, sinks, out, total)
     return out
 
 

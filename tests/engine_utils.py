@@ -8,9 +8,9 @@ import torch
 
 from batchgen.config import EngineConfig, MemoryConfig, ModelConfig, SchedulerConfig
 from batchgen.core import Request, SamplingParams
-from batchgen.engine.engine import KV_DTYPES, Engine
+from batchgen.engine.engine import Engine
 from batchgen.forward_batch import ForwardBatch
-from batchgen.engine.kv_cache import KVLayout, KVPool
+from batchgen.engine.kv_cache import KV_DTYPES, KVLayout, KVPool
 from batchgen.models.loader import build_model, load_hf_config, read_safetensors
 
 

@@ -138,7 +138,7 @@ def test_the_probe_forwards_run_and_write_no_kv():
     """The runner's probe batches (decode sizes, a mixed step, a prefill step) are valid
     forwards for the model, and leave the KV pool as it was (every slot -1)."""
     from batchgen.engine.graphs import DecodeGraphs
-    from batchgen.engine.runner import ModelRunner
+    from batchgen.engine.runner import probe
 
     model = random_model(hf_config_for("llama3-8b", tiny=True), torch.float32,
                          torch.device("cpu"))
@@ -148,13 +148,94 @@ def test_the_probe_forwards_run_and_write_no_kv():
     before = pool.data.clone()
     seen = []
     model.register_forward_pre_hook(lambda _, args: seen.append(args[0].q_lens))
-    runner = ModelRunner.__new__(ModelRunner)  # only what _probe reads
-    runner.model, runner.device_pool, runner.device = model, pool, torch.device("cpu")
-    runner._probe(DecodeGraphs(model, pool, 16, 3, 256))
+    probe(model, DecodeGraphs(model, pool, 16, 3, 256), pool)
     assert [len(q) for q in seen[:4]] == [4, 8, 1, 2]  # eager sizes, then the buckets
     assert seen[-2:] == [[1, 1, 1, 130, 64], [128, 128]]
     assert sum(seen[-2]) % 16 and not sum(seen[-1]) % 16
     assert torch.equal(pool.data, before)
+
+
+def test_the_stand_in_keeps_the_first_two_and_last_two_layers_and_their_types():
+    from batchgen.bench_models import stand_in_model
+
+    config = hf_config_for("gpt-oss-20b", tiny=True)
+    config.num_hidden_layers = 6
+    config.layer_types = ["sliding_attention", "full_attention", "sliding_attention",
+                          "sliding_attention", "full_attention", "sliding_attention"]
+    stand_in = stand_in_model(config, torch.float32, torch.device("cpu"))
+    assert stand_in.config.num_hidden_layers == len(stand_in.model.layers) == 4
+    assert stand_in.config.layer_types == ["sliding_attention", "full_attention",
+                                           "full_attention", "sliding_attention"]
+    assert config.num_hidden_layers == 6  # the job's config is left as it was
+    small = hf_config_for("llama3-8b", tiny=True)  # 2 layers: all kept
+    assert stand_in_model(small, torch.float32, torch.device("cpu")).config.num_hidden_layers == 2
+
+
+def test_the_stand_in_pass_does_nothing_off_cuda():
+    from batchgen.bench_models import stand_in_model
+    from batchgen.config import EngineConfig
+    from batchgen.engine.runner import precompile_stand_in
+
+    model = stand_in_model(hf_config_for("llama3-8b", tiny=True), torch.float32,
+                           torch.device("cpu"))
+    workers = P.CompileWorkers(1)
+    try:
+        assert precompile_stand_in(lambda: model, EngineConfig().validate(), workers) == 0
+        assert workers.submitted is None
+    finally:
+        workers.close()
+
+
+STAND_IN_SCRIPT = """
+import json, sys, torch
+from triton import knobs
+from batchgen.bench_models import hf_config_for, random_model, stand_in_model
+from batchgen.config import EngineConfig, MemoryConfig, RuntimeConfig
+from batchgen.engine import runner
+from batchgen.engine.engine import Engine
+from batchgen.engine.precompile import CompileWorkers
+
+counts = {"ahead": 0, "workers": 0, "misses": 0}
+real = runner.precompile
+
+def counted(forwards, device, workers=None):
+    counts["workers"] += real(forwards, device, workers)
+    knobs.compilation.listener = (
+        lambda **kw: counts.__setitem__("misses", counts["misses"] + (not kw["cache_hit"])))
+    return 0
+
+runner.precompile = counted
+cuda = torch.device("cuda")
+config = hf_config_for("llama3-8b", tiny=True)
+config.num_hidden_layers = 6
+cfg = EngineConfig(memory=MemoryConfig(gpu_kv_cache_size=0.2, host_kv_cache_size=0.2),
+                   runtime=RuntimeConfig(cuda_graph_max_bucket_size=8,
+                                         cuda_graph_num_buckets=4)).validate()
+workers = CompileWorkers(device=cuda)
+x = torch.ones(64, 64, device=cuda, dtype=torch.bfloat16)
+x @ x  # cuBLAS keeps its workspace (32 MiB on Hopper) from its first GEMM on: not the stand-in's
+before = torch.cuda.memory_allocated()
+counts["ahead"] = runner.precompile_stand_in(
+    lambda: stand_in_model(config, torch.bfloat16, cuda), cfg, workers)
+counts["kept_bytes"] = torch.cuda.memory_allocated() - before
+model = random_model(config, torch.bfloat16, cuda)
+Engine(model, cfg, compile_workers=workers)
+print(json.dumps(counts))
+"""
+"""A job's start-up as the worker runs it: compile workers started, the stand-in's pass, the
+real model, the engine (whose capture only waits for the workers)."""
+
+
+@pytest.mark.gpu
+def test_the_stand_in_pass_compiles_every_variant_the_capture_needs(tmp_path):
+    env = {**__import__("os").environ, "TRITON_CACHE_DIR": str(tmp_path / "cache")}
+    out = subprocess.run([sys.executable, "-c", STAND_IN_SCRIPT], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    counts = json.loads(out.stdout.strip().splitlines()[-1])
+    assert counts["ahead"] >= 5 and counts["workers"] == counts["ahead"], counts
+    assert counts["misses"] == 0, counts
+    assert counts["kept_bytes"] == 0, counts  # the stand-in's memory was given back
 
 
 @pytest.mark.gpu

@@ -38,10 +38,6 @@ BURST_SHARE_OF_LENGTH = 16
 that stops inside a burst computes half a burst for nothing on average, so at most ~3% of its
 steps are wasted (short answers get short bursts)."""
 
-KV_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16,
-             "fp8_e4m3fn": torch.float8_e4m3fn}
-
-
 def choice_seed(seed: int, choice: int) -> int:
     """The seed of a request's choice: choice 0 draws with the request's seed itself, the
     others with a hash of it, so that n choices of seed s never repeat the answers of seeds
@@ -109,10 +105,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
         self.gpu_arch = detect_gpu_arch(config.memory.gpu_arch, self.device)
-        model_dtype = next(model.parameters()).dtype
-        kv = config.model.kv_dtype
-        self.layout = KVLayout(model.config.num_hidden_layers, tuple(model.kv_token_shape),
-                               model_dtype if kv == "auto" else KV_DTYPES[kv], model_dtype)
+        self.layout = KVLayout.of_model(model, config.model.kv_dtype)
         model_bytes = sum(t.numel() * t.element_size()
                           for t in (*model.parameters(), *model.buffers()))
         sizes = plan_pools(config.memory, self.layout, model_bytes, self.device, host_share,

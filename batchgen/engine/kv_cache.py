@@ -30,6 +30,10 @@ from batchgen.core import PAGE_SIZE
 
 FP8_MAX = 448.0
 
+KV_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16,
+             "fp8_e4m3fn": torch.float8_e4m3fn}
+"""KV storage dtypes by --kv-dtype name (besides "auto")."""
+
 
 @dataclass(frozen=True)
 class KVLayout:
@@ -41,6 +45,14 @@ class KVLayout:
     """Storage dtype (torch.float8_e4m3fn for fp8 pools)."""
     compute_dtype: torch.dtype
     """Dtype attention reads KV back as."""
+
+    @classmethod
+    def of_model(cls, model: torch.nn.Module, kv_dtype: str = "auto") -> KVLayout:
+        """`model`'s layout with KV stored as `kv_dtype` ("auto": the model's dtype, or one
+        of KV_DTYPES)."""
+        model_dtype = next(model.parameters()).dtype
+        return cls(model.config.num_hidden_layers, tuple(model.kv_token_shape),
+                   model_dtype if kv_dtype == "auto" else KV_DTYPES[kv_dtype], model_dtype)
 
     @property
     def quantized(self) -> bool:

@@ -85,34 +85,67 @@ def precompile(forwards: Callable[[], None], device, workers: CompileWorkers | N
     """Run `forwards` with every new Triton variant noted and skipped, then compile the noted
     variants in worker processes (`workers`, started earlier, or new ones; closed after).
     Returns how many the workers compiled (0 where nothing was done: not CUDA, no hooks,
-    nothing new, or the pass failed)."""
+    nothing new, or the pass failed). Workers already given their work (`precompile_ahead`)
+    are only waited for."""
     try:
-        if getattr(device, "type", device) != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
-            return 0
+        if workers is not None and workers.submitted:
+            return _waited(workers, 0.0)
         start = time.perf_counter()
-        with noted_variants() as notes:
-            if notes is None:
-                return 0
-            try:
-                forwards()
-            except Exception as err:  # the real forwards compile what this pass missed
-                log.debug("precompile pass stopped early: %s", err)
-        notes = [n for n in notes if "<locals>" not in n[1]]  # workers import top-level ones
+        notes = note_variants(forwards, device)
         if not notes:
             return 0
-        import triton
-
-        target = triton.runtime.driver.active.get_current_target()
-        noted = time.perf_counter()
         workers = workers or CompileWorkers(len(notes))
-        compiled = workers.compile(notes, (target.backend, target.arch, target.warp_size))
-        log.info("compiled %d of %d Triton kernel variants in %d worker processes in %.1f s "
-                 "(the pass noting them %.1f s)", compiled, len(notes), len(workers.procs),
-                 time.perf_counter() - noted, noted - start)
-        return compiled
+        workers.submit(notes, _current_target())
+        return _waited(workers, time.perf_counter() - start)
     finally:
         if workers is not None:
             workers.close()
+
+
+def precompile_ahead(forwards: Callable[[], None], device, workers: CompileWorkers) -> int:
+    """As `precompile`, but hand the noted variants to `workers` without waiting: the caller
+    runs `forwards` on a stand-in of its model (the same layer shapes) and loads the real one
+    while they compile; `precompile` waits for them later. Returns how many were handed over."""
+    start = time.perf_counter()
+    notes = note_variants(forwards, device)
+    if not notes:
+        return 0
+    workers.submit(notes, _current_target())
+    log.debug("the precompile pass noted %d Triton kernel variants ahead of the weights in "
+              "%.1f s", len(notes), time.perf_counter() - start)
+    return len(notes)
+
+
+def note_variants(forwards: Callable[[], None], device) -> list[tuple[str, str, str]]:
+    """The Triton variants new to this process that `forwards` launch (run once with each
+    noted and skipped: their outputs are garbage), workers' importable ones only. Empty where
+    nothing can be noted: not CUDA, the Triton interpreter, or no runtime hooks."""
+    if getattr(device, "type", device) != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return []
+    with noted_variants() as notes:
+        if notes is None:
+            return []
+        try:
+            forwards()
+        except Exception as err:  # the real forwards compile what this pass missed
+            log.debug("precompile pass stopped early: %s", err)
+    return [n for n in notes if "<locals>" not in n[1]]  # workers import top-level ones
+
+
+def _current_target() -> tuple:
+    import triton
+
+    target = triton.runtime.driver.active.get_current_target()
+    return (target.backend, target.arch, target.warp_size)
+
+
+def _waited(workers: CompileWorkers, pass_s: float) -> int:
+    start = time.perf_counter()
+    compiled = workers.wait()
+    log.info("compiled %d of %d Triton kernel variants in %d worker processes (waited %.1f s; "
+             "the pass noting them %.1f s)", compiled, workers.submitted[0], len(workers.procs),
+             time.perf_counter() - start, pass_s)
+    return compiled
 
 
 class CompileWorkers:
@@ -132,11 +165,19 @@ class CompileWorkers:
             [sys.executable, *SAFE_PATH, "-m", "batchgen.engine.precompile", *warm],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             for _ in range(count)]
+        self.submitted: tuple[int, float] | None = None
+        """(variants, when) once `submit` gave the workers their work."""
 
     def compile(self, notes: list[tuple[str, str, str]], target: tuple) -> int:
         """Compile `notes` into Triton's disk cache for `target` (backend, arch, warp size),
         shared out among the workers. Returns how many compiled; a worker that fails or runs
         past TIMEOUT_S costs only its share."""
+        self.submit(notes, target)
+        return self.wait()
+
+    def submit(self, notes: list[tuple[str, str, str]], target: tuple) -> None:
+        """Give the workers `notes` to compile (shared out) and return at once; `wait` for
+        them."""
         count = len(self.procs)
         for i, proc in enumerate(self.procs):
             try:
@@ -146,7 +187,12 @@ class CompileWorkers:
             except OSError:  # it died already: _collect reports it
                 pass
             proc.stdin = None  # communicate() must not touch it again
-        return _collect(self.procs, time.time())
+        self.submitted = (len(notes), time.time())
+
+    def wait(self) -> int:
+        """How many of the submitted variants compiled, once every worker is done (or past
+        TIMEOUT_S)."""
+        return _collect(self.procs, self.submitted[1]) if self.submitted else 0
 
     def close(self) -> None:
         """Stop the workers not done (they were never given work, or ran too long)."""

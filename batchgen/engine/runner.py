@@ -13,6 +13,7 @@ import math
 import os
 import threading
 import time
+from typing import Callable
 
 import torch
 
@@ -23,7 +24,7 @@ from batchgen.engine.host_pin import ChunkedPin, cuda_register, cuda_unregister
 from batchgen.engine.kv_cache import KVLayout, KVPool, copy_pages, page_runs
 from batchgen.engine.sampler import HostSample, SamplingRows, sample, sample_on_device
 from batchgen.engine.host_pool import HostSegment, lazy_zeros
-from batchgen.engine.precompile import CompileWorkers, precompile
+from batchgen.engine.precompile import CompileWorkers, precompile, precompile_ahead
 from batchgen.engine.prefix_groups import prefix_groups
 from batchgen.sched.scheduler import PrefixShare, ScheduleOutput, SeqChunk
 
@@ -94,43 +95,22 @@ class ModelRunner:
 
     def _capture(self, runtime, limit: int | None = None,
                  compile_workers: CompileWorkers | None = None):
-        from batchgen.engine.graphs import DecodeGraphs
-
         if getattr(self.model, "expert_stager", None) is not None:
             # Which offloaded experts to copy in is read on the host after routing, every MoE
             # layer of every step: nothing a replayed graph could do.
             log.info("expert offloading is on: decode runs eagerly (no CUDA graphs)")
             return None
-        segmented = os.environ.get("BATCHGEN_SEGMENTED_GRAPH", "0") not in ("", "0")
-        graphs = DecodeGraphs(self.model, self.device_pool, runtime.cuda_graph_max_bucket_size,
-                              runtime.cuda_graph_num_buckets, self.model.max_context, segmented,
-                              limit)
-        if getattr(self.model, "probe_without_kernels", False):
-            precompile(lambda: self._probe(graphs), self.device, compile_workers)
+        graphs = decode_graphs(self.model, self.device_pool, runtime, limit)
+        if getattr(self.model, "probe_without_kernels", False) or (
+                compile_workers is not None and compile_workers.submitted):
+            precompile(lambda: probe(self.model, graphs, self.device_pool), self.device,
+                       compile_workers)
         try:
             graphs.capture()
         except Exception as err:  # a model or kernel that cannot be captured still runs
             log.warning("CUDA graph capture failed (%s); decoding eagerly", err)
             return None
         return graphs
-
-    @torch.inference_mode()
-    def _probe(self, graphs) -> None:
-        """The forwards whose Triton variants `precompile` compiles ahead: every decode size
-        the capture runs, then a mixed step (three decode rows, a fresh prompt, a chunk after
-        a cached prefix: 197 rows) and a prefill step of 256 rows, so the row counts cover 1,
-        multiples of 16 and the rest. The prefill batches write no KV (every slot -1)."""
-        with self.model.probe_layers():
-            self._probe_forwards(graphs)
-
-    def _probe_forwards(self, graphs) -> None:
-        graphs.probe()
-        for starts, lengths in (([64, 64, 64, 0, 64], [1, 1, 1, 130, 64]), ([0, 0], [128, 128])):
-            tables = [[0] * -(-(s + n) // PAGE_SIZE) for s, n in zip(starts, lengths)]
-            batch = ForwardBatch.build([[1] * n for n in lengths], starts, tables,
-                                       [True] * len(starts), self.device_pool, self.device)
-            batch.slot_mapping.fill_(-1)
-            self.model(batch)
 
     def _host_pool(self, host_pages: int) -> tuple[KVPool, list[tuple[int, int]]]:
         """Carve the host segment into the page data tensor (and fp8 scales after it):
@@ -263,3 +243,65 @@ def _host_parts(layout: KVLayout, host_pages: int) -> list[tuple[int, int]]:
 def _host_bytes(layout: KVLayout, host_pages: int) -> int:
     """The host segment's size: where its last part ends."""
     return max(offset + host_pages * size for offset, size in _host_parts(layout, host_pages))
+
+
+def decode_graphs(model: torch.nn.Module, pool: KVPool, runtime, limit: int | None):
+    """The decode CUDA graphs of `runtime`'s buckets up to `limit` (not captured yet)."""
+    from batchgen.engine.graphs import DecodeGraphs
+
+    segmented = os.environ.get("BATCHGEN_SEGMENTED_GRAPH", "0") not in ("", "0")
+    return DecodeGraphs(model, pool, runtime.cuda_graph_max_bucket_size,
+                        runtime.cuda_graph_num_buckets, model.max_context, segmented, limit)
+
+
+@torch.inference_mode()
+def probe(model: torch.nn.Module, graphs, pool: KVPool) -> None:
+    """The forwards whose Triton variants `precompile` compiles ahead: every decode size
+    the capture runs, then a mixed step (three decode rows, a fresh prompt, a chunk after a
+    cached prefix: 197 rows) and a prefill step of 256 rows, so the row counts cover 1,
+    multiples of 16 and the rest. The prefill batches write no KV (every slot -1)."""
+    with model.probe_layers():
+        graphs.probe()
+        for starts, lengths in (([64, 64, 64, 0, 64], [1, 1, 1, 130, 64]), ([0, 0], [128, 128])):
+            tables = [[0] * -(-(s + n) // PAGE_SIZE) for s, n in zip(starts, lengths)]
+            batch = ForwardBatch.build([[1] * n for n in lengths], starts, tables,
+                                       [True] * len(starts), pool, pool.device)
+            batch.slot_mapping.fill_(-1)
+            model(batch)
+
+
+STAND_IN_PAGES = 16
+"""Device pages of the stand-in's pool (the probe's forwards read page 0 only)."""
+
+
+def precompile_stand_in(build: Callable[[], torch.nn.Module], config, workers: CompileWorkers,
+                        job_sequences: int | None = None) -> int:
+    """Hand `workers` the Triton variants a ModelRunner meets in its capture and first steps,
+    noted on a stand-in of the job's model (`build()`: the same layer shapes, fewer layers,
+    any weights: bench_models.stand_in_model), run before the real weights load, which then
+    overlaps the compile; the stand-in's memory is given back after. `config`: the job's
+    EngineConfig; `job_sequences` as Engine's. Returns how many variants were handed over: 0
+    where the pass does not apply (not CUDA, no CUDA graphs, a model whose forwards need their
+    kernels' outputs) or failed; the capture then runs its own pass."""
+    from batchgen.engine.graphs import graph_limit
+
+    runtime = config.runtime
+    if not runtime.use_cuda_graphs:
+        return 0
+    try:
+        model = build()
+        device = next(model.parameters()).device
+        if (device.type != "cuda" or not getattr(model, "probe_without_kernels", False)
+                or getattr(model, "expert_stager", None) is not None):
+            return 0
+        pool = KVPool(KVLayout.of_model(model, config.model.kv_dtype), STAND_IN_PAGES, device)
+        graphs = decode_graphs(model, pool, runtime,
+                               graph_limit(job_sequences, config.scheduler.max_decode_batch))
+        return precompile_ahead(lambda: probe(model, graphs, pool), device, workers)
+    except Exception as err:  # only a head start: the capture's own pass covers it
+        log.debug("the stand-in precompile pass failed: %s", err)
+        return 0
+    finally:
+        model = pool = graphs = None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from typing import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,7 +83,12 @@ def load_tokenizer(folder: Path):
 
 
 def load_model(cfg: ModelConfig, device: torch.device, world_size: int = 1,
-               tp: TensorParallel | None = None) -> LoadedModel:
+               tp: TensorParallel | None = None,
+               before_weights: Callable[[object, torch.dtype], None] | None = None
+               ) -> LoadedModel:
+    """The job's model, tokenizer and generation settings. `before_weights(hf_config,
+    dtype)` runs once the config is read, while the checkpoint's reads go on (start-up's
+    precompile pass on a stand-in of the model)."""
     start = time.perf_counter()
     tp = tp or TensorParallel()
     folder, name = model_folder(cfg, world_size, tp.size)
@@ -95,6 +101,8 @@ def load_model(cfg: ModelConfig, device: torch.device, world_size: int = 1,
     try:
         hf_config = load_hf_config(folder)
         dtype = resolve_dtype(cfg.dtype, device)
+        if before_weights is not None:
+            before_weights(hf_config, dtype)
         model = build_model(hf_config, weights, dtype, device, cfg, tp,
                             presharded=shard is not None)
     finally:

@@ -16,6 +16,7 @@ CASES = [
     (4, 1, 32, 70, False, 2),
     (6, 2, 32, 100, True, 2),
     (4, 2, 64, 90, False, 2),  # head_dim % 64 == 0: fp8 V read along keys, vectorised
+    (16, 4, 32, None, True, 3),  # the merge takes 8 heads a program
 ]
 
 

@@ -43,6 +43,7 @@ from batchgen.runner.worker.embed_jobs import EmbeddingJobs
 from batchgen.runner.worker.grammars import Grammars
 from batchgen.runner.worker.inflight import InflightCheckpoints, with_progress
 from batchgen.runner.worker.job_size import job_sequences
+from batchgen.runner.worker.stand_in import precompile_hook
 from batchgen.runner.exits import ExitCode
 from batchgen.runner.files.job import JobSpec
 from batchgen.runner.worker.outputs import OutputFormatter
@@ -154,9 +155,15 @@ class Worker:
         self.resumable = self.tp.broadcast(self.checkpoints.resumable if self.checkpoints
                                            else None)
         self.clock.mark("config")
-        # Triton's compile processes import while the weights load (engine/precompile.py).
+        sequences = job_sequences(self._records(), self.done,
+                                  cfg.engine.runtime.cuda_graph_max_bucket_size)
+        # Triton's compile processes start now and compile while the weights load
+        # (engine/precompile.py).
         compile_workers = CompileWorkers(device=device) if device.type == "cuda" else None
-        self.loaded = load_model(cfg.engine.model, device, rank.world, self.tp)
+        self.loaded = load_model(cfg.engine.model, device, rank.world, self.tp,
+                                 before_weights=precompile_hook(
+                                     compile_workers, device, cfg.engine, sequences, self.tp,
+                                     lambda: self.clock.mark("precompile")))
         self.clock.mark("weights")
         # Off through the imports and the load (worker_entry.py); on again before the engine
         # runs forwards, whose cyclic garbage (an exception's frames) may hold device memory.
@@ -171,9 +178,7 @@ class Worker:
                                  not cfg.output.detokenization_include_special_tokens),
                              tp=self.tp, host_share=1.0 / rank.local_world,
                              demand_tokens=demand,
-                             job_sequences=job_sequences(self._records(), self.done,
-                                                         cfg.engine.runtime
-                                                         .cuda_graph_max_bucket_size),
+                             job_sequences=sequences,
                              compile_workers=compile_workers)
         self._mark_engine_phases()
         guard_decode_steps(self.engine, watchdog, faults.stuck_seconds())
