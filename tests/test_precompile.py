@@ -70,26 +70,49 @@ def clean_cache(tmp_path, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
 
 
-def test_a_worker_compiles_into_the_cache_the_launcher_reads(clean_cache):
-    note = silu_note()
-    assert P.compile_in_workers([note], ("cuda", 90, 32), workers=1) == 1
+def launcher_hits() -> list[bool]:
+    """Whether a fresh process's compile of the SiLU variant found it in the disk cache."""
     args = json.dumps([SILU["signature"], 1024, [["tt.divisibility", 16]]])
     out = subprocess.run([sys.executable, "-c", LAUNCHER, args], capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert json.loads(out.stdout.strip().splitlines()[-1]) == [True]  # the worker's binary
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_worker_compiles_into_the_cache_the_launcher_reads(clean_cache):
+    # Spawned: this test process may hold the kernels as the interpreter's (TRITON_INTERPRET).
+    assert P.compile_in_workers([silu_note()], ("cuda", 90, 32), workers=1, fork=False) == 1
+    assert launcher_hits() == [True]  # the worker's binary
+
+
+FORKED = """
+import json, sys
+from batchgen.engine import precompile as P
+print(P.compile_in_workers([tuple(json.loads(sys.argv[1]))], ("cuda", 90, 32), workers=2,
+                           fork=True))
+"""
+"""A job's process forking its compile workers (the kernels imported for real, not under the
+interpreter)."""
+
+
+def test_a_forked_worker_compiles_into_the_cache_the_launcher_reads(clean_cache):
+    out = subprocess.run([sys.executable, "-c", FORKED, json.dumps(silu_note())],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "1"
+    assert launcher_hits() == [True]
 
 
 def test_a_warmed_worker_compiles_its_warm_up_kernel_then_its_share(clean_cache, tmp_path,
                                                                     monkeypatch):
     note = silu_note()
     monkeypatch.setattr(P, "device_target", lambda device: ("cuda", 90, 32))
-    workers = P.CompileWorkers(1, device="cuda")
-    assert workers.procs[0].args[-4:] == ["--warm", "cuda", "90", "32"]
+    workers = P.CompileWorkers(1, device="cuda", fork=False)
     with pytest.MonkeyPatch.context() as patch:
         reports = []
         patch.setattr(P.log, "debug", lambda *args: reports.append(args))
         assert workers.compile([note], ("cuda", 90, 32)) == 1
+    workers.close()
     assert any("warm-up" in args[0] and args[3] > 0 for args in reports), reports
     kernels = {p.suffix for p in (tmp_path / "cache").rglob("*") if p.is_file()}
     assert ".cubin" in kernels
@@ -100,17 +123,19 @@ def test_a_warmed_worker_compiles_its_warm_up_kernel_then_its_share(clean_cache,
 def test_a_variant_a_worker_cannot_compile_costs_only_itself(clean_cache):
     note = silu_note()
     broken = ("batchgen_kernels.silu_mul", "no_such_kernel", note[2])
-    assert P.compile_in_workers([broken, note], ("cuda", 90, 32), workers=1) == 1
+    assert P.compile_in_workers([broken, note], ("cuda", 90, 32), workers=1, fork=False) == 1
 
 
 def test_a_worker_that_dies_is_counted_as_nothing(monkeypatch):
-    # The interpreter runs `-c` and exits 3 before reading its share.
-    monkeypatch.setattr(P, "SAFE_PATH", ["-c", "import sys; sys.exit(3)"])
-    workers = P.CompileWorkers(2)
+    # Forks that exit (3) before reading their share.
+    monkeypatch.setattr(P, "_serve", lambda conn: __import__("os")._exit(3))
+    workers = P.CompileWorkers(2, fork=True)
     assert P.precompile(lambda: None, torch.device("cpu"), workers) == 0  # closes them
-    assert all(proc.poll() is not None for proc in workers.procs)
-    workers = P.CompileWorkers(2)
+    assert all(not proc.is_alive() for proc, _ in workers.procs)
+    workers = P.CompileWorkers(2, fork=True)
     assert workers.compile([("m", "f", "{}")] * 3, ("cuda", 90, 32)) == 0
+    assert [proc.exitcode for proc, _ in workers.procs] == [3, 3]
+    workers.close()
 
 
 def test_the_pass_notes_each_new_variant_once_and_skips_it():

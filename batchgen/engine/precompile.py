@@ -9,8 +9,10 @@ paid ~10 s of serial compiling at every start. Threads do not help: the compiler
 `precompile(forwards)` runs the given forwards once with Triton's cache hook set to note every
 variant not compiled yet and skip it (the kernel is neither compiled nor launched: that pass's
 outputs are garbage and nobody reads them), then compiles the noted variants in worker processes
-(`python -m batchgen.engine.precompile`, one per core up to 16) into Triton's disk cache, for the
-device's target. The real forwards then load each variant from the cache in milliseconds.
+(`CompileWorkers`: forks of the job's process, one per core up to 16) into Triton's disk cache,
+for the device's target. The real forwards then load each variant from the cache in
+milliseconds. `precompile_ahead` does the same on a stand-in of the model before the real weights
+load, so the compile overlaps the load (engine/runner.py `precompile_stand_in`).
 
 Nothing depends on it for correctness: a variant the pass does not meet, or that a worker fails
 to compile, compiles in-process on first launch as before. It needs Triton's runtime hooks
@@ -22,23 +24,20 @@ from __future__ import annotations
 import importlib
 import json
 import logging
+import multiprocessing
 import os
-import subprocess
-import sys
 import time
+import warnings
 from contextlib import contextmanager
 from typing import Callable
 
 log = logging.getLogger("batchgen.precompile")
 
 MAX_WORKERS = 16
-"""Worker processes at most (each imports torch and Triton: ~0.3 GB of host memory)."""
+"""Worker processes at most (a fork shares the job's memory until it writes; a spawned one
+imports torch and Triton: ~0.3 GB of host memory)."""
 
-SAFE_PATH = ["-P"] if sys.version_info >= (3, 11) else []
-"""The workers' Python flag that keeps the current folder off sys.path (a `batchgen` or
-`triton` folder where the job was started must not shadow the installed ones)."""
-
-TIMEOUT_S = 300.0
+TIMEOUT_S = 60.0
 """Seconds the workers may take in all; after that the rest compiles in-process."""
 
 
@@ -149,22 +148,39 @@ def _waited(workers: CompileWorkers, pass_s: float) -> int:
 
 
 class CompileWorkers:
-    """Processes that compile Triton variants: each imports Triton and the kernels as soon as
-    it starts and, given the device's target, compiles a one-line kernel (a process's first
-    compile also loads the compiler's backends: ~1-2 s in all, which a caller that starts them
-    before loading the model hides), then waits for its share of the variants on stdin. They
-    run at a lower CPU priority than the job, whose weight load they overlap."""
+    """Processes that compile Triton variants. Where the platform forks (Linux), each is a fork
+    of the job's process taken before it touches the GPU, so Triton and the kernels are
+    imported already (spawned processes spent 4-6 s importing torch side by side, longer than
+    the compile); elsewhere, or with `fork=False`, they are spawned and import them first.
+    Given the device (its target is sent once the processes exist), each compiles a one-line
+    kernel at once (a process's first compile loads the compiler's backends), then waits for
+    its share of the variants. They run at a lower CPU priority than the job."""
 
-    def __init__(self, count: int | None = None, device=None):
+    def __init__(self, count: int | None = None, device=None, fork: bool | None = None):
         """`count` workers (default: one per core this rank has, at most MAX_WORKERS);
-        `device`: the CUDA device whose target the warm-up compile is for (None: no warm-up)."""
+        `device`: the CUDA device whose target the warm-up compile is for (None: no warm-up);
+        `fork`: fork (default where available) or spawn them."""
         count = max(1, min(count or MAX_WORKERS, MAX_WORKERS, _cores_per_rank()))
+        methods = multiprocessing.get_all_start_methods()
+        use_fork = ("fork" in methods) if fork is None else (fork and "fork" in methods)
+        context = multiprocessing.get_context("fork" if use_fork else "spawn")
+        if use_fork:
+            import triton  # noqa: F401  (in the forks before they start)
+
+            import batchgen_kernels  # noqa: F401
+        self.procs: list[tuple] = []
+        with warnings.catch_warnings():  # "multi-threaded, use of fork() may deadlock": the
+            warnings.simplefilter("ignore", DeprecationWarning)  # forks run no thread's code
+            for _ in range(count):
+                mine, theirs = context.Pipe()
+                proc = context.Process(target=_serve, args=(theirs,), daemon=True,
+                                       name="batchgen-precompile")
+                proc.start()
+                theirs.close()
+                self.procs.append((proc, mine))
         target = device_target(device)
-        warm = ["--warm", *map(str, target)] if target else []
-        self.procs = [subprocess.Popen(
-            [sys.executable, *SAFE_PATH, "-m", "batchgen.engine.precompile", *warm],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            for _ in range(count)]
+        if target:
+            self._send({"warm": list(target)})
         self.submitted: tuple[int, float] | None = None
         """(variants, when) once `submit` gave the workers their work."""
 
@@ -179,14 +195,8 @@ class CompileWorkers:
         """Give the workers `notes` to compile (shared out) and return at once; `wait` for
         them."""
         count = len(self.procs)
-        for i, proc in enumerate(self.procs):
-            try:
-                proc.stdin.write(json.dumps({"target": list(target),
-                                             "variants": notes[i::count]}))
-                proc.stdin.close()
-            except OSError:  # it died already: _collect reports it
-                pass
-            proc.stdin = None  # communicate() must not touch it again
+        self._send([{"target": list(target), "variants": notes[i::count]}
+                    for i in range(count)])
         self.submitted = (len(notes), time.time())
 
     def wait(self) -> int:
@@ -196,16 +206,25 @@ class CompileWorkers:
 
     def close(self) -> None:
         """Stop the workers not done (they were never given work, or ran too long)."""
-        for proc in self.procs:
-            if proc.poll() is None:
+        for proc, conn in self.procs:
+            if proc.is_alive():
                 proc.kill()
-                proc.wait()
+            proc.join()
+            conn.close()
+
+    def _send(self, messages) -> None:
+        """One message to every worker (a list: one each)."""
+        for i, (_, conn) in enumerate(self.procs):
+            try:
+                conn.send(messages[i] if isinstance(messages, list) else messages)
+            except (OSError, ValueError):  # it died already: _collect reports it
+                pass
 
 
 def compile_in_workers(notes: list[tuple[str, str, str]], target: tuple,
-                       workers: int | None = None) -> int:
+                       workers: int | None = None, fork: bool | None = None) -> int:
     """Compile `notes` in up to `workers` new processes (see CompileWorkers.compile)."""
-    pool = CompileWorkers(min(workers or MAX_WORKERS, len(notes)))
+    pool = CompileWorkers(min(workers or MAX_WORKERS, len(notes)), fork=fork)
     try:
         return pool.compile(notes, target)
     finally:
@@ -238,18 +257,16 @@ def _collect(procs: list, sent_at: float) -> int:
     they were given their work (time.time())."""
     deadline = time.monotonic() + TIMEOUT_S
     compiled = 0
-    for proc in procs:
+    for proc, conn in procs:
         try:
-            out, err = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
-            log.debug("a precompile worker ran past %.0f s and was stopped", TIMEOUT_S)
-            continue
-        try:
-            report = json.loads(out.strip().splitlines()[-1])
-        except (IndexError, ValueError):
-            log.debug("a precompile worker failed (exit %s): %s", proc.returncode, err[-2000:])
+            if not conn.poll(max(0.0, deadline - time.monotonic())):
+                proc.kill()
+                log.debug("a precompile worker ran past %.0f s and was stopped", TIMEOUT_S)
+                continue
+            report = conn.recv()
+        except (EOFError, OSError):
+            proc.join(1.0)
+            log.debug("a precompile worker failed (exit %s)", proc.exitcode)
             continue
         compiled += report["compiled"]
         log.debug("a precompile worker compiled %d variants in %.1f s (warm-up %.1f s, ready "
@@ -313,28 +330,28 @@ def _warm_up(target: tuple) -> None:
     triton.compile(source, target=GPUTarget(*target))
 
 
-def _worker(argv: list[str]) -> None:
-    """A worker process: lower its CPU priority, import Triton and the kernels, warm the
-    compiler up (`--warm BACKEND ARCH WARP`), then read {"target", "variants"} from stdin,
-    compile each variant, and print {"compiled": n, "failed": [[name, error], ...]} as
-    stdout's last line."""
+def _serve(conn) -> None:
+    """A worker: lower its CPU priority, import Triton and the kernels (a fork has them),
+    warm the compiler up when told the target ({"warm": target}), then take its share
+    ({"target", "variants"}), compile each variant and send back {"compiled": n, "failed":
+    [[name, error], ...], "warm_up", "ready_at", "seconds"}."""
     try:
         os.nice(10)  # the job's own start-up (weights, capture) comes first
     except OSError:
         pass
-    import triton  # noqa: F401  (imported before the work arrives: that is the head start)
+    import triton  # noqa: F401
 
     import batchgen_kernels  # noqa: F401
 
-    start = time.perf_counter()
-    if argv[:1] == ["--warm"] and len(argv) == 4:
+    job, warmed, ready = conn.recv(), 0.0, time.time()
+    if "warm" in job:
+        start = time.perf_counter()
         try:
-            _warm_up((argv[1], int(argv[2]), int(argv[3])))
+            _warm_up(tuple(job["warm"]))
         except Exception:  # only a head start: the variants compile without it
             pass
-    warmed = time.perf_counter() - start
-    ready = time.time()
-    job = json.loads(sys.stdin.read() or "{}")
+        warmed, ready = time.perf_counter() - start, time.time()
+        job = conn.recv()
     start = time.perf_counter()
     target = tuple(job.get("target", ()))
     compiled, failed = 0, []
@@ -344,12 +361,5 @@ def _worker(argv: list[str]) -> None:
             compiled += 1
         except Exception as err:  # reported; the launching process compiles it itself
             failed.append([f"{module}.{qualname}", f"{type(err).__name__}: {err}"[:500]])
-    print(json.dumps({"compiled": compiled, "failed": failed, "warm_up": round(warmed, 3),
-                      "ready_at": ready, "seconds": round(time.perf_counter() - start, 3)}),
-          flush=True)
-
-
-if __name__ == "__main__":
-    _worker(sys.argv[1:])
-    sys.stderr.flush()
-    os._exit(0)  # the report is out: skip tearing down torch and Triton (~0.5 s a process)
+    conn.send({"compiled": compiled, "failed": failed, "warm_up": round(warmed, 3),
+               "ready_at": ready, "seconds": round(time.perf_counter() - start, 3)})
