@@ -2,6 +2,7 @@
 
 Usage: python benchmarks/shared_prefix_bench.py [--batch 256] [--prefix-len 2000]
        [--own-len 200] [--groups 1,4] [--kv bf16,fp8] [--prefix-splits auto,1,2,4]
+       [--tiles 64:4:2,128:8:2]
 Llama-3-8B attention shape (32 query heads, 8 KV heads, head_dim 128, bf16 q). Each row's
 context is a prompt of prefix-len tokens, the first prefix-len // 64 pages of it shared by its
 group (rows are dealt to groups in turn), then own-len tokens of its own. One table row per
@@ -119,8 +120,24 @@ def main() -> None:
     parser.add_argument("--kv", default="bf16,fp8", help="KV dtypes: bf16, fp8")
     parser.add_argument("--prefix-splits", default="auto",
                         help="comma-separated num_prefix_splits values (auto: the launcher's)")
+    parser.add_argument("--tiles", default="",
+                        help="comma-separated QUERIES:WARPS:STAGES of the prefix kernel's tiles "
+                             "to compare (default: the kernel's own TILE_QUERIES/PREFIX_LAUNCH)")
     args = parser.parse_args()
     K = import_kernels()
+    if args.tiles:
+        for tile in args.tiles.split(","):
+            queries, warps, stages = map(int, tile.split(":"))
+            kernel = sys.modules["batchgen_kernels.shared_prefix_attention"]
+            kernel.TILE_QUERIES = queries
+            kernel.PREFIX_LAUNCH = {"num_warps": warps, "num_stages": stages}
+            print(f"prefix tiles of {queries} query vectors, {warps} warps, {stages} stages:")
+            table(K, args)
+        return
+    table(K, args)
+
+
+def table(K, args) -> None:
     print(f"B={args.batch} prefix={args.prefix_len} (whole pages shared) own={args.own_len} "
           f"H={HEADS} KVH={KV_HEADS} D={HEAD_DIM}; times in microseconds")
     print(f"{'kv':>4} {'groups':>6} {'splits':>6} {'plain private':>13} {'plain shared':>12} "
