@@ -60,6 +60,26 @@ def test_finished_job_rerun_is_a_noop(tmp_path, tiny_chat_model):
     assert inc.read_bytes() == before
 
 
+def test_another_input_to_the_same_output_says_it_replaces_it_and_how_to_get_it_back(
+        tmp_path, tiny_chat_model):
+    first = write_jsonl(tmp_path / "first.jsonl", chat_rows(3))
+    second = write_jsonl(tmp_path / "second.jsonl", chat_rows(2, max_tokens=9))
+    out = tmp_path / "results.jsonl"
+    batchgen(*run_args(first, tmp_path / "s", tiny_chat_model), "-o", out, check=True)
+    kept = read_jsonl(out)
+    proc = batchgen(*run_args(second, tmp_path / "s", tiny_chat_model), "-o", out, check=True)
+    assert "holds the results of another job" in proc.stderr
+    assert f"batchgen run -i {first}" in proc.stderr  # how to get them back
+    assert len(read_jsonl(out)) == 2
+    # ...and that command writes them back without recomputing a token
+    proc = batchgen(*run_args(first, tmp_path / "s", tiny_chat_model), "-o", out, check=True)
+    assert "3 already done" in proc.stderr
+    assert read_jsonl(out) == kept
+    # the same job again says nothing of the kind
+    proc = batchgen(*run_args(first, tmp_path / "s", tiny_chat_model), "-o", out, check=True)
+    assert "another job" not in proc.stderr
+
+
 def test_resume_refuses_changed_settings(tmp_path, tiny_chat_model):
     inp = write_jsonl(tmp_path / "in.jsonl", chat_rows(2))
     batchgen(*run_args(inp, tmp_path / "s", tiny_chat_model), check=True)

@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
+
+import orjson
 
 from batchgen.io.jobfiles import BatchFile, JobPaths
+from batchgen.io.results import item_id
 from batchgen.phases import format_phases, process_start_time
 from batchgen.runner.files.job import JobSpec
 from batchgen.runner.leader.progress import read_worker_stats
@@ -55,6 +59,59 @@ def result_files(paths: JobPaths) -> dict:
     """Absolute, so `batchgen status OUTPUT` finds the job from any working directory."""
     return {"output_file": str(paths.output.absolute()),
             "errors_file": str(paths.errors_output.absolute())}
+
+
+def batch_files(storage: Path) -> list[Path]:
+    """The batch files (one per job) under a job folder."""
+    return sorted(p for p in (storage / "batches").glob("*.json") if p.stem.count(".") == 0)
+
+
+def jobs_writing(output: Path, storage: Path) -> list[Path]:
+    """Batch files of the jobs whose results file is `output`: in the default job folder
+    beside it (.batchgen/), else under `storage`."""
+    want = output.resolve()
+    for folder in (output.absolute().parent / ".batchgen", storage):
+        found = []
+        for path in batch_files(folder):
+            try:
+                written = orjson.loads(path.read_bytes()).get("output_file")
+            except (OSError, orjson.JSONDecodeError, AttributeError):
+                continue
+            if written and Path(written).resolve() == want:
+                found.append(path)
+        if found:
+            return found
+    return []
+
+
+def warn_if_replacing(spec: JobSpec, storage: Path) -> None:
+    """Say so when the job's --output holds another job's results (a changed input, other
+    flags): this job replaces the file when it finishes. That job's results stay in its
+    incremental file, and rerunning its command writes them back without recomputing."""
+    output = spec.paths.output
+    try:
+        if not output.is_file() or not output.stat().st_size:
+            return
+        first = orjson.loads(output.open("rb").readline())
+        if first["id"] == item_id(spec.batch_id, first["custom_id"]):
+            return
+    except (OSError, orjson.JSONDecodeError, KeyError, TypeError):
+        pass  # not a results file of ours, or unreadable: named below all the same
+    input_file = None
+    try:
+        others = [p for p in jobs_writing(output, storage) if p.stem != spec.batch_id]
+        if others:
+            newest = max(others, key=lambda p: p.stat().st_mtime)
+            input_file = orjson.loads(newest.read_bytes()).get("input_file")
+    except (OSError, orjson.JSONDecodeError, AttributeError):
+        pass
+    how = (f"`batchgen run -i {input_file} -o {output}` with that job's other flags writes "
+           "them back without recomputing" if input_file else "")
+    log.warning("%s holds the results of another job%s; this job replaces it when it "
+                "finishes. %s%sTo keep both, stop now and give this job another --output.",
+                output, f" (input {input_file})" if input_file else "",
+                "Those results stay in the job folder: " if how else "",
+                how + ". " if how else "")
 
 
 def _all_runs(batch_file: BatchFile, elapsed: float) -> dict:

@@ -18,6 +18,7 @@ from batchgen.io.writer import CorruptIncrementalFile, read_done_ids
 from batchgen.runner.exits import ExitCode
 from batchgen.runner.files.job import JobSpec
 from batchgen.runner.leader.progress import human_seconds, prefix_hits, read_worker_stats
+from batchgen.runner.leader.records import batch_files, jobs_writing
 
 
 def show_status(storage: Path, target: str | None) -> int:
@@ -28,7 +29,7 @@ def show_status(storage: Path, target: str | None) -> int:
     if target is not None and not Path(target).is_dir():
         # A results file: present once the job finished, only named in its batch file before
         # (a running, stopped or killed job's output does not exist yet).
-        jobs = _jobs_writing(Path(target), storage)
+        jobs = jobs_writing(Path(target), storage)
         if jobs or Path(target).is_file():
             return _show_files(jobs, f"no job writes {target} under "
                                f"{Path(target).absolute().parent / '.batchgen'} or {storage} "
@@ -37,33 +38,11 @@ def show_status(storage: Path, target: str | None) -> int:
         storage, batch_id = Path(target), None
     batches = storage / "batches"
     if batch_id is None:
-        files = _batch_files(storage)
+        files = batch_files(storage)
     else:  # an id is a file name, never a pattern
         files = [p for p in [batches / f"{batch_id}.json"] if p.is_file()]
     return _show_files(files, f"no job{' ' + batch_id if batch_id else ''} under {storage} (give "
                        "a batch id with --storage-path, a job folder, or a job's output file)")
-
-
-def _batch_files(storage: Path) -> list[Path]:
-    return sorted(p for p in (storage / "batches").glob("*.json") if p.stem.count(".") == 0)
-
-
-def _jobs_writing(output: Path, storage: Path) -> list[Path]:
-    """Batch files of the jobs whose results file is `output`: in the default job folder
-    beside it (.batchgen/), else under `storage`."""
-    want = output.resolve()
-    for folder in (output.absolute().parent / ".batchgen", storage):
-        found = []
-        for path in _batch_files(folder):
-            try:
-                written = orjson.loads(path.read_bytes()).get("output_file")
-            except (OSError, orjson.JSONDecodeError, AttributeError):
-                continue
-            if written and Path(written).resolve() == want:
-                found.append(path)
-        if found:
-            return found
-    return []
 
 
 def _show_files(files: list[Path], missing: str) -> int:

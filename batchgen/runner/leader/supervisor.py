@@ -52,7 +52,7 @@ from batchgen.runner.leader.members import Member, check_plan, member_failure, m
 from batchgen.runner.leader.preflight import preflight, refuse_unwritable
 from batchgen.runner.leader.progress import ProgressReporter, read_worker_stats, run_summary
 from batchgen.runner.leader.records import (record_end, result_files, try_record_end,
-                                            usage_total)
+                                            usage_total, warn_if_replacing)
 from batchgen.runner.worker.outputs import outputs_belong_to
 from batchgen.runner.worker.quarantine import mark_crashed
 
@@ -194,6 +194,7 @@ def _run(config: JobConfig, stops: StopSignals, member: Member) -> int:
                 if group is not None:
                     group.publish_final("done")
                 return ExitCode.OK
+            warn_if_replacing(spec, Path(config.storage.storage_path))
             already = done_records(paths, summary.records)
             left = summary.records - already
             preflight(config, paths, summary.size_bytes, summary.records, left)
