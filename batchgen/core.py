@@ -46,6 +46,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     """HF's / vLLM's: the logit of a token in the prompt or the answer is divided by it when
     positive, multiplied when negative (1 = off)."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """OpenAI's: (token id, bias in [-100, 100]) pairs, each bias added to its token's logit
+    before sampling (after the penalties)."""
 
     @property
     def greedy(self) -> bool:
@@ -54,7 +57,7 @@ class SamplingParams:
     @property
     def penalized(self) -> bool:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                or self.repetition_penalty != 1.0)
+                or self.repetition_penalty != 1.0 or bool(self.logit_bias))
 
     def __post_init__(self) -> None:
         """Raises ValueError naming the first field out of range (its name starts the
@@ -74,6 +77,8 @@ class SamplingParams:
             (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]"),
             (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]"),
             (0.0 < self.repetition_penalty <= 10.0, "repetition_penalty must be in (0, 10]"),
+            (all(t >= 0 and -100.0 <= b <= 100.0 for t, b in self.logit_bias),
+             "logit_bias must map token ids (>= 0) to numbers in [-100, 100]"),
         ]
         for ok, message in checks:
             if not ok:

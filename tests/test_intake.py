@@ -180,6 +180,14 @@ def test_stop_token_ids_beyond_the_vocabulary_are_line_errors(tok, stop_ids):
     assert "stop_token_ids" in err.message and "vocabulary" in err.message
 
 
+def test_logit_bias_beyond_the_vocabulary_is_a_line_error(tok):
+    ok = run(tok, {"prompt": "hi", "logit_bias": {"3": 5}})
+    assert ok.sampling.logit_bias == ((3, 5.0),)
+    err = run(tok, {"prompt": "hi", "logit_bias": {"3": 5, "10000": -100}})
+    assert isinstance(err, IntakeError) and err.code == "invalid_sampling_param"
+    assert err.param == "logit_bias" and "vocabulary" in err.message
+
+
 @pytest.mark.parametrize("field", ["max_tokens", "stop", "temperature", "messages"])
 def test_fields_nested_past_python_recursion_are_line_errors(tok, field):
     """Valid JSON (orjson reads 1,000 levels) that the checks or an error message's repr()

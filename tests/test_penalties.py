@@ -119,3 +119,63 @@ def test_bursts_and_their_continuations_count_every_sample(tiny):
         tokens.append([r.completions[0].token_ids for r in engine.generate(requests)])
         assert burst == 1 or engine.times.bursts > 3
     assert tokens[0] == tokens[1]
+
+
+def test_logit_bias_is_added_after_the_penalties_and_carried_to_a_continuation():
+    logits = torch.zeros(3, 20)
+    seqs = [seq([1], [5], frequency_penalty=1.0, logit_bias=((5, 3.0), (7, -100.0))),
+            seq([1], []), seq([1], [], logit_bias=((2, 50.0),))]
+    penalties = Penalties.of(seqs)
+    out = penalties.apply(logits)
+    assert out[0, 5] == 2.0 and out[0, 7] == -100.0 and out[0].count_nonzero() == 2
+    assert torch.equal(out[1], logits[1])
+    assert out[2, 2] == 50.0 and out[2].count_nonzero() == 1
+    penalties.update(torch.tensor([2, 6, 2]))
+    nxt = penalties.continued([2, 0])
+    out = nxt.apply(logits[:2])
+    assert out[0, 2] == 50.0 and out[0].count_nonzero() == 1  # no penalty: its bias only
+    assert out[1, 5] == 2.0 and out[1, 7] == -100.0 and out[1, 2] == -1.0
+
+
+def test_logit_bias_forces_and_forbids_tokens_through_bursts(tiny):
+    """+100 on one token makes greedy decoding emit it at every step, bursts included; -100
+    on the token a plain greedy answer starts with keeps it out of the answer's first place."""
+    from batchgen.config import EngineConfig, MemoryConfig, RuntimeConfig
+    from batchgen.engine.engine import Engine
+
+    model, _ = tiny
+    prompt = list(range(3, 20))
+    greedy = dict(max_tokens=20, temperature=0.0, ignore_eos=True)
+    plain = make_engine(model).generate([Request("p", prompt, SamplingParams(**greedy))])
+    first = plain[0].completions[0].token_ids[0]
+    cfg = EngineConfig(memory=MemoryConfig(gpu_kv_cache_size=0.05, host_kv_cache_size=0.1),
+                       runtime=RuntimeConfig(decode_burst_steps=4)).validate()
+    engine = Engine(model, cfg)
+    engine.runner.overlaps_host = True
+    forced, banned = engine.generate([
+        Request("forced", prompt, SamplingParams(**greedy, logit_bias=((11, 100.0),))),
+        Request("banned", prompt, SamplingParams(**greedy, logit_bias=((first, -100.0),)))])
+    assert forced.completions[0].token_ids == [11] * 20
+    assert engine.times.bursts > 0
+    assert banned.completions[0].token_ids[0] != first
+
+
+@pytest.mark.parametrize("value,message", [
+    ({"7": 5, "12": -100}, None),
+    ({"7": 101}, "logit_bias must map token ids"),
+    ({"x": 1}, "logit_bias must be an object"),
+    ([7, 1], "logit_bias must be an object"),
+    ({"7": "high"}, "logit_bias must be an object"),
+    ({"-3": 1}, "logit_bias must map token ids")])
+def test_intake_reads_logit_bias_as_openai_writes_it(value, message):
+    from batchgen.io.intake import IntakeError, parse_record
+    from batchgen.io.reader import RawRecord
+
+    line = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"messages": [{"role": "user", "content": "hi"}], "logit_bias": value}}
+    parsed = parse_record(RawRecord(1, line))
+    if message is None:
+        assert parsed.sampling.logit_bias == ((7, 5.0), (12, -100.0))
+    else:
+        assert isinstance(parsed, IntakeError) and message in parsed.message, parsed
+        assert parsed.param == "logit_bias"

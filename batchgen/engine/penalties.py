@@ -1,4 +1,5 @@
-"""Presence, frequency and repetition penalties, kept on the device across a burst's steps.
+"""Presence, frequency and repetition penalties and logit biases, kept on the device across a
+burst's steps.
 
 A burst draws its tokens on the device without telling the host, so the counts that the
 penalties need are tensors updated with each step's samples, and a burst that continues
@@ -18,14 +19,18 @@ def _upload(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 class Penalties:
     """The penalized rows of a batch: their coefficients and, once the vocabulary is known
     (the first logits), `counts` [P, V] of each token in the answer so far and `seen` [P, V]
-    (prompt or answer) for the repetition penalty."""
+    (prompt or answer) for the repetition penalty; `bias` [P, V] holds the rows' logit biases
+    when any row has one."""
 
     def __init__(self, rows: list[int], presence: list[float], frequency: list[float],
-                 repetition: list[float], answers: list[list[int]], prompts: list[list[int]]):
+                 repetition: list[float], answers: list[list[int]], prompts: list[list[int]],
+                 biases: list[tuple[tuple[int, float], ...]] | None = None):
         self.rows, self._coefficients = rows, (presence, frequency, repetition)
         self._answers, self._prompts = answers, prompts
+        self._biases = biases if biases is not None else [() for _ in rows]
         self.counts: torch.Tensor | None = None
         self.seen: torch.Tensor | None = None
+        self.bias: torch.Tensor | None = None
 
     @classmethod
     def of(cls, seqs: list[Sequence]) -> Penalties | None:
@@ -39,7 +44,8 @@ class Penalties:
                    [s.sampling.repetition_penalty for s in chosen],
                    [s.token_ids[s.prompt_len:] for s in chosen],
                    [s.token_ids[:s.prompt_len] if s.sampling.repetition_penalty != 1.0 else []
-                    for s in chosen])
+                    for s in chosen],
+                   [s.sampling.logit_bias for s in chosen])
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """float32 logits [S, V] with the penalties applied to their rows (a new tensor).
@@ -53,6 +59,8 @@ class Penalties:
         sub = torch.where(self.seen, scaled, sub)
         counts = self.counts.float()
         sub = sub - frequency * counts - presence * (counts > 0).float()
+        if self.bias is not None:
+            sub = sub + self.bias
         return logits.index_copy(0, rows, sub)
 
     def update(self, tokens: torch.Tensor) -> None:
@@ -73,11 +81,13 @@ class Penalties:
         slots = [slot for _, slot in pairs]
         nxt = Penalties([new for new, _ in pairs], *[[c[i] for i in slots]
                                                       for c in self._coefficients],
-                        [self._answers[i] for i in slots], [self._prompts[i] for i in slots])
+                        [self._answers[i] for i in slots], [self._prompts[i] for i in slots],
+                        [self._biases[i] for i in slots])
         if self.counts is not None:
             index = _upload(slots, torch.long, self.counts.device)
             nxt._to_device(self.counts.device)
             nxt.counts, nxt.seen = self.counts[index], self.seen[index]
+            nxt.bias = self.bias[index] if self.bias is not None else None
         return nxt
 
     def _to_device(self, device: torch.device) -> None:
@@ -99,3 +109,11 @@ class Penalties:
         if prompts:
             slots, ids = (_upload(list(v), torch.long, device) for v in zip(*prompts))
             self.seen[slots, ids] = True
+        biased = [(slot, t, b) for slot, pairs in enumerate(self._biases) for t, b in pairs
+                  if t < vocab]  # intake refused ids past the tokenizer's vocabulary
+        if biased:
+            slots, ids, values = zip(*biased)
+            self.bias = torch.zeros(len(self.rows), vocab, dtype=torch.float32, device=device)
+            self.bias[_upload(list(slots), torch.long, device),
+                      _upload(list(ids), torch.long, device)] = _upload(list(values),
+                                                                        torch.float32, device)

@@ -44,6 +44,7 @@ _ALLOWED = {
     "stop_token_ids": "a list of token ids (integers >= 0)", "ignore_eos": "true or false",
     "presence_penalty": "a number in [-2, 2]", "frequency_penalty": "a number in [-2, 2]",
     "repetition_penalty": "a number in (0, 10]",
+    "logit_bias": "an object mapping token ids to numbers in [-100, 100]",
 }
 
 
@@ -367,6 +368,20 @@ def _get_token_ids(body: dict) -> tuple[int, ...]:
     return tuple(ids)
 
 
+def _get_logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias} (JSON keys are strings), as sorted (id, bias) pairs."""
+    value = body.get("logit_bias")
+    if value is None:
+        return ()
+    try:
+        pairs = sorted((int(k), v) for k, v in value.items())
+    except (AttributeError, TypeError, ValueError):
+        raise _bad_type("logit_bias", value) from None
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for _, v in pairs):
+        raise _bad_type("logit_bias", value)
+    return tuple((t, float(v)) for t, v in pairs)
+
+
 def _get_logprobs(body: dict, kind: str) -> tuple[bool, int]:
     """(logprobs on?, top_logprobs). Chat: logprobs bool + top_logprobs int. Completions:
     logprobs is the int count of alternatives (OpenAI legacy), 0 = chosen token only."""
@@ -416,6 +431,7 @@ def parse_sampling(body: dict, kind: str, default_max_tokens: int = 256) -> Samp
         "presence_penalty": _get_number(body, "presence_penalty"),
         "frequency_penalty": _get_number(body, "frequency_penalty"),
         "repetition_penalty": _get_number(body, "repetition_penalty"),
+        "logit_bias": _get_logit_bias(body),
     }
     given = {k: v for k, v in given.items() if v is not None}
     try:
@@ -449,6 +465,8 @@ def tokenize_request(parsed: ParsedRequest | EmbeddingRequest, tokenizer: Any,
         # stop the whole batch's step, not just this line.
         _check_in_vocabulary("stop_token_ids", parsed.sampling.stop_token_ids, len(tokenizer),
                              "invalid_sampling_param")
+        _check_in_vocabulary("logit_bias", [t for t, _ in parsed.sampling.logit_bias],
+                             len(tokenizer), "invalid_sampling_param")
     except _BadLine as bad:
         return IntakeError(parsed.custom_id, parsed.line, bad.code, f"line {parsed.line}: {bad}",
                            bad.param)
@@ -469,8 +487,10 @@ def tokenize_request(parsed: ParsedRequest | EmbeddingRequest, tokenizer: Any,
 
 def _check_in_vocabulary(what: str, token_ids, vocab: int, code: str) -> None:
     if any(t >= vocab for t in token_ids):
-        raise _BadLine(code, f"{what} must be < {vocab} (the tokenizer's vocabulary size)",
-                       "stop_token_ids" if what == "stop_token_ids" else "prompt")
+        noun = "token ids" if what == "logit_bias" else ""
+        raise _BadLine(code, f"{what} {noun + ' ' if noun else ''}must be < {vocab} (the "
+                       "tokenizer's vocabulary size)",
+                       what if what in ("stop_token_ids", "logit_bias") else "prompt")
 
 
 def _prompt_ids(parsed: ParsedRequest, tokenizer: Any, max_context: int) -> list[int]:
