@@ -343,15 +343,18 @@ def _serve(conn) -> None:
 
     import batchgen_kernels  # noqa: F401
 
-    job, warmed, ready = conn.recv(), 0.0, time.time()
-    if "warm" in job:
-        start = time.perf_counter()
-        try:
-            _warm_up(tuple(job["warm"]))
-        except Exception:  # only a head start: the variants compile without it
-            pass
-        warmed, ready = time.perf_counter() - start, time.time()
-        job = conn.recv()
+    try:
+        job, warmed, ready = conn.recv(), 0.0, time.time()
+        if "warm" in job:
+            start = time.perf_counter()
+            try:
+                _warm_up(tuple(job["warm"]))
+            except Exception:  # only a head start: the variants compile without it
+                pass
+            warmed, ready = time.perf_counter() - start, time.time()
+            job = conn.recv()
+    except (EOFError, OSError):  # the job's process ended (or closed us) before the work
+        return
     start = time.perf_counter()
     target = tuple(job.get("target", ()))
     compiled, failed = 0, []

@@ -132,6 +132,9 @@ class Worker:
         device = pick_device(cfg.engine.runtime.device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", rank.local_rank)
+        # Triton's compile processes: forks taken before this process touches the GPU, which
+        # compile while the weights load (engine/precompile.py).
+        compile_workers = CompileWorkers(device=device) if device.type == "cuda" else None
         if device.type == "cuda":
             torch.cuda.set_device(device)
         self.place = placement(spec, rank, device)
@@ -157,9 +160,6 @@ class Worker:
         self.clock.mark("config")
         sequences = job_sequences(self._records(), self.done,
                                   cfg.engine.runtime.cuda_graph_max_bucket_size)
-        # Triton's compile processes start now and compile while the weights load
-        # (engine/precompile.py).
-        compile_workers = CompileWorkers(device=device) if device.type == "cuda" else None
         self.loaded = load_model(cfg.engine.model, device, rank.world, self.tp,
                                  before_weights=precompile_hook(
                                      compile_workers, device, cfg.engine, sequences, self.tp,
