@@ -62,8 +62,8 @@ from batchgen.config import EngineConfig, MemoryConfig, ModelConfig, RuntimeConf
 from batchgen.core import FinishReason, Request, SamplingParams
 from batchgen.engine.engine import Engine
 from batchgen.engine.heap import frozen_heap
-from batchgen.engine.runner import precompile_stand_in
 from batchgen.engine.precompile import CompileWorkers, triton_cache_hook
+from batchgen.engine.runner import precompile_stand_in
 from batchgen.parallel import TensorParallel
 from batchgen.phases import StartupClock
 

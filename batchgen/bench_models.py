@@ -130,10 +130,16 @@ def random_model(hf_config, dtype: torch.dtype, device: torch.device, options=No
 
 
 def stand_in_model(hf_config, dtype: torch.dtype, device: torch.device,
-                   options=None) -> nn.Module:
+                   options=None) -> nn.Module | None:
     """`hf_config`'s model with only its first two and last two decoder layers (and their
     layer_types), random weights: it launches the kernel variants the whole model launches
-    (start-up's precompile pass runs it before the real weights load)."""
+    (start-up's precompile pass runs it before the real weights load). None for a model whose
+    forwards need their kernels' outputs (`probe_without_kernels` off: MoE routing), which
+    that pass cannot run, so nothing is drawn for it."""
+    from batchgen.models.registry import model_class
+
+    if not getattr(model_class(hf_config), "probe_without_kernels", False):
+        return None
     cfg = copy.deepcopy(hf_config)
     total = cfg.num_hidden_layers
     keep = sorted({0, 1, total - 2, total - 1} & set(range(total)))

@@ -183,7 +183,7 @@ def test_the_probe_forwards_run_and_write_no_kv():
 def test_the_stand_in_keeps_the_first_two_and_last_two_layers_and_their_types():
     from batchgen.bench_models import stand_in_model
 
-    config = hf_config_for("gpt-oss-20b", tiny=True)
+    config = hf_config_for("qwen3-8b", tiny=True)
     config.num_hidden_layers = 6
     config.layer_types = ["sliding_attention", "full_attention", "sliding_attention",
                           "sliding_attention", "full_attention", "sliding_attention"]
@@ -194,6 +194,9 @@ def test_the_stand_in_keeps_the_first_two_and_last_two_layers_and_their_types():
     assert config.num_hidden_layers == 6  # the job's config is left as it was
     small = hf_config_for("llama3-8b", tiny=True)  # 2 layers: all kept
     assert stand_in_model(small, torch.float32, torch.device("cpu")).config.num_hidden_layers == 2
+    # MoE routing needs real kernel outputs: no pass, so nothing is drawn
+    assert stand_in_model(hf_config_for("deepseek-v3-4l", tiny=True), torch.float32,
+                          torch.device("cpu")) is None
 
 
 def test_the_stand_in_pass_does_nothing_off_cuda():

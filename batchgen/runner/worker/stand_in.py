@@ -30,9 +30,9 @@ def precompile_hook(workers: CompileWorkers | None, device: torch.device, cfg: E
         return None
 
     def before_weights(hf_config, dtype: torch.dtype) -> None:
-        def build() -> torch.nn.Module:
+        def build() -> torch.nn.Module | None:
             model = stand_in_model(hf_config, dtype, device, cfg.model)
-            if cfg.model.max_model_len:  # as load_model caps the real one
+            if model is not None and cfg.model.max_model_len:  # as load_model caps the real one
                 model.max_context = min(model.max_context, cfg.model.max_model_len)
             return model
 
