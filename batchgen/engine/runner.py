@@ -274,12 +274,13 @@ STAND_IN_PAGES = 16
 """Device pages of the stand-in's pool (the probe's forwards read page 0 only)."""
 
 
-def precompile_stand_in(build: Callable[[], torch.nn.Module | None], config, workers: CompileWorkers,
-                        job_sequences: int | None = None) -> int:
+def precompile_stand_in(build: Callable[[], torch.nn.Module | None], config,
+                        workers: CompileWorkers, job_sequences: int | None = None) -> int:
     """Hand `workers` the Triton variants a ModelRunner meets in its capture and first steps,
     noted on a stand-in of the job's model (`build()`: the same layer shapes, fewer layers,
-    any weights, or None where there is none: bench_models.stand_in_model), run before the real weights load, which then
-    overlaps the compile; the stand-in's memory is given back after. `config`: the job's
+    any weights, or None where there is none: bench_models.stand_in_model), run before the
+    real weights load, which then overlaps the compile; the stand-in's memory is given back
+    after. `config`: the job's
     EngineConfig; `job_sequences` as Engine's. Returns how many variants were handed over: 0
     where the pass does not apply (not CUDA, no CUDA graphs, a model whose forwards need their
     kernels' outputs) or failed; the capture then runs its own pass."""
