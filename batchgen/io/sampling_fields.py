@@ -1,0 +1,173 @@
+"""The sampling fields of a request body, read and checked once (intake.parse_record calls
+`parse_sampling`): OpenAI's and vLLM's names, their types and ranges, each mistake a line
+error naming the field (`BadLine`: code, message, param)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import fields
+from typing import Any
+
+from batchgen.core import SamplingParams
+
+ALLOWED = {
+    "max_tokens": "an integer >= 1", "max_completion_tokens": "an integer >= 1",
+    "min_tokens": "an integer >= 0", "temperature": "a number in [0, 100]",
+    "top_p": "a number in (0, 1]", "top_k": "an integer >= 0 (0 or -1 disable it)",
+    "min_p": "a number in [0, 1]", "seed": "an integer in [0, 2^63)",
+    "n": "an integer in [1, 128]", "top_logprobs": "an integer in [0, 20]",
+    "stop": "a string or a list of up to 16 non-empty strings",
+    "stop_token_ids": "a list of token ids (integers >= 0)", "ignore_eos": "true or false",
+    "presence_penalty": "a number in [-2, 2]", "frequency_penalty": "a number in [-2, 2]",
+    "repetition_penalty": "a number in (0, 10]",
+    "logit_bias": "an object mapping token ids to numbers in [-100, 100]",
+}
+
+
+class BadLine(Exception):
+    """A line that becomes an error result: OpenAI's error code, the message, the field."""
+
+    def __init__(self, code: str, message: str, param: str | None = None):
+        super().__init__(message)
+        self.code, self.param = code, param
+
+
+def is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def whole(value: Any) -> Any:
+    """An integral float as the int it is (Parquet/pandas turn integer columns with gaps into
+    floats); anything else unchanged."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def token_ids(value: Any) -> list[int] | None:
+    """A list of token ids (ints >= 0, integral floats accepted), or None if it is not one."""
+    if not isinstance(value, list):
+        return None
+    ids = [whole(t) for t in value]
+    return ids if all(is_int(t) and t >= 0 for t in ids) else None
+
+
+def _bad_type(name: str, value: Any) -> BadLine:
+    return BadLine("invalid_sampling_param",
+                    f"{name} must be {ALLOWED[name]}, got {type(value).__name__} {value!r}", name)
+
+
+def _get_int(body: dict, name: str) -> int | None:
+    value = whole(body.get(name))
+    if value is not None and not is_int(value):
+        raise _bad_type(name, value)
+    return value
+
+
+def _get_number(body: dict, name: str) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise _bad_type(name, value)
+    return float(value)
+
+
+def _get_stop(body: dict) -> tuple[str, ...]:
+    value = body.get("stop")  # a string is one stop string, even one that looks like JSON
+    if value is None:
+        return ()
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not all(isinstance(s, str) and s for s in items):
+        raise _bad_type("stop", value)
+    return tuple(items)
+
+
+def _gettoken_ids(body: dict) -> tuple[int, ...]:
+    value = body.get("stop_token_ids")
+    if value is None:
+        return ()
+    ids = token_ids(value)
+    if ids is None:
+        raise _bad_type("stop_token_ids", value)
+    return tuple(ids)
+
+
+def _get_logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias} (JSON keys are strings), as sorted (id, bias) pairs."""
+    value = body.get("logit_bias")
+    if value is None:
+        return ()
+    try:
+        pairs = sorted((int(k), v) for k, v in value.items())
+    except (AttributeError, TypeError, ValueError):
+        raise _bad_type("logit_bias", value) from None
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for _, v in pairs):
+        raise _bad_type("logit_bias", value)
+    return tuple((t, float(v)) for t, v in pairs)
+
+
+def _get_logprobs(body: dict, kind: str) -> tuple[bool, int]:
+    """(logprobs on?, top_logprobs). Chat: logprobs bool + top_logprobs int. Completions:
+    logprobs is the int count of alternatives (OpenAI legacy), 0 = chosen token only."""
+    value, top = body.get("logprobs"), _get_int(body, "top_logprobs")
+    if kind == "completion":
+        value = whole(value)
+        if value is not None and not (is_int(value) and 0 <= value <= 20):
+            raise BadLine("invalid_sampling_param", "logprobs for completions must be an "
+                                                     f"integer in [0, 20], got {value!r}",
+                           "logprobs")
+        if value is not None:
+            return True, value
+        return top is not None, top or 0
+    if value is not None and not isinstance(value, bool):
+        raise BadLine("invalid_sampling_param", f"logprobs must be true or false, got {value!r}",
+                       "logprobs")
+    if top and not value:
+        raise BadLine("invalid_sampling_param", "top_logprobs needs logprobs: true",
+                       "top_logprobs")
+    return bool(value), top or 0
+
+
+def parse_sampling(body: dict, kind: str, default_max_tokens: int = 256) -> SamplingParams:
+    """SamplingParams from request fields (None means "not given"); raises BadLine."""
+    max_tokens = _get_int(body, "max_completion_tokens")
+    if max_tokens is None:
+        max_tokens = _get_int(body, "max_tokens")
+    ignore_eos = body.get("ignore_eos")
+    if ignore_eos is not None and not isinstance(ignore_eos, bool):
+        raise _bad_type("ignore_eos", ignore_eos)
+    top_k = _get_int(body, "top_k")
+    logprobs, top_logprobs = _get_logprobs(body, kind)
+    given = {
+        "max_tokens": default_max_tokens if max_tokens is None else max_tokens,
+        "min_tokens": _get_int(body, "min_tokens"),
+        "temperature": _get_number(body, "temperature"),
+        "top_p": _get_number(body, "top_p"),
+        "top_k": 0 if top_k == -1 else top_k,  # vLLM spells "disabled" as -1
+        "min_p": _get_number(body, "min_p"),
+        "seed": _get_int(body, "seed"),
+        "n": _get_int(body, "n"),
+        "stop": _get_stop(body),
+        "stop_token_ids": _gettoken_ids(body),
+        "ignore_eos": ignore_eos,
+        "logprobs": logprobs,
+        "top_logprobs": top_logprobs,
+        "presence_penalty": _get_number(body, "presence_penalty"),
+        "frequency_penalty": _get_number(body, "frequency_penalty"),
+        "repetition_penalty": _get_number(body, "repetition_penalty"),
+        "logit_bias": _get_logit_bias(body),
+    }
+    given = {k: v for k, v in given.items() if v is not None}
+    try:
+        return SamplingParams(**given)  # checks its values (the only check they get)
+    except ValueError as e:
+        name, rest = (str(e).split(" ", 1) + [""])[:2]
+        got = (f", got {given.get(name, _SAMPLING_DEFAULTS.get(name))!r}"
+               if name in _SAMPLING_FIELDS else "")
+        if name == "max_tokens" and body.get("max_completion_tokens") is not None:
+            name = "max_completion_tokens"  # the field the line spelled
+        raise BadLine("invalid_sampling_param", f"{name} {rest}{got}".strip(),
+                       name if name in _SAMPLING_FIELDS or name in ALLOWED else None) from None
+
+
+_SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
+_SAMPLING_DEFAULTS = {f.name: f.default for f in fields(SamplingParams)}
