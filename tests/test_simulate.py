@@ -211,7 +211,11 @@ def test_layouts_that_split_a_tp_group_unevenly_are_refused():
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["--tensor-parallel", "0"], "TP must be >= 1"),
+    (["--tensor-parallel", "0"], "--tensor-parallel-size must be >= 1"),
+    (["--world-size", "4", "--tensor-parallel-size", "3"],
+     "--world-size (4) must be a multiple of --tensor-parallel-size (3)"),
+    (["--num-requests", "0"], "--num-requests must be >= 1"),
+    (["--output-len", "uniform:min=5"], "(--prompt-len / --output-len)"),
     (["--requests-file", "{tmp}/missing.jsonl"], "cannot read it"),
     (["--requests-file", "{tmp}"], "cannot read it"),
     (["--requests-file", "{tmp}/wrong_keys.jsonl"], "line 2 is not a JSON object"),

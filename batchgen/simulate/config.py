@@ -92,22 +92,26 @@ class SimulationConfig:
     def validate(self) -> SimulationConfig:
         tp, nodes = max(1, self.tensor_parallel), max(1, self.nnodes)  # checked first
         checks = [
-            (self.model in PRESETS, f"model must be one of {', '.join(PRESETS)}"),
-            (self.world_size >= 1 and self.tensor_parallel >= 1, "world size and TP must be >= 1"),
-            (self.world_size % tp == 0, "world_size must be a multiple of TP"),
+            (self.model in PRESETS, f"--shape must be one of {', '.join(PRESETS)}"),
+            (self.world_size >= 1 and self.tensor_parallel >= 1,
+             "--world-size and --tensor-parallel-size must be >= 1"),
+            (self.world_size % tp == 0, f"--world-size ({self.world_size}) must be a multiple "
+             f"of --tensor-parallel-size ({self.tensor_parallel})"),
             (self.nnodes >= 1 and self.world_size % nodes == 0,
-             "world_size must be a multiple of nnodes"),
+             f"--world-size ({self.world_size}) must be a multiple of --nnodes ({self.nnodes})"),
             (_tp_fits(tp, max(1, self.world_size // nodes)),
-             "a TP group must fit in one node or span whole nodes"),
-            (0.0 <= self.transfer_overlap <= 1.0, "transfer_overlap must be in [0, 1]"),
+             "--tensor-parallel-size: a TP group must fit in one node or span whole nodes"),
+            (0.0 <= self.transfer_overlap <= 1.0, "--transfer-overlap must be in [0, 1]"),
             (min(self.pcie_gbps, self.gpu_tflops, self.hbm_gbps, self.interconnect_gbps,
                  self.network_gbps, self.host_kv_gb, self.gpu_memory_gb) > 0,
-             "sizes and rates must be > 0"),
-            (0.0 < self.gpu_memory_frac <= 1.0, "gpu_memory_frac must be in (0, 1]"),
-            (self.requests_file is not None or self.num_requests >= 1, "num_requests must be >= 1"),
-            (self.max_tokens is None or self.max_tokens >= 1, "max_tokens must be >= 1"),
+             "--pcie-gbps, --gpu-tflops, --hbm-gbps, --interconnect-gbps, --network-gbps, "
+             "--host-kv-cache-size and --gpu-memory-gb must be > 0"),
+            (0.0 < self.gpu_memory_frac <= 1.0, "--gpu-memory-frac must be in (0, 1]"),
+            (self.requests_file is not None or self.num_requests >= 1,
+             "--num-requests must be >= 1"),
+            (self.max_tokens is None or self.max_tokens >= 1, "--max-tokens must be >= 1"),
             (self.shared_prefix_len >= 0 and self.num_prefixes >= 1,
-             "shared_prefix_len must be >= 0 and num_prefixes >= 1"),
+             "--shared-prefix-len must be >= 0 and --num-prefixes >= 1"),
         ]
         for ok, message in checks:
             if not ok:
@@ -147,10 +151,12 @@ class LengthDist:
             else:
                 raise KeyError(kind)
         except (KeyError, ValueError):
-            raise ValueError(f"bad length distribution {text!r}: use fixed:N, uniform:min=A,max=B "
-                             "or lognormal:mean=M,sigma=S,max=X") from None
+            raise ValueError(f"bad length distribution {text!r} (--prompt-len / --output-len): "
+                             "use fixed:N, uniform:min=A,max=B or lognormal:mean=M,sigma=S,"
+                             "max=X") from None
         if not 1 <= dist.low <= dist.high:
-            raise ValueError(f"bad length distribution {text!r}: need 1 <= min <= max")
+            raise ValueError(f"bad length distribution {text!r} (--prompt-len / --output-len): "
+                             "need 1 <= min <= max")
         return dist
 
     def sample(self, count: int, rng: np.random.Generator) -> np.ndarray:
