@@ -2,7 +2,9 @@
 and the same command resumes once there is space. Tiny tmpfs mounts when we may mount (root);
 otherwise the worker's test hook makes the results file's disk "fill up" (ENOSPC injected)."""
 
+import errno
 import math
+import os
 import subprocess
 
 import pytest
@@ -100,3 +102,20 @@ def test_injected_full_disk_rolls_back_like_a_real_one(tmp_path):
         with pytest.raises(WriteFailed, match="No space left on device"):
             writer.write_batch([line % 3, line % 4])
     assert (tmp_path / "r.jsonl").read_bytes() == line % 1 + line % 2
+
+
+@pytest.mark.parametrize("code, advice", [
+    (errno.ENOSPC, "free space and run the same command again"),
+    (errno.EROFS, "mounted read-only: remount it read-write"),
+    (errno.EDQUOT, "disk quota"),
+    (errno.EIO, "I/O error"),
+    (errno.EFBIG, "ulimit -f")])
+def test_each_disk_error_says_what_to_do_about_it(code, advice):
+    from batchgen.runner.files.errors import DiskError, disk_errors
+
+    with pytest.raises(DiskError) as caught:
+        with disk_errors("write the results"):
+            raise OSError(code, os.strerror(code), "/data/out.jsonl")
+    message = str(caught.value)
+    assert message.startswith("could not write the results") and "/data/out.jsonl" in message
+    assert advice in message and "saved before are safe" in message

@@ -21,6 +21,18 @@ DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS, err
 """OSErrors that mean "the disk cannot take our writes": reported as exit 6, never retried."""
 
 
+DISK_FIXES = {
+    errno.ENOSPC: "free space",
+    errno.EDQUOT: "free space under your disk quota (or have it raised)",
+    errno.EROFS: "the file system is mounted read-only: remount it read-write, or give the job "
+                 "a writable --output and --storage-path",
+    errno.EIO: "the disk reported an I/O error: check it (dmesg, the storage's health)",
+    errno.EFBIG: "a file outgrew the file system's or the shell's limit (ulimit -f): raise it, "
+                 "or use another file system",
+}
+"""What to do about each of DISK_ERRNOS, as the message says it."""
+
+
 class DiskError(Exception):
     """A job file could not be written (ENOSPC, EIO, ...); what was saved before is safe."""
 
@@ -80,4 +92,5 @@ def disk_errors(doing: str):
         raise DiskError(
             f"could not {doing}: {err.strerror}{where} "
             f"[{errno.errorcode.get(err.errno or 0, err.errno)}]. Results saved before are safe; "
-            "free space (or fix the disk) and run the same command again to resume") from None
+            f"{DISK_FIXES.get(err.errno, 'fix the disk')} and run the same command again to "
+            "resume") from None
