@@ -93,7 +93,8 @@ def precompile(forwards: Callable[[], None], device, workers: CompileWorkers | N
         notes = note_variants(forwards, device)
         if not notes:
             return 0
-        workers = workers or CompileWorkers(len(notes))
+        # Spawned, not forked: this process has run CUDA and perhaps the compiler by now.
+        workers = workers or CompileWorkers(len(notes), fork=False)
         workers.submit(notes, _current_target())
         return _waited(workers, time.perf_counter() - start)
     finally:
