@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
