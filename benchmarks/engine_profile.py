@@ -98,21 +98,27 @@ def print_gaps(events, steps: int, largest: int = 8) -> None:
         print(f"  {gap:9.1f} us after {before[:50]!r} before {after[:50]!r}")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_workload_args(parser: argparse.ArgumentParser, max_decode_batch: int, requests: int,
+                      output_len: int) -> None:
+    """`batchgen bench`'s model and workload flags these profiling scripts share."""
     parser.add_argument("--shape", default="llama3-8b")
     parser.add_argument("--fp8-weights", action="store_true")
     parser.add_argument("--fp8-scales", default="block")
     parser.add_argument("--kv-dtype", default="auto")
-    parser.add_argument("--max-decode-batch", type=int, default=384)
+    parser.add_argument("--max-decode-batch", type=int, default=max_decode_batch)
     parser.add_argument("--cuda-graph-num-buckets", type=int, default=12)
-    parser.add_argument("--decode-burst-steps", type=int, default=8)
-    parser.add_argument("--requests", type=int, default=384)
+    parser.add_argument("--requests", type=int, default=requests)
     parser.add_argument("--input-len", type=int, default=1000)
-    parser.add_argument("--output-len", type=int, default=200)
+    parser.add_argument("--output-len", type=int, default=output_len)
     parser.add_argument("--shared-prefix-len", type=int, default=0,
                         help="Leading prompt tokens drawn from --num-prefixes shared prefixes.")
     parser.add_argument("--num-prefixes", type=int, default=1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_workload_args(parser, max_decode_batch=384, requests=384, output_len=200)
+    parser.add_argument("--decode-burst-steps", type=int, default=8)
     parser.add_argument("--after-bursts", type=int, default=6,
                         help="Bursts to run (after the warm-up) before the window opens.")
     parser.add_argument("--window", type=int, default=6, help="Engine steps profiled.")

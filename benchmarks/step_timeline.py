@@ -22,6 +22,7 @@ import batchgen.bench as bench_module
 from batchgen.bench import BenchConfig, Workload, bench
 from batchgen.engine.engine import Engine
 from batchgen.sched.scheduler import Scheduler
+from engine_profile import add_workload_args
 
 
 class Timeline:
@@ -56,15 +57,12 @@ class Timeline:
             out = step(engine)
             seconds = time.perf_counter() - start
             decode = engine.times.decode_steps - before
-            prefill = 0
-            plans, self._plans = self._plans, []
-            rows = 0
-            for plan in plans[:1]:  # the plan this step ran (a continuation is the next one's)
-                prefill = sum(c.end - c.start for c in plan.chunks
+            rows = prefill = 0
+            if self._plans:  # the plan this step ran (a continuation queued is the next one's)
+                chunks = self._plans.pop(0).chunks
+                rows = sum(1 for c in chunks if c.sample and c.end - c.start == 1)
+                prefill = sum(c.end - c.start for c in chunks
                               if not (c.sample and c.end - c.start == 1))
-                rows = sum(1 for c in plan.chunks if c.sample and c.end - c.start == 1)
-            if plans[1:]:
-                self._plans = plans[1:]
             self.steps.append((start - self.origin, seconds, rows, decode, prefill))
             return out
         return timed
@@ -123,17 +121,7 @@ def report(timeline: Timeline, slices: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shape", default="llama3-8b")
-    parser.add_argument("--fp8-weights", action="store_true")
-    parser.add_argument("--fp8-scales", default="block")
-    parser.add_argument("--kv-dtype", default="auto")
-    parser.add_argument("--max-decode-batch", type=int, default=512)
-    parser.add_argument("--cuda-graph-num-buckets", type=int, default=12)
-    parser.add_argument("--requests", type=int, default=1024)
-    parser.add_argument("--input-len", type=int, default=1000)
-    parser.add_argument("--output-len", type=int, default=500)
-    parser.add_argument("--shared-prefix-len", type=int, default=0)
-    parser.add_argument("--num-prefixes", type=int, default=1)
+    add_workload_args(parser, max_decode_batch=512, requests=1024, output_len=500)
     parser.add_argument("--n", type=int, default=1)
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--host-kv-cache-size", type=float, default=None)

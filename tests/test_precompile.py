@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import textwrap
 
 import pytest
 import torch
@@ -214,7 +213,7 @@ def test_the_stand_in_pass_does_nothing_off_cuda():
         workers.close()
 
 
-STAND_IN_SCRIPT = """
+COUNTING = """
 import json, sys, torch
 from triton import knobs
 from batchgen.bench_models import hf_config_for, random_model, stand_in_model
@@ -223,7 +222,7 @@ from batchgen.engine import runner
 from batchgen.engine.engine import Engine
 from batchgen.engine.precompile import CompileWorkers
 
-counts = {"ahead": 0, "workers": 0, "misses": 0}
+counts = {"workers": 0, "misses": 0}
 real = runner.precompile
 
 def counted(forwards, device, workers=None):
@@ -234,11 +233,16 @@ def counted(forwards, device, workers=None):
 
 runner.precompile = counted
 cuda = torch.device("cuda")
-config = hf_config_for("llama3-8b", tiny=True)
-config.num_hidden_layers = 6
 cfg = EngineConfig(memory=MemoryConfig(gpu_kv_cache_size=0.2, host_kv_cache_size=0.2),
                    runtime=RuntimeConfig(cuda_graph_max_bucket_size=8,
                                          cuda_graph_num_buckets=4)).validate()
+"""
+"""Counts the variants start-up's precompile has the workers compile ("workers") and those the
+capture after it still compiles itself ("misses"), in a fresh process."""
+
+STAND_IN = COUNTING + """
+config = hf_config_for("llama3-8b", tiny=True)
+config.num_hidden_layers = 6
 workers = CompileWorkers(device=cuda)
 x = torch.ones(64, 64, device=cuda, dtype=torch.bfloat16)
 x @ x  # cuBLAS keeps its workspace (32 MiB on Hopper) from its first GEMM on: not the stand-in's
@@ -253,14 +257,25 @@ print(json.dumps(counts))
 """A job's start-up as the worker runs it: compile workers started, the stand-in's pass, the
 real model, the engine (whose capture only waits for the workers)."""
 
+AFTER_THE_WEIGHTS = COUNTING + """
+model = random_model(hf_config_for("llama3-8b", tiny=True), torch.bfloat16, cuda)
+Engine(model, cfg)
+print(json.dumps(counts))
+"""
+"""An engine given no workers: its capture runs the pass and its own workers."""
+
+
+def fresh_process_counts(script: str, tmp_path) -> dict:
+    env = {**__import__("os").environ, "TRITON_CACHE_DIR": str(tmp_path / "cache")}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
 
 @pytest.mark.gpu
 def test_the_stand_in_pass_compiles_every_variant_the_capture_needs(tmp_path):
-    env = {**__import__("os").environ, "TRITON_CACHE_DIR": str(tmp_path / "cache")}
-    out = subprocess.run([sys.executable, "-c", STAND_IN_SCRIPT], env=env,
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    counts = json.loads(out.stdout.strip().splitlines()[-1])
+    counts = fresh_process_counts(STAND_IN, tmp_path)
     assert counts["ahead"] >= 5 and counts["workers"] == counts["ahead"], counts
     assert counts["misses"] == 0, counts
     assert counts["kept_bytes"] == 0, counts  # the stand-in's memory was given back
@@ -270,35 +285,5 @@ def test_the_stand_in_pass_compiles_every_variant_the_capture_needs(tmp_path):
 def test_capture_finds_every_variant_compiled_by_the_workers(tmp_path):
     """In a fresh process with an empty Triton cache, a CUDA engine's start-up precompiles
     the variants its capture needs: the capture compiles none itself."""
-    script = textwrap.dedent("""
-        import json, sys, torch
-        from triton import knobs
-        from batchgen.bench_models import hf_config_for, random_model
-        from batchgen.config import EngineConfig, MemoryConfig, RuntimeConfig
-        from batchgen.engine import runner
-        from batchgen.engine.engine import Engine
-
-        counts = {"workers": 0, "misses": 0}
-        real = runner.precompile
-
-        def counted(forwards, device, workers=None):
-            counts["workers"] += real(forwards, device, workers)
-            knobs.compilation.listener = (
-                lambda **kw: counts.__setitem__("misses", counts["misses"] + (not kw["cache_hit"])))
-            return 0
-
-        runner.precompile = counted
-        model = random_model(hf_config_for("llama3-8b", tiny=True), torch.bfloat16,
-                             torch.device("cuda"))
-        runtime = RuntimeConfig(cuda_graph_max_bucket_size=8, cuda_graph_num_buckets=4)
-        Engine(model, EngineConfig(memory=MemoryConfig(gpu_kv_cache_size=0.2,
-                                                       host_kv_cache_size=0.2),
-                                   runtime=runtime).validate())
-        print(json.dumps(counts))
-    """)
-    env = {**__import__("os").environ, "TRITON_CACHE_DIR": str(tmp_path / "cache")}
-    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                         text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    counts = json.loads(out.stdout.strip().splitlines()[-1])
+    counts = fresh_process_counts(AFTER_THE_WEIGHTS, tmp_path)
     assert counts["workers"] >= 5 and counts["misses"] == 0, counts

@@ -101,8 +101,8 @@ class ModelRunner:
             log.info("expert offloading is on: decode runs eagerly (no CUDA graphs)")
             return None
         graphs = decode_graphs(self.model, self.device_pool, runtime, limit)
-        if getattr(self.model, "probe_without_kernels", False) or (
-                compile_workers is not None and compile_workers.submitted):
+        if getattr(self.model, "probe_without_kernels", False):
+            # Workers given their work ahead (precompile_stand_in) are only waited for.
             precompile(lambda: probe(self.model, graphs, self.device_pool), self.device,
                        compile_workers)
         try:

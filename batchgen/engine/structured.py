@@ -67,7 +67,6 @@ from batchgen.request_checks import StructuredOutputError, response_format_schem
 MAX_WHITESPACE = 16
 
 
-
 @dataclass(frozen=True)
 class CompiledGrammar:
     """A compiled response_format; immutable and shared by all sequences using it."""

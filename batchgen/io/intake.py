@@ -305,9 +305,9 @@ def tokenize_request(parsed: ParsedRequest | EmbeddingRequest, tokenizer: Any,
         # Stop ids index the logits (min_tokens masks them): one past the vocabulary would
         # stop the whole batch's step, not just this line.
         _check_in_vocabulary("stop_token_ids", parsed.sampling.stop_token_ids, len(tokenizer),
-                             "invalid_sampling_param")
-        _check_in_vocabulary("logit_bias", [t for t, _ in parsed.sampling.logit_bias],
-                             len(tokenizer), "invalid_sampling_param")
+                             "invalid_sampling_param", "stop_token_ids")
+        _check_in_vocabulary("logit_bias token ids", [t for t, _ in parsed.sampling.logit_bias],
+                             len(tokenizer), "invalid_sampling_param", "logit_bias")
     except BadLine as bad:
         return IntakeError(parsed.custom_id, parsed.line, bad.code, f"line {parsed.line}: {bad}",
                            bad.param)
@@ -326,19 +326,16 @@ def tokenize_request(parsed: ParsedRequest | EmbeddingRequest, tokenizer: Any,
     return PendingRequest(**values, prompt_token_ids=ids)
 
 
-def _check_in_vocabulary(what: str, token_ids, vocab: int, code: str) -> None:
+def _check_in_vocabulary(what: str, token_ids, vocab: int, code: str, param: str) -> None:
     if any(t >= vocab for t in token_ids):
-        noun = "token ids" if what == "logit_bias" else ""
-        raise BadLine(code, f"{what} {noun + ' ' if noun else ''}must be < {vocab} (the "
-                       "tokenizer's vocabulary size)",
-                       what if what in ("stop_token_ids", "logit_bias") else "prompt")
+        raise BadLine(code, f"{what} must be < {vocab} (the tokenizer's vocabulary size)", param)
 
 
 def _prompt_ids(parsed: ParsedRequest, tokenizer: Any, max_context: int) -> list[int]:
     if parsed.kind == "completion":
         if isinstance(parsed.prompt, list):
             _check_in_vocabulary("prompt token ids", parsed.prompt, len(tokenizer),
-                                 "invalid_prompt")
+                                 "invalid_prompt", "prompt")
             return list(parsed.prompt)
         return list(tokenizer.encode(_fits_context(parsed.prompt, max_context)))
     try:

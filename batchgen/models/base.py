@@ -14,7 +14,6 @@ graph per link.
 
 from __future__ import annotations
 
-
 from collections.abc import Callable
 from contextlib import contextmanager
 

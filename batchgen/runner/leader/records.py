@@ -11,10 +11,10 @@ from pathlib import Path
 import orjson
 
 from batchgen.io.jobfiles import BatchFile, JobPaths
-from batchgen.io.results import item_id
 from batchgen.phases import format_phases, process_start_time
 from batchgen.runner.files.job import JobSpec
 from batchgen.runner.leader.progress import read_worker_stats
+from batchgen.runner.worker.outputs import outputs_belong_to
 from batchgen.runner.worker.watchdog import health_from_stats
 
 log = logging.getLogger("batchgen")
@@ -90,13 +90,11 @@ def warn_if_replacing(spec: JobSpec, storage: Path) -> None:
     incremental file, and rerunning its command writes them back without recomputing."""
     output = spec.paths.output
     try:
-        if not output.is_file() or not output.stat().st_size:
+        if (not output.is_file() or not output.stat().st_size
+                or outputs_belong_to(spec.batch_id, output)):
             return
-        first = orjson.loads(output.open("rb").readline())
-        if first["id"] == item_id(spec.batch_id, first["custom_id"]):
-            return
-    except (OSError, orjson.JSONDecodeError, KeyError, TypeError):
-        pass  # not a results file of ours, or unreadable: named below all the same
+    except OSError:
+        pass  # unreadable: named below all the same
     input_file = None
     try:
         others = [p for p in jobs_writing(output, storage) if p.stem != spec.batch_id]
