@@ -75,8 +75,14 @@ def test_rope_store_matches_reference_and_the_two_kernels(device, dtype, pool_dt
         stored, want = stored * kv_scales[..., None], want * want_scales[..., None]
     written = ~torch.isnan(want)
     assert torch.equal(written, ~torch.isnan(stored)), "wrote other slots than the reference"
-    torch.testing.assert_close(stored[written], want[written], rtol=0.13 if fp8 else 1e-2,
-                               atol=1e-3)
+    if fp8:  # an e4m3 step either way; in a row whose amax is large (token 2), small values
+        # fall among the subnormals, whose step is 2^-9 of the scale, not relative to them
+        subnormal = (2.0 ** -9) * want_scales[..., None].expand_as(want)
+        error = (stored - want).abs()[written]
+        assert (error <= 0.13 * want.abs()[written] + subnormal[written] + 1e-3).all(), \
+            error.max()
+    else:
+        torch.testing.assert_close(stored[written], want[written], rtol=1e-2, atol=1e-3)
     other_layers = torch.cat([data[:, :1], data[:, 2:]], dim=1)
     assert torch.isnan(other_layers.float()).all(), "wrote outside the layer"
 
