@@ -39,7 +39,7 @@ BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
 def import_kernels():
     """This checkout's kernels/ folder as `batchgen_kernels` (whatever copy is installed): the
     bench measures the code beside it, and runs from a plain checkout."""
-    folder = pathlib.Path(__file__).resolve().parents[1] / "kernels"
+    folder = pathlib.Path(__file__).resolve().parents[1] / "kernels" / "batchgen_kernels"
     spec = importlib.util.spec_from_file_location(
         "batchgen_kernels", folder / "__init__.py", submodule_search_locations=[str(folder)])
     kernels = importlib.util.module_from_spec(spec)

@@ -6,7 +6,7 @@ bash scripts/install.sh test
 # The import contracts in pyproject.toml ([tool.importlinter]): a crossed layer fails the run.
 .venv/bin/lint-imports --no-cache
 set +e
-# Not `python -m pytest`: that puts the repo root (and its kernels/ folder) on sys.path.
+# The tests import the installed (editable) packages, never the repo root.
 .venv/bin/pytest -q --durations=15 "$@"  # the slowest tests named: the suite must stay ~20 min
 rc=$?
 set -e

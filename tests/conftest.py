@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 import torch
 
-# batchgen is installed (editable); the repo root must NOT be on sys.path: its kernels/ folder
-# would shadow PyPI's `kernels` package that transformers probes for.
+# batchgen and batchgen_kernels are installed (editable); only this folder goes on sys.path,
+# for the tests' shared helper modules.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -28,7 +28,7 @@ def _lint(tree: Path) -> subprocess.CompletedProcess:
 def _copy_tree(dest: Path) -> Path:
     ignore = shutil.ignore_patterns("__pycache__")
     shutil.copytree(ROOT / "batchgen", dest / "batchgen", ignore=ignore)
-    shutil.copytree(ROOT / "kernels", dest / "batchgen_kernels", ignore=ignore)
+    shutil.copytree(ROOT / "kernels" / "batchgen_kernels", dest / "batchgen_kernels", ignore=ignore)
     return dest
 
 
@@ -55,3 +55,15 @@ def test_a_crossed_layer_fails(tmp_path, source, planted, contract):
     assert done.returncode != 0
     broken = [line for line in done.stdout.splitlines() if line.endswith("BROKEN")]
     assert any(line.startswith(contract) for line in broken), done.stdout
+
+
+def test_running_from_the_repository_root_shadows_no_installed_package():
+    """`python -m batchgen` and `python -c` put the working directory first on sys.path: a package
+    folder at the repository root named like an installed one (a kernels/ package against the
+    Hub's `kernels`, which transformers imports) would shadow it there."""
+    assert {init.parent.name for init in ROOT.glob("*/__init__.py")} == {"batchgen"}
+    code = "import transformers.activations, batchgen_kernels; print(batchgen_kernels.__file__)"
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert Path(done.stdout.strip()).parent == ROOT / "kernels" / "batchgen_kernels"
