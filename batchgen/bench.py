@@ -48,8 +48,8 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
+from batchgen.bench_config import BenchConfig
 from batchgen.bench_models import (
-    FP8_SCALES,
     SHAPES,
     hf_config_for,
     hf_twin,
@@ -58,7 +58,7 @@ from batchgen.bench_models import (
     weight_stats,
 )
 from batchgen.bench_tp import bench_tensor_parallel
-from batchgen.config import EngineConfig, MemoryConfig, ModelConfig, RuntimeConfig, SchedulerConfig
+from batchgen.config import EngineConfig
 from batchgen.core import FinishReason, Request, SamplingParams
 from batchgen.engine.engine import Engine
 from batchgen.engine.heap import frozen_heap
@@ -320,81 +320,6 @@ def free_kv_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-@dataclass(frozen=True)
-class BenchConfig:
-    shape: str = "smollm2-135m"
-    """A key of SHAPES."""
-    dtype: str = "auto"
-    kv_dtype: str = "auto"
-    peer: str = "none"
-    """none, or hf: HF `generate` on static batches of the same requests and weights."""
-    peer_batch: int = 256
-    max_decode_batch: int = 256
-    max_prefill_tokens: int = 8192
-    """Token budget of one packed prefill step (as `run`'s flag)."""
-    initial_gpu_page_buffer: int = 32
-    """Device pages reserved beyond the context when a sequence is loaded (as `run`'s flag):
-    when the device pool bounds the decode batch, a smaller buffer fits more sequences."""
-    gpu_kv_cache_size: float | None = None
-    """Device KV pool in GB (overrides gpu_memory_frac)."""
-    host_kv_cache_size: float | None = None
-    """Host KV pool in GB (default: what the workload can use, as `run` sizes it)."""
-    gpu_memory_frac: float = 0.9
-    """Share of device memory for weights + KV when gpu_kv_cache_size is unset (CUDA)."""
-    compare_host_tier: bool = False
-    """Run the workload again with the host tier off (host pool = device pool, same device
-    pool) and report both and their ratio."""
-    enable_prefix_caching: bool = True
-    """Share the KV of common prompt prefixes (as `run`'s flag)."""
-    compare_prefix_caching: bool = False
-    """Run the workload again with the prefix cache off and report both, their ratio and
-    whether their tokens agree (bench_prefix.py)."""
-    device: str = "auto"
-    disable_cuda_graphs: bool = False
-    """Decode eagerly (graphs are on by default on CUDA)."""
-    cuda_graph_num_buckets: int = 16
-    """Captured decode batch sizes up to max_decode_batch."""
-    decode_burst_steps: int = 8
-    """Decode steps queued back to back while the running set is fixed (1: one at a time)."""
-    fp8_weights: bool = False
-    """FP8 e4m3 quantized linears (and DeepSeek's experts), as FP8 checkpoints ship them
-    (kept FP8 on CUDA; dequantized on CPU). Not for gpt-oss (MXFP4)."""
-    fp8_scales: str = "block"
-    """How --fp8-weights scales them: "block" (128x128 blocks, as DeepSeek; blockwise GEMMs)
-    or "tensor" (one scale per matrix, as AutoFP8 checkpoints of Llama; row-scaled GEMMs)."""
-    pre_dequantize_weights: bool = False
-    """Dequantize MXFP4 (gpt-oss) or FP8 weights once at load instead of on the fly."""
-    enable_ep_with_offloading: bool = False
-    ep_offloading_ratio: float = 0.0
-    """Share of each MoE layer's routed experts kept in pinned host memory."""
-    tiny: bool = False
-    """The shape's layer pattern at toy widths (bench_models.TINY): CPU smoke runs and tests."""
-    tensor_parallel_size: int = 1
-    """Ranks the model is split over (attention heads and MLP columns; DeepSeek's routed
-    experts across the ranks, i.e. EP), one process each: GPUs 0..N-1, or CPU processes over
-    gloo. Every rank runs the whole workload; rank 0 reports (bench_tp.py)."""
-
-    def model_config(self) -> ModelConfig:
-        """The options the model is built with (validated like a job's)."""
-        cfg = ModelConfig(kv_dtype=self.kv_dtype,
-                          pre_dequantize_weights=self.pre_dequantize_weights,
-                          enable_ep_with_offloading=self.enable_ep_with_offloading,
-                          ep_offloading_ratio=self.ep_offloading_ratio)
-        cfg.validate()
-        return cfg
-
-    def hf_config(self):
-        """The HF config of the benchmarked model (the shape, shrunk with --tiny, with its FP8
-        quantization_config under --fp8-weights)."""
-        if self.fp8_scales not in FP8_SCALES:
-            raise ValueError(f"--fp8-scales {self.fp8_scales!r}: one of {', '.join(FP8_SCALES)}")
-        if self.fp8_scales != "block" and not self.fp8_weights:
-            raise ValueError(f"--fp8-scales {self.fp8_scales} describes FP8 weights: add "
-                             "--fp8-weights")
-        fp8 = self.fp8_scales if self.fp8_weights else None
-        return hf_config_for(self.shape, self.tiny, fp8)
-
-
 def bench(cfg: BenchConfig, work: Workload, tp: TensorParallel | None = None) -> dict:
     """The report of one benchmark. `tp`: this rank's group, inside a tensor-parallel run
     (bench_tp.py starts the ranks when cfg.tensor_parallel_size > 1 and none is given)."""
@@ -410,30 +335,9 @@ def bench(cfg: BenchConfig, work: Workload, tp: TensorParallel | None = None) ->
     device = pick_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     hf_config = cfg.hf_config()
-    options = cfg.model_config()
-    engine_cfg = EngineConfig(
-        model=options,
-        memory=MemoryConfig(gpu_kv_cache_size=cfg.gpu_kv_cache_size,
-                            host_kv_cache_size=cfg.host_kv_cache_size,
-                            gpu_memory_frac=cfg.gpu_memory_frac),
-        scheduler=SchedulerConfig(max_decode_batch=cfg.max_decode_batch,
-                                  max_prefill_tokens=cfg.max_prefill_tokens,
-                                  initial_gpu_page_buffer=cfg.initial_gpu_page_buffer,
-                                  enable_prefix_caching=cfg.enable_prefix_caching),
-        runtime=RuntimeConfig(cuda_graph_max_bucket_size=cfg.max_decode_batch,
-                              cuda_graph_num_buckets=cfg.cuda_graph_num_buckets,
-                              disable_cuda_graphs=cfg.disable_cuda_graphs,
-                              decode_burst_steps=cfg.decode_burst_steps)).validate()
-    # Triton's compile processes start now and compile while the weights are drawn
-    # (engine/precompile.py).
-    compile_workers = None
-    if device.type == "cuda":
-        compile_workers = CompileWorkers(device=device)
-        if tp.size == 1:
-            precompile_stand_in(lambda: stand_in_model(hf_config, dtype, device, options),
-                                engine_cfg, compile_workers)
-            clock.mark("precompile")
-    model = random_model(hf_config, dtype, device, options, tp=tp)
+    engine_cfg = cfg.engine_config()
+    compile_workers = _precompile(hf_config, dtype, device, engine_cfg, tp, clock)
+    model = random_model(hf_config, dtype, device, engine_cfg.model, tp=tp)
     stats = weight_stats(model)
     clock.mark("weights")
     ours = run_ours(model, None, engine_cfg, work, tp, compile_workers)
@@ -441,8 +345,7 @@ def bench(cfg: BenchConfig, work: Workload, tp: TensorParallel | None = None) ->
     bandwidth = measure_hbm_bandwidth(device)
     bound = roofline_seconds(stats, ours["layout"], work, ours["outputs"], cfg.max_decode_batch,
                              bandwidth, device)
-    total_in = work.requests * work.input_len  # prompt tokens, cached ones included
-    rows = {"batchgen": {**_row(ours, total_in), "roofline_fraction": bound / ours["seconds"]}}
+    rows = {"batchgen": {**_row(ours, work), "roofline_fraction": bound / ours["seconds"]}}
     report = {"config": asdict(cfg), "workload": asdict(work), "device": str(device),
               "dtype": str(dtype).removeprefix("torch."), "weights": stats,
               "hbm_bytes_per_s": bandwidth, "roofline_seconds": bound, "results": rows,
@@ -450,12 +353,43 @@ def bench(cfg: BenchConfig, work: Workload, tp: TensorParallel | None = None) ->
               "tokens_sha256": ours["tokens_sha256"], "engine_stats": _scalars(ours["stats"]),
               "warmup_seconds": ours["warmup_s"],
               "startup": _startup(clock, ours, timed_end)}
+    _compare(cfg, work, tp, model, engine_cfg, ours, report)
+    if cfg.peer == "hf":
+        peer = run_hf_peer(model, hf_config, work, cfg.peer_batch)
+        rows["hf_generate"] = _row(peer, work)
+        rows["ratio"] = rows["batchgen"]["output_tok_s"] / rows["hf_generate"]["output_tok_s"]
+    return report
+
+
+def _precompile(hf_config, dtype: torch.dtype, device: torch.device, engine_cfg: EngineConfig,
+                tp: TensorParallel, clock: StartupClock) -> CompileWorkers | None:
+    """On CUDA: Triton's compile processes, started before this process touches the GPU, and
+    (one rank) the stand-in's pass that hands them the variants to build while the weights
+    are drawn (engine/precompile.py). None on other devices."""
+    if device.type != "cuda":
+        return None
+    workers = CompileWorkers(device=device)
+    clock.mark("workers")
+    torch.empty(1, device=device)  # creates CUDA's context: timed as its own phase
+    clock.mark("device")
+    if tp.size == 1:
+        precompile_stand_in(lambda: stand_in_model(hf_config, dtype, device, engine_cfg.model),
+                            engine_cfg, workers)
+        clock.mark("precompile")
+    return workers
+
+
+def _compare(cfg: BenchConfig, work: Workload, tp: TensorParallel, model,
+             engine_cfg: EngineConfig, ours: dict, report: dict) -> None:
+    """The reruns --compare-host-tier and --compare-prefix-caching ask for, into `report`: each
+    a row beside "batchgen" and a section with the ratio and whether the tokens agree."""
+    rows, bound = report["results"], report["roofline_seconds"]
+    device = next(model.parameters()).device
     if cfg.compare_host_tier:
         free_kv_memory(device)
         off = run_ours(model, None, host_tier_off(engine_cfg, ours["stats"]["device_pages"],
                                                   ours["layout"]), work, tp)
-        rows["host_tier_off"] = {**_row(off, total_in),
-                                 "roofline_fraction": bound / off["seconds"]}
+        rows["host_tier_off"] = {**_row(off, work), "roofline_fraction": bound / off["seconds"]}
         report["host_tier"] = {
             "ratio": rows["batchgen"]["output_tok_s"] / rows["host_tier_off"]["output_tok_s"],
             "same_tokens": ours["tokens_sha256"] == off["tokens_sha256"],
@@ -466,15 +400,10 @@ def bench(cfg: BenchConfig, work: Workload, tp: TensorParallel | None = None) ->
 
         free_kv_memory(device)
         off = run_ours(model, None, caching_off(engine_cfg), work, tp)
-        rows["prefix_caching_off"] = {**_row(off, total_in),
+        rows["prefix_caching_off"] = {**_row(off, work),
                                       "roofline_fraction": bound / off["seconds"]}
         report["prefix_caching"] = comparison(ours, off, rows["batchgen"],
                                               rows["prefix_caching_off"])
-    if cfg.peer == "hf":
-        peer = run_hf_peer(model, hf_config, work, cfg.peer_batch)
-        rows["hf_generate"] = _row(peer, total_in)
-        rows["ratio"] = rows["batchgen"]["output_tok_s"] / rows["hf_generate"]["output_tok_s"]
-    return report
 
 
 def _startup(clock: StartupClock, ours: dict, timed_end: float) -> dict:
@@ -490,7 +419,8 @@ def _startup(clock: StartupClock, ours: dict, timed_end: float) -> dict:
             "whole_over_timed": round(timed_end / max(ours["seconds"], 1e-9), 3)}
 
 
-def _row(run: dict, total_in: int) -> dict:
+def _row(run: dict, work: Workload) -> dict:
+    total_in = work.requests * work.input_len  # prompt tokens, cached ones included
     return {"output_tok_s": run["output_tokens"] / run["seconds"],
             "total_tok_s": (run["output_tokens"] + total_in) / run["seconds"],
             "seconds": run["seconds"], "output_tokens": run["output_tokens"]}

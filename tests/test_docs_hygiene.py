@@ -99,7 +99,8 @@ def scan(rules: dict[str, re.Pattern]) -> list[str]:
 def test_the_scan_covers_the_project():
     names = {path.relative_to(ROOT).as_posix() for path in project_files()}
     for expected in ("README.md", "docs/performance.md", "docs/architecture.md",
-                     "batchgen/runner/leader/launch.py", "kernels/batchgen_kernels/decode_attention.py",
+                     "batchgen/runner/leader/launch.py",
+                     "kernels/batchgen_kernels/decode_attention.py",
                      "benchmarks/w2_host_tier.sh", "jobs/single_node.sbatch"):
         assert expected in names, expected
 

@@ -14,7 +14,8 @@ from test_decode_burst import chat, engine, outcome  # noqa: F401  (the fixture)
 
 
 def decode_rows(contexts):
-    seqs = [Sequence(i, f"r{i}", 0, [1] * c, c, SamplingParams(), 0) for i, c in enumerate(contexts)]
+    seqs = [Sequence(i, f"r{i}", 0, [1] * c, c, SamplingParams(), 0)
+            for i, c in enumerate(contexts)]
     return [SeqChunk(s, s.num_tokens - 1, s.num_tokens, True) for s in seqs]
 
 

@@ -57,10 +57,10 @@ def render_chat(messages: list[dict], extra: dict, tokenizer: Any) -> str:
     tools = extra.get("tools")
     text = _render(messages, extra, tokenizer, tools)
     if tools and text == _render(messages, extra, tokenizer, None):
-        raise TemplateError("unsupported_tools", "this model's chat template does not render tools, "
-                                            "so the model would never see them: drop \"tools\" "
-                                            "or use a model whose template supports tool use",
-                       "tools")
+        raise TemplateError("unsupported_tools",
+                            "this model's chat template does not render tools, so the model "
+                            "would never see them: drop \"tools\" or use a model whose template "
+                            "supports tool use", "tools")
     return text
 
 
@@ -73,15 +73,16 @@ def _render(messages: list[dict], extra: dict, tokenizer: Any, tools) -> str:
                                                  add_generation_prompt=True, tools=tools,
                                                  **kwargs)
     except TemplateTimeout:
-        raise TemplateError("template_error", f"the chat template ran past {TEMPLATE_TIMEOUT_S:g} s "
-                                         "for this line (a loop without end?) and was "
-                                         "stopped", "messages") from None
+        raise TemplateError("template_error",
+                            f"the chat template ran past {TEMPLATE_TIMEOUT_S:g} s for this line "
+                            "(a loop without end?) and was stopped", "messages") from None
     # A template is foreign code that may raise anything; one line must never stop the job.
     except Exception as e:  # noqa: BLE001
         raise TemplateError("template_error",
                        f"the chat template failed: {type(e).__name__}: {e}", "messages") from None
     if not isinstance(text, str) or len(text) > MAX_RENDERED_CHARS:
         size = f"{len(text)} characters" if isinstance(text, str) else type(text).__name__
-        raise TemplateError("template_error", f"the chat template rendered {size}, over the limit "
-                                         f"of {MAX_RENDERED_CHARS}", "messages")
+        raise TemplateError("template_error",
+                            f"the chat template rendered {size}, over the limit of "
+                            f"{MAX_RENDERED_CHARS}", "messages")
     return text

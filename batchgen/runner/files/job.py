@@ -122,8 +122,8 @@ def file_version(path: Path) -> tuple[int, ...]:
 def check_input_unchanged(spec: JobSpec, version: tuple[int, ...]) -> None:
     """Refuse to publish results when the input was edited or replaced after the job read its
     identity (`version` was taken before): the lines are parsed after its sha256 was taken,
-    so answers to edited lines would go out under the original input's identity. Re-hashes only when the
-    file's version moved."""
+    so answers to edited lines would go out under the original input's identity. Re-hashes only
+    when the file's version moved."""
     path = Path(spec.config.storage.input)
     if file_version(path) == version:
         return

@@ -1,8 +1,8 @@
 """A worker: the engine fed from this rank's shard of the input, results fsynced per step.
 
 Run by the supervisor through torch.distributed's launcher (`python -m
-batchgen.runner.worker.worker_entry SPEC.json`, which calls `main`); rank and world size come from the
-launcher's environment, never from globals.
+batchgen.runner.worker.worker_entry SPEC.json`, which calls `main`); rank and world size come
+from the launcher's environment, never from globals.
 Exit codes: 0 shard done, 75 stopped by a signal, 4 results file locked, 6 disk, 70 watchdog,
 71 device out of memory; anything else is a crash.
 """
@@ -134,9 +134,12 @@ class Worker:
             device = torch.device("cuda", rank.local_rank)
         # Triton's compile processes: forks taken before this process touches the GPU, which
         # compile while the weights load (engine/precompile.py).
-        compile_workers = CompileWorkers(device=device) if device.type == "cuda" else None
+        compile_workers = None
         if device.type == "cuda":
-            torch.cuda.set_device(device)
+            compile_workers = CompileWorkers(device=device)
+            self.clock.mark("workers")
+            torch.cuda.set_device(device)  # creates CUDA's context
+            self.clock.mark("device")
         self.place = placement(spec, rank, device)
         self.tp = init_tensor_parallel(self.place, device)
         self.quarantine = Quarantine(paths.batch_file.parent, spec.batch_id, self.place.dp_rank,
