@@ -153,7 +153,7 @@ def test_the_fingerprint_records_the_dtypes_a_run_resolves(tmp_path):
     from batchgen.config import EngineConfig, ModelConfig
     from batchgen.io.jobfiles import check_fingerprint
     from batchgen.runner.files.job import fingerprint
-    from batchgen.runner.leader.supervisor import _as_recorded_then
+    from batchgen.runner.leader.prepare import _as_recorded_then
 
     def fp(device, **model):
         config = JobConfig(storage=StorageConfig(input="in.jsonl"),

@@ -87,6 +87,21 @@ def test_resume_refuses_changed_settings(tmp_path, tiny_chat_model):
     assert proc.returncode == 3 and "kv_dtype" in proc.stderr
 
 
+def test_max_tokens_may_change_on_resume_only_where_no_request_takes_it(tmp_path,
+                                                                        tiny_chat_model):
+    rows = chat_rows(2)  # each sets its max_tokens: --max-tokens decides nothing
+    inp = write_jsonl(tmp_path / "in.jsonl", rows)
+    batchgen(*run_args(inp, tmp_path / "s", tiny_chat_model, "--max-tokens", "5"), check=True)
+    proc = batchgen(*run_args(inp, tmp_path / "s", tiny_chat_model, "--max-tokens", "7"),
+                    check=True)
+    assert "already completed" in proc.stderr
+    del rows[1]["body"]["max_tokens"]  # this one takes --max-tokens
+    inp = write_jsonl(tmp_path / "takes.jsonl", rows)
+    batchgen(*run_args(inp, tmp_path / "t", tiny_chat_model, "--max-tokens", "5"), check=True)
+    proc = batchgen(*run_args(inp, tmp_path / "t", tiny_chat_model, "--max-tokens", "7"))
+    assert proc.returncode == 3 and "default_max_tokens: 5 -> 7" in proc.stderr
+
+
 def test_resume_refuses_other_weights_behind_the_same_model_path(tmp_path, tiny_chat_model):
     """A new checkpoint written into the model folder mid-job must not mix two models'
     answers in one job; the original bytes put back resume as before."""

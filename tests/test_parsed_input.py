@@ -61,6 +61,23 @@ def test_stored_records_are_what_parse_record_makes(tmp_path):
         assert all([r.line for r in s] == sorted(r.line for r in s) for s in shards)
 
 
+def test_the_scan_counts_the_requests_that_take_the_default_max_tokens(tmp_path):
+    """Those decide whether --max-tokens may change on a resume (runner/files/job.py)."""
+    chat = {"messages": [{"role": "user", "content": "Hi"}]}
+    lines = LINES + [
+        {"custom_id": "e1", "url": "/v1/chat/completions", "body": dict(chat)},
+        {"custom_id": "e2", "url": "/v1/chat/completions",
+         "body": {**chat, "max_completion_tokens": 9}},
+        {"custom_id": "e3", "prompt": "x", "max_tokens": None},
+        {"custom_id": "e4", "url": "/v1/embeddings", "body": {"input": "x"}}]
+    inp = write_input(tmp_path / "in.jsonl", lines)
+    summary = parse_input(identify_input(inp), tmp_path / "job.requests", 1 << 20, 16)
+    assert summary.default_max_tokens_lines == 2  # e1 and e3; errors and embeddings take none
+    inp = write_input(tmp_path / "given.jsonl")  # LINES: every request sets max_tokens
+    assert parse_input(identify_input(inp), tmp_path / "given.requests", 1 << 20,
+                       16).default_max_tokens_lines == 0
+
+
 def test_replicas_take_requests_that_share_a_system_prompt_together(tmp_path):
     """Four long system prompts over 32 shuffled chat lines, four replicas: each replica gets
     the eight lines of one system prompt, so each prompt's prefix is computed once."""
@@ -128,7 +145,7 @@ def _fake_worker():
 def test_each_line_is_parsed_once_from_the_scan_to_the_final_merge(tmp_path, monkeypatch):
     """Counts JSON decodes (reader.parse_line) and checks (intake._parse) per line across the
     supervisor's scan, two data-parallel workers' intake, resume and the merge's key order."""
-    from batchgen.runner.leader import supervisor
+    from batchgen.runner.leader import prepare, supervisor
     from batchgen.runner.worker.worker import Worker
 
     inp = write_input(tmp_path / "in.jsonl")
@@ -147,8 +164,8 @@ def test_each_line_is_parsed_once_from_the_scan_to_the_final_merge(tmp_path, mon
     monkeypatch.setattr(intake_module, "_parse", counted_check)
     config = JobConfig(storage=StorageConfig(input=str(inp), storage_path=str(tmp_path / "s"),
                                              max_tokens=16)).validate()
-    source, paths = supervisor.identify(config)
-    summary = supervisor.parse(config, source, paths)
+    source, paths = prepare.identify(config)
+    summary = prepare.parse(config, source, paths)
     assert summary.records == 7
     pending, errors = [], []
     for rank in range(2):

@@ -86,7 +86,7 @@ def test_run_waits_for_a_live_run_then_completes(tmp_path, tiny_chat_model):
     shorter wait still ends in exit 4, a stop signal while waiting in exit 75."""
     from batchgen.config import JobConfig, StorageConfig
     from batchgen.runner.files.lock import JobLock
-    from batchgen.runner.leader.supervisor import identify
+    from batchgen.runner.leader.prepare import identify
 
     inp = job_input(tmp_path)
     storage = tmp_path / "s"

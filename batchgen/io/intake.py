@@ -20,7 +20,7 @@ from batchgen.io.embeddings import (EMBEDDINGS_URL, EmbeddingLineError, Embeddin
                                     parse_embedding, tokenize_embedding)
 from batchgen.io.grammar_limits import GrammarTooComplex, check_grammar_limits
 from batchgen.io.reader import RawRecord, custom_id_of, record_key
-from batchgen.io.sampling_fields import BadLine, parse_sampling, token_ids
+from batchgen.io.sampling_fields import BadLine, gives_max_tokens, parse_sampling, token_ids
 from batchgen.io.templates import TemplateError, render_chat
 from batchgen.request_checks import (StructuredOutputError, ToolChoiceError, check_tools,
                                      forced_functions, response_format_schema)
@@ -152,6 +152,15 @@ def _parse(data: dict, key: str, line: int,
     prompt = _prompt(body.get("prompt")) if kind == "completion" else None
     sampling = parse_sampling(body, kind, default_max_tokens)
     return ParsedRequest(key, line, kind, messages, prompt, sampling, extra)
+
+
+def takes_default_max_tokens(parsed: ParsedRequest | EmbeddingRequest | IntakeError,
+                             record: RawRecord) -> bool:
+    """Whether `parsed` (parse_record of `record`) is a request whose length is --max-tokens."""
+    if not isinstance(parsed, ParsedRequest):
+        return False
+    data = record.data
+    return not gives_max_tokens(data["body"] if "body" in data else data)
 
 
 def _openai_envelope(data: dict) -> tuple[str, dict]:

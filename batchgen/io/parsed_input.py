@@ -22,13 +22,13 @@ import io
 import pickle
 import struct
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import BinaryIO
 
 from batchgen.atomic import atomic_file
 from batchgen.io.embeddings import EmbeddingRequest
-from batchgen.io.intake import IntakeError, ParsedRequest, parse_record
+from batchgen.io.intake import IntakeError, ParsedRequest, parse_record, takes_default_max_tokens
 from batchgen.io.prefix_shards import assign_replicas, prefix_key
 from batchgen.io.reader import InputFile, InputFileError, InputSummary, RawRecord, scan_input
 
@@ -55,9 +55,12 @@ class _Store:
 
     def __init__(self, f: BinaryIO, default_max_tokens: int):
         self.f, self.default_max_tokens = f, default_max_tokens
+        self.defaulted = 0
+        """Records whose max_tokens is the default (intake.takes_default_max_tokens)."""
 
     def add(self, record: RawRecord, key: str) -> None:
         parsed = parse_record(record, self.default_max_tokens)
+        self.defaulted += takes_default_max_tokens(parsed, record)
         item = pickle.dumps(parsed, protocol=pickle.HIGHEST_PROTOCOL)
         raw_key = key.encode("utf-8", "surrogatepass")
         prefix = (prefix_key(parsed.messages, parsed.prompt) if isinstance(parsed, ParsedRequest)
@@ -72,8 +75,9 @@ def parse_input(identity: InputFile, out: Path, max_line_bytes: int,
     """Parse every record of the input once into `out` (all or nothing: a duplicate custom_id
     or an unreadable file raises InputFileError and leaves `out` as it was)."""
     with atomic_file(out) as f:
-        return scan_input(identity.path, max_line_bytes,
-                          _Store(f, default_max_tokens).add, identity)
+        store = _Store(f, default_max_tokens)
+        summary = scan_input(identity.path, max_line_bytes, store.add, identity)
+    return replace(summary, default_max_tokens_lines=store.defaulted)
 
 
 class _Unpickler(pickle.Unpickler):

@@ -81,6 +81,9 @@ class InputSummary:
     """Non-blank lines (Parquet: rows); results + errors of a finished job add up to this."""
     line_errors: dict[str, int] = field(default_factory=dict)
     """Count of lines per reader-level error code (invalid_json, invalid_utf8, not_an_object)."""
+    default_max_tokens_lines: int | None = None
+    """Requests that give no max_tokens and so take --max-tokens (counted by the pass that
+    parses every request, parsed_input.parse_input); None where no such pass ran."""
 
 
 def detect_format(path: str | Path) -> str:

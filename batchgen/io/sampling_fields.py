@@ -127,6 +127,12 @@ def _get_logprobs(body: dict, kind: str) -> tuple[bool, int]:
     return bool(value), top or 0
 
 
+def gives_max_tokens(body: dict) -> bool:
+    """Whether a request body sets its own length (max_completion_tokens or max_tokens): one
+    that does not takes --max-tokens."""
+    return body.get("max_completion_tokens") is not None or body.get("max_tokens") is not None
+
+
 def parse_sampling(body: dict, kind: str, default_max_tokens: int = 256) -> SamplingParams:
     """SamplingParams from request fields (None means "not given"); raises BadLine."""
     max_tokens = _get_int(body, "max_completion_tokens")

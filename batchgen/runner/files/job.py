@@ -67,16 +67,18 @@ def _config_from_dict(cls, data: dict):
 
 
 def fingerprint(config: JobConfig, input_sha256: str, model_identity: str,
-                model_weights: str, device_type: str = "cpu") -> dict:
+                model_weights: str, device_type: str = "cpu",
+                default_max_tokens_used: bool = True) -> dict:
     """What decides the answers: a resume with any of it changed is refused. The dtypes are
     recorded as they resolve on `device_type` ("auto" is bfloat16 on CUDA, float32 on the
     CPU; the KV cache's "auto" is the model's dtype), so a job started on the CPU is not
     resumed on a GPU in another precision, and `--dtype float32` resumes a CPU job started
-    with "auto"."""
+    with "auto". --max-tokens counts only where a request takes it
+    (`default_max_tokens_used`)."""
     m = config.engine.model
     out = config.output
     lengths = {}  # absent at their defaults: jobs started before they existed still resume
-    if config.storage.max_tokens != StorageConfig.max_tokens:
+    if default_max_tokens_used and config.storage.max_tokens != StorageConfig.max_tokens:
         lengths["default_max_tokens"] = config.storage.max_tokens
     if m.max_model_len is not None:
         lengths["max_model_len"] = m.max_model_len

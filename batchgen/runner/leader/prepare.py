@@ -1,0 +1,105 @@
+"""A job before its workers start: the input hashed and parsed once, the job's identity and
+folders, and its record in the batch file under a fingerprint of what decides the answers
+(a resume with any of it changed is refused). No weights are loaded here."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from batchgen.config import JobConfig
+from batchgen.io.jobfiles import (BatchFile, JobPaths, check_fingerprint, derive_batch_id,
+                                  record_upload)
+from batchgen.io.parsed_input import parse_input
+from batchgen.io.reader import InputFile, InputFileError, InputSummary, identify_input
+from batchgen.models.loader import resolve_model, weights_signature
+from batchgen.runner.files.job import JobSpec, fingerprint, now
+from batchgen.runner.files.job_dirs import claim_incremental, make_job_dirs
+
+
+def model_identity(config: JobConfig) -> str:
+    return config.engine.model.model or "embedded:SmolLM2-135M-Instruct"
+
+
+def model_weights(config: JobConfig) -> str:
+    """The signature of the weights --model names (`weights_signature`): a resume must not mix
+    answers of two models behind one path. What --model names, not what is read: a
+    --converted-ckpt-dir folder is derived from it, and written by the first run. The
+    embedded model is pinned by its package."""
+    m = config.engine.model
+    if m.model is None:
+        return "embedded"
+    return weights_signature(resolve_model(m.model, m.cache_dir, m.revision).path)
+
+
+def identify(config: JobConfig) -> tuple[InputFile, JobPaths]:
+    """Hash the input and derive the job identity; creates the job's folders, nothing else."""
+    s = config.storage
+    source = identify_input(Path(s.input))
+    batch_id = s.batch_id or derive_batch_id(source.sha256)
+    paths = JobPaths.for_job(s.storage_path, batch_id, s.incremental_output_dir, s.output)
+    make_job_dirs(config, paths)
+    return source, paths
+
+
+def parse(config: JobConfig, source: InputFile, paths: JobPaths) -> InputSummary:
+    """The one pass that parses the input (under the job lock): every record checked and
+    stored for the workers (paths.parsed_input); duplicates and an empty input refused."""
+    s = config.storage
+    summary = parse_input(source, paths.parsed_input, s.max_line_bytes, s.max_tokens)
+    if summary.records == 0:
+        paths.parsed_input.unlink(missing_ok=True)
+        raise InputFileError(f"input file {s.input} holds no requests (it is "
+                             "empty): write one JSON request per line")
+    return summary
+
+
+def job_device_type(config: JobConfig) -> str:
+    """"cuda" or "cpu": where the workers will run (GPUs counted through NVML: the CUDA
+    driver is not initialised here)."""
+    name = config.engine.runtime.device
+    if name == "auto":
+        import torch
+
+        return "cuda" if torch.cuda.device_count() > 0 else "cpu"
+    return name.split(":")[0]
+
+
+def _as_recorded_then(old: dict, new: dict, config: JobConfig,
+                      summary: InputSummary | None = None) -> dict:
+    """`new` in the form of a fingerprint recorded by an earlier version: without the weights'
+    signature if it lacks one, with the dtype flags as given if it recorded them so ("auto").
+    Where no request takes --max-tokens, its recorded value (or absence) is kept: it decides
+    nothing."""
+    new = dict(new)
+    if "model_weights" not in old:
+        new.pop("model_weights", None)
+    if summary is not None and summary.default_max_tokens_lines == 0:
+        new.pop("default_max_tokens", None)
+        if "default_max_tokens" in old:
+            new["default_max_tokens"] = old["default_max_tokens"]
+    if "auto" in (old.get("dtype"), old.get("kv_dtype")):
+        new.update(dtype=config.engine.model.dtype, kv_dtype=config.engine.model.kv_dtype)
+    return new
+
+
+def prepare(config: JobConfig, summary: InputSummary, paths: JobPaths) -> tuple[JobSpec, BatchFile]:
+    """Check the fingerprint and record a new job (under the job lock). No weights loaded."""
+    batch_id, s = paths.batch_id, config.storage
+    batch_file = BatchFile(paths.batch_file)
+    state = batch_file.load()
+    fp = fingerprint(config, summary.sha256, model_identity(config), model_weights(config),
+                     job_device_type(config), summary.default_max_tokens_lines != 0)
+    if state is not None and state.fingerprint:
+        check_fingerprint(state.fingerprint,
+                          _as_recorded_then(state.fingerprint, fp, config, summary))
+    claim_incremental(paths, fp, job_recorded=state is not None,
+                      as_recorded=lambda old, new: _as_recorded_then(old, new, config, summary))
+    created = int(state.timings.get("created_at", now())) if state else now()
+    spec = JobSpec(config, batch_id, summary.sha256, summary.records, created)
+    if state is None:
+        record_upload(paths, Path(s.input), summary.sha256, summary.size_bytes, summary.records,
+                      summary.format)
+        batch_file.update(batch_id, status="validating", input_file=str(Path(s.input).resolve()),
+                          fingerprint=fp, timings={"created_at": created},
+                          request_counts={"total": summary.records, "completed": 0, "failed": 0})
+    return spec, batch_file
