@@ -327,3 +327,63 @@ def test_dense_steps_of_a_model_with_windows_and_sinks_match_transformers(tmp_pa
         for got, ids in zip(embedder.embed(inputs), inputs):
             expected = hf.model(torch.tensor([ids])).last_hidden_state[0].mean(0)
             assert torch.nn.functional.cosine_similarity(got, expected, dim=0) >= 0.9999
+
+
+def _save_bare_stack(family: str, folder, vocab_size: int = 512, architecture: str | None = None):
+    """A decoder stack saved without its LM head (AutoModel), as embedding models ship:
+    tensors named `layers.0...` with no `model.` prefix; `architecture` rewrites config.json's
+    (Qwen3-Embedding says Qwen3ForCausalLM over such tensors)."""
+    from transformers import AutoModel
+
+    from tiny_models import tiny_config
+
+    config = tiny_config(family)
+    config.vocab_size = vocab_size
+    torch.manual_seed(4)
+    AutoModel.from_config(config, dtype=torch.float32).save_pretrained(
+        str(folder), safe_serialization=True)
+    if architecture:
+        path = folder / "config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()),
+                                    "architectures": [architecture]}))
+    return folder
+
+
+@pytest.mark.parametrize("family, architecture, generates", [
+    ("qwen2", None, True),                    # Qwen2Model, tied: its head is the embedding
+    ("qwen3", "Qwen3ForCausalLM", False),     # Qwen3-Embedding's way: bare tensors, untied
+    ("mistral", None, False),                 # MistralModel (e5-mistral): no head at all
+])
+def test_bare_decoder_stacks_embed_like_transformers(tmp_path, family, architecture, generates):
+    folder = _save_bare_stack(family, tmp_path, architecture=architecture)
+    loaded = load_model(ModelConfig(model=str(folder), dtype="float32"), torch.device("cpu"))
+    assert loaded.model.generates is generates
+    rng = np.random.default_rng(2)
+    inputs = [tuple(int(t) for t in rng.integers(3, 500, n)) for n in (1, 9, 70)]
+    ours = Embedder(loaded.model, Pooling("last", True), 8192).embed(inputs)
+    for a, b in zip(ours, _hf_embeddings(folder, inputs)):
+        assert torch.nn.functional.cosine_similarity(a, b, dim=0) >= 0.9999
+
+
+def test_a_model_without_a_head_answers_embeddings_and_refuses_generation(tmp_path):
+    from job_utils import batchgen, read_jsonl, write_jsonl
+    from tiny_models import embedded_tokenizer
+
+    tokenizer = embedded_tokenizer()
+    folder = _save_bare_stack("mistral", tmp_path / "model", vocab_size=len(tokenizer))
+    tokenizer.save_pretrained(str(folder))
+    rows = [{"custom_id": "e", "url": "/v1/embeddings", "method": "POST",
+             "body": {"input": "the sea"}},
+            {"custom_id": "chat", "url": "/v1/chat/completions", "method": "POST",
+             "body": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}}]
+    out = tmp_path / "out.jsonl"
+    batchgen("run", "--input", write_jsonl(tmp_path / "in.jsonl", rows), "--storage-path",
+             tmp_path / "s", "--model", folder, "--output", out, "--dtype", "float32",
+             check=True)
+    expected = _hf_embeddings(folder, [tokenizer.encode("the sea")])[0]
+    got = torch.tensor(read_jsonl(out)[0]["response"]["body"]["data"][0]["embedding"])
+    assert torch.nn.functional.cosine_similarity(got, expected, dim=0) >= 0.9999
+    [error] = read_jsonl(out.with_name("out.errors.jsonl"))
+    body = error["response"]["body"]["error"]
+    assert error["custom_id"] == "chat" and body["code"] == "unsupported_model"
+    assert "/v1/embeddings lines only" in body["message"] and body["param"] == "model"

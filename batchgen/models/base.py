@@ -77,6 +77,9 @@ class PagedCausalLM(nn.Module):
     shared_prefix_decode = True
     """Whether decode attention reads a group's shared prefix pages once
     (`ForwardBatch.prefix_groups`); False where attention keeps another cache layout."""
+    generates = True
+    """False for a checkpoint with no LM head (a bare decoder stack, as embedding models ship):
+    it answers /v1/embeddings lines only."""
     probe_without_kernels = True
     """Whether a forward may run with its Triton kernels skipped, as start-up's precompile pass
     does (`engine.precompile`): True where every kernel's output only feeds arithmetic, False

@@ -170,6 +170,8 @@ class LlamaForCausalLM(PagedCausalLM):
             if name.endswith("rotary_emb.inv_freq"):
                 continue
             target, slot = _fused_target(name)
+            if target not in params and "model." + target in params:  # a bare decoder stack
+                target = "model." + target
             if target not in params:
                 raise KeyError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
             if not presharded:
@@ -268,6 +270,11 @@ class LlamaForCausalLM(PagedCausalLM):
             missing.discard("lm_head.weight")
             if ("lm_head.weight", -1) in seen:
                 missing.discard("model.embed_tokens.weight")
+        elif "lm_head.weight" in missing and len(missing) == 1:
+            # A bare decoder stack (an embedding model): it embeds, it never samples.
+            self.generates = False
+            self.lm_head.weight.zero_()  # the capture's forwards read it: no stray NaNs
+            missing.clear()
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
 

@@ -11,6 +11,12 @@ ARCHITECTURES = {
     "Qwen3ForCausalLM": "batchgen.models.llama:Qwen3ForCausalLM",
     "DeepseekV3ForCausalLM": "batchgen.models.deepseek_v3:DeepseekV3ForCausalLM",
     "GptOssForCausalLM": "batchgen.models.gpt_oss:GptOssForCausalLM",
+    # The bare decoder stacks, as embedding models ship them (no LM head; their tensors named
+    # without the "model." prefix): the same classes, answering /v1/embeddings lines only.
+    "LlamaModel": "batchgen.models.llama:LlamaForCausalLM",
+    "MistralModel": "batchgen.models.llama:MistralForCausalLM",
+    "Qwen2Model": "batchgen.models.llama:Qwen2ForCausalLM",
+    "Qwen3Model": "batchgen.models.llama:Qwen3ForCausalLM",
 }
 
 

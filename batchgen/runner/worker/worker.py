@@ -327,6 +327,11 @@ class Worker:
                 item = self.embeddings.add(item)  # None: queued for this step's embedding
                 if item is None:
                     continue
+            if isinstance(item, PendingRequest) and not self.loaded.model.generates:
+                item = IntakeError(item.custom_id, item.line, "unsupported_model",
+                                   f"line {item.line}: {self.loaded.name} has no language-model "
+                                   "head (an embedding model's checkpoint): it answers "
+                                   "/v1/embeddings lines only", "model")
             if isinstance(item, PendingRequest):
                 request = self.grammars.request(item)
                 if isinstance(request, IntakeError):
