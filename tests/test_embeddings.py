@@ -387,3 +387,17 @@ def test_a_model_without_a_head_answers_embeddings_and_refuses_generation(tmp_pa
     body = error["response"]["body"]["error"]
     assert error["custom_id"] == "chat" and body["code"] == "unsupported_model"
     assert "/v1/embeddings lines only" in body["message"] and body["param"] == "model"
+
+
+def test_a_converted_model_without_a_head_stays_without_one(tmp_path):
+    from batchgen.models.export import convert_model
+
+    source = _save_bare_stack("mistral", tmp_path / "src")
+    out = convert_model(ModelConfig(model=str(source), dtype="float32"), tmp_path / "conv")
+    vectors = []
+    for cfg in (ModelConfig(model=str(source), dtype="float32"),
+                ModelConfig(converted_ckpt_dir=str(out), dtype="float32")):
+        loaded = load_model(cfg, torch.device("cpu"))
+        assert not loaded.model.generates
+        vectors.append(Embedder(loaded.model, Pooling("last", True), 8192).embed([(5, 6, 7)]))
+    torch.testing.assert_close(vectors[0], vectors[1])

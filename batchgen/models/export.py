@@ -39,7 +39,7 @@ def convert_model(cfg, output: Path, world_size: int = 1, tensor_parallel_size: 
     with conversion_folder(output.parent) as tmp:
         if tensor_parallel_size == 1:
             loaded = _load_for_conversion(cfg, None)
-            write_converted(tmp, loaded.hf_config, loaded.tokenizer, loaded.model.state_dict(),
+            write_converted(tmp, loaded.hf_config, loaded.tokenizer, _weights(loaded.model),
                             source=str(loaded.folder), dtype=_dtype_name(loaded),
                             world_size=world_size)
         else:
@@ -58,13 +58,22 @@ def _write_rank_shards(cfg, folder: Path, world_size: int, size: int) -> None:
         except ParallelError as err:  # a user error (the CLI reports CheckpointError cleanly)
             raise CheckpointError(f"cannot convert for tensor-parallel size {size}: {err}") from err
         files.append(shard_name(rank, size))
-        save_weights(folder / files[-1], loaded.hf_config, loaded.model.state_dict())
+        save_weights(folder / files[-1], loaded.hf_config, _weights(loaded.model))
         log.info("wrote tensor-parallel rank %d of %d: %s", rank, size, files[-1])
         meta = (loaded.hf_config, loaded.tokenizer, str(loaded.folder), _dtype_name(loaded))
         del loaded  # one rank's weights in memory at a time
     hf_config, tokenizer, source, dtype = meta
     write_metadata(folder, hf_config, tokenizer, files, source=source, dtype=dtype,
                    world_size=world_size, tensor_parallel_size=size)
+
+
+def _weights(model) -> dict:
+    """The tensors a converted folder holds: a model without an LM head (an embedding model's
+    bare decoder stack) is written without one, so it loads as such again."""
+    tensors = model.state_dict()
+    if not model.generates:
+        tensors.pop("lm_head.weight", None)
+    return tensors
 
 
 def _load_for_conversion(cfg, tp: TensorParallel | None):
