@@ -6,8 +6,9 @@ bash scripts/install.sh test
 # The import contracts in pyproject.toml ([tool.importlinter]): a crossed layer fails the run.
 .venv/bin/lint-imports --no-cache
 set +e
-# The tests import the installed (editable) packages, never the repo root.
-.venv/bin/pytest -q --durations=15 "$@"  # the slowest tests named: the suite must stay ~20 min
+# Two processes (pytest-xdist): most tests wait on the jobs they start, so two keep a 2-core
+# machine busy; the slowest tests are named: the suite must stay ~20 min.
+.venv/bin/pytest -q -n 2 --durations=15 "$@"
 rc=$?
 set -e
 # pytest's "no tests collected" (5) must never pass as green.
