@@ -138,7 +138,8 @@ def _fake_worker():
         _admit=admitted.append, stats=SimpleNamespace(failed=0),
         spec=SimpleNamespace(batch_id="b", config=SimpleNamespace(
             engine=SimpleNamespace(model=SimpleNamespace(max_model_len=None)))),
-        loaded=SimpleNamespace(tokenizer=embedded_tokenizer(), max_context=256))
+        loaded=SimpleNamespace(tokenizer=embedded_tokenizer(), max_context=256,
+                               model=SimpleNamespace(generates=True)))
     return fake, admitted, lines
 
 
