@@ -41,14 +41,13 @@ from __future__ import annotations
 import gc
 import hashlib
 import logging
-import math
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 
 import torch
 
-from batchgen.bench_config import BenchConfig
+from batchgen.bench_config import BenchConfig, Workload
 from batchgen.bench_models import (
     SHAPES,
     hf_config_for,
@@ -59,7 +58,7 @@ from batchgen.bench_models import (
 )
 from batchgen.bench_tp import bench_tensor_parallel
 from batchgen.config import EngineConfig
-from batchgen.core import FinishReason, Request, SamplingParams
+from batchgen.core import FinishReason, Request
 from batchgen.engine.engine import Engine
 from batchgen.engine.heap import frozen_heap
 from batchgen.engine.precompile import CompileWorkers, triton_cache_hook
@@ -74,71 +73,6 @@ __all__ = ["SHAPES", "BenchConfig", "LengthStopEngine", "Workload", "bench", "hf
 
 PEAK_BF16_FLOPS = {"cuda": 790e12, "cpu": 1e11}
 """Dense bf16 FLOP/s used for the prefill term (H200 measured; CPU a rough placeholder)."""
-
-
-@dataclass(frozen=True)
-class Workload:
-    requests: int = 256
-    input_len: int = 1000
-    output_len: int = 256
-    """Output tokens of every request (fixed), or the uncapped mean (lognormal)."""
-    output_dist: str = "fixed"
-    """fixed, or lognormal (sigma 1, uncapped mean output_len, capped at max_output_len)."""
-    max_output_len: int = 16384
-    seed: int = 0
-    max_tokens_mode: str = "exact"
-    """exact: max_tokens = the drawn length (the scheduler knows it); cap: max_tokens =
-    max_output_len and the drawn length ends the request like an EOS."""
-    shared_prefix_len: int = 0
-    """The first this many of each prompt's input_len tokens are one of num_prefixes shared
-    prefixes (drawn at random per request); the rest are the request's own."""
-    num_prefixes: int = 1
-    n: int = 1
-    """Samples per prompt (greedy, so all equal; each is computed)."""
-
-    def validate(self) -> Workload:
-        checks = [(self.requests >= 1, "--requests must be >= 1"),
-                  (self.input_len >= 1, "--input-len must be >= 1"),
-                  (1 <= self.output_len <= self.max_output_len,
-                   "--output-len must be in [1, --max-output-len]"),
-                  (self.output_dist in ("fixed", "lognormal"), "--output-dist: fixed or lognormal"),
-                  (self.max_tokens_mode in ("exact", "cap"), "--max-tokens-mode: exact or cap"),
-                  (0 <= self.shared_prefix_len <= self.input_len,
-                   "--shared-prefix-len must be in [0, --input-len]"),
-                  (self.num_prefixes >= 1, "--num-prefixes must be >= 1"),
-                  (self.n >= 1, "--n must be >= 1")]
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(message)
-        return self
-
-    def lengths(self) -> list[int]:
-        if self.output_dist == "fixed":
-            return [self.output_len] * self.requests
-        gen = torch.Generator().manual_seed(self.seed)
-        sigma = 1.0
-        mu = math.log(self.output_len) - sigma ** 2 / 2  # so the uncapped mean is output_len
-        draws = torch.empty(self.requests).log_normal_(mu, sigma, generator=gen)
-        return [max(1, min(self.max_output_len, int(x))) for x in draws.tolist()]
-
-    def prompts(self, vocab: int) -> list[list[int]]:
-        gen = torch.Generator().manual_seed(self.seed + 1)
-        shape = (self.requests, self.input_len)
-        prompts = torch.randint(10, vocab - 10, shape, generator=gen)
-        if self.shared_prefix_len:
-            heads = torch.randint(10, vocab - 10, (self.num_prefixes, self.shared_prefix_len),
-                                  generator=gen)
-            which = torch.randint(0, self.num_prefixes, (self.requests,), generator=gen)
-            prompts[:, :self.shared_prefix_len] = heads[which]
-        return prompts.tolist()
-
-    def sampling(self, length: int) -> SamplingParams:
-        """Greedy, EOS ignored; the budget the scheduler sees follows `max_tokens_mode`."""
-        if self.max_tokens_mode == "exact":
-            return SamplingParams(max_tokens=length, min_tokens=length, temperature=0.0,
-                                  ignore_eos=True, n=self.n)
-        return SamplingParams(max_tokens=self.max_output_len, temperature=0.0, ignore_eos=True,
-                              n=self.n)
 
 
 class LengthStopEngine(Engine):

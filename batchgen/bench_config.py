@@ -1,11 +1,90 @@
-"""`batchgen bench`'s flags as one frozen configuration (cli.py builds it; bench.py runs it)."""
+"""`batchgen bench`'s flags: the workload and the engine settings, each one frozen dataclass.
+cli.py generates the command's options from their fields and docstrings; bench.py runs them.
+Light to import (torch and the model shapes load when used): `batchgen --help` reads it."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-from batchgen.bench_models import FP8_SCALES, hf_config_for
 from batchgen.config import EngineConfig, MemoryConfig, ModelConfig, RuntimeConfig, SchedulerConfig
+from batchgen.core import SamplingParams
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The synthetic requests: random prompt tokens, greedy, EOS ignored."""
+
+    requests: int = 64
+    """Number of requests."""
+    input_len: int = 128
+    """Prompt tokens per request."""
+    output_len: int = 64
+    """Output tokens of every request (fixed), or the uncapped mean (lognormal)."""
+    output_dist: str = "fixed"
+    """fixed, or lognormal (sigma 1, uncapped mean --output-len, capped at --max-output-len)."""
+    max_output_len: int = 16384
+    """Cap of lognormal outputs (and max_tokens under --max-tokens-mode cap)."""
+    seed: int = 0
+    """Seed of the prompts and the output lengths."""
+    max_tokens_mode: str = "exact"
+    """exact: max_tokens = the drawn length (the scheduler knows it); cap: max_tokens =
+    --max-output-len and the drawn length ends the request like an EOS."""
+    shared_prefix_len: int = 0
+    """The first this many of each prompt's --input-len tokens are one of --num-prefixes shared
+    prefixes (drawn at random per request); the rest are the request's own."""
+    num_prefixes: int = 1
+    """Distinct shared prefixes."""
+    n: int = 1
+    """Samples per prompt (greedy, so all equal; each is computed)."""
+
+    def validate(self) -> Workload:
+        checks = [(self.requests >= 1, "--requests must be >= 1"),
+                  (self.input_len >= 1, "--input-len must be >= 1"),
+                  (1 <= self.output_len <= self.max_output_len,
+                   "--output-len must be in [1, --max-output-len]"),
+                  (self.output_dist in ("fixed", "lognormal"), "--output-dist: fixed or lognormal"),
+                  (self.max_tokens_mode in ("exact", "cap"), "--max-tokens-mode: exact or cap"),
+                  (0 <= self.shared_prefix_len <= self.input_len,
+                   "--shared-prefix-len must be in [0, --input-len]"),
+                  (self.num_prefixes >= 1, "--num-prefixes must be >= 1"),
+                  (self.n >= 1, "--n must be >= 1")]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+        return self
+
+    def lengths(self) -> list[int]:
+        import torch
+
+        if self.output_dist == "fixed":
+            return [self.output_len] * self.requests
+        gen = torch.Generator().manual_seed(self.seed)
+        sigma = 1.0
+        mu = math.log(self.output_len) - sigma ** 2 / 2  # so the uncapped mean is output_len
+        draws = torch.empty(self.requests).log_normal_(mu, sigma, generator=gen)
+        return [max(1, min(self.max_output_len, int(x))) for x in draws.tolist()]
+
+    def prompts(self, vocab: int) -> list[list[int]]:
+        import torch
+
+        gen = torch.Generator().manual_seed(self.seed + 1)
+        shape = (self.requests, self.input_len)
+        prompts = torch.randint(10, vocab - 10, shape, generator=gen)
+        if self.shared_prefix_len:
+            heads = torch.randint(10, vocab - 10, (self.num_prefixes, self.shared_prefix_len),
+                                  generator=gen)
+            which = torch.randint(0, self.num_prefixes, (self.requests,), generator=gen)
+            prompts[:, :self.shared_prefix_len] = heads[which]
+        return prompts.tolist()
+
+    def sampling(self, length: int) -> SamplingParams:
+        """Greedy, EOS ignored; the budget the scheduler sees follows `max_tokens_mode`."""
+        if self.max_tokens_mode == "exact":
+            return SamplingParams(max_tokens=length, min_tokens=length, temperature=0.0,
+                                  ignore_eos=True, n=self.n)
+        return SamplingParams(max_tokens=self.max_output_len, temperature=0.0, ignore_eos=True,
+                              n=self.n)
 
 
 @dataclass(frozen=True)
@@ -14,7 +93,8 @@ class BenchConfig:
     (bench.Workload)."""
 
     shape: str = "smollm2-135m"
-    """A key of SHAPES."""
+    """Model shape (bench_models.SHAPES): smollm2-135m, llama3-8b, qwen3-8b, deepseek-v3-4l
+    (37 B), gpt-oss-20b (MXFP4)."""
     dtype: str = "auto"
     """Weights and activations: auto (bfloat16 on CUDA, float32 on the CPU), bfloat16,
     float16 or float32 (as `run`'s --dtype)."""
@@ -33,11 +113,11 @@ class BenchConfig:
     """Device pages reserved beyond the context when a sequence is loaded (as `run`'s flag):
     when the device pool bounds the decode batch, a smaller buffer fits more sequences."""
     gpu_kv_cache_size: float | None = None
-    """Device KV pool in GB (overrides gpu_memory_frac)."""
+    """Device KV pool in GB (overrides --gpu-memory-frac)."""
     host_kv_cache_size: float | None = None
     """Host KV pool in GB (default: what the workload can use, as `run` sizes it)."""
     gpu_memory_frac: float = 0.9
-    """Share of device memory for weights + KV when gpu_kv_cache_size is unset (CUDA)."""
+    """Share of device memory for weights + KV when --gpu-kv-cache-size is unset (CUDA)."""
     compare_host_tier: bool = False
     """Run the workload again with the host tier off (host pool = device pool, same device
     pool) and report both and their ratio."""
@@ -51,7 +131,7 @@ class BenchConfig:
     disable_cuda_graphs: bool = False
     """Decode eagerly (graphs are on by default on CUDA)."""
     cuda_graph_num_buckets: int = 16
-    """Captured decode batch sizes up to max_decode_batch."""
+    """Captured decode batch sizes up to --max-decode-batch."""
     decode_burst_steps: int = 8
     """Decode steps queued back to back while the running set is fixed (1: one at a time)."""
     fp8_weights: bool = False
@@ -102,6 +182,8 @@ class BenchConfig:
     def hf_config(self):
         """The HF config of the benchmarked model (the shape, shrunk with --tiny, with its FP8
         quantization_config under --fp8-weights)."""
+        from batchgen.bench_models import FP8_SCALES, hf_config_for
+
         if self.fp8_scales not in FP8_SCALES:
             raise ValueError(f"--fp8-scales {self.fp8_scales!r}: one of {', '.join(FP8_SCALES)}")
         if self.fp8_scales != "block" and not self.fp8_weights:

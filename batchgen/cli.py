@@ -13,7 +13,7 @@ import typer
 
 from batchgen.cli_help import PanelCommand, given_on_command_line, run_app, version_callback, warn
 from batchgen.cli_options import (SIMULATE_RENAMES, apply_renames, build_config,
-                                  deprecated_given, with_config_options)
+                                  build_dataclass, deprecated_given, with_config_options)
 from batchgen.config import ConfigError, default_storage_path
 from batchgen.runner.exits import ExitCode, requeue_on_stop_signals
 
@@ -110,130 +110,57 @@ def status(target: Optional[str] = typer.Argument(
     raise typer.Exit(show_status(Path(storage_path or default_storage_path(None)), target))
 
 
-@app.command()
-def bench(shape: str = typer.Option("smollm2-135m", help="Model shape: smollm2-135m, llama3-8b, "
-                                    "qwen3-8b, deepseek-v3-4l (37 B), gpt-oss-20b (MXFP4)."),
-          requests: int = typer.Option(64, help="Number of requests."),
-          input_len: int = typer.Option(128, help="Prompt tokens per request."),
-          output_len: int = typer.Option(
-              64, help="Output tokens per request (lognormal: the uncapped mean, sigma 1)."),
-          output_dist: str = typer.Option("fixed", help="fixed or lognormal."),
-          max_output_len: int = typer.Option(16384, help="Cap of lognormal outputs."),
-          max_tokens_mode: str = typer.Option(
-              "exact", help="exact: max_tokens = each drawn length (the scheduler knows it); "
-              "cap: max_tokens = --max-output-len, the drawn length ends a request like an EOS."),
-          peer: str = typer.Option("none", help="none, or hf: HF generate on static batches."),
-          peer_batch: int = typer.Option(256, help="Static batch size of the HF peer."),
-          dtype: str = typer.Option("auto", help="auto, float32, bfloat16, float16."),
-          kv_dtype: str = typer.Option("auto", help="auto, bfloat16, float16, fp8_e4m3fn."),
-          max_decode_batch: int = typer.Option(256, help="Most sequences decoded together."),
-          max_prefill_tokens: int = typer.Option(
-              8192, help="Token budget of one packed prefill step."),
-          initial_gpu_page_buffer: int = typer.Option(
-              32, help="Device pages reserved beyond the context when a sequence is loaded."),
-          gpu_kv_cache_size: Optional[float] = typer.Option(None, help="Device KV pool in GB."),
-          gpu_memory_frac: float = typer.Option(
-              0.9, help="Share of device memory for weights + KV (without --gpu-kv-cache-size)."),
-          host_kv_cache_size: Optional[float] = typer.Option(None, help="Host KV pool in GB."),
-          compare_host_tier: bool = typer.Option(
-              False, help="Run again with the host tier off (host pool = device pool, same "
-              "device pool); report both, their ratio, and whether their tokens agree."),
-          shared_prefix_len: int = typer.Option(
-              0, help="Leading tokens of each prompt (of --input-len) that are one of "
-              "--num-prefixes shared prefixes, drawn per request."),
-          num_prefixes: int = typer.Option(1, help="Distinct shared prefixes."),
-          n: int = typer.Option(1, "--n", help="Samples per prompt (greedy: all computed)."),
-          enable_prefix_caching: bool = typer.Option(
-              True, help="Share the KV of common prompt prefixes (as run's flag)."),
-          compare_prefix_caching: bool = typer.Option(
-              False, help="Run again with the prefix cache off; report both, their ratio, and "
-              "whether their tokens agree."),
-          device: str = typer.Option("auto", help="auto, cuda, cuda:N or cpu."),
-          disable_cuda_graphs: bool = typer.Option(
-              False, help="Decode eagerly (CUDA graphs are on by default on CUDA)."),
-          cuda_graph_num_buckets: int = typer.Option(
-              16, help="Captured decode batch sizes (fewer capture faster)."),
-          decode_burst_steps: int = typer.Option(
-              8, help="Decode steps queued back to back while the running set is fixed."),
-          fp8_weights: bool = typer.Option(False, help="FP8 weights (not gpt-oss)."),
-          fp8_scales: str = typer.Option(
-              "block", help="--fp8-weights scales: block (128x128, as DeepSeek) or tensor "
-              "(one per matrix, as AutoFP8 Llama checkpoints: row-scaled GEMMs)."),
-          pre_dequantize_weights: bool = typer.Option(
-              False, help="Dequantize MXFP4/FP8 weights at load, not on the fly."),
-          enable_ep_with_offloading: bool = typer.Option(
-              False, help="Keep a share of the routed experts in host memory."),
-          ep_offloading_ratio: float = typer.Option(
-              0.0, help="Share (0-1) of routed experts offloaded (needs the flag above)."),
-          tiny: bool = typer.Option(False, help="The shape at toy widths (CPU smoke runs)."),
-          tensor_parallel_size: int = typer.Option(
-              1, help="Split the model over this many GPUs (DeepSeek: experts too), one "
-              "process each (--device cpu: CPU processes over gloo)."),
-          json_out: Optional[Path] = typer.Option(None, "--json", help="Write the report here."),
+def bench(json_out: Optional[Path] = typer.Option(None, "--json", help="Write the report here."),
           mode: str = typer.Option(
               "generate", help="generate, or embeddings: prefill-only embedding vs "
-              "transformers' batched forward (--shape qwen3-embedding-0.6b; --peer-batch, "
-              "--max-prefill-tokens).")):
+              "transformers' batched forward (--shape qwen3-embedding-0.6b; --requests, "
+              "--input-len, --peer-batch, --max-prefill-tokens, --dtype, --device, --tiny)."),
+          **flags) -> None:
     """Synthetic throughput benchmark on a random-init model of a real shape (EOS ignored)."""
     import json
 
     if mode not in ("generate", "embeddings"):
         _fail(f"--mode {mode!r} is not allowed: generate or embeddings")
-    if mode == "embeddings":
-        from batchgen.bench_embed import EmbedBench, format_table as embed_table, run as embed_run
-        from batchgen.engine.embed import step_tokens
+    _setup_logging()
+    try:
+        report, table = (_bench_embeddings(flags) if mode == "embeddings"
+                         else _bench_generate(flags))
+    except (ConfigError, ValueError) as err:
+        _fail(str(err))
+    typer.echo(table)
+    if json_out:
+        json_out.write_text(json.dumps(report, indent=2, default=str))
 
-        _setup_logging()
-        try:
-            report = embed_run(EmbedBench(shape, requests, input_len,
-                                          step_tokens(max_prefill_tokens), peer_batch, dtype,
-                                          device, tiny))
-        except ValueError as err:
-            _fail(str(err))
-        typer.echo(embed_table(report))
-        if json_out:
-            json_out.write_text(json.dumps(report, indent=2))
-        return
 
-    from batchgen.bench import BenchConfig, Workload, bench as run_bench
+def _bench_generate(flags: dict) -> tuple[dict, str]:
+    from batchgen.bench import bench as run_bench
+    from batchgen.bench_config import BenchConfig, Workload
     from batchgen.bench_report import format_table
     from batchgen.config import canonical_dtype, canonical_kv_dtype
 
-    _setup_logging()
-    cfg = BenchConfig(
-        shape=shape, dtype=canonical_dtype(dtype), kv_dtype=canonical_kv_dtype(kv_dtype),
-        peer=peer, peer_batch=peer_batch, max_decode_batch=max_decode_batch,
-        max_prefill_tokens=max_prefill_tokens, initial_gpu_page_buffer=initial_gpu_page_buffer,
-        gpu_kv_cache_size=gpu_kv_cache_size, host_kv_cache_size=host_kv_cache_size,
-        gpu_memory_frac=gpu_memory_frac, compare_host_tier=compare_host_tier, device=device,
-        enable_prefix_caching=enable_prefix_caching,
-        compare_prefix_caching=compare_prefix_caching,
-        disable_cuda_graphs=disable_cuda_graphs, cuda_graph_num_buckets=cuda_graph_num_buckets,
-        decode_burst_steps=decode_burst_steps, fp8_weights=fp8_weights, fp8_scales=fp8_scales,
-        pre_dequantize_weights=pre_dequantize_weights,
-        enable_ep_with_offloading=enable_ep_with_offloading,
-        ep_offloading_ratio=ep_offloading_ratio, tiny=tiny,
-        tensor_parallel_size=tensor_parallel_size)
-    work = Workload(requests=requests, input_len=input_len, output_len=output_len,
-                    output_dist=output_dist, max_output_len=max_output_len,
-                    max_tokens_mode=max_tokens_mode, shared_prefix_len=shared_prefix_len,
-                    num_prefixes=num_prefixes, n=n)
-    try:
-        cfg.model_config()
-        work.validate()
-        report = run_bench(cfg, work)
-    except (ConfigError, ValueError) as err:
-        _fail(str(err))
-    typer.echo(format_table(report))
-    if json_out:
-        json_out.write_text(json.dumps(report, indent=2, default=str))
+    flags = {**flags, "dtype": canonical_dtype(flags["dtype"]),
+             "kv_dtype": canonical_kv_dtype(flags["kv_dtype"])}
+    cfg, work = build_dataclass(BenchConfig, flags), build_dataclass(Workload, flags)
+    cfg.model_config()
+    work.validate()
+    report = run_bench(cfg, work)
+    return report, format_table(report)
+
+
+def _bench_embeddings(flags: dict) -> tuple[dict, str]:
+    from batchgen.bench_embed import EmbedBench, format_table, run
+    from batchgen.engine.embed import step_tokens
+
+    report = run(EmbedBench(flags["shape"], flags["requests"], flags["input_len"],
+                            step_tokens(flags["max_prefill_tokens"]), flags["peer_batch"],
+                            flags["dtype"], flags["device"], flags["tiny"]))
+    return report, format_table(report)
 
 
 def simulate(ctx: typer.Context,
              png: Optional[Path] = typer.Option(None, help="Write the timeline plot here."),
              **flags) -> None:
     """The real scheduler driven by a cost model: size flags for machines we cannot run here."""
-    from batchgen.cli_options import build_dataclass
     from batchgen.config import SchedulerConfig
     from batchgen.simulate import SimulationConfig, plot_timeline, run_simulation
 
@@ -269,7 +196,6 @@ def convert(output: Path = typer.Option(..., "--output", help="Folder to write (
             **flags) -> None:
     """Write a model in batchgen's own layout (fused projections, chosen dtype) + a manifest;
     `batchgen run --converted-ckpt-dir` then loads it without conversion."""
-    from batchgen.cli_options import build_dataclass
     from batchgen.config import ModelConfig, canonical_dtype
     from batchgen.models.export import convert_model
 
@@ -287,8 +213,12 @@ def convert(output: Path = typer.Option(..., "--output", help="Folder to write (
 
 
 def _register_generated_commands() -> None:
+    from batchgen.bench_config import BenchConfig, Workload
     from batchgen.config import ModelConfig, SchedulerConfig
     from batchgen.simulate import SimulationConfig
+
+    app.command("bench")(with_config_options(bench, [("bench", BenchConfig),
+                                                     ("workload", Workload)]))
 
     app.command("simulate")(with_config_options(
         simulate, [("simulate", SimulationConfig), ("scheduler", SchedulerConfig)],
