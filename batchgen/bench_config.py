@@ -89,8 +89,7 @@ class Workload:
 
 @dataclass(frozen=True)
 class BenchConfig:
-    """One benchmark's model shape, engine settings and comparisons; the workload is apart
-    (bench.Workload)."""
+    """One benchmark's model shape, engine settings and comparisons (the requests: Workload)."""
 
     shape: str = "smollm2-135m"
     """Model shape (bench_models.SHAPES): smollm2-135m, llama3-8b, qwen3-8b, deepseek-v3-4l
