@@ -401,3 +401,14 @@ def test_a_converted_model_without_a_head_stays_without_one(tmp_path):
         assert not loaded.model.generates
         vectors.append(Embedder(loaded.model, Pooling("last", True), 8192).embed([(5, 6, 7)]))
     torch.testing.assert_close(vectors[0], vectors[1])
+
+
+def test_a_config_asking_for_bidirectional_attention_is_refused(tmp_path):
+    from batchgen.models.loader import load_hf_config
+
+    folder = _save_bare_stack("qwen3", tmp_path)
+    assert read_pooling(folder, load_hf_config(folder)) == Pooling("last", True, None)
+    path = folder / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "is_causal": False}))
+    with pytest.raises(EmbeddingModelError, match="is_causal: false"):
+        read_pooling(folder, load_hf_config(folder))

@@ -42,7 +42,8 @@ POOLING_MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "
 
 
 class EmbeddingModelError(ValueError):
-    """The model folder's sentence-transformers files ask for what batchgen cannot do."""
+    """The model folder (its sentence-transformers files, its config) asks for what batchgen
+    cannot do."""
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,13 @@ class Pooling:
 def read_pooling(folder: Path | None, hf_config) -> Pooling:
     """The pooling of a model folder: sentence-transformers' modules.json (a Pooling module and
     its config.json, a Normalize module). Without modules.json: last-token pooling and L2
-    normalisation, what decoder embedding models (Qwen3-Embedding, e5-mistral, gte-Qwen) use."""
+    normalisation, what decoder embedding models (Qwen3-Embedding, e5-mistral) use. A config
+    asking for bidirectional attention (`is_causal: false`) is refused: attention here is
+    causal, and its vectors would silently differ from the model's."""
+    if getattr(hf_config, "is_causal", True) is False:
+        raise EmbeddingModelError("config.json sets is_causal: false (bidirectional attention, "
+                                  "as some embedding models are trained): batchgen's attention "
+                                  "is causal, so its vectors would not be this model's")
     sizes = getattr(hf_config, "matryoshka_dimensions", None)
     dimensions = tuple(int(d) for d in sizes) if sizes else None
     modules_file = folder / "modules.json" if folder is not None else None
