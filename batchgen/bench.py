@@ -260,16 +260,16 @@ def bench(cfg: BenchConfig, work: Workload, tp: TensorParallel | None = None) ->
     from batchgen.engine.engine import pick_device
     from batchgen.models.loader import resolve_dtype
 
+    work.validate()
+    engine_cfg = cfg.engine_config()  # the flags checked before any rank starts
     if tp is None and cfg.tensor_parallel_size > 1:
         return bench_tensor_parallel(bench, cfg, work)
     tp = tp or TensorParallel()
     clock = StartupClock()
     clock.mark("process")
-    work.validate()
     device = pick_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     hf_config = cfg.hf_config()
-    engine_cfg = cfg.engine_config()
     compile_workers = _precompile(hf_config, dtype, device, engine_cfg, tp, clock)
     model = random_model(hf_config, dtype, device, engine_cfg.model, tp=tp)
     stats = weight_stats(model)
@@ -279,7 +279,7 @@ def bench(cfg: BenchConfig, work: Workload, tp: TensorParallel | None = None) ->
     bandwidth = measure_hbm_bandwidth(device)
     bound = roofline_seconds(stats, ours["layout"], work, ours["outputs"], cfg.max_decode_batch,
                              bandwidth, device)
-    rows = {"batchgen": {**_row(ours, work), "roofline_fraction": bound / ours["seconds"]}}
+    rows = {"batchgen": _row(ours, work, bound)}
     report = {"config": asdict(cfg), "workload": asdict(work), "device": str(device),
               "dtype": str(dtype).removeprefix("torch."), "weights": stats,
               "hbm_bytes_per_s": bandwidth, "roofline_seconds": bound, "results": rows,
@@ -323,7 +323,7 @@ def _compare(cfg: BenchConfig, work: Workload, tp: TensorParallel, model,
         free_kv_memory(device)
         off = run_ours(model, None, host_tier_off(engine_cfg, ours["stats"]["device_pages"],
                                                   ours["layout"]), work, tp)
-        rows["host_tier_off"] = {**_row(off, work), "roofline_fraction": bound / off["seconds"]}
+        rows["host_tier_off"] = _row(off, work, bound)
         report["host_tier"] = {
             "ratio": rows["batchgen"]["output_tok_s"] / rows["host_tier_off"]["output_tok_s"],
             "same_tokens": ours["tokens_sha256"] == off["tokens_sha256"],
@@ -334,8 +334,7 @@ def _compare(cfg: BenchConfig, work: Workload, tp: TensorParallel, model,
 
         free_kv_memory(device)
         off = run_ours(model, None, caching_off(engine_cfg), work, tp)
-        rows["prefix_caching_off"] = {**_row(off, work),
-                                      "roofline_fraction": bound / off["seconds"]}
+        rows["prefix_caching_off"] = _row(off, work, bound)
         report["prefix_caching"] = comparison(ours, off, rows["batchgen"],
                                               rows["prefix_caching_off"])
 
@@ -353,11 +352,16 @@ def _startup(clock: StartupClock, ours: dict, timed_end: float) -> dict:
             "whole_over_timed": round(timed_end / max(ours["seconds"], 1e-9), 3)}
 
 
-def _row(run: dict, work: Workload) -> dict:
+def _row(run: dict, work: Workload, bound: float | None = None) -> dict:
+    """A report row: tokens/s and seconds, and the fraction of the roofline `bound` (seconds)
+    reached when given."""
     total_in = work.requests * work.input_len  # prompt tokens, cached ones included
-    return {"output_tok_s": run["output_tokens"] / run["seconds"],
-            "total_tok_s": (run["output_tokens"] + total_in) / run["seconds"],
-            "seconds": run["seconds"], "output_tokens": run["output_tokens"]}
+    row = {"output_tok_s": run["output_tokens"] / run["seconds"],
+           "total_tok_s": (run["output_tokens"] + total_in) / run["seconds"],
+           "seconds": run["seconds"], "output_tokens": run["output_tokens"]}
+    if bound is not None:
+        row["roofline_fraction"] = bound / run["seconds"]
+    return row
 
 
 def _scalars(stats: dict) -> dict:

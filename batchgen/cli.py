@@ -140,10 +140,7 @@ def _bench_generate(flags: dict) -> tuple[dict, str]:
 
     flags = {**flags, "dtype": canonical_dtype(flags["dtype"]),
              "kv_dtype": canonical_kv_dtype(flags["kv_dtype"])}
-    cfg, work = build_dataclass(BenchConfig, flags), build_dataclass(Workload, flags)
-    cfg.model_config()
-    work.validate()
-    report = run_bench(cfg, work)
+    report = run_bench(build_dataclass(BenchConfig, flags), build_dataclass(Workload, flags))
     return report, format_table(report)
 
 

@@ -69,10 +69,13 @@ def test_the_scan_counts_the_requests_that_take_the_default_max_tokens(tmp_path)
         {"custom_id": "e2", "url": "/v1/chat/completions",
          "body": {**chat, "max_completion_tokens": 9}},
         {"custom_id": "e3", "prompt": "x", "max_tokens": None},
-        {"custom_id": "e4", "url": "/v1/embeddings", "body": {"input": "x"}}]
+        {"custom_id": "e4", "url": "/v1/embeddings", "body": {"input": "x"}},
+        # Parquet may hold the body as JSON text: it sets its own max_tokens
+        {"custom_id": "e5", "url": "/v1/completions", "body": '{"prompt": "x", "max_tokens": 3}'},
+        {"custom_id": "e6", "url": "/v1/completions", "body": '{"prompt": "x"}'}]
     inp = write_input(tmp_path / "in.jsonl", lines)
     summary = parse_input(identify_input(inp), tmp_path / "job.requests", 1 << 20, 16)
-    assert summary.default_max_tokens_lines == 2  # e1 and e3; errors and embeddings take none
+    assert summary.default_max_tokens_lines == 3  # e1, e3, e6; errors and embeddings none
     inp = write_input(tmp_path / "given.jsonl")  # LINES: every request sets max_tokens
     assert parse_input(identify_input(inp), tmp_path / "given.requests", 1 << 20,
                        16).default_max_tokens_lines == 0

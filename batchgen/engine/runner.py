@@ -280,10 +280,10 @@ def precompile_stand_in(build: Callable[[], torch.nn.Module | None], config,
     noted on a stand-in of the job's model (`build()`: the same layer shapes, fewer layers,
     any weights, or None where there is none: bench_models.stand_in_model), run before the
     real weights load, which then overlaps the compile; the stand-in's memory is given back
-    after. `config`: the job's
-    EngineConfig; `job_sequences` as Engine's. Returns how many variants were handed over: 0
-    where the pass does not apply (not CUDA, no CUDA graphs, a model whose forwards need their
-    kernels' outputs) or failed; the capture then runs its own pass."""
+    after. `config`: the job's EngineConfig; `job_sequences` as Engine's. Returns how many
+    variants were handed over: 0 where the pass does not apply (not CUDA, no CUDA graphs, a
+    model whose forwards need their kernels' outputs) or failed; the capture then runs its own
+    pass."""
     from batchgen.engine.graphs import graph_limit
 
     runtime = config.runtime

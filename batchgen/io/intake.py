@@ -130,7 +130,7 @@ def _parse(data: dict, key: str, line: int,
                 if isinstance(data["custom_id"], float) else "")
         raise BadLine("missing_custom_id", "custom_id must be a non-empty string, got "
                                             f"{data['custom_id']!r}{hint}", "custom_id")
-    if any(k in data for k in ("url", "method", "body")):
+    if _is_envelope(data):
         kind, body = _openai_envelope(data)
     else:
         kind, body = _plain_kind(data), data
@@ -160,7 +160,16 @@ def takes_default_max_tokens(parsed: ParsedRequest | EmbeddingRequest | IntakeEr
     if not isinstance(parsed, ParsedRequest):
         return False
     data = record.data
-    return not gives_max_tokens(data["body"] if "body" in data else data)
+    return not gives_max_tokens(_envelope_body(data) if _is_envelope(data) else data)
+
+
+def _is_envelope(data: dict) -> bool:
+    """An OpenAI batch line ({custom_id, method, url, body}) rather than a bare request."""
+    return any(k in data for k in ("url", "method", "body"))
+
+
+def _envelope_body(data: dict) -> Any:
+    return _maybe_json(data.get("body"))  # Parquet may hold the body as JSON text
 
 
 def _openai_envelope(data: dict) -> tuple[str, dict]:
@@ -178,7 +187,7 @@ def _openai_envelope(data: dict) -> tuple[str, dict]:
                 else f"url {url!r} is not supported")
         raise BadLine("unsupported_url", f"{said}: use \"{CHAT_URL}\", \"{COMPLETIONS_URL}\" or "
                                           f"\"{EMBEDDINGS_URL}\"", "url")
-    body = _maybe_json(data.get("body"))  # Parquet may hold the body as JSON text
+    body = _envelope_body(data)
     if not isinstance(body, dict):
         raise BadLine("not_an_object", "body must be a JSON object holding the request", "body")
     if body.get("messages") is not None and body.get("prompt") is not None:

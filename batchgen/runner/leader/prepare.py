@@ -73,10 +73,9 @@ def _as_recorded_then(old: dict, new: dict, config: JobConfig,
     new = dict(new)
     if "model_weights" not in old:
         new.pop("model_weights", None)
-    if summary is not None and summary.default_max_tokens_lines == 0:
-        new.pop("default_max_tokens", None)
-        if "default_max_tokens" in old:
-            new["default_max_tokens"] = old["default_max_tokens"]
+    unused = summary is not None and summary.default_max_tokens_lines == 0
+    if unused and "default_max_tokens" in old:  # `new` leaves it out then (fingerprint)
+        new["default_max_tokens"] = old["default_max_tokens"]
     if "auto" in (old.get("dtype"), old.get("kv_dtype")):
         new.update(dtype=config.engine.model.dtype, kv_dtype=config.engine.model.kv_dtype)
     return new
