@@ -170,10 +170,16 @@ def test_the_probe_forwards_run_and_write_no_kv():
                            torch.float32, torch.float32), 8, "cpu")
     pool.data.normal_()
     before = pool.data.clone()
-    seen = []
+    seen, grouped = [], []
     model.register_forward_pre_hook(lambda _, args: seen.append(args[0].q_lens))
-    probe(model, DecodeGraphs(model, pool, 16, 3, 256), pool)
+    model.register_forward_pre_hook(
+        lambda _, args: grouped.append(args[0].prefix_groups is not None))
+    graphs = DecodeGraphs(model, pool, 16, 3, 256)
+    probe(model, graphs, pool)
     assert [len(q) for q in seen[:4]] == [4, 8, 1, 2]  # eager sizes, then the buckets
+    # then each bucket's shared-prefix forward (those graphs are captured mid-job)
+    assert model.shared_prefix_decode
+    assert [len(q) for q, g in zip(seen, grouped) if g] == graphs.sizes
     assert seen[-2:] == [[1, 1, 1, 130, 64], [128, 128]]
     assert sum(seen[-2]) % 16 and not sum(seen[-1]) % 16
     assert torch.equal(pool.data, before)

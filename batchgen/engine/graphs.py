@@ -131,11 +131,16 @@ class DecodeGraphs:
                             q_lens=[1] * size, ctx_lens=[1] * size, prefix_groups=groups)
 
     @torch.inference_mode()
-    def probe(self) -> None:
+    def probe(self, grouped: bool = False) -> None:
         """One forward at each size `capture` runs (eager warm-up sizes and buckets), for
-        start-up's precompile pass (`engine.precompile`); nothing is captured."""
+        start-up's precompile pass (`engine.precompile`); nothing is captured. `grouped`: also
+        each bucket's shared-prefix forward, whose graphs are captured in the middle of a job
+        (its kernels would otherwise compile there, on first need)."""
         for size in eager_warmup_sizes(self.sizes) + self.sizes:
             self.model(self._batch(size))
+        if grouped:
+            for size in self.sizes:
+                self.model(self._batch(size, grouped=True))
 
     @torch.inference_mode()
     def capture(self) -> None:

@@ -259,9 +259,10 @@ def probe(model: torch.nn.Module, graphs, pool: KVPool) -> None:
     """The forwards whose Triton variants `precompile` compiles ahead: every decode size
     the capture runs, then a mixed step (three decode rows, a fresh prompt, a chunk after a
     cached prefix: 197 rows) and a prefill step of 256 rows, so the row counts cover 1,
-    multiples of 16 and the rest. The prefill batches write no KV (every slot -1)."""
+    multiples of 16 and the rest. The prefill batches write no KV (every slot -1). A model
+    whose decode reads shared prefixes once also runs the buckets' shared-prefix forwards."""
     with model.probe_layers():
-        graphs.probe()
+        graphs.probe(grouped=getattr(model, "shared_prefix_decode", False))
         for starts, lengths in (([64, 64, 64, 0, 64], [1, 1, 1, 130, 64]), ([0, 0], [128, 128])):
             tables = [[0] * -(-(s + n) // PAGE_SIZE) for s, n in zip(starts, lengths)]
             batch = ForwardBatch.build([[1] * n for n in lengths], starts, tables,

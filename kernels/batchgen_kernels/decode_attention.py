@@ -55,7 +55,11 @@ def _decode_kernel(
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
         BLOCK_D: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr,
         HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, FP8: tl.constexpr,
-        DOT_DTYPE: tl.constexpr, F32_DOT: tl.constexpr):
+        DOT_DTYPE: tl.constexpr, F32_DOT: tl.constexpr, MERGE_PARTS: tl.constexpr = False):
+    """SPLIT: write this split's partial to part_out/part_lse ([B, H, num_splits] slots).
+    MERGE_PARTS (unsplit only): before the final normalisation, fold in `num_splits` partials
+    that another kernel wrote for the same (row, head) into part_out/part_lse (the shared
+    prefix's, `shared_prefix_attention`), so no separate merge kernel runs."""
     kv_head = tl.program_id(0)
     seq = tl.program_id(1)
     split = tl.program_id(2)
@@ -107,12 +111,37 @@ def _decode_kernel(
         tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o,
                  mask=mask_g[:, None] & mask_d[None, :])
     else:
+        if MERGE_PARTS:
+            m_i, l_i, acc = _fold_parts(
+                m_i, l_i, acc, part_out_ptr, part_lse_ptr,
+                (seq * (GROUP * tl.num_programs(0)) + heads) * num_splits, num_splits,
+                mask_g, offs_d, mask_d, HEAD_DIM)
         sink = 0.0
         if HAS_SINKS:
             sink = tl.load(sinks_ptr + heads, mask=mask_g, other=0.0).to(tl.float32) * LOG2E
         o = finish_softmax(m_i, l_i, acc, sink, HAS_SINKS)
         o_ptrs = out_ptr + seq * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=mask_g[:, None] & mask_d[None, :])
+
+
+@triton.jit
+def _fold_parts(m_i, l_i, acc, part_out_ptr, part_lse_ptr, first, count, mask_g, offs_d, mask_d,
+                HEAD_DIM: tl.constexpr):
+    """Online-softmax state (m_i, l_i, acc: unnormalised) merged with `count` normalised
+    partials (log2-sum-exp, output) per row, stored from slot `first` [BLOCK_G] on. A partial
+    with lse = -inf weighs nothing; a state with no key yet (m_i = -inf) takes the partials'."""
+    for j in range(count):
+        lse = tl.load(part_lse_ptr + first + j, mask=mask_g, other=float("-inf"))
+        o = tl.load(part_out_ptr + (first + j)[:, None] * HEAD_DIM + offs_d[None, :],
+                    mask=mask_g[:, None] & mask_d[None, :], other=0.0)
+        m_new = tl.maximum(m_i, lse)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        weight = tl.exp2(lse - m_safe)
+        l_i = l_i * alpha + weight
+        acc = acc * alpha[:, None] + o * weight[:, None]
+        m_i = m_new
+    return m_i, l_i, acc
 
 
 @triton.jit(do_not_specialize=["num_splits"])

@@ -10,9 +10,11 @@ part, so:
   rows (rows x the GQA heads of one KV head, 64 query vectors) against the group's prefix
   pages: a small matmul per page, each prefix page read once per tile rather than once per
   sequence. It writes a partial (log2-sum-exp, normalised output) per (row, head).
-- The paged decode kernel (`decode_attention._decode_kernel`, split mode) walks each row's own
-  pages and writes its partials beside the prefix's.
-- `decode_attention.merge_splits` merges the partials of each (row, head), sinks included.
+- The paged decode kernel (`decode_attention._decode_kernel`) walks each row's own pages. Run
+  unsplit (a batch large enough to fill the GPU), it folds the prefix's partials into its own
+  softmax state before normalising and writes the output itself; split over the own pages
+  (small batches), it writes its partials beside the prefix's and
+  `decode_attention.merge_splits` merges them, sinks included.
 
 The result equals the plain paged decode over the concatenated page list (prefix pages, then
 own pages) within rounding. Rows in no group get an empty prefix partial (weight zero).
@@ -342,7 +344,12 @@ def shared_prefix_decode(q: torch.Tensor, kv: torch.Tensor, kv_scales: torch.Ten
     if num_prefix_splits is None:
         num_prefix_splits = default_prefix_splits(plan, kv_heads, device)
     num_prefix_splits = max(1, min(int(num_prefix_splits), prefix_pages))
-    total = num_splits + num_prefix_splits
+    # With one own split (the decode batches where sharing pays), the own pages' kernel folds
+    # the prefix partials into its softmax and writes `out`; with several, every partial goes
+    # to the merge kernel.
+    fused = num_splits == 1
+    own = 0 if fused else num_splits
+    total = own + num_prefix_splits
     part_lse = torch.empty(batch, heads, total, dtype=torch.float32, device=device)
     part_out = torch.empty(batch, heads, total, head_dim, dtype=torch.float32, device=device)
     scales = kv_scales if fp8 else kv.new_empty(0, dtype=torch.float32)
@@ -354,23 +361,24 @@ def shared_prefix_decode(q: torch.Tensor, kv: torch.Tensor, kv_scales: torch.Ten
     _prefix_kernel[(kv_heads, plan.tile_group.shape[0], num_prefix_splits)](
         q, kv, scales, plan.prefix_pages, plan.prefix_num_pages, plan.member_rows,
         plan.tile_group, plan.tile_start, plan.tile_end, part_out, part_lse,
-        sm_scale, total, num_splits,
+        sm_scale, total, own,
         q.stride(0), q.stride(1), *kv_strides, *s_strides, plan.prefix_pages.stride(0),
         GROUP=group, GROUP_P2=next_pow2(group), ROWS=plan.rows_per_tile, HEAD_DIM=head_dim,
         BLOCK_D=block_d, PAGE=PAGE_SIZE, FP8=fp8, DOT_DTYPE=dot_dtype, F32_DOT=f32_dot,
         **PREFIX_LAUNCH)
-    # The own pages: the decode kernel in split mode, writing the first num_splits of each
-    # row's `total` partial slots (`out` is passed but not written in split mode).
+    # The own pages: the decode kernel, either folding the prefix's partials (fused) or in
+    # split mode writing the first num_splits of each row's `total` partial slots.
     _decode_kernel[(kv_heads, batch, num_splits)](
-        q, kv, scales, page_table, suffix_lens, q, out, part_out, part_lse,
-        sm_scale, 0, triton.cdiv(own_pages, num_splits), total,
+        q, kv, scales, page_table, suffix_lens, sinks if sinks is not None else q, out,
+        part_out, part_lse, sm_scale, 0, triton.cdiv(own_pages, num_splits), total,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *kv_strides, *s_strides,
         page_table.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_G=max(16, next_pow2(group)), BLOCK_D=block_d,
-        PAGE=PAGE_SIZE, SPLIT=True, HAS_WINDOW=False, HAS_SINKS=False, FP8=fp8,
-        DOT_DTYPE=dot_dtype, F32_DOT=f32_dot,
+        PAGE=PAGE_SIZE, SPLIT=not fused, HAS_WINDOW=False, HAS_SINKS=fused and sinks is not None,
+        FP8=fp8, DOT_DTYPE=dot_dtype, F32_DOT=f32_dot, MERGE_PARTS=fused,
         **launch_config(fp8, batch * kv_heads * num_splits, device))
-    merge_splits(part_out, part_lse, sinks, out, total)
+    if not fused:
+        merge_splits(part_out, part_lse, sinks, out, total)
     return out
 
 
