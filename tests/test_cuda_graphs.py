@@ -164,6 +164,24 @@ def test_graphs_match_eager_on_cuda(tmp_path, monkeypatch, segmented):
 
 
 @pytest.mark.gpu
+def test_a_job_that_decodes_nothing_captures_no_graph(tmp_path):
+    """A job of embeddings only (job_sequences 0) captures no CUDA graph and pins no host
+    chunk ahead; one sequence still gets its graph."""
+    folder = save_tiny_model("llama", tmp_path / "m")
+    for sequences, captured in ((0, False), (1, True)):
+        model = build_model(load_hf_config(folder), read_safetensors(folder), torch.float32,
+                            torch.device("cuda"))
+        engine = Engine(model, EngineConfig(memory=MemoryConfig(gpu_kv_cache_size=0.2,
+                                                                host_kv_cache_size=0.2),
+                                            ).validate(), job_sequences=sequences)
+        assert (engine.runner.graphs is not None) == captured
+        if not captured:
+            engine.runner.host_pin.wait_idle()
+            assert engine.runner.host_pin.pinned_bytes == 0
+        engine.close()
+
+
+@pytest.mark.gpu
 def test_shared_prefix_decode_matches_plain_decode_on_cuda(tmp_path):
     """Rows sharing a 3-page prompt prefix: decode through the shared-prefix kernel (eager,
     and replaying the grouped graph captured on first need) gives the tokens of the plain

@@ -29,11 +29,15 @@ def test_counts_each_remaining_request_n_times():
     assert job_sequences(records, {"a", "b", "c", "d"}, 1000) == 0
 
 
-def test_bad_and_embedding_lines_count_one():
+def test_lines_that_decode_nothing_count_zero():
+    """Embeddings and bad lines decode nothing: a job of only those captures no CUDA graph
+    (the runner skips the capture at 0). A record read by its key only counts 1."""
     bad = _parsed(RawRecord(3, {"custom_id": "x", "messages": "not a list"}))
     embedding = _parsed(RawRecord(4, {"custom_id": "e", "method": "POST",
                                       "url": "/v1/embeddings", "body": {"input": "text"}}))
-    assert job_sequences([bad, embedding, _chat("a", n=2)], set(), 1000) == 4
+    assert job_sequences([bad, embedding, _chat("a", n=2)], set(), 1000) == 2
+    assert job_sequences([bad, embedding], set(), 1000) == 0
+    assert job_sequences([ParsedRecord(5, "k", None)], set(), 1000) == 1
 
 
 def test_stops_reading_at_the_limit():

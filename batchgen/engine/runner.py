@@ -37,8 +37,8 @@ class ModelRunner:
                  hugetlbfs: bool = False, runtime=None, graph_limit: int | None = None,
                  compile_workers: CompileWorkers | None = None):
         """`graph_limit`: the most sequences a decode step can hold (the job's size, the
-        decode batch); CUDA graphs above it are not captured (graphs.capture_sizes).
-        `compile_workers`: processes started while the model loaded, for `precompile`
+        decode batch); CUDA graphs above it are not captured (graphs.capture_sizes), and none
+        at all when it is 0 (a job of embeddings only). `compile_workers`: processes started while the model loaded, for `precompile`
         (closed here either way)."""
         self.model = model
         self.device = device
@@ -68,11 +68,15 @@ class ModelRunner:
                                        cuda_register, cuda_unregister, segment.prefault,
                                        workers=max(1, min(8, (os.cpu_count() or 2) // 2)))
             self.host_pin.start(captured, device)
-            self.host_pin.touch([0])  # the first pages a job unloads land here
+            decodes = graph_limit != 0  # 0: nothing in the job decodes (embeddings only)
+            if decodes:
+                self.host_pin.touch([0])  # the first pages a job unloads land here
             start = time.perf_counter()
             try:
-                if runtime is not None and runtime.use_cuda_graphs:
+                if runtime is not None and runtime.use_cuda_graphs and decodes:
                     self.graphs = self._capture(runtime, graph_limit, compile_workers)
+                elif not decodes:
+                    log.info("nothing in this job decodes: no CUDA graph captured")
             finally:
                 captured.set()
         if compile_workers is not None:
@@ -288,7 +292,8 @@ def precompile_stand_in(build: Callable[[], torch.nn.Module | None], config,
     from batchgen.engine.graphs import graph_limit
 
     runtime = config.runtime
-    if not runtime.use_cuda_graphs:
+    limit = graph_limit(job_sequences, config.scheduler.max_decode_batch)
+    if not runtime.use_cuda_graphs or limit == 0:  # 0: nothing decodes, nothing is captured
         return 0
     try:
         model = build()
@@ -299,8 +304,7 @@ def precompile_stand_in(build: Callable[[], torch.nn.Module | None], config,
                 or getattr(model, "expert_stager", None) is not None):
             return 0
         pool = KVPool(KVLayout.of_model(model, config.model.kv_dtype), STAND_IN_PAGES, device)
-        graphs = decode_graphs(model, pool, runtime,
-                               graph_limit(job_sequences, config.scheduler.max_decode_batch))
+        graphs = decode_graphs(model, pool, runtime, limit)
         return precompile_ahead(lambda: probe(model, graphs, pool), device, workers)
     except Exception as err:  # only a head start: the capture's own pass covers it
         log.debug("the stand-in precompile pass failed: %s", err)

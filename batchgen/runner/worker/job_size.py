@@ -5,21 +5,28 @@ from __future__ import annotations
 
 from collections.abc import Container, Iterable
 
-from batchgen.io.intake import ParsedRequest
+from batchgen.io.embeddings import EmbeddingRequest
+from batchgen.io.intake import IntakeError, ParsedRequest
 from batchgen.io.parsed_input import ParsedRecord
 
 
 def job_sequences(records: Iterable[ParsedRecord], done: Container[str], limit: int) -> int:
-    """The sequences of `records` (the job's parsed input) not in `done`: each request's n (a
-    line that decodes nothing, an embedding or a bad line, counts 1, an upper bound). The count
-    stops at `limit`: a job that large uses every bucket, so a long input is read no further
-    than its first records."""
+    """The sequences of `records` (the job's parsed input) not in `done`: each request's n; a
+    line that decodes nothing (an embedding, a bad line) counts 0, one read by its key only 1
+    (an upper bound). 0: nothing left decodes, so no CUDA graph is captured. The count stops
+    at `limit`: a job that large uses every bucket, so a long input is read no further than
+    its first records."""
     total = 0
     for record in records:
         if record.key in done:
             continue
-        item = record.item
-        total += max(1, item.sampling.n) if isinstance(item, ParsedRequest) else 1
+        total += _sequences(record.item)
         if total >= limit:
             return limit
     return total
+
+
+def _sequences(item: ParsedRequest | EmbeddingRequest | IntakeError | None) -> int:
+    if isinstance(item, ParsedRequest):
+        return max(1, item.sampling.n)
+    return 1 if item is None else 0
