@@ -270,6 +270,7 @@ def bench(cfg: BenchConfig, work: Workload, tp: TensorParallel | None = None) ->
     device = pick_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     hf_config = cfg.hf_config()
+    clock.mark("config")
     compile_workers = _precompile(hf_config, dtype, device, engine_cfg, tp, clock)
     model = random_model(hf_config, dtype, device, engine_cfg.model, tp=tp)
     stats = weight_stats(model)
