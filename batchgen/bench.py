@@ -176,13 +176,15 @@ def _timed_run(engine: Engine, model, ids: list[str], prompts: list, outputs: li
 def triton_variants_first_used():
     """Name the Triton kernel variants first launched in this process inside the block (each
     is compiled then, or read from Triton's disk cache): yields the list they are appended to
-    (kernel name and specialization, as Triton states it), or None where Triton has no
-    runtime hooks (triton.knobs, 3.4+)."""
+    (kernel name and launch options as Triton states them, then its specialization data:
+    argument types, alignments and constexprs), or None where Triton has no runtime hooks
+    (triton.knobs, 3.4+)."""
     seen: list[str] = []
 
     def counting(previous):
         def count(*args, **kwargs):
-            seen.append(str(kwargs.get("repr", "?"))[:400])
+            spec = (kwargs.get("compile") or {}).get("specialization_data", "")
+            seen.append(f"{kwargs.get('repr', '?')} {spec}".strip()[:1500])
             return previous(*args, **kwargs) if previous else False  # False: compile as usual
         return count
 

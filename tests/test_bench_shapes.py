@@ -190,7 +190,10 @@ def test_triton_variant_counter_counts_compiles_and_restores_the_hook():
         with triton_variants_first_used() as seen:
             for key in ("a", "b"):
                 assert knobs.runtime.jit_cache_hook(key=key, repr=key) is False
-        assert seen == ["a", "b"] and calls == ["a", "b"]
+            # with the specialization data Triton hands the hook (which arguments differ)
+            knobs.runtime.jit_cache_hook(key="c", repr="c",
+                                         compile={"specialization_data": '{"sig": 1}'})
+        assert seen == ["a", "b", 'c {"sig": 1}'] and calls == ["a", "b", "c"]
         assert knobs.runtime.jit_cache_hook is earlier
     finally:
         knobs.runtime.jit_cache_hook = outer

@@ -293,3 +293,17 @@ def test_capture_finds_every_variant_compiled_by_the_workers(tmp_path):
     the variants its capture needs: the capture compiles none itself."""
     counts = fresh_process_counts(AFTER_THE_WEIGHTS, tmp_path)
     assert counts["workers"] >= 5 and counts["misses"] == 0, counts
+
+
+def test_the_auto_device_is_chosen_without_starting_cuda(monkeypatch):
+    """Start-up forks its compile workers after choosing the device: choosing it must not
+    start CUDA's driver (torch.cuda.is_available does; NVML's count does not)."""
+    from batchgen.engine.engine import pick_device
+
+    monkeypatch.setattr(torch.cuda, "is_available",
+                        lambda: pytest.fail("is_available() starts CUDA's driver"))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert pick_device("auto") == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert pick_device("auto") == torch.device("cuda")
+    assert pick_device("cpu") == torch.device("cpu")

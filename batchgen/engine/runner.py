@@ -38,8 +38,8 @@ class ModelRunner:
                  compile_workers: CompileWorkers | None = None):
         """`graph_limit`: the most sequences a decode step can hold (the job's size, the
         decode batch); CUDA graphs above it are not captured (graphs.capture_sizes), and none
-        at all when it is 0 (a job of embeddings only). `compile_workers`: processes started while the model loaded, for `precompile`
-        (closed here either way)."""
+        at all when it is 0 (a job of embeddings only). `compile_workers`: processes started
+        while the model loaded, for `precompile` (closed here either way)."""
         self.model = model
         self.device = device
         self.overlaps_host = device.type == "cuda"
