@@ -134,6 +134,42 @@ SLOW = {STUCK_ENV: "0.1"}
 """Every decode step sleeps 0.1 s, so a worker is still running when the test kills it."""
 
 
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_a_follower_failing_after_the_leaders_ranks_finished_is_reported_at_once(
+        tmp_path, tiny_chat_model):
+    """Node 0's ranks finish their shard while node 1's still run; then node 1's worker dies.
+    torch's launcher on node 0 waits in its exit barrier for node 1's launcher (which never
+    comes: its ranks failed), up to 300 s with our stop signal deferred; the leader lets it out
+    as soon as it sees the failure, so both nodes end (failed, naming rank 1) within seconds."""
+    inp = job_input(tmp_path / "job")
+    storage = tmp_path / "s"
+    port = free_port()
+    procs = [spawn(run_args(inp, storage, tiny_chat_model, "--world-size", 2, "--nnodes", 2,
+                            "--node-rank", r, "--dist-init-addr", f"127.0.0.1:{port}"),
+                   env={STUCK_ENV: "1.0"} if r else None, log=tmp_path / f"node{r}.log")
+             for r in (0, 1)]
+    stats = lambda: list((storage / "batches").glob("*.worker0.json"))
+    assert wait_for(stats, 180, 0.05)
+    leader_rank = json.loads(stats()[0].read_text())["pid"]
+    assert wait_for(lambda: _gone(leader_rank), 180, 0.1), "node 0's rank never finished"
+    assert procs[1].poll() is None, "node 1 ended before node 0's ranks (1 s per decode step)"
+    kill_worker(storage, 1)
+    killed = time.monotonic()
+    codes = finish(procs, timeout=120)
+    node0 = (tmp_path / "node0.log").read_text()
+    assert time.monotonic() - killed < 90, node0
+    assert codes[0] != 0 and codes[1] != 0, node0
+    assert "worker rank 1 crashed (killed by signal 9)" in node0
+    assert batch_state(storage)["status"] == "failed"
+
+
 def test_killed_worker_on_node_1_fails_the_group_then_resumes(tmp_path, tiny_chat_model):
     inp = job_input(tmp_path / "job")
     storage = tmp_path / "s"
@@ -316,3 +352,23 @@ def test_a_final_plan_waits_until_the_followers_read_it():
     assert 0.4 < time.monotonic() - started < 5
     reader.join()
     assert got == [{"action": "abort", "code": 4, "reason": "JobLocked: job is already running"}]
+
+
+def test_releasing_the_exit_barrier_ends_the_launchers_wait():
+    """The key release_exit_barrier sets is the one torch's agent waits on at its exit barrier
+    (under the static rendezvous' prefix): a barrier for two agents that only one reaches
+    returns at once instead of after its timeout."""
+    from torch.distributed import HashStore, PrefixStore
+    from torch.distributed.elastic.agent.server.api import _TERMINAL_STATE_SYNC_ID
+    from torch.distributed.elastic.utils.store import barrier
+
+    from batchgen.runner.leader.launch import MULTINODE_RUN_ID, release_exit_barrier
+
+    store = HashStore()
+    agent_view = PrefixStore(MULTINODE_RUN_ID, store)
+    with pytest.raises(Exception):  # alone at the barrier: it times out
+        barrier(agent_view, 2, _TERMINAL_STATE_SYNC_ID + "/first", barrier_timeout=0.5)
+    release_exit_barrier(store)
+    start = time.monotonic()
+    barrier(agent_view, 2, _TERMINAL_STATE_SYNC_ID, barrier_timeout=30)
+    assert time.monotonic() - start < 5

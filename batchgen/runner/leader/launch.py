@@ -64,7 +64,7 @@ def launch_workers(dist: DistConfig, spec_file: Path, log_dir: Path, grace: floa
                 "run_id": uuid.uuid4().hex[:8]}
     else:
         rdzv = {"rdzv_backend": "static", "rdzv_endpoint": dist.dist_init_addr,
-                "run_id": "batchgen", "rdzv_configs": {"rank": dist.node_rank}}
+                "run_id": MULTINODE_RUN_ID, "rdzv_configs": {"rank": dist.node_rank}}
     config = LaunchConfig(**supported_launch_options(
         min_nodes=dist.nnodes, max_nodes=dist.nnodes, nproc_per_node=per_node,
         max_restarts=dist.max_restarts, monitor_interval=0.5, logs_specs=_logs_specs(log_dir),
@@ -78,6 +78,28 @@ def launch_workers(dist: DistConfig, spec_file: Path, log_dir: Path, grace: floa
         rank, failure = root_failure(err.failures)  # global rank; logs are per local rank
         log = _log_of(log_dir, failure.local_rank)
         raise WorkerFailure(rank, failure.exitcode, tail(log), str(log or "")) from None
+
+
+MULTINODE_RUN_ID = "batchgen"
+"""The nodes' static rendezvous id: torch's launcher keeps its keys under it in the group's
+store (the leader's, which the group's own keys share)."""
+
+
+def release_exit_barrier(store) -> None:
+    """Let this node's launcher out of its exit barrier. Once its own ranks succeed, torch's
+    agent waits there for every node's agent, up to 300 s in one C++ call that defers our stop
+    signals, and a node whose ranks failed never arrives: the leader calls this when it sees a
+    follower fail, so it stops and reports at once instead of minutes later. The key is the
+    launcher's own (private) name; with a torch that names it otherwise the wait stays."""
+    try:
+        from torch.distributed.elastic.agent.server.api import _TERMINAL_STATE_SYNC_ID
+        from torch.distributed.elastic.utils.store import _LAST_MEMBER_CHECKIN
+
+        store.set(f"{MULTINODE_RUN_ID}/{_TERMINAL_STATE_SYNC_ID}{_LAST_MEMBER_CHECKIN}",
+                  "released")
+    except Exception as err:  # noqa: BLE001 (only a shortcut: the barrier times out anyway)
+        logging.getLogger("batchgen.launch").debug("could not release the exit barrier: %s",
+                                                   err)
 
 
 LAUNCHER_LOGGERS = ("torch.distributed.elastic.agent.server.api",

@@ -37,7 +37,7 @@ from batchgen.runner.files.errors import EXIT_CODES, PreflightFailed, disk_error
 from batchgen.runner.files.job import JobSpec, check_input_unchanged, file_version
 from batchgen.runner.files.lock import JobLock
 from batchgen.runner.leader.group import Group, GroupError, MemberEnd, PlanRefused
-from batchgen.runner.leader.launch import WorkerFailure, is_stop_signal
+from batchgen.runner.leader.launch import WorkerFailure, is_stop_signal, release_exit_barrier
 from batchgen.runner.leader.members import Member, check_plan, member_failure, member_for
 from batchgen.runner.leader.preflight import preflight, refuse_unwritable
 from batchgen.runner.leader.prepare import identify, parse, prepare
@@ -230,7 +230,7 @@ def _lead_ranks(spec: JobSpec, spec_file: Path, member: Member, sizes: dict,
         group.publish("launch", spec=spec_file.read_bytes().decode(), **sizes,
                       records=spec.total_records)
         group.wait_ready()
-        group.watch(lambda end: os.kill(os.getpid(), signal.SIGTERM))  # stop ours, then report
+        group.watch(lambda end: _stop_for_follower(group))
     member.run_ranks(spec, spec.config.dist)
     if group is not None:
         stops.install()  # from here a stop signal raises Preempted in this loop
@@ -238,6 +238,14 @@ def _lead_ranks(spec: JobSpec, spec_file: Path, member: Member, sizes: dict,
         log.info("our ranks are done; waiting for the other %d %ss to finish their shards",
                  group.members - 1, group.kind)
         group.wait_ends()
+
+
+def _stop_for_follower(group) -> None:
+    """A follower failed or died while our ranks run (or wait in the launcher's exit barrier,
+    their shard done): stop ours, then report it (`_run_locked` names the follower)."""
+    if group.kind == "node":  # our own launcher across the nodes, which has an exit barrier
+        release_exit_barrier(group.store)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _follow(config: JobConfig, member: Member) -> int:
