@@ -63,7 +63,7 @@ from batchgen.engine.engine import Engine
 from batchgen.engine.heap import frozen_heap
 from batchgen.engine.precompile import CompileWorkers, triton_cache_hook
 from batchgen.engine.runner import precompile_stand_in
-from batchgen.parallel import TensorParallel
+from batchgen.parallel import TensorParallel, pick_device
 from batchgen.phases import StartupClock
 
 log = logging.getLogger("batchgen.bench")
@@ -259,7 +259,6 @@ def free_kv_memory(device: torch.device) -> None:
 def bench(cfg: BenchConfig, work: Workload, tp: TensorParallel | None = None) -> dict:
     """The report of one benchmark. `tp`: this rank's group, inside a tensor-parallel run
     (bench_tp.py starts the ranks when cfg.tensor_parallel_size > 1 and none is given)."""
-    from batchgen.engine.engine import pick_device
     from batchgen.models.loader import resolve_dtype
 
     work.validate()

@@ -81,7 +81,7 @@ def _timed(fn, device: torch.device):
 def run(cfg: EmbedBench) -> dict:
     from batchgen.bench_models import hf_twin, random_model
     from batchgen.engine.embed import Embedder, Pooling
-    from batchgen.engine.engine import pick_device
+    from batchgen.parallel import pick_device
     from batchgen.models.loader import resolve_dtype
 
     cfg.validate()

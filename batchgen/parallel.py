@@ -145,6 +145,17 @@ class TensorParallel:
         return torch.device("cpu")
 
 
+def pick_device(name: str) -> torch.device:
+    """`name`, or for "auto" CUDA when a GPU is visible, else the CPU. GPUs are counted through
+    NVML where torch can (`torch.cuda.device_count`, which honours CUDA_VISIBLE_DEVICES):
+    `torch.cuda.is_available()` would start CUDA's driver, and start-up forks its Triton compile
+    workers after choosing the device (engine/precompile.py), from a process that must not have
+    touched the GPU; the supervisor, which needs no GPU, chooses without starting it too."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.device_count() > 0 else "cpu")
+    return torch.device(name)
+
+
 def init_tensor_parallel(place: Placement, device: torch.device) -> TensorParallel:
     """Join the job's process group (torchrun's env:// variables) and build the TP groups.
     Pure data parallel needs no communication at all, so nothing is joined then."""

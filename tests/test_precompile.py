@@ -298,7 +298,7 @@ def test_capture_finds_every_variant_compiled_by_the_workers(tmp_path):
 def test_the_auto_device_is_chosen_without_starting_cuda(monkeypatch):
     """Start-up forks its compile workers after choosing the device: choosing it must not
     start CUDA's driver (torch.cuda.is_available does; NVML's count does not)."""
-    from batchgen.engine.engine import pick_device
+    from batchgen.parallel import pick_device
 
     monkeypatch.setattr(torch.cuda, "is_available",
                         lambda: pytest.fail("is_available() starts CUDA's driver"))

@@ -48,16 +48,6 @@ def choice_seed(seed: int, choice: int) -> int:
     return int.from_bytes(digest, "little") % 2**63
 
 
-def pick_device(name: str) -> torch.device:
-    """`name`, or for "auto" CUDA when a GPU is visible, else the CPU. GPUs are counted through
-    NVML where torch can (`torch.cuda.device_count`): `torch.cuda.is_available()` would start
-    CUDA's driver here, before start-up forks its Triton compile workers
-    (engine/precompile.py), which must be forked from a process that has not touched the GPU."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.device_count() > 0 else "cpu")
-    return torch.device(name)
-
-
 StepObserver = Callable[[str, int], ContextManager]
 """Called by the engine around each piece of device work: `observer(kind, steps)` returns a
 context manager entered while the work runs. `kind`: "step" (one forward with prefill chunks,

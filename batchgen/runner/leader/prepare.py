@@ -12,6 +12,7 @@ from batchgen.io.jobfiles import (BatchFile, JobPaths, check_fingerprint, derive
 from batchgen.io.parsed_input import parse_input
 from batchgen.io.reader import InputFile, InputFileError, InputSummary, identify_input
 from batchgen.models.loader import resolve_model, weights_signature
+from batchgen.parallel import pick_device
 from batchgen.runner.files.job import JobSpec, fingerprint, now
 from batchgen.runner.files.job_dirs import claim_incremental, make_job_dirs
 
@@ -54,14 +55,8 @@ def parse(config: JobConfig, source: InputFile, paths: JobPaths) -> InputSummary
 
 
 def job_device_type(config: JobConfig) -> str:
-    """"cuda" or "cpu": where the workers will run (GPUs counted through NVML: the CUDA
-    driver is not initialised here)."""
-    name = config.engine.runtime.device
-    if name == "auto":
-        import torch
-
-        return "cuda" if torch.cuda.device_count() > 0 else "cpu"
-    return name.split(":")[0]
+    """"cuda" or "cpu": where the workers will run (`pick_device`, as they choose it)."""
+    return pick_device(config.engine.runtime.device).type
 
 
 def _as_recorded_then(old: dict, new: dict, config: JobConfig,

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from batchgen.engine.engine import Engine, pick_device
+from batchgen.engine.engine import Engine
 from batchgen.engine.heap import frozen_heap
 from batchgen.engine.memory import job_demand_tokens
 from batchgen.engine.embed import step_tokens
@@ -36,7 +36,7 @@ from batchgen.io.writer import (IdSet, IncrementalWriter, WriteFailed, WriterLoc
 from batchgen.models.convert import read_manifest
 from batchgen.models.factory import load_model, model_folder, weight_bytes
 from batchgen.models.loader import MANIFEST
-from batchgen.parallel import Placement, default_tp_size, init_tensor_parallel
+from batchgen.parallel import Placement, default_tp_size, init_tensor_parallel, pick_device
 from batchgen.phases import StartupClock
 from batchgen.runner.files.errors import DiskError, disk_errors
 from batchgen.runner.worker.embed_jobs import EmbeddingJobs
