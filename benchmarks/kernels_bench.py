@@ -11,6 +11,7 @@ Not a test: it needs a GPU and minutes.
 from __future__ import annotations
 
 import argparse
+import itertools
 
 import batchgen_kernels as K
 import torch
@@ -165,10 +166,58 @@ def sweep_prefill() -> list:
                 for warps in (2, 4, 8):
                     for stages in (1, 2):
                         PA.LAUNCH[key] = {"block_m": block_m, "num_warps": warps,
-                                          "num_stages": stages}
+                                          "num_stages": stages,
+                                          "group_heads": saved[key]["group_heads"]}
                         ours = bench_prefill(8, 1000, kv_dtype)[2]
                         rows.append((f"prefill {key} m={block_m} w={warps} s={stages}",
                                      "B=8 q=1000", ours, base, None))
+    finally:
+        PA.LAUNCH.update(saved)
+    return rows
+
+
+def bench_prefill_after_prefix(batch: int, q_len: int, ctx: int, kv_dtype=BF16):
+    """`batch` sequences each prefilling their last `q_len` tokens of `ctx` (the rest cached
+    earlier, as after a prefix-cache hit): W3's prefill steps are 38 x 216 of 2,216. The
+    "torch ms" column is dense SDPA (flash) of those queries over contiguous K/V."""
+    kv, scales, table = paged_pool(batch, ctx, kv_dtype)
+    q = torch.randn(batch * q_len, HEADS, HEAD_DIM, device="cuda", dtype=BF16)
+    cu = torch.arange(0, batch + 1, device="cuda", dtype=torch.int32) * q_len
+    ctx_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    scale = HEAD_DIM ** -0.5
+    ours = do_bench(lambda: K.paged_prefill_attention(q, kv, scales, cu, ctx_lens, table, scale,
+                                                      q_len))
+    dense_k = torch.randn(batch, KV_HEADS, ctx, HEAD_DIM, device="cuda", dtype=BF16)
+    qb = q.view(batch, q_len, HEADS, HEAD_DIM).transpose(1, 2)
+    mask = (torch.arange(ctx, device="cuda")[None, :]
+            <= torch.arange(ctx - q_len, ctx, device="cuda")[:, None])
+    theirs = do_bench(lambda: F.scaled_dot_product_attention(qb, dense_k, dense_k,
+                                                             attn_mask=mask, enable_gqa=True))
+    flops = 2 * 2 * batch * HEADS * HEAD_DIM * q_len * (ctx - q_len / 2)
+    print(f"  prefill after a prefix {kv_dtype}: {flops / ours / 1e9:.0f} TFLOP/s")
+    name = f"prefill+prefix {kv_dtype} (vs SDPA)".replace("torch.", "")
+    return name, f"B={batch} q={q_len} ctx={ctx}", ours, theirs, None
+
+
+def sweep_prefill_after_prefix() -> list:
+    """The prefill kernel per launch setting (rows per program x warps x stages x GQA heads
+    per program) at W3's prefill step: 38 sequences of 216 new tokens after 2,000 cached.
+    The "torch ms" column holds the current setting's time."""
+    from batchgen_kernels import prefill_attention as PA
+
+    saved, rows = dict(PA.LAUNCH), []
+    try:
+        for kv_dtype, key in ((BF16, "float"), (torch.float8_e4m3fn, "fp8")):
+            base = bench_prefill_after_prefix(38, 216, 2216, kv_dtype)[2]
+            for block_m, warps, stages, grouped in itertools.product(
+                    (64, 128), (4, 8), (2, 3), (False, True)):
+                if block_m == 64 and warps == 8:
+                    continue
+                PA.LAUNCH[key] = {"block_m": block_m, "num_warps": warps,
+                                  "num_stages": stages, "group_heads": grouped}
+                ours = bench_prefill_after_prefix(38, 216, 2216, kv_dtype)[2]
+                rows.append((f"{key} m={block_m} w={warps} s={stages} g={int(grouped)}",
+                             "B=38 q=216 ctx=2216", ours, base, None))
     finally:
         PA.LAUNCH.update(saved)
     return rows
@@ -296,7 +345,8 @@ CASES = {
                        bench_decode(256, 1024, torch.float8_e4m3fn, scale_layout="token"),
                        bench_decode(8, 16384, num_splits=1), bench_decode(8, 16384)],
     "prefill": lambda: [bench_prefill(4, 2048), bench_prefill(8, 1000),
-                        bench_prefill(8, 1000, torch.float8_e4m3fn)],
+                        bench_prefill(8, 1000, torch.float8_e4m3fn),
+                        bench_prefill_after_prefix(38, 216, 2216)],
     "store": lambda: [bench_store(t, dtype, ordered) for dtype in (BF16, torch.float8_e4m3fn)
                       for t, ordered in ((512, False), (8192, True))],
     "rmsnorm": lambda: [bench_rmsnorm(8192, 4096)],
@@ -310,8 +360,9 @@ CASES = {
     "decode_sweep": sweep_decode,
     "decode_waves": sweep_decode_waves,
     "prefill_sweep": sweep_prefill,
+    "prefix_prefill_sweep": sweep_prefill_after_prefix,
 }
-SWEEPS = ("decode_sweep", "decode_waves", "prefill_sweep")
+SWEEPS = ("decode_sweep", "decode_waves", "prefill_sweep", "prefix_prefill_sweep")
 
 
 def main() -> None:

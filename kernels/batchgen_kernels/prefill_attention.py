@@ -154,8 +154,9 @@ def _prefill_kernel(
 
 # Rows per program and warps/stages by pool dtype: the best of 32-128 x 2-8 x 1-3 on an H200
 # at 8 x 1000 tokens (`kernels_bench.py --only prefill_sweep`).
-LAUNCH = {"float": {"block_m": 64, "num_warps": 4, "num_stages": 2},
-          "fp8": {"block_m": 64, "num_warps": 4, "num_stages": 1}}
+# group_heads: a program's rows are the GQA group's heads of its tokens (else one head's tokens).
+LAUNCH = {"float": {"block_m": 64, "num_warps": 4, "num_stages": 2, "group_heads": False},
+          "fp8": {"block_m": 64, "num_warps": 4, "num_stages": 1, "group_heads": True}}
 
 
 def paged_prefill_attention(q: torch.Tensor, kv: torch.Tensor, kv_scales: torch.Tensor | None,
@@ -220,8 +221,8 @@ def paged_prefill_attention(q: torch.Tensor, kv: torch.Tensor, kv_scales: torch.
     if not (window is None or window >= 1):
         raise ValueError("window must be >= 1")
     launch = dict(LAUNCH["fp8" if fp8 else "float"])
-    block_m = block_m or launch["block_m"]
-    del launch["block_m"]
+    default_block_m, group_heads = launch.pop("block_m"), launch.pop("group_heads")
+    block_m = block_m or default_block_m
     if not (block_m >= 16 and block_m == next_pow2(block_m)):
         raise ValueError("block_m: a power of two >= 16")
     if out is None:
@@ -233,7 +234,7 @@ def paged_prefill_attention(q: torch.Tensor, kv: torch.Tensor, kv_scales: torch.
     scales = kv_scales if fp8 else kv.new_empty(0, dtype=torch.float32)
     s_strides = scales.stride() if fp8 else (0, 0, 0, 0)
     group = heads // kv_heads
-    heads_per_program = group if fp8 else 1
+    heads_per_program = group if group_heads else 1
     grid = (triton.cdiv(max_q_len * heads_per_program, block_m), batch,
             heads // heads_per_program)
     _prefill_kernel[grid](
