@@ -269,6 +269,7 @@ def bench(cfg: BenchConfig, work: Workload, tp: TensorParallel | None = None) ->
     clock = StartupClock()
     clock.mark("process")
     device = pick_device(cfg.device)
+    clock.mark("choose_device")  # the GPU count: the driver's start, where it was not up yet
     dtype = resolve_dtype(cfg.dtype, device)
     hf_config = cfg.hf_config()
     clock.mark("config")

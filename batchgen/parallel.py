@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from batchgen.gpu_driver import wait_driver_init
+
 NCCL_SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                  "NVSHMEM_DISABLE_NVLS": "1"}
 """NVLink multicast stays off in NCCL, PyTorch symmetric memory and NVSHMEM in every group,
@@ -150,7 +152,10 @@ def pick_device(name: str) -> torch.device:
     NVML where torch can (`torch.cuda.device_count`, which honours CUDA_VISIBLE_DEVICES):
     `torch.cuda.is_available()` would start CUDA's driver, and start-up forks its Triton compile
     workers after choosing the device (engine/precompile.py), from a process that must not have
-    touched the GPU; the supervisor, which needs no GPU, chooses without starting it too."""
+    touched the GPU; the supervisor, which needs no GPU, chooses without starting it too. The
+    driver's start that `gpu_driver.start_driver_init` began is joined first."""
+    if name != "cpu":
+        wait_driver_init()
     if name == "auto":
         return torch.device("cuda" if torch.cuda.device_count() > 0 else "cpu")
     return torch.device(name)

@@ -10,8 +10,9 @@ converted on first use, or from `--tokenizer-from`), then times, each `--repeats
   the model built around the arriving tensors), to a synchronised device;
 - `safetensors load_file`: each shard read by safetensors straight to the device, the plain
   way to load one;
-- the ceilings: reading every shard's bytes from the page cache (4 threads) and one pinned
-  1 GiB host-to-device copy.
+- the ceilings: reading every shard's bytes (4 threads) from the disk, with the page cache
+  dropped first where `--drop-caches` can, and again from the page cache; one pinned 1 GiB
+  host-to-device copy.
 
 The first `load_model` may find the files outside the page cache if `--drop-caches` could empty
 it (root only); otherwise every load reads from the page cache, the case of a rerun or of a
@@ -155,6 +156,8 @@ def main() -> None:
     for repeat in range(args.repeats):
         rows.append((f"safetensors load_file #{repeat + 1}", timed(
             lambda: safetensors_load(folder, device), device)))
+    if args.drop_caches and drop_page_cache(folder):
+        rows.append(("read from the disk (page cache dropped)", read_all(folder)))
     rows.append(("read from the page cache", read_all(folder)))
     print(f"{'what':40s} {'seconds':>8s} {'GB/s':>7s}")
     for what, seconds in rows:

@@ -10,7 +10,8 @@ The imports (torch, transformers) and the model load run with Python's cyclic ga
 collector off: what they create lives for the whole run, so every collection in that window
 only re-scans it (importing torch and transformers took 15-25% longer with the collector on,
 ~0.5 s on a 2-core machine). The worker turns it back on once the model is loaded, before the
-engine runs any forward (`Worker.__init__`).
+engine runs any forward (`Worker.__init__`). The GPU's driver starts in a background thread
+meanwhile (gpu_driver.py).
 """
 
 from __future__ import annotations
@@ -18,11 +19,13 @@ from __future__ import annotations
 import gc
 import sys
 
+from batchgen.gpu_driver import start_driver_init
 from batchgen.runner.exits import requeue_on_stop_signals
 
 
 def start() -> int:
     requeue_on_stop_signals()
+    start_driver_init()
     gc.disable()
     from batchgen.runner.worker.worker import main
 
