@@ -3,12 +3,14 @@ exit 75 from the first instant: loading the command line takes ~0.5 s, and a sig
 that window would look like a failure to a wrapper that requeues on 75. Once the command has
 decided its exit code, they are ignored: Python restores the default handlers (death by
 signal) while it tears down, but keeps ignored ones ignored. `run` and `bench` start the GPU's
-driver in a background thread before their imports (gpu_driver.py)."""
+driver in a background thread and, where the install ships no bytecode, its compilation in
+other processes before their imports (gpu_driver.py, bytecode.py)."""
 
 from __future__ import annotations
 
 import sys
 
+from batchgen.bytecode import start_bytecode_compile
 from batchgen.gpu_driver import start_driver_init
 from batchgen.runner.exits import ignore_stop_signals, requeue_on_stop_signals
 
@@ -18,6 +20,7 @@ def main() -> None:
     if run:
         requeue_on_stop_signals()
     if sys.argv[1:2] in (["run"], ["bench"]):
+        start_bytecode_compile()
         start_driver_init()
     from batchgen.cli import main as cli_main
 

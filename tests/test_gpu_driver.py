@@ -63,12 +63,13 @@ def test_no_driver_here_is_harmless(library):
 
 @pytest.mark.parametrize("command,starts", [("run", True), ("bench", True), ("status", False),
                                             ("simulate", False)])
-def test_run_and_bench_start_the_driver_first(monkeypatch, command, starts):
+def test_run_and_bench_start_the_driver_and_bytecode_first(monkeypatch, command, starts):
     calls = []
     monkeypatch.setattr(entry, "start_driver_init", lambda: calls.append(command))
+    monkeypatch.setattr(entry, "start_bytecode_compile", lambda: calls.append("bytecode"))
     for handlers in ("requeue_on_stop_signals", "ignore_stop_signals"):  # keep pytest's own
         monkeypatch.setattr(entry, handlers, lambda: None)
     monkeypatch.setattr(sys, "argv", ["batchgen", command, "--help"])
     with pytest.raises(SystemExit):
         entry.main()
-    assert calls == ([command] if starts else [])
+    assert calls == (["bytecode", command] if starts else [])

@@ -11,7 +11,8 @@ collector off: what they create lives for the whole run, so every collection in 
 only re-scans it (importing torch and transformers took 15-25% longer with the collector on,
 ~0.5 s on a 2-core machine). The worker turns it back on once the model is loaded, before the
 engine runs any forward (`Worker.__init__`). The GPU's driver starts in a background thread
-meanwhile (gpu_driver.py).
+meanwhile (gpu_driver.py), and bytecode is compiled ahead where the install ships none and no
+supervisor set up a cache for it already (bytecode.py).
 """
 
 from __future__ import annotations
@@ -19,12 +20,14 @@ from __future__ import annotations
 import gc
 import sys
 
+from batchgen.bytecode import start_bytecode_compile
 from batchgen.gpu_driver import start_driver_init
 from batchgen.runner.exits import requeue_on_stop_signals
 
 
 def start() -> int:
     requeue_on_stop_signals()
+    start_bytecode_compile()
     start_driver_init()
     gc.disable()
     from batchgen.runner.worker.worker import main

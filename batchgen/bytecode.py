@@ -1,0 +1,143 @@
+"""Bytecode for installs that ship none, compiled in parallel while the imports run.
+
+Python compiles a module's source the first time it imports it and normally keeps the result
+in `__pycache__` beside the source. Where packages were installed without bytecode (uv's
+default, `pip install --no-compile`) and Python may not write it (`PYTHONDONTWRITEBYTECODE=1`,
+common in container images), every start compiles everything it imports again: for batchgen's
+start (torch, transformers' configs and the modules they pull in, ~2,000 modules) that is
+10-20 s of one core, before the first weight is read.
+
+There, `start_bytecode_compile` (called first thing by `batchgen run`, `batchgen bench` and
+each worker) points Python's bytecode cache at a directory of batchgen's own
+(`sys.pycache_prefix`, nothing is written beside any source) and starts one process
+(`python -m batchgen.bytecode`) that compiles the modules a start imports
+(`startup_modules.txt`, in import order) into it on all but one core. The imports then find
+most modules compiled ahead of them; what the list lacks they compile and cache themselves.
+A later start on the same machine finds the cache filled. The environment variable
+PYTHONPYCACHEPREFIX passes the directory to the processes this one starts (the workers).
+
+Installs that ship bytecode (pip's default) or may write it are left exactly as they are. This
+module imports nothing heavy: it runs before torch is imported.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+MANIFEST = Path(__file__).with_name("startup_modules.txt")
+"""Source files a start imports, as `package/relative/path.py`, in import order
+(`python scripts/startup_modules.py` writes it)."""
+
+
+def cache_dir() -> Path:
+    """Where the bytecode goes: $XDG_CACHE_HOME/batchgen/bytecode (default ~/.cache)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "batchgen" / "bytecode"
+
+
+def needs_compiling(probe: str = "torch") -> bool:
+    """Would this start compile its imports from source? Only where Python may not write
+    bytecode, no cache directory is set, and `probe` (torch: the largest import) ships no
+    bytecode."""
+    if not sys.dont_write_bytecode or sys.pycache_prefix:
+        return False
+    spec = importlib.util.find_spec(probe)
+    if spec is None or not spec.origin:
+        return False
+    return not os.path.exists(importlib.util.cache_from_source(spec.origin))
+
+
+def start_bytecode_compile(manifest: Path = MANIFEST, target: Path | None = None,
+                           workers: int | None = None,
+                           probe: str = "torch") -> subprocess.Popen | None:
+    """Where `needs_compiling(probe)`: cache bytecode in `target` (default `cache_dir()`) from
+    now on and start compiling `manifest` into it; returns the compiling process (None:
+    nothing to do, or the directory cannot be made). It is ended at exit if still running."""
+    if not needs_compiling(probe):
+        return None
+    target = target or cache_dir()
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return None  # an unwritable home: compile as before
+    sys.pycache_prefix = str(target)
+    sys.dont_write_bytecode = False  # into `target` only, never beside a source
+    os.environ["PYTHONPYCACHEPREFIX"] = str(target)  # the workers started later read it
+    workers = workers or max(1, (os.cpu_count() or 2) - 1)
+    process = subprocess.Popen([sys.executable, "-m", "batchgen.bytecode", str(target),
+                                str(manifest), str(workers)],
+                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+    atexit.register(_end, process)
+    return process
+
+
+def _end(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.kill()
+        process.wait()
+
+
+def manifest_sources(manifest: Path) -> list[str]:
+    """The manifest's files that exist here, as absolute paths, in its order. An entry is
+    `package/relative/path.py` or, for a top-level module, `module.py`; each is found without
+    importing anything."""
+    roots: dict[str, str | None] = {}
+    found = []
+    for line in manifest.read_text().splitlines():
+        entry = line.strip()
+        if not entry or entry.startswith("#"):
+            continue
+        top, _, rest = entry.partition("/")
+        if top not in roots:
+            roots[top] = _location(top.removesuffix(".py") if not rest else top, bool(rest))
+        root = roots[top]
+        path = os.path.join(root, rest) if root and rest else root
+        if path and os.path.isfile(path):
+            found.append(path)
+    return found
+
+
+def _location(name: str, package: bool) -> str | None:
+    """A top-level package's folder, or a top-level module's file (None: not installed)."""
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return None
+    if spec is None:
+        return None
+    if package:
+        return spec.submodule_search_locations[0] if spec.submodule_search_locations else None
+    return spec.origin if spec.origin and spec.origin.endswith(".py") else None
+
+
+def _compile(source: str) -> None:
+    import py_compile
+
+    try:
+        py_compile.compile(source, doraise=True)  # into sys.pycache_prefix: set in the worker
+    except (py_compile.PyCompileError, OSError, ValueError):
+        pass  # the import compiles it itself and reports any error there
+
+
+def _set_prefix(target: str) -> None:
+    sys.pycache_prefix = target
+
+
+def compile_all(target: str, manifest: Path, workers: int) -> None:
+    """Compile the manifest's files into `target` with `workers` processes, in its order."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    sources = manifest_sources(manifest)
+    with ProcessPoolExecutor(workers, initializer=_set_prefix, initargs=(target,)) as pool:
+        for _ in pool.map(_compile, sources, chunksize=8):
+            pass
+
+
+if __name__ == "__main__":
+    compile_all(sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]))

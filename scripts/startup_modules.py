@@ -1,0 +1,86 @@
+"""Write batchgen/startup_modules.txt: the source files a batchgen start imports, in order.
+
+    python scripts/startup_modules.py
+
+Runs a tiny `batchgen bench` on the CPU in this process, then imports what a `batchgen run`
+worker and the GPU path import besides (the supervisor and worker modules, transformers'
+configs and tokenizers of the families batchgen serves, Triton and xgrammar where installed),
+and lists every module loaded from a `.py` file outside Python's standard library, as
+`package/relative/path.py` (or `module.py`), in the order they were imported. batchgen/bytecode.py
+compiles that list ahead of the imports where an install ships no bytecode. Rerun it after
+changing what batchgen imports at start-up; a stale list only compiles less ahead.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+OUT = REPO / "batchgen" / "startup_modules.txt"
+CONFIG_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "deepseek_v3", "gpt_oss")
+ALSO_IMPORTED = ("batchgen.runner.leader.supervisor", "batchgen.runner.worker.worker",
+                 "batchgen.engine.precompile", "transformers.tokenization_utils_fast",
+                 "transformers.generation", "safetensors.torch", "triton", "triton.language",
+                 "xgrammar", "batchgen_kernels")
+
+
+def run_tiny_bench() -> None:
+    from batchgen.__main__ import main
+
+    sys.argv = ["batchgen", "bench", "--tiny", "--device", "cpu", "--requests", "4",
+                "--input-len", "16", "--output-len", "4"]
+    try:
+        main()
+    except SystemExit as stop:
+        if stop.code not in (0, None):
+            raise
+
+
+def import_the_rest() -> None:
+    from transformers import AutoConfig
+
+    for family in CONFIG_FAMILIES:
+        AutoConfig.for_model(family)
+    for name in ALSO_IMPORTED:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            print(f"not installed here: {name}")
+
+
+def entry(name: str, module) -> str | None:
+    """`package/relative/path.py` or `module.py` for a module loaded from a .py file outside
+    the standard library, else None."""
+    top = name.partition(".")[0]
+    origin = getattr(getattr(module, "__spec__", None), "origin", None)
+    if top in sys.stdlib_module_names or not origin or not origin.endswith(".py"):
+        return None
+    if "." not in name and not hasattr(module, "__path__"):
+        return f"{name}.py"
+    root = getattr(sys.modules.get(top), "__path__", None)
+    if not root:
+        return None
+    relative = os.path.relpath(origin, list(root)[0])
+    return None if relative.startswith("..") else f"{top}/{relative}"
+
+
+def main() -> None:
+    run_tiny_bench()
+    import_the_rest()
+    lines, seen = [], set()
+    for name, module in list(sys.modules.items()):
+        line = entry(name, module)
+        if line and line not in seen and line != "batchgen/bytecode.py":
+            seen.add(line)
+            lines.append(line)
+    header = ("# Source files a batchgen start imports, in import order (batchgen/bytecode.py).\n"
+              "# Written by `python scripts/startup_modules.py`; rerun it to refresh.\n")
+    OUT.write_text(header + "\n".join(lines) + "\n")
+    print(f"{len(lines)} files -> {OUT.relative_to(REPO)}")
+
+
+if __name__ == "__main__":
+    main()
