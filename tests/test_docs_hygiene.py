@@ -24,6 +24,8 @@ TEXT_SUFFIXES = {".py", ".md", ".sh", ".sbatch", ".toml", ".txt", ".cfg", ".ini"
                  ".yml", ""}
 """Suffixes of the files read ("" covers extensionless scripts such as .ci/run)."""
 SKIPPED_PARTS = {"__pycache__", ".venv", "out", "storage", ".pytest_cache"}
+PATH_LISTS = {"startup_modules.txt"}
+"""Generated lists of other packages' source files: only their `#` lines are prose."""
 """Folders never read: caches, virtualenvs, and job outputs the examples write."""
 THIS_FILE = Path(__file__).resolve()
 """This test names the patterns it forbids, so it does not read itself."""
@@ -70,6 +72,8 @@ def project_files() -> list[Path]:
 
 def prose(path: Path, text: str) -> list[tuple[int, str]]:
     """(line number, text) of what a rule reads: comments and strings of Python, else lines."""
+    if path.name in PATH_LISTS:
+        return [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.startswith("#")]
     if path.suffix != ".py":
         return list(enumerate(text.splitlines(), 1))
     kinds = {tokenize.COMMENT, tokenize.STRING, getattr(tokenize, "FSTRING_MIDDLE", -1)}
