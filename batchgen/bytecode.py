@@ -119,10 +119,28 @@ def _location(name: str, package: bool) -> str | None:
 def _compile(source: str) -> None:
     import py_compile
 
+    cached = importlib.util.cache_from_source(source)  # under sys.pycache_prefix: set here
+    if _fresh(source, cached):
+        return
     try:
-        py_compile.compile(source, doraise=True)  # into sys.pycache_prefix: set in the worker
+        py_compile.compile(source, cfile=cached, doraise=True)
     except (py_compile.PyCompileError, OSError, ValueError):
         pass  # the import compiles it itself and reports any error there
+
+
+def _fresh(source: str, cached: str) -> bool:
+    """Does `cached` hold this Python's bytecode of `source` as it is now (the header the
+    import checks: magic number, then the source's mtime and size)?"""
+    try:
+        with open(cached, "rb") as f:
+            header = f.read(16)
+        stat = os.stat(source)
+    except OSError:
+        return False
+    return (len(header) == 16 and header[:4] == importlib.util.MAGIC_NUMBER
+            and int.from_bytes(header[4:8], "little") == 0
+            and int.from_bytes(header[8:12], "little") == int(stat.st_mtime) & 0xFFFFFFFF
+            and int.from_bytes(header[12:16], "little") == stat.st_size & 0xFFFFFFFF)
 
 
 def _set_prefix(target: str) -> None:
@@ -130,13 +148,22 @@ def _set_prefix(target: str) -> None:
 
 
 def compile_all(target: str, manifest: Path, workers: int) -> None:
-    """Compile the manifest's files into `target` with `workers` processes, in its order."""
+    """Compile the manifest's files that lack fresh bytecode into `target` with `workers`
+    processes, in its order. One process compiles into a directory at a time (a lock there):
+    the ranks that torchrun starts side by side do not all compile the same files."""
+    import fcntl
     from concurrent.futures import ProcessPoolExecutor
 
-    sources = manifest_sources(manifest)
-    with ProcessPoolExecutor(workers, initializer=_set_prefix, initargs=(target,)) as pool:
-        for _ in pool.map(_compile, sources, chunksize=8):
-            pass
+    with open(os.path.join(target, "compile.lock"), "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return  # another start is compiling them
+        sources = manifest_sources(manifest)
+        with ProcessPoolExecutor(workers, initializer=_set_prefix,
+                                 initargs=(target,)) as pool:
+            for _ in pool.map(_compile, sources, chunksize=8):
+                pass
 
 
 if __name__ == "__main__":

@@ -92,3 +92,33 @@ def test_an_install_with_bytecode_is_left_alone(monkeypatch):
     monkeypatch.setattr(sys, "dont_write_bytecode", False)
     assert bytecode.start_bytecode_compile() is None
     assert sys.pycache_prefix is None or "batchgen" not in sys.pycache_prefix
+
+
+def test_fresh_bytecode_is_not_compiled_again(tmp_path, monkeypatch):
+    source = tmp_path / "mod.py"
+    source.write_text("A = 1\n")
+    monkeypatch.setattr(sys, "pycache_prefix", str(tmp_path / "cache"))
+    cached = bytecode.importlib.util.cache_from_source(str(source))
+    assert not bytecode._fresh(str(source), cached)
+    bytecode._compile(str(source))
+    assert bytecode._fresh(str(source), cached)
+    first = os.stat(cached).st_mtime_ns
+    bytecode._compile(str(source))
+    assert os.stat(cached).st_mtime_ns == first  # left as it was
+    source.write_text("A = 22\n")  # new size: the import would recompile it, so must we
+    assert not bytecode._fresh(str(source), cached)
+
+
+def test_one_compiler_per_cache_directory(tmp_path, bare_package, monkeypatch):
+    import fcntl
+
+    root, manifest = bare_package
+    monkeypatch.syspath_prepend(str(root))
+    target = tmp_path / "cache"
+    target.mkdir()
+    with open(target / "compile.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        bytecode.compile_all(str(target), manifest, 1)  # another start compiles: leave
+        assert not list(target.rglob("*.pyc"))
+    bytecode.compile_all(str(target), manifest, 1)
+    assert len(list(target.rglob("*.pyc"))) == 3
