@@ -13,7 +13,8 @@ LOAD = ("from transformers import AutoConfig; AutoConfig.for_model('llama'); "
 
 
 SKLEARN = ("import transformers.utils as u; print(u.is_sklearn_available()); "
-           "import transformers.generation.candidate_generator, sys; print('sklearn' in sys.modules)")
+           "import transformers.generation.candidate_generator, sys; "
+           "print('sklearn' in sys.modules)")
 
 
 def _run(code: str, tmp_path) -> subprocess.CompletedProcess:
