@@ -35,9 +35,9 @@ MANIFEST = Path(__file__).with_name("startup_modules.txt")
 
 
 def cache_dir() -> Path:
-    """Where the bytecode goes: $XDG_CACHE_HOME/batchgen/bytecode (default ~/.cache)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "batchgen" / "bytecode"
+    """Where the bytecode goes: bytecode/ under $BATCHGEN_CACHE (default ~/.cache/batchgen),
+    beside the converted GGUF models."""
+    return Path(os.environ.get("BATCHGEN_CACHE", "~/.cache/batchgen")).expanduser() / "bytecode"
 
 
 def needs_compiling(probe: str = "torch") -> bool:

@@ -75,14 +75,14 @@ def test_a_start_without_bytecode_compiles_ahead_into_its_own_cache(tmp_path, ba
         import bare_pkg.sub
         print(json.dumps([ahead, bare_pkg.sub.__cached__, os.environ["PYTHONPYCACHEPREFIX"]]))
     """)
-    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", XDG_CACHE_HOME=str(tmp_path / "xdg"),
+    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", BATCHGEN_CACHE=str(tmp_path / "bg"),
                PYTHONPATH=os.pathsep.join([str(root), str(REPO)]))
     env.pop("PYTHONPYCACHEPREFIX", None)
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     ahead, cached, prefix = json.loads(out.stdout)
-    cache = str(tmp_path / "xdg" / "batchgen" / "bytecode")
+    cache = str(tmp_path / "bg" / "bytecode")
     assert ahead == [True, True]  # compiled by the pool before anything imported them
     assert prefix == cache and cached.startswith(cache) and os.path.exists(cached)
     assert not list(root.rglob("__pycache__"))  # nothing written beside a source
