@@ -14,7 +14,8 @@ each worker) points Python's bytecode cache at a directory of batchgen's own
 (`startup_modules.txt`, in import order) into it on all but one core. The imports then find
 most modules compiled ahead of them; what the list lacks they compile and cache themselves.
 A later start on the same machine finds the cache filled. The environment variable
-PYTHONPYCACHEPREFIX passes the directory to the processes this one starts (the workers).
+PYTHONPYCACHEPREFIX passes the directory to the processes this one starts (the workers), which
+read it and add what they compile themselves.
 
 Installs that ship bytecode (pip's default) or may write it are left exactly as they are. This
 module imports nothing heavy: it runs before torch is imported.
@@ -58,9 +59,12 @@ def start_bytecode_compile(manifest: Path = MANIFEST, target: Path | None = None
     """Where `needs_compiling(probe)`: cache bytecode in `target` (default `cache_dir()`) from
     now on and start compiling `manifest` into it; returns the compiling process (None:
     nothing to do, or the directory cannot be made). It is ended at exit if still running."""
+    target = target or cache_dir()
+    if sys.pycache_prefix and Path(sys.pycache_prefix) == target:
+        sys.dont_write_bytecode = False  # a parent's start set this cache up: add to it
+        return None
     if not needs_compiling(probe):
         return None
-    target = target or cache_dir()
     try:
         target.mkdir(parents=True, exist_ok=True)
     except OSError:

@@ -122,3 +122,13 @@ def test_one_compiler_per_cache_directory(tmp_path, bare_package, monkeypatch):
         assert not list(target.rglob("*.pyc"))
     bytecode.compile_all(str(target), manifest, 1)
     assert len(list(target.rglob("*.pyc"))) == 3
+
+
+def test_a_worker_under_a_started_cache_adds_to_it(tmp_path, monkeypatch):
+    """A worker inherits the cache through PYTHONPYCACHEPREFIX: it starts no second compiler,
+    and what it compiles itself it writes there, whatever PYTHONDONTWRITEBYTECODE says."""
+    target = tmp_path / "cache"
+    monkeypatch.setattr(sys, "pycache_prefix", str(target))
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    assert bytecode.start_bytecode_compile(target=target) is None
+    assert sys.dont_write_bytecode is False
