@@ -2,9 +2,10 @@
 
     python scripts/startup_modules.py
 
-Runs a tiny `batchgen bench` on the CPU in this process, then imports what a `batchgen run`
-worker and the GPU path import besides (the supervisor and worker modules, transformers'
-configs and tokenizers of the families batchgen serves, Triton and xgrammar where installed),
+Runs a tiny `batchgen bench` on the CPU in this process, loads the embedded default model with
+its tokenizer and chat template as a `batchgen run` worker does, then imports what the GPU path
+and other models import besides (the supervisor and worker modules, transformers' configs of the
+families batchgen serves, Triton and xgrammar where installed),
 and lists every module loaded from a `.py` file outside Python's standard library, as
 `package/relative/path.py` (or `module.py`), in the order they were imported. batchgen/bytecode.py
 compiles that list ahead of the imports where an install ships no bytecode. Rerun it after
@@ -39,6 +40,17 @@ def run_tiny_bench() -> None:
             raise
 
 
+def load_the_default_model() -> None:
+    import torch
+
+    from batchgen.config import ModelConfig
+    from batchgen.models.factory import load_model
+
+    loaded = load_model(ModelConfig(), torch.device("cpu"))
+    loaded.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                         add_generation_prompt=True)
+
+
 def import_the_rest() -> None:
     from transformers import AutoConfig
 
@@ -69,6 +81,7 @@ def entry(name: str, module) -> str | None:
 
 def main() -> None:
     run_tiny_bench()
+    load_the_default_model()
     import_the_rest()
     lines, seen = [], set()
     for name, module in list(sys.modules.items()):
