@@ -7,7 +7,9 @@ its tokenizer and chat template as a `batchgen run` worker does, then imports wh
 and other models import besides (the supervisor and worker modules, transformers' configs of the
 families batchgen serves, Triton and xgrammar where installed),
 and lists every module loaded from a `.py` file outside Python's standard library, as
-`package/relative/path.py` (or `module.py`), in the order they were imported. batchgen/bytecode.py
+`package/relative/path.py` (or `module.py`), in the order they were imported, then the other
+modules beside transformers' listed ones (its versions move imports between neighbouring
+modules: a GPU image's transformers finds more of its own compiled ahead). batchgen/bytecode.py
 compiles that list ahead of the imports where an install ships no bytecode. Rerun it after
 changing what batchgen imports at start-up; a stale list only compiles less ahead.
 """
@@ -22,6 +24,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 OUT = REPO / "batchgen" / "startup_modules.txt"
 CONFIG_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "deepseek_v3", "gpt_oss")
+NEIGHBOURS_OF = ("transformers",)
+"""Packages whose listed modules bring every other module of their folders into the list."""
 ALSO_IMPORTED = ("batchgen.runner.leader.supervisor", "batchgen.runner.worker.worker",
                  "batchgen.engine.precompile", "transformers.tokenization_utils_fast",
                  "transformers.generation", "safetensors.torch", "triton", "triton.language",
@@ -79,6 +83,22 @@ def entry(name: str, module) -> str | None:
     return None if relative.startswith("..") else f"{top}/{relative}"
 
 
+def neighbours(lines: list[str]) -> list[str]:
+    """The .py files beside the listed ones of NEIGHBOURS_OF's packages, not listed yet."""
+    listed, found = set(lines), []
+    for top in NEIGHBOURS_OF:
+        root = Path(list(sys.modules[top].__path__)[0])
+        folders = sorted({Path(line).parent.relative_to(top) for line in lines
+                          if line.startswith(f"{top}/")})
+        for folder in folders:
+            for path in sorted((root / folder).glob("*.py")):
+                line = f"{top}/{path.relative_to(root).as_posix()}"
+                if line not in listed:
+                    listed.add(line)
+                    found.append(line)
+    return found
+
+
 def main() -> None:
     run_tiny_bench()
     load_the_default_model()
@@ -89,10 +109,12 @@ def main() -> None:
         if line and line not in seen and line != "batchgen/bytecode.py":
             seen.add(line)
             lines.append(line)
+    imported = len(lines)
+    lines += neighbours(lines)
     header = ("# Source files a batchgen start imports, in import order (batchgen/bytecode.py).\n"
               "# Written by `python scripts/startup_modules.py`; rerun it to refresh.\n")
     OUT.write_text(header + "\n".join(lines) + "\n")
-    print(f"{len(lines)} files -> {OUT.relative_to(REPO)}")
+    print(f"{imported} imported + {len(lines) - imported} beside them -> {OUT.relative_to(REPO)}")
 
 
 if __name__ == "__main__":
