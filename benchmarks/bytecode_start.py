@@ -59,7 +59,8 @@ def main() -> None:
                         help="the compiler's processes (default: all cores but one)")
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
-    rows = {"compiled by the import": [], f"with the compiler ({args.workers} worker{'s' * (args.workers > 1)})": [],
+    plural = "s" if args.workers > 1 else ""
+    rows = {"compiled by the import": [], f"with the compiler ({args.workers} worker{plural})": [],
             "cache filled": []}
     names = list(rows)
     for _ in range(args.repeats):
