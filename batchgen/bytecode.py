@@ -11,9 +11,9 @@ There, `start_bytecode_compile` (called first thing by `batchgen run`, `batchgen
 each worker) points Python's bytecode cache at a directory of batchgen's own
 (`sys.pycache_prefix`, nothing is written beside any source) and starts one process
 (`python -m batchgen.bytecode`) that compiles the modules a start imports
-(`startup_modules.txt`, in import order) into it on all but one core. The imports then find
-most modules compiled ahead of them; what the list lacks they compile and cache themselves.
-A later start on the same machine finds the cache filled. The environment variable
+(`startup_modules.txt`, in import order) into it on all but one core (at most 16). The imports
+then find most modules compiled ahead of them; what the list lacks they compile and cache
+themselves. A later start on the same machine finds the cache filled. The environment variable
 PYTHONPYCACHEPREFIX passes the directory to the processes this one starts (the workers), which
 read it and add what they compile themselves.
 
@@ -33,6 +33,11 @@ from pathlib import Path
 MANIFEST = Path(__file__).with_name("startup_modules.txt")
 """Source files a start imports, as `package/relative/path.py`, in import order
 (`python scripts/startup_modules.py` writes it)."""
+
+
+MAX_WORKERS = 16
+"""A start's ~2,000 modules compile in about a second on 16 cores; more processes only cost
+memory and start time."""
 
 
 def cache_dir() -> Path:
@@ -72,13 +77,22 @@ def start_bytecode_compile(manifest: Path = MANIFEST, target: Path | None = None
     sys.pycache_prefix = str(target)
     sys.dont_write_bytecode = False  # into `target` only, never beside a source
     os.environ["PYTHONPYCACHEPREFIX"] = str(target)  # the workers started later read it
-    workers = workers or max(1, (os.cpu_count() or 2) - 1)
+    workers = workers or default_workers()
     process = subprocess.Popen([sys.executable, "-m", "batchgen.bytecode", str(target),
                                 str(manifest), str(workers)],
                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL)
     atexit.register(_end, process)
     return process
+
+
+def default_workers() -> int:
+    """All the cores this process may use but one, at most MAX_WORKERS."""
+    try:
+        cores = len(os.sched_getaffinity(0))  # a Slurm allocation's or cgroup's cores
+    except AttributeError:
+        cores = os.cpu_count() or 2
+    return max(1, min(MAX_WORKERS, cores - 1))
 
 
 def _end(process: subprocess.Popen) -> None:

@@ -28,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from batchgen.bytecode import default_workers
+
 REPO = Path(__file__).resolve().parent.parent
 IMPORTS = ("import torch; from batchgen.models.hf_text import text_only; text_only(); "
            "import transformers.models.llama.configuration_llama; import batchgen.bench")
@@ -55,8 +57,8 @@ def timed_import(cache: Path, compiler_workers: int | None) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1),
-                        help="the compiler's processes (default: all cores but one)")
+    parser.add_argument("--workers", type=int, default=default_workers(),
+                        help="the compiler's processes (default: as `run` starts it)")
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
     plural = "s" if args.workers > 1 else ""

@@ -132,3 +132,9 @@ def test_a_worker_under_a_started_cache_adds_to_it(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "dont_write_bytecode", True)
     assert bytecode.start_bytecode_compile(target=target) is None
     assert sys.dont_write_bytecode is False
+
+
+def test_the_compiler_uses_the_cores_it_may_but_one_and_at_most_sixteen(monkeypatch):
+    for cores, workers in ((1, 1), (2, 1), (8, 7), (128, bytecode.MAX_WORKERS)):
+        monkeypatch.setattr(bytecode.os, "sched_getaffinity", lambda pid, n=cores: set(range(n)))
+        assert bytecode.default_workers() == workers
