@@ -16,10 +16,11 @@ from batchgen.runner.exits import ignore_stop_signals, requeue_on_stop_signals
 
 
 def main() -> None:
-    run = sys.argv[1:2] == ["run"]
+    command = sys.argv[1] if len(sys.argv) > 1 else None
+    run = command == "run"
     if run:
         requeue_on_stop_signals()
-    if sys.argv[1:2] in (["run"], ["bench"]):
+    if command in ("run", "bench"):
         start_bytecode_compile()
         start_driver_init()
     from batchgen.cli import main as cli_main

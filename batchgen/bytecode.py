@@ -30,6 +30,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from batchgen.config import cache_root
+
 MANIFEST = Path(__file__).with_name("startup_modules.txt")
 """Source files a start imports, as `package/relative/path.py`, in import order
 (`python scripts/startup_modules.py` writes it)."""
@@ -41,9 +43,8 @@ memory and start time."""
 
 
 def cache_dir() -> Path:
-    """Where the bytecode goes: bytecode/ under $BATCHGEN_CACHE (default ~/.cache/batchgen),
-    beside the converted GGUF models."""
-    return Path(os.environ.get("BATCHGEN_CACHE", "~/.cache/batchgen")).expanduser() / "bytecode"
+    """Where the bytecode goes: bytecode/ in batchgen's cache, beside the converted models."""
+    return cache_root() / "bytecode"
 
 
 def needs_compiling(probe: str = "torch") -> bool:
@@ -77,13 +78,16 @@ def start_bytecode_compile(manifest: Path = MANIFEST, target: Path | None = None
     sys.pycache_prefix = str(target)
     sys.dont_write_bytecode = False  # into `target` only, never beside a source
     os.environ["PYTHONPYCACHEPREFIX"] = str(target)  # the workers started later read it
-    workers = workers or default_workers()
-    process = subprocess.Popen([sys.executable, "-m", "batchgen.bytecode", str(target),
-                                str(manifest), str(workers)],
+    process = subprocess.Popen(compiler_command(target, manifest, workers or default_workers()),
                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL)
     atexit.register(_end, process)
     return process
+
+
+def compiler_command(target: Path, manifest: Path, workers: int) -> list[str]:
+    """The command of the process that compiles `manifest` into `target` (`compile_all`)."""
+    return [sys.executable, "-m", "batchgen.bytecode", str(target), str(manifest), str(workers)]
 
 
 def default_workers() -> int:

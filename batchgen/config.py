@@ -309,6 +309,12 @@ def sub_configs(cls: type) -> list[tuple[str, type]]:
     return [(f.name, f.default_factory) for f in fields(cls)]  # type: ignore[misc]
 
 
+def cache_root() -> Path:
+    """batchgen's own cache (converted GGUF models, compiled bytecode): $BATCHGEN_CACHE, else
+    ~/.cache/batchgen."""
+    return Path(os.environ.get("BATCHGEN_CACHE", "~/.cache/batchgen")).expanduser()
+
+
 def default_storage_path(output: str | None) -> str:
     """Where a job's state goes without --storage-path: `.batchgen/` beside --output, else
     $BATCHGEN_STATE_DIR, else $XDG_STATE_HOME/batchgen (~/.local/state/batchgen). Never a

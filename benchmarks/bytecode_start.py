@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from batchgen.bytecode import default_workers
+from batchgen.bytecode import MANIFEST, compiler_command, default_workers
 
 REPO = Path(__file__).resolve().parent.parent
 IMPORTS = ("import torch; from batchgen.models.hf_text import text_only; text_only(); "
@@ -43,9 +43,7 @@ def timed_import(cache: Path, compiler_workers: int | None) -> float:
     start = time.perf_counter()
     compiler = None
     if compiler_workers:
-        manifest = REPO / "batchgen" / "startup_modules.txt"
-        compiler = subprocess.Popen([sys.executable, "-m", "batchgen.bytecode", str(cache),
-                                     str(manifest), str(compiler_workers)], env=env)
+        compiler = subprocess.Popen(compiler_command(cache, MANIFEST, compiler_workers), env=env)
     # The importer may write into the cache too, as a start under bytecode.py does.
     code = "import sys; sys.dont_write_bytecode = False; " + IMPORTS
     subprocess.run([sys.executable, "-c", code], env=env, check=True)

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from batchgen.atomic import read_json_dict, write_json_atomic
+from batchgen.config import cache_root
 from batchgen.models.loader import MANIFEST, CheckpointError
 from batchgen.parallel import TensorParallel
 
@@ -52,7 +53,7 @@ def embedded_gguf() -> Path:
 
 
 def default_cache_root() -> Path:
-    return Path(os.environ.get("BATCHGEN_CACHE", "~/.cache/batchgen")).expanduser() / "converted"
+    return cache_root() / "converted"
 
 
 HASH_CHUNK_BYTES = 16 << 20
