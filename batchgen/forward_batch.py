@@ -88,7 +88,8 @@ class ForwardBatch:
     ctx_lens: list[int]
     """Host copy of context_lens."""
     prefix_groups: PrefixGroups | None = None
-    """Decode rows sharing prefix pages (decode-only batches), or None."""
+    """One-row sequences sharing prefix pages, or None: the rows of a decode-only batch, or
+    of a mixed batch's `one_row_part`, in that order."""
     derived: dict = field(default_factory=dict)
     """Tensors the layers derive from this batch once per forward (not per layer)."""
     dense: DenseShape | None = None

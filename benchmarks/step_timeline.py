@@ -7,38 +7,57 @@ steps with prefill (by prefill tokens), and time between steps.
 
 Prints one row per class: steps, decode tokens, prefill tokens, seconds and ms per step, then
 the run cut into --slices equal spans of wall time with what each held. Wall times are the
-host's: a queued decode burst is charged to the step() that collects it. --tiny: a CPU smoke run.
+host's: a queued decode burst is charged to the step() that collects it. --device-idle (CUDA)
+also profiles the device over the timed run: its busy and idle time and the largest idle
+gaps with the kernels around them, each gap charged to the class of the step it began in.
+--tiny: a CPU smoke run.
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import time
 from collections import defaultdict
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 import batchgen.bench as bench_module
 from batchgen.bench import BenchConfig, Workload, bench
 from batchgen.engine.engine import Engine
 from batchgen.sched.scheduler import Scheduler
-from engine_profile import add_workload_args
+from engine_profile import add_workload_args, print_gaps
 
 
 class Timeline:
     """Wraps Scheduler.schedule / continue_plan (what a step holds) and Engine.step (how long
     it took); `steps` collects (start, seconds, decode rows, decode steps, prefill tokens)."""
 
-    def __init__(self):
+    def __init__(self, device_idle: bool = False):
         self.steps: list[tuple[float, float, int, int, int]] = []
         self._plans: list = []
         self.origin = None
+        self.device_idle = device_idle and torch.cuda.is_available()
+        self.profiler = None
 
     def wrap_timed_run(self, fn):
-        """Forget the warm-up's steps when the timed run starts."""
+        """Forget the warm-up's steps when the timed run starts; profile the device through
+        the timed run with --device-idle (kernels only: the host runs as unprofiled)."""
         def fresh(*args, **kwargs):
             self.steps, self._plans, self.origin = [], [], None
-            return fn(*args, **kwargs)
+            if not self.device_idle:
+                return fn(*args, **kwargs)
+            torch.cuda.synchronize()
+            self.profiler = profile(activities=[ProfilerActivity.CUDA])
+            with self.profiler:
+                # The first kernel of the trace, launched at a known host time: it maps the
+                # device's clock onto the host's (to within a launch's latency).
+                self.marker_host = time.perf_counter()
+                torch.ones(1, device="cuda").add_(1)
+                out = fn(*args, **kwargs)
+                torch.cuda.synchronize()
+            return out
         return fresh
 
     def wrap_plans(self, fn):
@@ -86,6 +105,38 @@ ROW_EDGES = (1, 16, 64, 128, 256, 384, 512, 768, 1024)
 TOKEN_EDGES = (512, 2048, 4096, 8192, 16384)
 
 
+def device_idle_report(timeline: Timeline, largest: int = 8) -> None:
+    """The device's busy and idle time over the timed run, and each idle gap charged to the
+    class of the step whose host time it ended in: the host launched the next kernel then."""
+    spans = sorted((e.time_range.start, e.time_range.end, e.name)
+                   for e in timeline.profiler.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    if not spans:
+        print("no kernels recorded")
+        return
+    marker = spans[0][0]
+    starts = [timeline.origin + s[0] for s in timeline.steps]
+    classes = [step_class(rows, prefill) for _, _, rows, _, prefill in timeline.steps]
+    charged = defaultdict(lambda: [0, 0.0])
+    busy, end = 0.0, None
+    for start, stop, _ in spans[1:]:
+        if end is not None and start > end:
+            host = timeline.marker_host + (start - marker) / 1e6
+            i = bisect.bisect_right(starts, host) - 1
+            inside = i >= 0 and host <= starts[i] + timeline.steps[i][1]
+            row = charged[classes[i] if inside else "between steps"]
+            row[0] += 1
+            row[1] += (start - end) / 1e6
+        busy += max(0.0, stop - max(start, end or start)) / 1e6
+        end = stop if end is None else max(end, stop)
+    wall = (end - spans[1][0]) / 1e6
+    print(f"\ndevice over the timed run: {wall:.2f} s, busy {busy:.2f} s, idle {wall - busy:.2f} s")
+    print(f"{'idle gaps ending in':44} {'gaps':>7} {'s':>7}")
+    for key, (count, seconds) in sorted(charged.items(), key=lambda kv: -kv[1][1]):
+        print(f"{key:44} {count:7d} {seconds:7.2f}")
+    print_gaps(timeline.profiler.events(), 1, largest)
+
+
 def report(timeline: Timeline, slices: int) -> None:
     steps = timeline.steps
     if not steps:
@@ -126,10 +177,12 @@ def main() -> None:
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--host-kv-cache-size", type=float, default=None)
     parser.add_argument("--slices", type=int, default=12)
+    parser.add_argument("--device-idle", action="store_true",
+                        help="Profile the device over the timed run (CUDA): idle gaps by step.")
     parser.add_argument("--tiny", action="store_true", help="Toy widths (a CPU smoke run).")
     args = parser.parse_args()
 
-    timeline = Timeline()
+    timeline = Timeline(args.device_idle)
     Engine.step = timeline.wrap_step(Engine.step)
     bench_module._timed_run = timeline.wrap_timed_run(bench_module._timed_run)
     Scheduler.schedule = timeline.wrap_plans(Scheduler.schedule)
@@ -148,6 +201,8 @@ def main() -> None:
     row = result["results"]["batchgen"]
     print(f"whole run: {row['output_tok_s']:,.0f} output tok/s in {row['seconds']:.2f} s")
     report(timeline, args.slices)
+    if timeline.profiler is not None:
+        device_idle_report(timeline)
 
 
 if __name__ == "__main__":

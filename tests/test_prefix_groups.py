@@ -47,38 +47,75 @@ def test_no_groups_when_they_save_little():
     assert group_rows(chunks, []) is None
 
 
-def test_bursts_carry_groups_of_rows_sharing_a_prompt(chat):  # noqa: F811
-    """Requests sharing a long prompt: the forwards of their decode bursts (and of the
-    continuations queued while a burst runs) get prefix groups whose pages lead each grouped
-    row's page table, and the answers are those of a run without groups."""
-    model, tokenizer = chat
-    shared = torch.randint(3, 500, (5 * PAGE_SIZE,), generator=torch.Generator().manual_seed(3))
-
-    def requests():
-        return [Request(f"r{i}", shared.tolist() + [10 + i, 20 + i],
-                        SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=40))
-                for i in range(6)]
-
-    reference = outcome(engine(model, tokenizer, 4).generate(requests()))
-    eng = engine(model, tokenizer, 4)
-    eng.runner.shared_prefix = True  # the CPU attention ignores the groups; the plan is checked
-    seen = []
+def checked_groups(eng, seen: list) -> None:
+    """Wrap `eng`'s forward: every batch's prefix groups must name pages that lead each
+    grouped row's page table (a mixed batch's rows being its one-row part's); `seen` gets
+    (decode-only, rows grouped) per batch with groups."""
     forward = eng.runner._forward
 
     def checking(batch):
         groups = batch.prefix_groups
         if groups is not None:
+            if batch.decode_only:
+                table, ctx = batch.page_table, batch.context_lens
+            else:
+                _, table, ctx = batch.one_row_part
             row_group = groups.row_group.tolist()
+            assert len(row_group) == table.shape[0]
             for row, group in enumerate(row_group):
                 if group >= 0:
                     count = int(groups.prefix_num_pages[group])
-                    assert count and (batch.page_table[row, :count]
+                    assert count and (table[row, :count]
                                       == groups.prefix_pages[group, :count]).all()
-                    assert batch.ctx_lens[row] > count * PAGE_SIZE
-            seen.append(sum(g >= 0 for g in row_group))
+                    assert int(ctx[row]) > count * PAGE_SIZE
+            seen.append((batch.decode_only, sum(g >= 0 for g in row_group)))
         return forward(batch)
 
     eng.runner._forward = checking
-    assert outcome(eng.generate(requests())) == reference
-    assert seen and max(seen) >= 5  # the rows that mapped the cached prompt, grouped
+
+
+def shared_prompt_requests(max_tokens, own=(2,)):
+    """Requests whose prompts are one 5-page prompt + `own[i]` tokens of their own (the last
+    value repeats)."""
+    gen = torch.Generator().manual_seed(3)
+    shared = torch.randint(3, 500, (5 * PAGE_SIZE,), generator=gen)
+    tails = [own[min(i, len(own) - 1)] for i in range(len(max_tokens))]
+    return [Request(f"r{i}", shared.tolist() + torch.randint(3, 500, (n,), generator=gen).tolist(),
+                    SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=m))
+            for i, (m, n) in enumerate(zip(max_tokens, tails))]
+
+
+def test_bursts_carry_groups_of_rows_sharing_a_prompt(chat):  # noqa: F811
+    """Requests sharing a long prompt: the forwards of their decode bursts (and of the
+    continuations queued while a burst runs) get prefix groups whose pages lead each grouped
+    row's page table, and the answers are those of a run without groups."""
+    model, tokenizer = chat
+    reference = outcome(engine(model, tokenizer, 4).generate(shared_prompt_requests([40] * 6)))
+    eng = engine(model, tokenizer, 4)
+    eng.runner.shared_prefix = True  # the CPU attention ignores the groups; the plan is checked
+    seen = []
+    checked_groups(eng, seen)
+    assert outcome(eng.generate(shared_prompt_requests([40] * 6))) == reference
+    assert seen and max(rows for _, rows in seen) >= 5  # rows that mapped the cached prompt
     assert len(seen) > 3  # continuations carried them too
+
+
+def test_a_mixed_steps_decode_rows_carry_their_groups(chat):  # noqa: F811
+    """A prompt whose own long tail is prefilled in chunks while the others, which share its
+    first pages, decode: the decode rows of those mixed steps keep their groups, and the
+    answers are those of a run without groups."""
+    model, tokenizer = chat
+    lengths, own = [30] * 4, (2, 2, 2, 300)
+
+    def run(shared_prefix: bool, seen: list):
+        eng = engine(model, tokenizer, 4, max_prefill_tokens=64)
+        eng.runner.shared_prefix = shared_prefix
+        checked_groups(eng, seen)
+        return outcome(eng.generate(shared_prompt_requests(lengths, own)))
+
+    plain = []
+    reference = run(False, plain)
+    seen = []
+    assert run(True, seen) == reference
+    assert not plain
+    assert sum(1 for decode_only, rows in seen if not decode_only and rows == 3) >= 3, seen

@@ -169,8 +169,9 @@ class ModelRunner:
             kv_pool=self.device_pool,
             device=self.device,
         )
-        if out.decode_only:
-            batch.prefix_groups = self._groups(out.chunks, out.shares)
+        # The decode rows' groups (in a mixed batch those of its one-row part, in its order)
+        batch.prefix_groups = self._groups([c for c in out.chunks if c.end - c.start == 1],
+                                           out.shares)
         logits = self._forward(batch)
         if not rows.params:
             return

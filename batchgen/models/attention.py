@@ -1,11 +1,11 @@
 """Paged attention in pure PyTorch: the CPU path, and on CUDA the Triton kernels.
 
 `paged_attention` writes this step's K/V into the pages, then attends each query row to the
-KV of its own sequence read back through the page table. On CUDA, a decode batch with prefix
-groups (`ForwardBatch.prefix_groups`) reads each group's shared prefix pages once
-(`shared_prefix_decode`) in its layers without a sliding window. `_attend` is the plain reference
-(gather padded, explicit mask, softmax); the CPU fast paths next to it are checked against it
-in tests/test_cpu_attention.py:
+KV of its own sequence read back through the page table. On CUDA, the one-row sequences of a
+batch (its decode rows) with prefix groups (`ForwardBatch.prefix_groups`) read each group's
+shared prefix pages once (`shared_prefix_decode`) in layers without a sliding window.
+`_attend` is the plain reference (gather padded, explicit mask, softmax); the CPU fast paths
+next to it are checked against it in tests/test_cpu_attention.py:
 - a whole prompt attends to its own fresh K/V with SDPA's causal flash kernel (no gather);
 - a decode-only batch attends page by page (`_decode`): no padding to the longest sequence,
   no mask tensor, no GQA expansion, a softmax combined across each sequence's pages.
@@ -185,13 +185,9 @@ def _triton_attention(q, k, v, layer, batch, scale, window, sinks, rope=None):
         q = K.rope_store_kv(q, k, v, batch.positions, rope.cos, rope.sin, kv, scales,
                             batch.slot_mapping)
     if batch.decode_only:
-        if batch.prefix_groups is not None and window is None:
-            plan, own_table, own_lens = _shared_prefix_parts(batch, q.shape[1] // kv.shape[3])
-            return K.shared_prefix_decode(q, kv, scales, plan, own_table, own_lens, scale,
-                                          sinks=sinks)
-        return K.paged_decode_attention(q, kv, scales, batch.page_table, batch.context_lens,
-                                        scale, window=window, sinks=sinks)
-    # A mixed step's one-row sequences (decodes, mostly) go to the decode kernel: the prefill
+        return _decode_rows(q, kv, scales, batch, batch.page_table, batch.context_lens, scale,
+                            window, sinks)
+    # A mixed step's one-row sequences (decodes, mostly) go to the decode kernels: the prefill
     # kernel would read their KV once per query head, in 64-row tiles holding one real row.
     one_row = batch.one_row_part
     out = K.paged_prefill_attention(q, kv, scales, batch.cu_seqlens_q, batch.context_lens,
@@ -199,15 +195,32 @@ def _triton_attention(q, k, v, layer, batch, scale, window, sinks, rope=None):
                                     sinks=sinks, skip_one_row=one_row is not None)
     if one_row is not None:
         rows, table, ctx = one_row
-        out[rows] = K.paged_decode_attention(q[rows], kv, scales, table, ctx, scale,
-                                             window=window, sinks=sinks)
+        out[rows] = _decode_rows(q[rows], kv, scales, batch, table, ctx, scale, window, sinks)
     return out
 
 
-def _shared_prefix_parts(batch: ForwardBatch, group_size: int):
-    """(plan, own page table, own context lengths) of a decode batch with prefix groups, made
-    once per forward on the device: each grouped row's page table and context shifted past its
-    group's prefix pages."""
+def _decode_rows(q, kv, scales, batch: ForwardBatch, table: torch.Tensor, ctx: torch.Tensor,
+                 scale, window, sinks) -> torch.Tensor:
+    """Attention of one-row sequences (`table`, `ctx`: theirs): each prefix group's shared
+    pages read once where the batch has groups (`batch.prefix_groups`, over these rows) and
+    the layer has no sliding window, else the plain paged decode."""
+    import batchgen_kernels as K
+
+    if batch.prefix_groups is not None and window is None:
+        plan, own_table, own_lens = _shared_prefix_parts(batch, q.shape[1] // kv.shape[3],
+                                                         table, ctx)
+        return K.shared_prefix_decode(q, kv, scales, plan, own_table, own_lens, scale,
+                                      sinks=sinks)
+    return K.paged_decode_attention(q, kv, scales, table, ctx, scale, window=window,
+                                    sinks=sinks)
+
+
+def _shared_prefix_parts(batch: ForwardBatch, group_size: int, table: torch.Tensor,
+                         ctx: torch.Tensor):
+    """(plan, own page table, own context lengths) of the one-row sequences with page table
+    `table` and context lengths `ctx` that the batch's prefix groups cover, made once per
+    forward on the device: each grouped row's page table and context shifted past its group's
+    prefix pages."""
     key = ("shared_prefix", group_size)
     if key not in batch.derived:
         import batchgen_kernels as K
@@ -218,10 +231,9 @@ def _shared_prefix_parts(batch: ForwardBatch, group_size: int):
         grouped = groups.row_group >= 0
         shift = torch.where(grouped, groups.prefix_num_pages[groups.row_group.long().clamp(min=0)],
                             torch.zeros_like(groups.row_group)).long()
-        table = batch.page_table
         width = table.shape[1]
         index = (torch.arange(width, device=table.device)[None] + shift[:, None])
         own_table = table.gather(1, index.clamp(max=width - 1))
-        own_lens = (batch.context_lens - shift * PAGE_SIZE).to(torch.int32)
+        own_lens = (ctx - shift * PAGE_SIZE).to(torch.int32)
         batch.derived[key] = (plan, own_table, own_lens)
     return batch.derived[key]

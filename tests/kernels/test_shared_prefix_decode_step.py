@@ -101,3 +101,55 @@ def test_window_layers_keep_the_plain_kernel(device, monkeypatch):
     k, v = torch.randn(2, 2, KV_HEADS, DIM, device=device)
     out = _triton_attention(q, k, v, layer, batch, 0.3, 100, None)
     assert out.shape == q.shape
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float8_e4m3fn], ids=["kv32", "kv8"])
+@pytest.mark.parametrize("prefill_first", [False, True], ids=["decode_first", "prefill_first"])
+def test_a_mixed_steps_decode_rows_read_their_groups_prefix_once(device, kv_dtype,
+                                                                 prefill_first):
+    """In a mixed batch (prompt chunks beside decode rows) the decode rows' groups cover
+    `one_row_part`'s rows: the cascade serves them and the batch equals the plain attention."""
+    contexts, groups, prefix_pages = [200, 130, 300, 150], [0, 1, 0, 1], [3, 2]
+    pool, decode, shared, layer = grouped_batch(device, kv_dtype, contexts, groups,
+                                                prefix_pages)
+    tables = [t[:-(-c // PAGE_SIZE)] for t, c in zip(decode.page_table.tolist(), contexts)]
+    # A prompt chunk of 40 tokens after 100 cached ones, on pages of group 0's prefix and
+    # two pages of the decode rows' (their contents are random KV either way).
+    prompt = ([[3] * 40], [100], [shared[0][:2] + tables[3][-1:]], [True])
+    ids, starts = [[1]] * 4, [c - 1 for c in contexts]
+    parts = [prompt, (ids, starts, tables, [True] * 4)]
+    if not prefill_first:
+        parts.reverse()
+    batch = ForwardBatch.build(*[a + b for a, b in zip(*parts)], pool, torch.device(device))
+    table = torch.zeros(len(prefix_pages), max(prefix_pages), dtype=torch.int32)
+    for g, pages in enumerate(shared):
+        table[g, :len(pages)] = torch.tensor(pages, dtype=torch.int32)
+    batch.prefix_groups = PrefixGroups(torch.tensor(groups, dtype=torch.int32, device=device),
+                                       table.to(device),
+                                       torch.tensor(prefix_pages, dtype=torch.int32,
+                                                    device=device))
+    assert batch.one_row_part is not None and not batch.decode_only
+    total = pool.num_pages
+    flat = pool.gather(layer, torch.arange(total, device=device)).view(-1, 2, KV_HEADS, DIM)
+    k, v = flat[batch.slot_mapping].unbind(1)
+    q = torch.randn(batch.slot_mapping.shape[0], KV_HEADS * GROUP, DIM, device=device)
+    called = []
+    cascade = K.shared_prefix_decode
+
+    def spy(*args, **kwargs):
+        called.append(args[0].shape[0])
+        return cascade(*args, **kwargs)
+
+    K.shared_prefix_decode, original = spy, K.shared_prefix_decode
+    try:
+        out = _triton_attention(q, k.contiguous(), v.contiguous(), layer, batch, 0.3, None,
+                                None)
+    finally:
+        K.shared_prefix_decode = original
+    assert called == [4]
+    kv, scales = pool.layer(layer)
+    ref = reference.paged_attention(q, kv, scales, batch.cu_seqlens_q, batch.context_lens,
+                                    batch.page_table, 0.3, None, None,
+                                    math_dtype=torch.float64)
+    assert_rel_close(out, ref, 1e-4 if kv_dtype == torch.float32 else 2e-2, "mixed grouped")
