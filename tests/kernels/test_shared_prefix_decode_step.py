@@ -68,24 +68,31 @@ def test_grouped_decode_equals_plain_decode(device, kv_dtype, with_sinks, padded
     k, v = pool.gather(layer, batch.page_table.long().view(-1)).view(
         rows, -1, 2, KV_HEADS, DIM)[torch.arange(rows), torch.tensor(contexts) - 1].unbind(1)
     sinks = torch.randn(KV_HEADS * GROUP, device=device) if with_sinks else None
-    called = []
-    cascade = K.shared_prefix_decode
-
-    def spy(*args, **kwargs):
-        called.append(True)
-        return cascade(*args, **kwargs)
-
-    K.shared_prefix_decode, original = spy, K.shared_prefix_decode
-    try:
-        out = _triton_attention(q, k.contiguous(), v.contiguous(), layer, batch, 0.3, None,
-                                sinks)
-    finally:
-        K.shared_prefix_decode = original
-    assert called
+    out, cascade_rows = attend_watching_the_cascade(q, k, v, layer, batch, sinks)
+    assert cascade_rows == [rows]
     ref = reference.paged_attention(q, kv, scales, batch.cu_seqlens_q, batch.context_lens,
                                     batch.page_table, 0.3, None, sinks,
                                     math_dtype=torch.float64)
     assert_rel_close(out, ref, 1e-4 if kv_dtype == torch.float32 else 2e-2, "grouped decode")
+
+
+def attend_watching_the_cascade(q, k, v, layer, batch, sinks):
+    """The model's attention of `batch` (scale 0.3, no window), and the row count of each call
+    it made to the shared-prefix kernel."""
+    rows = []
+    cascade = K.shared_prefix_decode
+
+    def spy(*args, **kwargs):
+        rows.append(args[0].shape[0])
+        return cascade(*args, **kwargs)
+
+    K.shared_prefix_decode = spy
+    try:
+        out = _triton_attention(q, k.contiguous(), v.contiguous(), layer, batch, 0.3, None,
+                                sinks)
+    finally:
+        K.shared_prefix_decode = cascade
+    return out, rows
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -134,20 +141,8 @@ def test_a_mixed_steps_decode_rows_read_their_groups_prefix_once(device, kv_dtyp
     flat = pool.gather(layer, torch.arange(total, device=device)).view(-1, 2, KV_HEADS, DIM)
     k, v = flat[batch.slot_mapping].unbind(1)
     q = torch.randn(batch.slot_mapping.shape[0], KV_HEADS * GROUP, DIM, device=device)
-    called = []
-    cascade = K.shared_prefix_decode
-
-    def spy(*args, **kwargs):
-        called.append(args[0].shape[0])
-        return cascade(*args, **kwargs)
-
-    K.shared_prefix_decode, original = spy, K.shared_prefix_decode
-    try:
-        out = _triton_attention(q, k.contiguous(), v.contiguous(), layer, batch, 0.3, None,
-                                None)
-    finally:
-        K.shared_prefix_decode = original
-    assert called == [4]
+    out, cascade_rows = attend_watching_the_cascade(q, k, v, layer, batch, None)
+    assert cascade_rows == [4]
     kv, scales = pool.layer(layer)
     ref = reference.paged_attention(q, kv, scales, batch.cu_seqlens_q, batch.context_lens,
                                     batch.page_table, 0.3, None, None,
