@@ -119,3 +119,21 @@ def test_a_mixed_steps_decode_rows_carry_their_groups(chat):  # noqa: F811
     assert run(True, seen) == reference
     assert not plain
     assert sum(1 for decode_only, rows in seen if not decode_only and rows == 3) >= 3, seen
+
+
+def test_group_tensors_have_one_shape_whatever_the_group_count():
+    """The step's plan kernel compiles per shape of the group tensors: they always hold
+    MAX_GROUPS groups, the unused ones empty, as the CUDA graphs' buffers do."""
+    from batchgen.engine.prefix_groups import prefix_groups
+    from batchgen.sched.decode_groups import MAX_GROUPS
+
+    chunks = decode_rows([700] * 6)
+    for shares in ([PrefixShare([0, 1, 2], list(range(7, 16)))],
+                   [PrefixShare([0, 1], [7, 8, 9, 10, 11]), PrefixShare([2, 3], [3, 4, 5, 6]),
+                    PrefixShare([4, 5], [20, 21, 22])]):
+        groups = prefix_groups(chunks, shares, torch.device("cpu"))
+        assert groups.prefix_pages.shape[0] == groups.prefix_num_pages.shape[0] == MAX_GROUPS
+        counts = [len(s.pages) for s in shares]
+        assert groups.prefix_num_pages.tolist() == counts + [0] * (MAX_GROUPS - len(counts))
+        for g, share in enumerate(shares):
+            assert groups.prefix_pages[g, :len(share.pages)].tolist() == share.pages
