@@ -24,9 +24,9 @@ TEXT_SUFFIXES = {".py", ".md", ".sh", ".sbatch", ".toml", ".txt", ".cfg", ".ini"
                  ".yml", ""}
 """Suffixes of the files read ("" covers extensionless scripts such as .ci/run)."""
 SKIPPED_PARTS = {"__pycache__", ".venv", "out", "storage", ".pytest_cache"}
+"""Folders never read: caches, virtualenvs, and job outputs the examples write."""
 PATH_LISTS = {"startup_modules.txt"}
 """Generated lists of other packages' source files: only their `#` lines are prose."""
-"""Folders never read: caches, virtualenvs, and job outputs the examples write."""
 THIS_FILE = Path(__file__).resolve()
 """This test names the patterns it forbids, so it does not read itself."""
 

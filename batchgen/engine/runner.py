@@ -169,9 +169,7 @@ class ModelRunner:
             kv_pool=self.device_pool,
             device=self.device,
         )
-        # The decode rows' groups (in a mixed batch those of its one-row part, in its order)
-        batch.prefix_groups = self._groups([c for c in out.chunks if c.end - c.start == 1],
-                                           out.shares)
+        batch.prefix_groups = self._groups(out.chunks, out.shares)
         logits = self._forward(batch)
         if not rows.params:
             return
@@ -218,7 +216,11 @@ class ModelRunner:
             on_result(step, sample_of_step.result(step_rows))
 
     def _groups(self, chunks: list[SeqChunk], shares: list[PrefixShare]):
-        return prefix_groups(chunks, shares, self.device) if self.shared_prefix and shares else None
+        """The prefix groups of `chunks`' one-row sequences (a mixed batch's `one_row_part`, in
+        its order; every row of a decode batch), or None."""
+        if not (self.shared_prefix and shares):
+            return None
+        return prefix_groups([c for c in chunks if c.end - c.start == 1], shares, self.device)
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         if self.graphs is not None and self.graphs.can_run(batch):
