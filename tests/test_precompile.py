@@ -179,9 +179,14 @@ def test_the_probe_forwards_run_and_write_no_kv():
     assert [len(q) for q in seen[:4]] == [4, 8, 1, 2]  # eager sizes, then the buckets
     # then each bucket's shared-prefix forward (those graphs are captured mid-job)
     assert model.shared_prefix_decode
-    assert [len(q) for q, g in zip(seen, grouped) if g] == graphs.sizes
-    assert seen[-2:] == [[1, 1, 1, 130, 64], [128, 128]]
-    assert sum(seen[-2]) % 16 and not sum(seen[-1]) % 16
+    # then a mixed step; mixed steps whose decode rows (3, each bucket's number) are one
+    # prefix group; a prefill step
+    mixed = [q for q, g in zip(seen, grouped) if g][len(graphs.sizes):]
+    rows = sorted({3, *graphs.sizes})
+    assert mixed == [[1] * n + [130, 64] for n in rows]
+    assert seen[-len(rows) - 2] == [1, 1, 1, 130, 64] and not grouped[-len(rows) - 2]
+    assert seen[-1] == [128, 128] and not grouped[-1]
+    assert sum(seen[-1]) % 16 == 0 and sum(seen[-len(rows) - 2]) % 16
     assert torch.equal(pool.data, before)
 
 

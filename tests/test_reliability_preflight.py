@@ -123,6 +123,21 @@ def test_preflight_fails_before_weights_load(tmp_path, tiny_chat_model):
     assert "Traceback" not in proc.stderr and "loading" not in proc.stderr
 
 
+def test_a_run_stopped_by_preflight_does_not_hold_the_next_to_its_settings(tmp_path,
+                                                                           tiny_chat_model):
+    """--device cuda where there is none fails preflight; the same job without it (another
+    dtype: settings that decide the answers) then runs, as nothing was answered under the first."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without CUDA")
+    path = job_input(tmp_path)
+    failed = run(path, tmp_path / "s", tiny_chat_model, "--device", "cuda")
+    assert failed.returncode == 8 and "--device cpu" in failed.stderr, failed.stderr[-2000:]
+    fixed = run(path, tmp_path / "s", tiny_chat_model)
+    assert fixed.returncode == 0, fixed.stderr[-2000:]
+
+
 def test_gpus_are_counted_without_initialising_cuda(monkeypatch):
     """The supervisor counts GPUs through torch.cuda.device_count (NVML where present), never
     torch.cuda.is_available, which initialises the CUDA driver in a process that needs none."""

@@ -19,13 +19,14 @@ import torch
 
 from batchgen.core import PAGE_SIZE
 from batchgen.engine.burst import DecodeBurst, QueuedBurst
-from batchgen.forward_batch import ForwardBatch
+from batchgen.forward_batch import ForwardBatch, PrefixGroups
 from batchgen.engine.host_pin import ChunkedPin, cuda_register, cuda_unregister
 from batchgen.engine.kv_cache import KVLayout, KVPool, copy_pages, page_runs
 from batchgen.engine.sampler import HostSample, SamplingRows, sample, sample_on_device
 from batchgen.engine.host_pool import HostSegment, lazy_zeros
 from batchgen.engine.precompile import CompileWorkers, precompile, precompile_ahead
 from batchgen.engine.prefix_groups import prefix_groups
+from batchgen.sched.decode_groups import MAX_GROUPS
 from batchgen.sched.scheduler import PrefixShare, ScheduleOutput, SeqChunk
 
 log = logging.getLogger("batchgen.runner")
@@ -267,15 +268,44 @@ def probe(model: torch.nn.Module, graphs, pool: KVPool) -> None:
     the capture runs, then a mixed step (three decode rows, a fresh prompt, a chunk after a
     cached prefix: 197 rows) and a prefill step of 256 rows, so the row counts cover 1,
     multiples of 16 and the rest. The prefill batches write no KV (every slot -1). A model
-    whose decode reads shared prefixes once also runs the buckets' shared-prefix forwards."""
+    whose decode reads shared prefixes once also runs the buckets' shared-prefix forwards, and
+    mixed steps whose decode rows (3, and each bucket's number) form one prefix group: an eager
+    step's tables are as wide as its longest row, not a multiple of 16 as the graphs' buffers
+    are, and the row count decides whether the kernel splits: variants of their own."""
+    grouped = getattr(model, "shared_prefix_decode", False)
     with model.probe_layers():
-        graphs.probe(grouped=getattr(model, "shared_prefix_decode", False))
-        for starts, lengths in (([64, 64, 64, 0, 64], [1, 1, 1, 130, 64]), ([0, 0], [128, 128])):
-            tables = [[0] * -(-(s + n) // PAGE_SIZE) for s, n in zip(starts, lengths)]
-            batch = ForwardBatch.build([[1] * n for n in lengths], starts, tables,
-                                       [True] * len(starts), pool, pool.device)
-            batch.slot_mapping.fill_(-1)
+        graphs.probe(grouped=grouped)
+        model(_mixed_probe(3, pool))
+        for rows in sorted({3, *graphs.sizes}) if grouped else ():
+            batch = _mixed_probe(rows, pool)
+            batch.prefix_groups = _probe_groups(rows, pool.device)
             model(batch)
+        model(_probe_batch([0, 0], [128, 128], pool))
+
+
+def _mixed_probe(rows: int, pool: KVPool) -> ForwardBatch:
+    """`rows` decode rows at position 64, a fresh 130-token prompt and a 64-token chunk after
+    64 cached tokens."""
+    return _probe_batch([64] * rows + [0, 64], [1] * rows + [130, 64], pool)
+
+
+def _probe_batch(starts: list[int], lengths: list[int], pool: KVPool) -> ForwardBatch:
+    """A batch of sequences computing `lengths` tokens from `starts`, every page 0, writing no
+    KV (every slot -1)."""
+    tables = [[0] * -(-(s + n) // PAGE_SIZE) for s, n in zip(starts, lengths)]
+    batch = ForwardBatch.build([[1] * n for n in lengths], starts, tables,
+                               [True] * len(starts), pool, pool.device)
+    batch.slot_mapping.fill_(-1)
+    return batch
+
+
+def _probe_groups(rows: int, device: torch.device) -> PrefixGroups:
+    """One prefix group of `rows` rows sharing page 0, in an eager step's group tensors
+    (MAX_GROUPS groups; a table 3 pages wide, as a step whose longest prefix is 3 pages)."""
+    counts = torch.zeros(MAX_GROUPS, dtype=torch.int32, device=device)
+    counts[0] = 1
+    return PrefixGroups(torch.zeros(rows, dtype=torch.int32, device=device),
+                        torch.zeros(MAX_GROUPS, 3, dtype=torch.int32, device=device), counts)
 
 
 STAND_IN_PAGES = 16

@@ -4,17 +4,21 @@ folders, and its record in the batch file under a fingerprint of what decides th
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from batchgen.config import JobConfig
-from batchgen.io.jobfiles import (BatchFile, JobPaths, check_fingerprint, derive_batch_id,
-                                  record_upload)
+from batchgen.io.jobfiles import (BatchFile, FingerprintMismatch, JobPaths, check_fingerprint,
+                                  derive_batch_id, record_upload)
 from batchgen.io.parsed_input import parse_input
 from batchgen.io.reader import InputFile, InputFileError, InputSummary, identify_input
+from batchgen.io.writer import read_done_ids
 from batchgen.models.loader import resolve_model, weights_signature
 from batchgen.parallel import pick_device
 from batchgen.runner.files.job import JobSpec, fingerprint, now
 from batchgen.runner.files.job_dirs import claim_incremental, make_job_dirs
+
+log = logging.getLogger("batchgen.job")
 
 
 def model_identity(config: JobConfig) -> str:
@@ -83,9 +87,20 @@ def prepare(config: JobConfig, summary: InputSummary, paths: JobPaths) -> tuple[
     state = batch_file.load()
     fp = fingerprint(config, summary.sha256, model_identity(config), model_weights(config),
                      job_device_type(config), summary.default_max_tokens_lines != 0)
+    retake = False
     if state is not None and state.fingerprint:
-        check_fingerprint(state.fingerprint,
-                          _as_recorded_then(state.fingerprint, fp, config, summary))
+        try:
+            check_fingerprint(state.fingerprint,
+                              _as_recorded_then(state.fingerprint, fp, config, summary))
+        except FingerprintMismatch:
+            if read_done_ids(paths.incremental_files()):
+                raise
+            # A run that stopped before its first result (a failed preflight, a model that
+            # would not load) decided nothing: this run's settings become the job's.
+            log.info("job %s has no saved result yet: it runs with this command's settings",
+                     batch_id)
+            paths.incremental_owner.unlink(missing_ok=True)
+            retake = True
     claim_incremental(paths, fp, job_recorded=state is not None,
                       as_recorded=lambda old, new: _as_recorded_then(old, new, config, summary))
     created = int(state.timings.get("created_at", now())) if state else now()
@@ -96,4 +111,6 @@ def prepare(config: JobConfig, summary: InputSummary, paths: JobPaths) -> tuple[
         batch_file.update(batch_id, status="validating", input_file=str(Path(s.input).resolve()),
                           fingerprint=fp, timings={"created_at": created},
                           request_counts={"total": summary.records, "completed": 0, "failed": 0})
+    elif retake:
+        batch_file.update(batch_id, fingerprint=fp)
     return spec, batch_file
