@@ -23,6 +23,12 @@ def _setup(tmp_path, output=None, incremental=None, storage="s"):
     return config, paths
 
 
+def beside_an_owner_record(folder: Path, name: str) -> Path:
+    """`name` in a folder holding another job's incremental results (batch batch_y's)."""
+    (folder / "batch_y.owner.json").write_text("{}")
+    return folder / name
+
+
 @pytest.mark.parametrize(("make_output", "flag", "needle"), [
     (lambda t: t / "in.jsonl", "--output", "is the input file"),
     (lambda t: t / "s" / "incremental" / "batch_x.jsonl", "--output", "incremental file"),
@@ -33,6 +39,10 @@ def _setup(tmp_path, output=None, incremental=None, storage="s"):
     (lambda t: t / "results.jsonl.gz", "--output", "not .gz"),
     (lambda t: os.mkfifo(t / "fifo.jsonl") or t / "fifo.jsonl", "--output", "not a regular file"),
     (lambda t: Path("/dev/null"), "--output", "not a regular file"),
+    (lambda t: beside_an_owner_record(t, "batch_y.jsonl"), "--output",
+     "another job's saved results"),
+    (lambda t: beside_an_owner_record(t, "batch_y.rank1.jsonl"), "--output",
+     "another job's saved results"),
 ])
 def test_unusable_output_paths_are_refused_by_flag(tmp_path, make_output, flag, needle):
     output = make_output(tmp_path)

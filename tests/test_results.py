@@ -96,12 +96,33 @@ def test_texts_override_and_parsed_reasoning_and_tool_calls():
     body = make(texts=["raw text"], parsed=parsed, reasoning_field="both")["response"]["body"]
     message = body["choices"][0]["message"]
     assert message == {"role": "assistant", "content": None, "reasoning_content": "thinking...",
-                       "reasoning": "thinking...", "tool_calls": [call]}
+                       "reasoning": "thinking...",
+                       "tool_calls": [{**call, "id": message["tool_calls"][0]["id"]}]}
     assert body["choices"][0]["finish_reason"] == "tool_calls"
     assert body["usage"]["completion_tokens_details"] == {"reasoning_tokens": 4}
     plain = make(texts=["raw text"])["response"]["body"]
     assert plain["choices"][0]["message"]["content"] == "raw text"
     assert "completion_tokens_details" not in plain["usage"]
+
+
+def test_tool_call_ids_differ_between_requests_choices_and_calls_and_hold_on_a_resume():
+    """The same call text in two requests, two choices or twice in one answer gets distinct ids
+    (OpenAI's are unique); the same request answered again (a resume) gets the same ones."""
+    call = {"id": "from_the_parser", "type": "function",
+            "function": {"name": "f", "arguments": "{}"}}
+
+    def ids(custom_id):
+        parsed = [ParsedChoice(None, tool_calls=[call, call]) for _ in range(2)]
+        line = success_line(pending(n=2, custom_id=custom_id), finished(2, custom_id=custom_id),
+                            batch_id="batch_x", model="tiny", created=1700000000,
+                            decode_token=decode, decode_text=decode_text, texts=["t", "t"],
+                            parsed=parsed)
+        return [c["id"] for choice in line["response"]["body"]["choices"]
+                for c in choice["message"]["tool_calls"]]
+
+    first = ids("req-1")
+    assert len(set(first + ids("req-2"))) == 8
+    assert first == ids("req-1") and all(i.startswith("call_") for i in first)
 
 
 def test_error_line_schema():

@@ -54,6 +54,12 @@ def completion_id(batch_id: str, custom_id: str, kind: str) -> str:
     return prefix + _hex(batch_id, custom_id, b"batchgen-body", 16)
 
 
+def tool_call_id(batch_id: str, custom_id: str, choice: int, index: int) -> str:
+    """The id of a request's `index`-th tool call in choice `choice`: unique within the job,
+    the same on a resume."""
+    return "call_" + _hex(batch_id, f"{custom_id}\x00{choice}\x00{index}", b"batchgen-call", 12)
+
+
 def dumps(line: dict) -> bytes:
     """One JSONL line, newline included."""
     return orjson.dumps(line) + b"\n"
@@ -107,7 +113,9 @@ def success_line(pending: PendingRequest, finished: FinishedRequest, *, batch_id
     texts = list(texts) if texts is not None else [_text_of(c) for c in completions]
     top_n = pending.sampling.top_logprobs if pending.sampling.logprobs else -1
     if pending.kind == "chat":
-        choices = [_chat_choice(c, t, p, top_n, decode_token, reasoning_field)
+        choices = [_chat_choice(c, t, p, top_n, decode_token, reasoning_field,
+                                lambda choice, i: tool_call_id(batch_id, pending.custom_id,
+                                                               choice, i))
                    for c, t, p in zip(completions, texts, parsed or [None] * len(completions))]
         obj = "chat.completion"
     else:
@@ -140,14 +148,16 @@ def _usage(finished: FinishedRequest, parsed: Sequence[ParsedChoice | None] | No
 
 
 def _chat_choice(c: Completion, text: str, parsed: ParsedChoice | None, top_n: int,
-                 decode: Callable[[int], str], reasoning_field: str) -> dict:
+                 decode: Callable[[int], str], reasoning_field: str,
+                 call_id: Callable[[int, int], str]) -> dict:
     message: dict = {"role": "assistant", "content": text if parsed is None else parsed.content}
     finish = c.finish_reason.value
     if parsed is not None and parsed.reasoning is not None:
         for name in REASONING_FIELDS[reasoning_field]:
             message[name] = parsed.reasoning
     if parsed is not None and parsed.tool_calls:
-        message["tool_calls"] = parsed.tool_calls
+        message["tool_calls"] = [{**call, "id": call_id(c.index, i)}
+                                 for i, call in enumerate(parsed.tool_calls)]
         finish = "tool_calls"
     logprobs = None
     if top_n >= 0 and c.logprobs is not None:

@@ -69,6 +69,10 @@ def _check_outputs(config: JobConfig, paths: JobPaths) -> None:
                 and target.name.startswith(f"{paths.batch_id}.rank")):
             raise ConfigError("output", str(paths.output), f"{target} is the job's incremental "
                                                            "file; give the results another path")
+        if _results_of_a_job(target):
+            raise ConfigError("output", str(paths.output), f"{target} holds another job's saved "
+                                                           "results (its incremental file); give "
+                                                           "the results another path")
         if target.is_dir():
             raise ConfigError("output", str(paths.output), f"{target} is a folder; give a file "
                                                            "path, e.g. results.jsonl inside it")
@@ -78,6 +82,13 @@ def _check_outputs(config: JobConfig, paths: JobPaths) -> None:
             raise ConfigError("output", str(paths.output),
                               f"{target} is not a regular file (a device, pipe or socket), "
                               "which the results would replace: give a file path")
+
+
+def _results_of_a_job(target: Path) -> bool:
+    """Whether `target` is a job's incremental file: {batch_id}.jsonl or {batch_id}.rankR.jsonl
+    beside that batch's owner record ({batch_id}.owner.json)."""
+    batch_id = target.name.removesuffix(".jsonl").split(".rank", 1)[0]
+    return target.name.endswith(".jsonl") and target.with_name(f"{batch_id}.owner.json").exists()
 
 
 def claim_incremental(paths: JobPaths, fingerprint: dict, job_recorded: bool,
