@@ -74,6 +74,7 @@ def test_validate_warns_about_unknown_fields_with_the_closest_known_one(tmp_path
         {"custom_id": "f", "method": "POST", "url": "/v1/embeddings",
          "body": {"input": ["x", "y"], "encoding_format": "base64", "dimensions": 8,
                   "model": "m", "max_tokens": 4}},
+        {"custom_id": "g", "input": ["first passage", "second"], "dimension": 8},
     ]
     result = CliRunner().invoke(app, ["validate", "-i", str(write_jsonl(tmp_path / "in.jsonl",
                                                                           rows))])
@@ -84,8 +85,10 @@ def test_validate_warns_about_unknown_fields_with_the_closest_known_one(tmp_path
     assert "'max_completion_token': did you mean 'max_completion_tokens'?" in out
     assert "'colour': it is ignored" in out and "'model'" not in out  # an OpenAI field
     assert "line 6: warning: unknown field body.'max_tokens'" in out  # not on an embedding
-    assert "'input'" not in out and "'dimensions'" not in out and "'encoding_format'" not in out
-    assert "6 requests: 5 valid, 1 invalid (1 invalid messages); 4 lines with unknown " \
+    assert "line 7: warning: unknown field 'dimension': did you mean 'dimensions'?" in out
+    assert "field 'input'" not in out and "body.'input'" not in out
+    assert "'dimensions':" not in out and "'encoding_format'" not in out
+    assert "7 requests: 6 valid, 1 invalid (1 invalid messages); 5 lines with unknown " \
            "fields" in out
     assert "{" not in out.splitlines()[-2]  # counts as words, not a dict
 

@@ -70,6 +70,14 @@ def test_parquet_rows_structs_json_strings_and_nulls(tmp_path):
     assert detect_format(path) == "parquet"
 
 
+def test_a_parquet_file_of_embedding_inputs_alone_is_read(tmp_path):
+    """An `input` column (plain embeddings rows) is a request column on its own."""
+    path = tmp_path / "emb.parquet"
+    pq.write_table(pa.table({"custom_id": ["d1", "d2"], "input": [["a", "b"], ["c"]]}), path)
+    assert [r.data for r in read_records(path)] == [{"custom_id": "d1", "input": ["a", "b"]},
+                                                   {"custom_id": "d2", "input": ["c"]}]
+
+
 def test_parquet_with_jsonl_extension_is_read_as_parquet(tmp_path):
     path = tmp_path / "odd.jsonl"
     pq.write_table(pa.table({"prompt": ["x"]}), path)
@@ -93,7 +101,7 @@ def test_parquet_with_jsonl_extension_is_read_as_parquet(tmp_path):
     (lambda p: (p / "d.jsonl").write_bytes('{"prompt": "x"}\n'.encode("utf-16")) and p / "d.jsonl",
      "UTF-16"),
     (lambda p: pq.write_table(pa.table({"text": ["x"]}), p / "e.parquet") or p / "e.parquet",
-     "none of the columns body, messages, prompt (it has text)"),
+     "none of the columns body, input, messages, prompt (it has text)"),
 ])
 def test_file_level_errors_name_path_and_fix(tmp_path, make, needle):
     path = make(tmp_path)

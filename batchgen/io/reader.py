@@ -31,8 +31,9 @@ PARQUET_MAGIC = b"PAR1"
 PARQUET_BATCH_ROWS = 1024
 """Rows per pyarrow record batch: small enough that a batch of long prompts stays in memory."""
 _BOM = b"\xef\xbb\xbf"
-REQUEST_COLUMNS = {"prompt", "messages", "body"}
-"""A Parquet input needs one of these columns (plain rows: prompt/messages; OpenAI: body)."""
+REQUEST_COLUMNS = {"prompt", "messages", "input", "body"}
+"""A Parquet input needs one of these columns (plain rows: prompt/messages, or input for
+embeddings; OpenAI: body)."""
 EXACT_FLOAT_INTS = 2**53
 """Whole numbers a float holds exactly: a larger numeric custom_id has lost digits already."""
 DEFAULT_MAX_LINE_BYTES = 8 << 20

@@ -30,7 +30,10 @@ def unknown_fields(data: dict) -> list[str]:
     """One message per field batchgen does not read (a typo runs with the default), with the
     closest field it does read."""
     known = sorted(REQUEST_FIELDS | IGNORED_FIELDS)
-    if data.get("url") == EMBEDDINGS_URL:
+    plain_embedding = (not any(k in data for k in ENVELOPE_FIELDS[1:])
+                       and data.get("input") is not None
+                       and data.get("messages") is None and data.get("prompt") is None)
+    if data.get("url") == EMBEDDINGS_URL or plain_embedding:
         known = sorted({*EMBEDDING_FIELDS, *IGNORED_FIELDS})
     if any(k in data for k in ENVELOPE_FIELDS[1:]):  # an OpenAI batch line
         body = data.get("body")
