@@ -72,7 +72,7 @@ class SamplingParams:
             (0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]"),
             (1 <= self.n <= 128, "n must be in [1, 128]"),
             (0 <= self.top_logprobs <= 20, "top_logprobs must be in [0, 20]"),
-            (len(self.stop) <= 16, "at most 16 stop strings"),
+            (len(self.stop) <= 16, "stop holds at most 16 strings"),
             (self.seed is None or 0 <= self.seed < 2**63, "seed must be in [0, 2^63)"),
             (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]"),
             (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]"),

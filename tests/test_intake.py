@@ -204,6 +204,7 @@ BAD_LINES = [
     ({"method": "POST", "url": "/v1/chat/completions", "body": {"messages": USER}},
      "missing_custom_id", "custom_id"),
     ({"custom_id": ["x"], "prompt": "hi"}, "missing_custom_id", "non-empty string"),
+    ({"custom_id": 1e20, "prompt": "hi"}, "missing_custom_id", "lost digits"),
     (chat_line({"messages": USER}, method="GET"), "unsupported_method", "GET"),
     (chat_line({"messages": USER}, url="/v1/embeddings"), "invalid_input", "needs input"),
     (chat_line({"messages": USER}, url="/v1/responses"), "unsupported_url", "/v1/embeddings"),
@@ -249,6 +250,11 @@ def test_bad_lines(tok, data, code, needle):
     assert isinstance(err, IntakeError), err
     assert err.code == code and needle in err.message and err.line == 12
     assert "line 12" in err.message
+
+
+def test_a_fractional_custom_id_is_not_said_to_have_lost_digits(tok):
+    err = run(tok, {"custom_id": 1.5, "prompt": "hi"})
+    assert err.code == "missing_custom_id" and err.message.endswith("got 1.5")
 
 
 BAD_SAMPLING = [

@@ -68,9 +68,17 @@ def test_stream_true_is_a_400_line_error_naming_stream(tools_tokenizer):
     ({"messages": [{"role": "user"}]}, "messages[0].content"),
     ({"prompt": {"a": 1}}, "prompt"),
     ({"messages": USER, "logprobs": 3}, "logprobs"),
+    ({"messages": USER, "stop": list("abcdefghijklmnopq")}, "stop"),
+    ({"prompt": "y" * 512 * 128 + "y"}, "prompt"),
+    ({"messages": [{"role": "user", "content": "y" * 512 * 128}]}, "messages"),
+    ({"messages": USER, "url": "/v1/completions"}, "prompt"),
+    ({"prompt": "hi", "url": "/v1/chat/completions"}, "messages"),
 ])
 def test_error_objects_carry_code_message_and_param(tools_tokenizer, body, param):
-    url = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
+    """Each error names the field at fault: also the stop list past its limit, a text too long
+    to tokenize and a body sent to the other url (chat's messages at /v1/completions)."""
+    body = dict(body)
+    url = body.pop("url", "/v1/completions" if "prompt" in body else "/v1/chat/completions")
     err = intake(line(body, url=url), tools_tokenizer, 512)
     assert isinstance(err, IntakeError), err
     error = error_line("b", err)["response"]["body"]["error"]

@@ -15,7 +15,7 @@ from batchgen.io.reader import RawRecord
     ({"top_p": 0.0}, "top_p must be in (0, 1]"),
     ({"max_tokens": 0}, "max_tokens must be >= 1"),
     ({"min_tokens": 9, "max_tokens": 3}, "min_tokens must be <= max_tokens"),
-    ({"stop": tuple("abcdefghijklmnopq")}, "at most 16 stop strings"),
+    ({"stop": tuple("abcdefghijklmnopq")}, "stop holds at most 16 strings"),
     ({"seed": -1}, "seed must be in [0, 2^63)"),
 ])
 def test_invalid_params_cannot_be_made(fields, message):

@@ -126,8 +126,9 @@ def parse_record(record: RawRecord,
 def _parse(data: dict, key: str, line: int,
            default_max_tokens: int) -> ParsedRequest | EmbeddingRequest:
     if data.get("custom_id") is not None and custom_id_of(data) is None:
+        cid = data["custom_id"]
         hint = (": a number this large has lost digits in JSON, quote it"
-                if isinstance(data["custom_id"], float) else "")
+                if isinstance(cid, float) and cid.is_integer() else "")
         raise BadLine("missing_custom_id", "custom_id must be a non-empty string, got "
                                             f"{data['custom_id']!r}{hint}", "custom_id")
     if _is_envelope(data):
@@ -193,6 +194,12 @@ def _openai_envelope(data: dict) -> tuple[str, dict]:
     if body.get("messages") is not None and body.get("prompt") is not None:
         raise BadLine("invalid_messages", "give either messages (chat) or prompt (completion), "
                                            "not both", "messages")
+    wrong = {"chat": ("messages", "prompt", COMPLETIONS_URL),
+             "completion": ("prompt", "messages", CHAT_URL)}.get(kinds[url])
+    if wrong is not None and body.get(wrong[0]) is None and body.get(wrong[1]) is not None:
+        raise BadLine(f"invalid_{wrong[0]}" if wrong[0] == "prompt" else "invalid_messages",
+                      f"a {url} line needs {wrong[0]}; this one has {wrong[1]}, which "
+                      f"{wrong[2]} takes: change its url or its body", wrong[0])
     return kinds[url], body
 
 
@@ -355,22 +362,22 @@ def _prompt_ids(parsed: ParsedRequest, tokenizer: Any, max_context: int) -> list
             _check_in_vocabulary("prompt token ids", parsed.prompt, len(tokenizer),
                                  "invalid_prompt", "prompt")
             return list(parsed.prompt)
-        return list(tokenizer.encode(_fits_context(parsed.prompt, max_context)))
+        return list(tokenizer.encode(_fits_context(parsed.prompt, max_context, "prompt")))
     try:
         text = render_chat(parsed.messages, parsed.extra, tokenizer)
     except TemplateError as err:
         raise BadLine(err.code, str(err), err.param) from None
-    text = _fits_context(text, max_context)
+    text = _fits_context(text, max_context, "messages")
     # The template already wrote BOS and other special tokens: do not add them twice.
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def _fits_context(text: str, max_context: int) -> str:
+def _fits_context(text: str, max_context: int, param: str) -> str:
     """Refuse, untokenized, a text no tokenizer could fit in the context: tokenizing costs
     about a hundred bytes of memory per character, so a huge prompt is never tokenized."""
     if len(text) > max_context * MAX_CHARS_PER_TOKEN:
         raise BadLine("context_length_exceeded",
                        f"the prompt is {len(text)} characters, more than {MAX_CHARS_PER_TOKEN} "
                        f"per token of the model's {max_context}-token context, so it cannot "
-                       "fit (it is refused without tokenizing); shorten the prompt")
+                       "fit (it is refused without tokenizing); shorten the prompt", param)
     return text
