@@ -82,8 +82,8 @@ def _import_run_job():
 
 
 @app.command()
-def validate(input: Path = typer.Option(..., "--input", "-i",
-                                        help="JSONL or Parquet requests file."),
+def validate(input: str = typer.Option(..., "--input", "-i",
+                                       help="JSONL or Parquet requests file."),
              max_tokens: int = typer.Option(256, help="Default max_tokens for lines without one.")):
     """Check an input file without loading a model: counts and the error of each bad line."""
     from batchgen.io.locations import refuse_urls
@@ -93,8 +93,8 @@ def validate(input: Path = typer.Option(..., "--input", "-i",
         _fail(f"--max-tokens={max_tokens} is not allowed: an integer >= 1 (the max_tokens of "
               "lines that give none)")
     with _user_errors():
-        refuse_urls(input=str(input))
-        raise typer.Exit(validate_file(input, max_tokens))
+        refuse_urls(input=input)  # as typed: a Path would fold its "//"
+        raise typer.Exit(validate_file(Path(input), max_tokens))
 
 
 @app.command()
@@ -105,8 +105,14 @@ def status(target: Optional[str] = typer.Argument(
                None, help="Job folder (default: as `batchgen run` without --output: "
                           "$BATCHGEN_STATE_DIR or ~/.local/state/batchgen).")):
     """Status, request counts, tokens, throughput and health of jobs."""
+    from batchgen.io.locations import refuse_urls, url_scheme
     from batchgen.runner.leader.status import show_status
 
+    if target is not None and url_scheme(target) is not None:
+        _fail(f"{target!r} is a URL: status reads a job's local files; give its batch id, its "
+              "job folder or its local --output file")
+    with _user_errors():
+        refuse_urls(storage_path=storage_path)
     raise typer.Exit(show_status(Path(storage_path or default_storage_path(None)), target))
 
 

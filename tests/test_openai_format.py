@@ -205,7 +205,9 @@ def test_run_refuses_urls_before_any_work(tmp_path, flag, value):
     assert not (tmp_path / "s").exists() and not list(tmp_path.glob("http*"))
     assert read_jsonl(rows)  # the input is untouched
     proc = batchgen("validate", "--input", "gs://bucket/in.jsonl")
-    assert proc.returncode == 2 and "gs:// URL" in proc.stderr
+    assert proc.returncode == 2 and "'gs://bucket/in.jsonl' is a gs:// URL" in proc.stderr
+    proc = batchgen("status", "s3://bucket/out.jsonl")
+    assert proc.returncode == 2 and "'s3://bucket/out.jsonl' is a URL" in proc.stderr
 
 
 def test_a_job_forces_tool_calls_without_parse_flags(tiny_chat_model, tmp_path):
