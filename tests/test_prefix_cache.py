@@ -170,18 +170,18 @@ def test_shared_prompts_compute_the_prefix_once():
 
 
 def test_a_shared_prefix_is_backed_once_on_the_host():
-    """The second sequence mapping a device-cached prefix writes it back to the host once;
-    every later one shares those host pages instead of reserving a private copy (FakeRun
-    checks the copied KV wherever it is read)."""
+    """The second sequence mapping a device-cached prefix makes its host pages the prefix's
+    backing; every later one shares those host pages instead of reserving a private copy. With
+    room on the device every holder ends there, so the backing is never written."""
     prefixes = [[5 + j for j in range(640)]]
     reqs = [Req(0, 640, 10, 1, 300, 300) for _ in range(8)]
     run = FakeRun(reqs, 400, 800, SchedulerConfig(), prefixes)
-    seen = {"write_backs": 0, "max_refs": 0, "peak_host": 0}
+    seen = {"copies": 0, "max_refs": 0, "peak_host": 0}
     schedule = run.sched.schedule
 
     def watched(*args, **kwargs):
         plan = schedule(*args, **kwargs)
-        seen["write_backs"] += sum(len(c.src) for c in plan.swap_out)
+        seen["copies"] += sum(len(c.src) for c in plan.swap_out)
         host = run.sched.host
         seen["max_refs"] = max(seen["max_refs"], max(host.refs))
         seen["peak_host"] = max(seen["peak_host"], host.num_used)
@@ -189,10 +189,33 @@ def test_a_shared_prefix_is_backed_once_on_the_host():
 
     run.sched.schedule = watched
     run.run()
-    assert seen["write_backs"] == 10  # the 10 prefix pages, once
+    assert seen["copies"] == 0  # nothing unloaded: the backing was never needed
     assert seen["max_refs"] == 7  # the first sequence keeps the host pages it computed into
     whole = pages_for(650 + 300)
     assert seen["peak_host"] <= whole + 10 + 7 * (whole - 10)  # private copies: 8 * whole
+    assert len(run.sched.backing) == 0 and run.sched.prefix.host_cache.num_cached == 0
+
+
+def test_a_shared_prefixs_host_backing_is_written_when_a_holder_is_unloaded():
+    """With a device pool too small for every holder, unloading one writes the prefix's host
+    backing (once: it is then written), and FakeRun checks the KV wherever it is read back."""
+    prefixes = [[5 + j for j in range(640)]]
+    reqs = [Req(0, 640, 10, 1, 300, 300) for _ in range(8)]
+    run = FakeRun(reqs, 40, 800, SchedulerConfig(), prefixes)
+    written = []
+    due = run.sched.backing.due
+
+    def counted(host_pages):
+        device, host = due(host_pages)
+        written.extend(host)
+        return device, host
+
+    run.sched.backing.due = counted
+    run.run()
+    assert run.sched.counters.unloads > 0 and run.sched.counters.loads > 0
+    assert written and len(written) == len(set(written))
+    assert len(run.sched.backing) == 0
+
 
 def test_n_choices_fork_from_one_prefill():
     """n = 4 of a 100-token prompt: one prefill; three forks copy its partial page and

@@ -74,6 +74,12 @@ class PrefixCache:
     def is_cached(self, page: int) -> bool:
         return page in self._key_of
 
+    def forget(self, page: int) -> None:
+        """Unregister a held page whose content will not be kept."""
+        key = self._key_of.pop(page, None)
+        if key is not None:
+            del self._page_of[key]
+
     def take(self, page: int) -> None:
         """An idle page is held again."""
         del self._idle[page]

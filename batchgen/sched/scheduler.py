@@ -21,6 +21,7 @@ from batchgen.config import SchedulerConfig
 from batchgen.core import PAGE_SIZE
 from batchgen.sched.chunking import ChunkSizer
 from batchgen.sched.eviction import victim_order
+from batchgen.sched.host_backing import DeferredBacking
 from batchgen.sched.pages import PageAllocator
 from batchgen.sched.sharing import NO_HIT, Hit, PrefixSharing
 from batchgen.sched.sequence import Sequence, SeqState, pages_for
@@ -66,6 +67,8 @@ class Scheduler:
         self.device = PageAllocator(device_pages, "device", caches[0])
         self.host = PageAllocator(host_pages, "host", caches[1])
         self._shares: list[PrefixShare] = []
+        self.backing = DeferredBacking()
+        """Host pages backing a shared prefix whose KV is copied there only when needed."""
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
@@ -285,6 +288,8 @@ class Scheduler:
     def _release(self, seq: Sequence) -> None:
         if self.prefix is not None:
             self.prefix.released(seq, host=True)
+        if self.prefix is not None:
+            self.backing.let_go(seq.host_pages, self.host.refs, self.prefix.host_cache)
         self.device.free(seq.device_pages)
         self.host.free(seq.host_pages)
         seq.device_pages, seq.host_pages = [], []
@@ -321,6 +326,9 @@ class Scheduler:
     def _unload(self, seq: Sequence, out: ScheduleOutput) -> None:
         first = seq.num_on_host // PAGE_SIZE
         last = pages_for(seq.num_computed)
+        due_device, due_host = self.backing.due(seq.host_pages[:first])
+        if due_host:  # a shared prefix's host backing, written now that a holder needs it
+            out.swap_out.append(PageCopy(seq.seq_id, due_device, due_host))
         out.swap_out.append(PageCopy(seq.seq_id, seq.device_pages[first:last],
                                      seq.host_pages[first:last]))
         if self.prefix is not None:
@@ -420,6 +428,8 @@ class Scheduler:
     def _place(self, seq: Sequence, hit: Hit, out: ScheduleOutput, preempt: bool,
                admitted: list[Sequence]) -> bool:
         """Give an admitted sequence its pages (mapping `hit`); False when they do not fit."""
+        if any(self.backing.is_pending(page) for page in hit.host_pages[len(hit.device_pages):]):
+            raise AssertionError(f"seq {seq.seq_id} would load host pages never written")
         host_need = pages_for(min(seq.budget_tokens,
                                   max(seq.tokens_after(self.window), self.chunk.chunk_tokens)))
         self.host.share(hit.host_pages)
@@ -441,11 +451,11 @@ class Scheduler:
             out.swap_in.append(PageCopy(seq.seq_id, seq.host_pages[on_device:on_host],
                                         seq.device_pages[on_device:on_host]))
         elif on_device > on_host:
-            # Shared on the device with no host copy: write those pages back once, now, and
-            # cache them on the host, so the next sequence mapping this prefix shares its
-            # host backing too instead of reserving a private copy of it.
-            out.swap_out.append(PageCopy(seq.seq_id, hit.device_pages[on_host:on_device],
-                                         seq.host_pages[on_host:on_device]))
+            # Shared on the device with no host copy: these host pages back the prefix from
+            # now on (cached on the host, so the next sequence mapping it shares them instead
+            # of reserving a private copy); its KV is copied there if a holder is unloaded.
+            self.backing.defer(seq.host_pages[on_host:on_device],
+                               hit.device_pages[on_host:on_device])
             on_host = on_device
         seq.num_on_host = on_host * PAGE_SIZE
         seq.num_computed = hit.pages * PAGE_SIZE
@@ -485,6 +495,8 @@ class Scheduler:
         and every sequence's pages cover its computed tokens."""
         self.device.check([s.device_pages for s in self.running])
         self.host.check([s.host_pages for s in self.running + self.swapped])
+        problems = self.backing.problems(self.device.refs, self.host.refs)
+        assert not problems, problems
         for seq in self.running:
             assert seq.state is SeqState.RUNNING
             assert len(seq.device_pages) >= pages_for(seq.num_computed), seq
