@@ -131,3 +131,30 @@ def test_a_job_sharing_a_system_prompt_reports_its_prefix_hits(tiny_chat_model, 
     assert code == 0
     assert re.search(rf"prefix cache\s*│?\s*{rate} of {counters['prompt_tokens']:,} prompt",
                      shown), shown
+
+
+def test_a_run_killed_before_recording_its_end_is_counted_by_the_next(tmp_path):
+    """A SIGKILLed run leaves the job in_progress and its workers' stats: the next run counts
+    that run, its tokens and its seconds up to the stats' last write (the job's rate over all
+    runs would otherwise divide every run's tokens by the timed runs' seconds)."""
+    import os
+
+    from batchgen.io.jobfiles import BatchFile
+    from batchgen.runner.leader.records import record_killed_run
+
+    batches = tmp_path / "batches"
+    batches.mkdir()
+    batch_file = BatchFile(batches / "batch_k.json")
+    batch_file.update("batch_k", status="in_progress",
+                      timings={"started_at": 1_000, "runs": 1, "all_runs_seconds": 5.0,
+                               "finished_at": 900},
+                      usage={"prompt_tokens": 10, "completion_tokens": 20, "total_tokens": 30})
+    stats = batches / "batch_k.worker0.json"
+    stats.write_text(json.dumps({"completion_tokens": 100, "prompt_tokens": 50}))
+    os.utime(stats, (1_012.0, 1_012.0))
+    record_killed_run("batch_k", batch_file, batches)
+    state = batch_file.load()
+    assert state.timings["runs"] == 2 and state.timings["all_runs_seconds"] == 17.0
+    assert state.usage == {"prompt_tokens": 60, "completion_tokens": 120, "total_tokens": 180}
+    record_killed_run("batch_k", batch_file, batches)  # recorded now: counted once
+    assert batch_file.load().timings["runs"] == 2

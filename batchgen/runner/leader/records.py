@@ -55,6 +55,27 @@ def record_end(spec: JobSpec, batch_file: BatchFile, started: float, status: str
     batch_file.update(spec.batch_id, **changes)
 
 
+def record_killed_run(batch_id: str, batch_file: BatchFile, batch_dir: Path) -> None:
+    """A run killed before it could record its end (SIGKILL, a lost node) left the job
+    in_progress, started after its last recorded end, and left its workers' stats files: count
+    that run, its tokens and its seconds up to the stats' last write, so that the job's rate
+    over all runs stays true. Call before the next run removes those files."""
+    state = batch_file.load()
+    if state is None or state.status != "in_progress":
+        return
+    started, ended = state.timings.get("started_at"), state.timings.get("finished_at", 0)
+    files = list(batch_dir.glob(f"{batch_id}.worker*.json"))
+    if not started or ended >= started or not files:
+        return
+    last = max(path.stat().st_mtime for path in files)
+    stats = read_worker_stats(batch_dir, batch_id)
+    completion = sum(s.get("completion_tokens", 0) for s in stats)
+    prompt = sum(s.get("prompt_tokens", 0) for s in stats)
+    batch_file.update(batch_id, usage=_usage_after(batch_file, prompt, completion),
+                      timings={**_all_runs(batch_file, max(0.0, last - started)),
+                               "finished_at": int(last)})
+
+
 def result_files(paths: JobPaths) -> dict:
     """Absolute, so `batchgen status OUTPUT` finds the job from any working directory."""
     return {"output_file": str(paths.output.absolute()),

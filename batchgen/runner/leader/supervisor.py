@@ -42,8 +42,8 @@ from batchgen.runner.leader.members import Member, check_plan, member_failure, m
 from batchgen.runner.leader.preflight import preflight, refuse_unwritable
 from batchgen.runner.leader.prepare import identify, parse, prepare
 from batchgen.runner.leader.progress import ProgressReporter, read_worker_stats, run_summary
-from batchgen.runner.leader.records import (record_end, result_files, try_record_end,
-                                            usage_total, warn_if_replacing)
+from batchgen.runner.leader.records import (record_end, record_killed_run, result_files,
+                                            try_record_end, usage_total, warn_if_replacing)
 from batchgen.runner.worker.outputs import outputs_belong_to
 from batchgen.runner.worker.quarantine import mark_crashed
 
@@ -176,6 +176,7 @@ def _run_locked(spec: JobSpec, batch_file: BatchFile, already: int, stops: StopS
     paths, group = spec.paths, member.group
     log.info("job %s: %d requests, %d already done; results -> %s", spec.batch_id,
              spec.total_records, already, paths.output)
+    record_killed_run(spec.batch_id, batch_file, paths.batch_file.parent)
     started = time.time()
     batch_file.update(spec.batch_id, status="in_progress", timings={"started_at": int(started)},
                       **result_files(paths))
