@@ -27,6 +27,26 @@ def test_convert_roundtrip_same_tokens(tmp_path, family):
     assert tokens[0] == tokens[1]
 
 
+def test_a_converted_folder_keeps_the_stop_tokens_and_the_pooling(tmp_path):
+    """generation_config.json's extra EOS ids and sentence-transformers' pooling files decide
+    answers beside the weights: a converted folder carries them."""
+    import json
+
+    source = save_tiny_model("llama", tmp_path / "src")
+    (source / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 77]}))
+    (source / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling",
+         "type": "sentence_transformers.models.Pooling"}]))
+    (source / "1_Pooling").mkdir()
+    (source / "1_Pooling" / "config.json").write_text('{"pooling_mode_mean_tokens": true}')
+    out = convert_model(ModelConfig(model=str(source)), tmp_path / "conv")
+    loaded = load_model(ModelConfig(converted_ckpt_dir=str(out)), torch.device("cpu"))
+    assert 77 in loaded.eos_token_ids
+    assert (out / "1_Pooling" / "config.json").read_text() == '{"pooling_mode_mean_tokens": true}'
+    assert (out / "modules.json").is_file()
+
+
 def test_converted_for_other_world_size_is_refused(tmp_path):
     source = save_tiny_model("llama", tmp_path / "src")
     out = convert_model(ModelConfig(model=str(source)), tmp_path / "conv", world_size=2)

@@ -331,3 +331,27 @@ def test_cuda_grouped_experts_capture_in_a_graph(packed, gemm):
         torch.cuda.synchronize()
         expected = experts.forward_grouped(x, weights, ids, gemm)
     torch.testing.assert_close(out, expected)  # the replay followed the new routing
+
+
+@pytest.mark.parametrize("source", ["mxfp4", "mxfp4_pre_dequantized", "dense"])
+def test_a_converted_folder_loads_and_matches_hf(checkpoints, source, tmp_path):
+    """`batchgen convert` writes the experts under our own names (`.blocks`/`.scales`, or a
+    dense `.weight` in our [E, out, in] layout): the converted folder loads back, packed or
+    not, with HF's logits."""
+    from batchgen.models.export import convert_model
+    from batchgen.models.factory import load_model
+
+    hf, mxfp4, dense = checkpoints
+    folder = dense if source == "dense" else mxfp4
+    options = ModelConfig(model=str(folder), dtype="float32",
+                          pre_dequantize_weights=source == "mxfp4_pre_dequantized")
+    out = convert_model(options, tmp_path / "conv")
+    for pre_dequantize in (False, True):
+        loaded = load_model(ModelConfig(converted_ckpt_dir=str(out), dtype="float32",
+                                        pre_dequantize_weights=pre_dequantize),
+                            torch.device("cpu"))
+        prompt = prompts(1)[-1]
+        with torch.inference_mode():
+            expected = hf(torch.tensor([prompt])).logits[0, -1]
+        torch.testing.assert_close(last_token_logits(loaded.model, prompt), expected,
+                                   rtol=1e-4, atol=1e-4)

@@ -365,3 +365,22 @@ def test_response_format_nested_past_orjson_is_a_line_error(tok):
 def test_a_stop_string_that_looks_like_json_is_one_stop_string(tok, stop):
     req = run(tok, {"prompt": "hi", "stop": stop})
     assert isinstance(req, PendingRequest) and req.sampling.stop == (stop,)
+
+
+def test_token_ids_past_a_models_smaller_vocabulary_are_refused_by_line(tok):
+    """A model whose embedding holds fewer rows than its tokenizer has ids (a misconfigured
+    folder): a line whose tokens reach past the model's vocabulary is an error result of its
+    own, not an index error that stops every request of the step."""
+    from batchgen.io.intake import parse_record, tokenize_parsed
+
+    size = len(tok)
+    prompt_ids = parse_record(RawRecord(3, {"custom_id": "a", "prompt": [1, size - 1]}))
+    err = tokenize_parsed(prompt_ids, tok, 64, vocab_size=size - 1)
+    assert err.code == "invalid_prompt" and err.param == "prompt" and f"< {size - 1}" in err.message
+    text = parse_record(RawRecord(4, {"custom_id": "b", "messages": USER}))
+    ok = tokenize_parsed(text, tok, 64, vocab_size=size)
+    limit = max(ok.prompt_token_ids)
+    err = tokenize_parsed(text, tok, 64, vocab_size=limit)
+    assert err.code == "invalid_prompt" and err.param == "messages"
+    embed = parse_record(RawRecord(5, {"custom_id": "e", "input": [[1, size - 1]]}))
+    assert tokenize_parsed(embed, tok, 64, vocab_size=size - 1).code == "invalid_input"

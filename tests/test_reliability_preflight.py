@@ -151,3 +151,27 @@ def test_gpus_are_counted_without_initialising_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
     assert pf.cuda_device_count() == 3
     assert pf.uses_cuda("auto")
+
+
+@pytest.mark.parametrize("edit, needle", [
+    (lambda c: c.update(architectures=["Qwen3MoeForCausalLM"]), "unsupported architecture"),
+    (lambda c: c.update(rope_scaling={"rope_type": "no-such-rope", "factor": 2.0}),
+     "rope_type 'no-such-rope'"),
+])
+def test_a_model_batchgen_cannot_run_is_a_model_error_not_a_crash(tmp_path, tiny_chat_model,
+                                                                   edit, needle):
+    """An architecture batchgen does not run is refused before any worker starts; a config the
+    model code refuses while it builds (an unknown rope type) ends the worker with the model's
+    exit code: one line naming it, no traceback, no crash advice (nothing was in flight)."""
+    import json
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_chat_model, folder)
+    config = json.loads((folder / "config.json").read_text())
+    edit(config)
+    (folder / "config.json").write_text(json.dumps(config))
+    proc = run(job_input(tmp_path), tmp_path / "s", folder)
+    assert proc.returncode == ExitCode.MODEL, proc.stderr[-2000:]
+    assert needle in proc.stderr and "crashed" not in proc.stderr
+    assert "Traceback" not in proc.stderr

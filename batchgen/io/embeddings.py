@@ -94,17 +94,20 @@ def parse_embedding(body: dict, custom_id: str, line: int) -> EmbeddingRequest:
     return EmbeddingRequest(custom_id, line, _inputs(body["input"]), encoding, dimensions)
 
 
-def tokenize_embedding(parsed: EmbeddingRequest, tokenizer: Any,
-                       max_context: int) -> EmbeddingRequest:
+def tokenize_embedding(parsed: EmbeddingRequest, tokenizer: Any, max_context: int,
+                       vocab: int | None = None) -> EmbeddingRequest:
     """Tokenize every input (as the tokenizer does by default: its special tokens, e.g. the
-    EOS last-token pooling reads, are added); raises EmbeddingLineError."""
+    EOS last-token pooling reads, are added); raises EmbeddingLineError. `vocab`: every token
+    id must be below it (default: the tokenizer's size)."""
+    vocab = len(tokenizer) if vocab is None else vocab
     ids = []
     for i, item in enumerate(parsed.inputs):
         tokens = tuple(tokenizer.encode(item)) if isinstance(item, str) else item
         where = "input" if len(parsed.inputs) == 1 else f"input[{i}]"
-        if isinstance(item, tuple) and max(tokens) >= len(tokenizer):
-            raise EmbeddingLineError("invalid_input", f"{where}: token ids must be < "
-                                     f"{len(tokenizer)} (the tokenizer's vocabulary size)", where)
+        if tokens and max(tokens) >= vocab:
+            raise EmbeddingLineError("invalid_input", f"{where}: token ids must be < {vocab} "
+                                     "(the vocabulary size of the model and its tokenizer)",
+                                     where)
         if not tokens:
             raise EmbeddingLineError("invalid_input", f"{where} is empty after tokenization",
                                      where)

@@ -84,14 +84,15 @@ def intake(record: RawRecord, tokenizer: Any, max_context: int,
 
 
 def tokenize_parsed(parsed: ParsedRequest | EmbeddingRequest, tokenizer: Any, max_context: int,
-                    max_model_len: int | None = None
+                    max_model_len: int | None = None, vocab_size: int | None = None
                     ) -> PendingRequest | EmbeddingRequest | IntakeError:
     """What intake does after parse_record: tokenize, and refuse a prompt + max_tokens above
-    the `max_model_len` cap. A job's workers call it on the records the supervisor parsed."""
+    the `max_model_len` cap. A job's workers call it on the records the supervisor parsed.
+    `vocab_size`: the model's (token ids at or past it, or past the tokenizer's, are refused)."""
+    item = tokenize_request(parsed, tokenizer, max_context, vocab_size)
     if max_model_len is not None:  # the model's own context may be the smaller cap
-        return _within_cap(tokenize_request(parsed, tokenizer, max_context), parsed,
-                           min(max_model_len, max_context))
-    return tokenize_request(parsed, tokenizer, max_context)
+        return _within_cap(item, parsed, min(max_model_len, max_context))
+    return item
 
 
 def _within_cap(item: PendingRequest | EmbeddingRequest | IntakeError, parsed,
@@ -317,22 +318,28 @@ def _prompt(value: Any) -> str | list[int]:
 
 
 def tokenize_request(parsed: ParsedRequest | EmbeddingRequest, tokenizer: Any,
-                     max_context: int) -> PendingRequest | EmbeddingRequest | IntakeError:
-    """Render (chat template) and tokenize; refuse prompts that leave no room to generate."""
+                     max_context: int, vocab_size: int | None = None
+                     ) -> PendingRequest | EmbeddingRequest | IntakeError:
+    """Render (chat template) and tokenize; refuse prompts that leave no room to generate, and
+    token ids the model has no embedding or logit for (`vocab_size`: the model's; the smaller
+    of it and the tokenizer's bounds every id)."""
+    vocab = len(tokenizer) if vocab_size is None else min(len(tokenizer), vocab_size)
     if isinstance(parsed, EmbeddingRequest):
         try:
-            return tokenize_embedding(parsed, tokenizer, max_context)
+            return tokenize_embedding(parsed, tokenizer, max_context, vocab)
         except EmbeddingLineError as bad:
             return IntakeError(parsed.custom_id, parsed.line, bad.code,
                                f"line {parsed.line}: {bad}", bad.param)
     try:
         ids = _prompt_ids(parsed, tokenizer, max_context)
-        # Stop ids index the logits (min_tokens masks them): one past the vocabulary would
-        # stop the whole batch's step, not just this line.
-        _check_in_vocabulary("stop_token_ids", parsed.sampling.stop_token_ids, len(tokenizer),
+        # An id past the vocabulary would stop the whole batch's step, not just this line:
+        # prompt ids index the embedding, stop ids the logits (min_tokens masks them).
+        _check_in_vocabulary("the prompt's token ids", ids, vocab, "invalid_prompt",
+                             "messages" if parsed.kind == "chat" else "prompt")
+        _check_in_vocabulary("stop_token_ids", parsed.sampling.stop_token_ids, vocab,
                              "invalid_sampling_param", "stop_token_ids")
         _check_in_vocabulary("logit_bias token ids", [t for t, _ in parsed.sampling.logit_bias],
-                             len(tokenizer), "invalid_sampling_param", "logit_bias")
+                             vocab, "invalid_sampling_param", "logit_bias")
     except BadLine as bad:
         return IntakeError(parsed.custom_id, parsed.line, bad.code, f"line {parsed.line}: {bad}",
                            bad.param)
@@ -353,15 +360,14 @@ def tokenize_request(parsed: ParsedRequest | EmbeddingRequest, tokenizer: Any,
 
 def _check_in_vocabulary(what: str, token_ids, vocab: int, code: str, param: str) -> None:
     if any(t >= vocab for t in token_ids):
-        raise BadLine(code, f"{what} must be < {vocab} (the tokenizer's vocabulary size)", param)
+        raise BadLine(code, f"{what} must be < {vocab} (the vocabulary size of the model and "
+                            "its tokenizer)", param)
 
 
 def _prompt_ids(parsed: ParsedRequest, tokenizer: Any, max_context: int) -> list[int]:
     if parsed.kind == "completion":
         if isinstance(parsed.prompt, list):
-            _check_in_vocabulary("prompt token ids", parsed.prompt, len(tokenizer),
-                                 "invalid_prompt", "prompt")
-            return list(parsed.prompt)
+            return list(parsed.prompt)  # checked against the vocabulary by the caller
         return list(tokenizer.encode(_fits_context(parsed.prompt, max_context, "prompt")))
     try:
         text = render_chat(parsed.messages, parsed.extra, tokenizer)

@@ -255,15 +255,46 @@ def save_weights(path: Path, hf_config, state_dict: dict) -> None:
 
 def write_metadata(folder: Path, hf_config, tokenizer, files: list[str], *, source: str,
                    dtype: str, world_size: int, tensor_parallel_size: int) -> None:
-    """config.json, the tokenizer and the manifest (written last: it marks the folder done)."""
+    """config.json, the tokenizer, the source folder's files that decide answers beside the
+    weights (KEPT_FILES and the sentence-transformers modules' folders) and the manifest
+    (written last: it marks the folder done)."""
     hf_config.save_pretrained(str(folder))
     if tokenizer is not None:
         tokenizer.save_pretrained(str(folder))
+    if Path(source).is_dir():
+        _copy_kept_files(Path(source), folder)
     manifest = {"format": FORMAT, "version": FORMAT_VERSION, "source": source, "dtype": dtype,
                 "world_size": world_size, "tensor_parallel_size": tensor_parallel_size,
                 "files": files,
                 "architectures": list(getattr(hf_config, "architectures", []) or [])}
     (folder / MANIFEST).write_text(json.dumps(manifest, indent=2))
+
+
+KEPT_FILES = ("generation_config.json", "modules.json", "config_sentence_transformers.json",
+              "sentence_bert_config.json")
+"""Files of a model folder a converted folder keeps: the stop tokens (generation_config.json)
+and how an embedding model pools (sentence-transformers' files)."""
+
+
+def _copy_kept_files(source: Path, folder: Path) -> None:
+    for name in KEPT_FILES:
+        if (source / name).is_file():
+            shutil.copyfile(source / name, folder / name)
+    modules = read_json_list(source / "modules.json")
+    for module in modules:
+        path = module.get("path") if isinstance(module, dict) else None
+        sub = source / path if isinstance(path, str) and path else None
+        if sub is not None and sub.is_dir() and sub.resolve().parent == source.resolve():
+            shutil.copytree(sub, folder / path, dirs_exist_ok=True)
+
+
+def read_json_list(path: Path) -> list:
+    """A JSON file's list, or [] when it is absent, unreadable or not a list."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+    return value if isinstance(value, list) else []
 
 
 def _refuse_foreign_folder(folder: Path) -> None:

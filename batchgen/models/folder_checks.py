@@ -16,6 +16,7 @@ import struct
 from pathlib import Path
 
 from batchgen.models.loader import CheckpointError
+from batchgen.models.registry import supported_architecture
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 MAX_HEADER_BYTES = 100 << 20
@@ -34,17 +35,24 @@ _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
 def check_model_folder(folder: Path, memory_bytes: int, host_bytes: int) -> None:
-    """Everything below, in order; raises CheckpointError. `memory_bytes`: what the weights
-    may use on this machine (host memory plus every visible device's); `host_bytes`: host
-    memory alone."""
+    """Everything below, in order, after the architecture (UnsupportedModelError); raises
+    CheckpointError. `memory_bytes`: what the weights may use on this machine (host memory plus
+    every visible device's); `host_bytes`: host memory alone."""
     folder = Path(folder)
-    config = _read_config(folder)
+    top = _top_config(folder)
+    supported_architecture(list(top.get("architectures") or []))
+    config = _text_part(top)
     check_tokenizer(folder)
     headers = read_headers(folder)
     check_config_bounds(config, headers, memory_bytes, host_bytes, folder)
 
 
-def _read_config(folder: Path) -> dict:
+def _text_part(config: dict) -> dict:
+    """The text model's part of a config.json (all of it for a text model)."""
+    return config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+
+
+def _top_config(folder: Path) -> dict:
     path = folder / "config.json"
     try:
         config = json.loads(path.read_text())
@@ -53,7 +61,7 @@ def _read_config(folder: Path) -> dict:
             from None
     if not isinstance(config, dict):
         raise CheckpointError(f"{path} is not a JSON object; restore the model's config.json")
-    return config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    return config
 
 
 def check_tokenizer(folder: Path) -> None:

@@ -153,9 +153,10 @@ class ExpertWeights(nn.Module):
         return self.weight.to(dtype)
 
     def load(self, part: str, tensor: torch.Tensor, dtype: torch.dtype) -> None:
-        """part: "blocks" / "scales" (MXFP4 checkpoint) or "dense" (HF layout [E, in, out])."""
-        if part == "dense":
-            self._set_dense(tensor.transpose(1, 2), dtype)
+        """part: "blocks" / "scales" (MXFP4 checkpoint), "dense" (HF layout [E, in, out]) or
+        "weight" (ours, [E, out, in])."""
+        if part in ("dense", "weight"):
+            self._set_dense(tensor.transpose(1, 2) if part == "dense" else tensor, dtype)
         elif self.packed:
             _copy_checked(getattr(self, part), tensor, part)
             self._loaded.add(part)
@@ -374,8 +375,13 @@ class GptOssForCausalLM(PagedCausalLM):
 
 def _expert_target(name: str) -> tuple[str, str]:
     """`...experts.gate_up_proj_blocks` -> (`...experts.gate_up_proj`, "blocks"); a dense
-    `...experts.gate_up_proj` -> (itself, "dense"). Other names come back unchanged."""
+    `...experts.gate_up_proj` -> (itself, "dense"). The names of our own state dict (a
+    `batchgen convert` folder) too: `.blocks` / `.scales`, and `.weight` (dense, our [E, out,
+    in] layout) -> "weight". Other names come back unchanged."""
     for suffix in ("blocks", "scales"):
-        if name.endswith("_" + suffix):
-            return name[: -len(suffix) - 1], suffix
+        for sep in ("_", "."):
+            if name.endswith(sep + suffix):
+                return name[: -len(suffix) - 1], suffix
+    if name.endswith(".weight") and ".experts." in name:
+        return name[: -len(".weight")], "weight"
     return name, "dense"

@@ -89,7 +89,9 @@ def rope_inv_freq(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     if kind not in ROPE_INIT_FUNCTIONS:
-        raise ValueError(f"rope_type {kind!r} is not supported")
+        known = ", ".join(sorted(ROPE_INIT_FUNCTIONS))
+        raise UnsupportedModelError(f"rope_type {kind!r} (config.json's rope scaling) is not "
+                                    f"supported; batchgen takes {known}")
     with torch.device("cpu"):  # models are built under the meta device; this table is real
         inv, scaling = ROPE_INIT_FUNCTIONS[kind](hf_config, "cpu")
     return inv.float(), float(scaling)

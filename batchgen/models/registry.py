@@ -26,10 +26,15 @@ class UnsupportedModelError(ValueError):
 
 def model_class(hf_config):
     archs = list(getattr(hf_config, "architectures", None) or [])
+    module, _, name = ARCHITECTURES[supported_architecture(archs)].partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def supported_architecture(archs: list[str]) -> str:
+    """The first of a config's `architectures` batchgen runs; UnsupportedModelError if none."""
     for arch in archs:
         if arch in ARCHITECTURES:
-            module, _, name = ARCHITECTURES[arch].partition(":")
-            return getattr(importlib.import_module(module), name)
+            return arch
     raise UnsupportedModelError(
         f"unsupported architecture {archs or '(none in config.json)'}; batchgen supports "
         + ", ".join(sorted(ARCHITECTURES)))

@@ -50,7 +50,7 @@ from batchgen.runner.worker.quarantine import mark_crashed
 log = logging.getLogger("batchgen")
 SHARED_FS_RETRY_S = (2, 5, 10, 20, 30)
 """Waits before retrying a merge that misses results other nodes reported done (NFS caches)."""
-NOT_CRASHES = (ExitCode.DISK, ExitCode.LOCKED, ExitCode.INPUT)
+NOT_CRASHES = (ExitCode.DISK, ExitCode.LOCKED, ExitCode.INPUT, ExitCode.MODEL)
 """Worker exit codes that are no evidence against the requests in flight (no quarantine strike)."""
 
 
@@ -355,6 +355,10 @@ def _failure_cause(spec: JobSpec, failure: WorkerFailure) -> str:
     if failure.exitcode == ExitCode.INPUT:
         said = mine.get("failure", "it could not read the job's parsed input")
         return f"worker rank {failure.rank}: {said}; {resume}"
+    if failure.exitcode == ExitCode.MODEL:
+        said = mine.get("failure", "it could not load the model")
+        return (f"worker rank {failure.rank}: {said}. Nothing was answered with it; fix the "
+                "model (or --model) and run again")
     if failure.exitcode == ExitCode.LOCKED:
         said = mine.get("failure", "its results file is locked by another live batchgen process")
         return (f"worker rank {failure.rank}: {said}; stop the other process (or wait for it) "

@@ -35,7 +35,8 @@ from batchgen.io.writer import (IdSet, IncrementalWriter, WriteFailed, WriterLoc
                                 read_done_ids)
 from batchgen.models.convert import read_manifest
 from batchgen.models.factory import load_model, model_folder, weight_bytes
-from batchgen.models.loader import MANIFEST
+from batchgen.models.loader import MANIFEST, CheckpointError, ModelNotFoundError
+from batchgen.models.registry import UnsupportedModelError
 from batchgen.parallel import Placement, default_tp_size, init_tensor_parallel, pick_device
 from batchgen.phases import StartupClock
 from batchgen.runner.files.errors import DiskError, disk_errors
@@ -322,7 +323,8 @@ class Worker:
             item = record.item  # parsed and checked by the supervisor: tokenized here
             if not isinstance(item, IntakeError):
                 item = tokenize_parsed(item, self.loaded.tokenizer, self.loaded.max_context,
-                                       self.spec.config.engine.model.max_model_len)
+                                       self.spec.config.engine.model.max_model_len,
+                                       self.loaded.hf_config.vocab_size)
             if isinstance(item, EmbeddingRequest):
                 item = self.embeddings.add(item)  # None: queued for this step's embedding
                 if item is None:
@@ -458,6 +460,12 @@ def serve(spec: JobSpec, rank: RankInfo, stop: StopFlag, watchdog: Watchdog) -> 
         log.error("rank %d: %s", rank.rank, err)
         watchdog.stats.update({"failure": str(err)})  # the supervisor's report names it
         code = ExitCode.LOCKED if isinstance(err, WriterLocked) else ExitCode.INPUT
+    # The model cannot be served (an architecture or config batchgen does not run, a damaged
+    # checkpoint): no request is at fault, and a rerun cannot help until the model changes.
+    except (CheckpointError, ModelNotFoundError, UnsupportedModelError) as err:
+        log.error("rank %d: %s", rank.rank, err)
+        watchdog.stats.update({"failure": str(err)})
+        code = ExitCode.MODEL
     except torch.cuda.OutOfMemoryError as err:
         log.error("rank %d: device out of memory (%s); the requests in flight will be retried "
                   "in smaller groups on restart", rank.rank, str(err).splitlines()[0])
