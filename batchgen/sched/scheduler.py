@@ -288,7 +288,6 @@ class Scheduler:
     def _release(self, seq: Sequence) -> None:
         if self.prefix is not None:
             self.prefix.released(seq, host=True)
-        if self.prefix is not None:
             self.backing.let_go(seq.host_pages, self.host.refs, self.prefix.host_cache)
         self.device.free(seq.device_pages)
         self.host.free(seq.host_pages)
