@@ -412,3 +412,37 @@ def test_a_config_asking_for_bidirectional_attention_is_refused(tmp_path):
     path.write_text(json.dumps({**json.loads(path.read_text()), "is_causal": False}))
     with pytest.raises(EmbeddingModelError, match="is_causal: false"):
         read_pooling(folder, load_hf_config(folder))
+
+
+def test_a_worker_embeds_a_bounded_share_of_its_queue_per_step(qwen3):
+    """Queued embeddings lines are embedded about RUN_STEPS embedder steps of tokens at a time
+    (at least one line), oldest first, so results are written as they are made and a stop
+    loses at most one share; the vectors are those of one run over everything."""
+    from batchgen.io.embeddings import tokenize_embedding
+    from batchgen.io.intake import parse_record
+    from batchgen.runner.worker.embed_jobs import RUN_STEPS, EmbeddingJobs
+
+    def job(step_tokens):
+        jobs = EmbeddingJobs(qwen3, "batch_e", step_tokens)
+        for i in range(10):
+            parsed = parse_record(RawRecord(i + 1, {"custom_id": f"e{i}",
+                                                    "input": [list(range(3, 33 + i))]}))
+            assert jobs.add(tokenize_embedding(parsed, None, 512, vocab=500)) is None
+        return jobs
+
+    small = job(16)
+    shares = []
+    while len(small):
+        shares.append(small.run())
+    assert [len(s) for s in shares] == [4, 3, 3]  # 128 tokens a share: 30 + 31 + 32 + 33, ...
+    assert RUN_STEPS * 16 == 128
+    lines = [line for share in shares for line, _ in share]
+    assert [line["custom_id"] for line in lines] == [f"e{i}" for i in range(10)]
+    whole = [line for line, _ in job(8192).run()]
+    for got, want in zip(lines, whole):
+        torch.testing.assert_close(torch.tensor(got["response"]["body"]["data"][0]["embedding"]),
+                                   torch.tensor(want["response"]["body"]["data"][0]["embedding"]),
+                                   rtol=0, atol=1e-5)
+    one = EmbeddingJobs(qwen3, "batch_e", 1)  # a line over the share is a share of its own
+    one.queue = job(8192).queue[:2]
+    assert len(one.run()) == 1 and len(one) == 1

@@ -194,6 +194,37 @@ def test_revision_fetches_that_commit_and_an_unknown_one_is_named(fake_hub, repo
         resolve_model("org/tiny", cache_dir=str(cache), revision="nope")
 
 
+def test_without_a_revision_main_is_used_not_another_cached_one(fake_hub, repo_folder,
+                                                                   tmp_path):
+    """A cache holding only another revision (v2, named by its ref) does not stand in for main:
+    main is downloaded."""
+    other = tmp_path / "v2"
+    shutil.copytree(repo_folder, other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 1e-3}))
+    repo = fake_hub.repos["org/tiny"]
+    repo.revisions["v2"] = other
+    cache = str(tmp_path / "cache")
+    v2 = resolve_model("org/tiny", cache_dir=cache, revision="v2").path
+    main = resolve_model("org/tiny", cache_dir=cache).path
+    assert main.name == repo.sha != v2.name
+    assert json.loads((main / "config.json").read_text())["rms_norm_eps"] != 1e-3
+
+
+def test_a_snapshot_another_tool_left_partial_is_completed(fake_hub, tmp_path):
+    """A snapshot folder holding only config.json (what transformers' AutoConfig leaves) is not
+    a model: the rest is downloaded into it."""
+    repo = fake_hub.repos["org/tiny"]
+    folder = tmp_path / "cache" / "models--org--tiny"
+    (folder / "snapshots" / repo.sha).mkdir(parents=True)
+    shutil.copy(repo.folder / "config.json", folder / "snapshots" / repo.sha / "config.json")
+    (folder / "refs").mkdir()
+    (folder / "refs" / "main").write_text(repo.sha)
+    path = resolve_model("org/tiny", cache_dir=str(tmp_path / "cache")).path
+    assert path == folder / "snapshots" / repo.sha and (path / WEIGHTS).is_file()
+    assert any(p.endswith(WEIGHTS) for p in _fetched(fake_hub))
+
+
 def test_offline_uses_the_warm_cache_and_names_every_place_when_cold(fake_hub, tmp_path,
                                                                      monkeypatch):
     cache = str(tmp_path / "cache")
@@ -206,6 +237,7 @@ def test_offline_uses_the_warm_cache_and_names_every_place_when_cold(fake_hub, t
     with pytest.raises(ModelNotFoundError) as err:
         resolve_model("org/tiny", cache_dir=cache, revision="v2")
     assert "HF_HUB_OFFLINE" in str(err.value) and cache in str(err.value)
+    assert "at revision 'v2'" in str(err.value)
     assert len(fake_hub.requests) == before
 
 

@@ -79,8 +79,10 @@ def repo_folder(root: Path, repo: str) -> Path:
 
 
 def cached_snapshot(root: Path, repo: str, revision: str | None) -> Path | None:
-    """The complete snapshot of `repo` at `revision` (a branch, tag or commit; default: main,
-    else the only snapshot) under the HF cache `root`, or None."""
+    """The complete snapshot of `repo` at `revision` (a branch, tag or commit; default: main)
+    under the HF cache `root`, or None. Without a revision and without refs (a cache filled by
+    commit), the only snapshot. Complete: config.json and safetensors weights, none still
+    downloading (a snapshot where another tool fetched only the config is not one)."""
     folder = repo_folder(root, repo)
     snapshots = folder / "snapshots"
     if not snapshots.is_dir():
@@ -89,12 +91,17 @@ def cached_snapshot(root: Path, repo: str, revision: str | None) -> Path | None:
     ref = folder / "refs" / rev
     candidates = [snapshots / ref.read_text().strip()] if ref.is_file() else []
     candidates.append(snapshots / rev)
-    if revision is None:
-        candidates += sorted(p for p in snapshots.iterdir() if p.is_dir())
-    for path in candidates:
-        if path.is_dir() and not (path / INCOMPLETE).exists():
-            return path
-    return None
+    refs = folder / "refs"
+    if revision is None and not (refs.is_dir() and any(refs.iterdir())):
+        found = [p for p in snapshots.iterdir() if p.is_dir()]
+        candidates += found if len(found) == 1 else []
+    return next((path for path in candidates if _complete(path)), None)
+
+
+def _complete(snapshot: Path) -> bool:
+    return (snapshot.is_dir() and not (snapshot / INCOMPLETE).exists()
+            and (snapshot / "config.json").is_file()
+            and any(snapshot.glob("*.safetensors")))
 
 
 def commit_of(folder: Path) -> str | None:

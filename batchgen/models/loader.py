@@ -73,14 +73,15 @@ def search_places(model: str, cache_dir: str | None = None) -> list[Path]:
     return list(dict.fromkeys([*places, hub.default_cache() / hub_name / "snapshots"]))
 
 
-def model_not_found_message(model: str, places: list[Path]) -> str:
+def model_not_found_message(model: str, places: list[Path], revision: str | None = None) -> str:
     """What a user reads when --model is nowhere and is not downloaded: every place searched,
     why nothing was downloaded, and how to fix it."""
     searched = "\n  ".join(str(p) for p in places)
     hub_name = "models--" + model.replace("/", "--")
     why = ("HF_HUB_OFFLINE is set, so nothing is downloaded" if hub.offline()
            else "not a Hub id (org/name), so nothing is downloaded")
-    return (f"model {model!r} not found on disk ({why}). Searched:\n  {searched}\n"
+    what = f"model {model!r}" + (f" at revision {revision!r}" if revision else "")
+    return (f"{what} not found on disk ({why}). Searched:\n  {searched}\n"
             f"Point --model at a local folder or .gguf file, or --cache-dir at a folder holding "
             f"{model.split('/')[-1]}/ or {hub_name}/snapshots/<rev>/"
             + (", or unset HF_HUB_OFFLINE to download it." if hub.offline() else "."))
@@ -112,7 +113,8 @@ def resolve_model(model: str, cache_dir: str | None = None,
             return ModelSource(hub.download(model, revision, root), "hf", model)
         except hub.HubError as err:
             raise ModelNotFoundError(str(err)) from None
-    raise ModelNotFoundError(model_not_found_message(model, search_places(model, cache_dir)))
+    raise ModelNotFoundError(model_not_found_message(model, search_places(model, cache_dir),
+                                                     revision))
 
 
 WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin", ".json")

@@ -1,6 +1,7 @@
-"""Embeddings lines in a worker: queued at intake, embedded together once per step by the
-`Embedder` (prefill only: inputs ordered by length into dense steps, no KV kept), written
-as result lines like any other, each under its own custom_id."""
+"""Embeddings lines in a worker: queued at intake, embedded by the `Embedder` (prefill only:
+inputs ordered by length into dense steps, no KV kept) a bounded share per worker step
+(RUN_STEPS embedder steps' tokens), so their results are written as they are made, each under
+its own custom_id, and a stop or a kill loses at most one share."""
 
 from __future__ import annotations
 
@@ -8,6 +9,10 @@ from batchgen.engine.embed import Embedder, read_pooling
 from batchgen.io.embeddings import EmbeddingLineError, EmbeddingRequest, check_dimensions
 from batchgen.io.intake import IntakeError
 from batchgen.io.results import embedding_line
+
+
+RUN_STEPS = 8
+"""Embedder steps' worth of tokens embedded per worker step (the rest stays queued)."""
 
 
 class EmbeddingJobs:
@@ -44,10 +49,16 @@ class EmbeddingJobs:
         return None
 
     def run(self) -> list[tuple[dict, int]]:
-        """Embed every queued line: (result line, prompt tokens) per line, in queue order."""
+        """Embed the oldest queued lines, about RUN_STEPS embedder steps of tokens (at least
+        one line): (result line, prompt tokens) per line, in queue order."""
         if not self.queue:
             return []
-        queue, self.queue = self.queue, []
+        budget, taken, tokens = RUN_STEPS * self.max_step_tokens, 0, 0
+        while taken < len(self.queue) and (taken == 0 or tokens + self.queue[taken].prompt_tokens
+                                           <= budget):
+            tokens += self.queue[taken].prompt_tokens
+            taken += 1
+        queue, self.queue = self.queue[:taken], self.queue[taken:]
         inputs = [ids for item in queue for ids in item.token_ids]
         dims = [item.dimensions for item in queue for _ in item.token_ids]
         vectors = iter(v.numpy() for v in self.embedder().embed(inputs, dims))

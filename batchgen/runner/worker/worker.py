@@ -279,7 +279,7 @@ class Worker:
                             self.engine.num_requests)
                 self._report(force=True)
                 return True
-            if exhausted and not self.engine.has_unfinished():
+            if exhausted and not self.engine.has_unfinished() and not len(self.embeddings):
                 self._report(force=True)
                 return False
 
