@@ -142,7 +142,8 @@ def _fake_worker():
         spec=SimpleNamespace(batch_id="b", config=SimpleNamespace(
             engine=SimpleNamespace(model=SimpleNamespace(max_model_len=None)))),
         loaded=SimpleNamespace(tokenizer=embedded_tokenizer(), max_context=256,
-                               model=SimpleNamespace(generates=True)))
+                               model=SimpleNamespace(generates=True),
+                               hf_config=SimpleNamespace(vocab_size=49152)))
     return fake, admitted, lines
 
 

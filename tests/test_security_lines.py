@@ -83,7 +83,8 @@ def test_each_line_is_journaled_before_its_risky_intake(tmp_path, monkeypatch):
                            quarantine=quarantine, embeddings=[],
                            spec=SimpleNamespace(config=config),
                            loaded=SimpleNamespace(tokenizer=None, max_context=64,
-                                                  model=SimpleNamespace(generates=True)))
+                                                  model=SimpleNamespace(generates=True),
+                                                  hf_config=SimpleNamespace(vocab_size=64)))
     line = RawRecord(1, {"custom_id": "poison", "prompt": "x"})
     records = iter([ParsedRecord(1, "poison", parse_record(line))])
     with pytest.raises(SystemExit):
