@@ -167,11 +167,12 @@ class SchedulerConfig:
     host_kv_watermark: float = 70.0
     """Below this host-pool usage (%), admitting new sequences wins over decode."""
     enable_prefix_caching: bool = True
-    """Share the KV of common prompt prefixes: full 64-token pages are kept (device and host
-    tier, least recently used dropped first when room is needed) and keyed by their tokens, a
-    request maps its longest cached prefix and prefills only the rest, n > 1 choices fork
-    from one prefill, and waiting requests that share a prefix are admitted together
-    (--no-enable-prefix-caching: every request prefills its whole prompt)."""
+    """Share the KV of common prompt prefixes: full 64-token pages are kept (on the device,
+    and in the host tier once copied there by an unload; least recently used dropped first
+    when room is needed) and keyed by their tokens, a request maps its longest cached prefix
+    and prefills only the rest, n > 1 choices fork from one prefill, and waiting requests that
+    share a prefix are admitted together (--no-enable-prefix-caching: every request prefills
+    its whole prompt)."""
     enable_decode_preemption: bool = True
     """Decode may be unloaded for prefill (always on; kept for compatibility)."""
     host_kv_chunk_size: int = 8192

@@ -24,8 +24,8 @@ DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS, err
 DISK_FIXES = {
     errno.ENOSPC: "free space",
     errno.EDQUOT: "free space under your disk quota (or have it raised)",
-    errno.EROFS: "the file system is mounted read-only: remount it read-write, or give the job "
-                 "a writable --output and --storage-path",
+    errno.EROFS: "the file system is mounted read-only: remount it read-write (another "
+                 "--storage-path is another job, which starts over)",
     errno.EIO: "the disk reported an I/O error: check it (dmesg, the storage's health)",
     errno.EFBIG: "a file outgrew the file system's or the shell's limit (ulimit -f): raise it, "
                  "or use another file system",
