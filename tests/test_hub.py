@@ -174,14 +174,20 @@ def test_gated_repo_says_accept_the_licence(fake_hub, repo_folder, tmp_path, mon
     assert (path / WEIGHTS).read_bytes() == (repo_folder / WEIGHTS).read_bytes()
 
 
-def test_revision_fetches_that_commit_and_an_unknown_one_is_named(fake_hub, repo_folder,
-                                                                  tmp_path):
+def serve_v2(fake_hub, repo_folder, tmp_path):
+    """Give org/tiny a revision v2 whose config.json differs (rms_norm_eps 1e-3); the repo."""
     other = tmp_path / "v2"
     shutil.copytree(repo_folder, other)
     config = json.loads((other / "config.json").read_text())
     (other / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 1e-3}))
     repo = fake_hub.repos["org/tiny"]
     repo.revisions["v2"] = other
+    return repo
+
+
+def test_revision_fetches_that_commit_and_an_unknown_one_is_named(fake_hub, repo_folder,
+                                                                  tmp_path):
+    repo = serve_v2(fake_hub, repo_folder, tmp_path)
     cache = tmp_path / "cache"
     main = resolve_model("org/tiny", cache_dir=str(cache)).path
     v2 = resolve_model("org/tiny", cache_dir=str(cache), revision="v2").path
@@ -198,12 +204,7 @@ def test_without_a_revision_main_is_used_not_another_cached_one(fake_hub, repo_f
                                                                    tmp_path):
     """A cache holding only another revision (v2, named by its ref) does not stand in for main:
     main is downloaded."""
-    other = tmp_path / "v2"
-    shutil.copytree(repo_folder, other)
-    config = json.loads((other / "config.json").read_text())
-    (other / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 1e-3}))
-    repo = fake_hub.repos["org/tiny"]
-    repo.revisions["v2"] = other
+    repo = serve_v2(fake_hub, repo_folder, tmp_path)
     cache = str(tmp_path / "cache")
     v2 = resolve_model("org/tiny", cache_dir=cache, revision="v2").path
     main = resolve_model("org/tiny", cache_dir=cache).path
