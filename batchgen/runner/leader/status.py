@@ -166,8 +166,7 @@ def _table(state: dict, workers: list[dict]) -> Table:
     table.add_row("tokens", f"{usage.get('prompt_tokens', 0):,} in, "
                   f"{usage.get('completion_tokens', 0):,} out (all runs)")
     table.add_row("speed", _speed(state))
-    table.add_row("prefix cache", prefix_hits([state.get("counters", {})])
-                  + " (last run; each choice of an n > 1 request counted, its forks as hits)")
+    table.add_row("prefix cache", prefix_hits([state.get("counters", {})]) + " (last run)")
     table.add_row("output", state.get("output_file", ""))
     table.add_row("errors", state.get("errors_file", ""))
     now = time.time()
