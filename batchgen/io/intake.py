@@ -131,11 +131,11 @@ def _parse(data: dict, key: str, line: int,
         hint = (": a number this large has lost digits in JSON, quote it"
                 if isinstance(cid, float) and cid.is_integer() else "")
         raise BadLine("missing_custom_id", "custom_id must be a non-empty string, got "
-                                            f"{data['custom_id']!r}{hint}", "custom_id")
+                                            f"{cid!r}{hint}", "custom_id")
     if _is_envelope(data):
         kind, body = _openai_envelope(data)
     else:
-        kind, body = _plain_kind(data), data
+        kind, body = plain_kind(data), data
     extra = {k: _maybe_json(body[k]) for k in EXTRA_FIELDS if body.get(k) is not None}
     if "chat_template_kwargs" in extra and not isinstance(extra["chat_template_kwargs"], dict):
         raise BadLine("invalid_messages", "chat_template_kwargs must be an object",
@@ -195,16 +195,18 @@ def _openai_envelope(data: dict) -> tuple[str, dict]:
     if body.get("messages") is not None and body.get("prompt") is not None:
         raise BadLine("invalid_messages", "give either messages (chat) or prompt (completion), "
                                            "not both", "messages")
-    wrong = {"chat": ("messages", "prompt", COMPLETIONS_URL),
-             "completion": ("prompt", "messages", CHAT_URL)}.get(kinds[url])
-    if wrong is not None and body.get(wrong[0]) is None and body.get(wrong[1]) is not None:
-        raise BadLine(f"invalid_{wrong[0]}" if wrong[0] == "prompt" else "invalid_messages",
-                      f"a {url} line needs {wrong[0]}; this one has {wrong[1]}, which "
-                      f"{wrong[2]} takes: change its url or its body", wrong[0])
+    other_url = {"chat": COMPLETIONS_URL, "completion": CHAT_URL}.get(kinds[url])
+    if other_url is not None:
+        needed, other = ("messages", "prompt") if kinds[url] == "chat" else ("prompt", "messages")
+        if body.get(needed) is None and body.get(other) is not None:
+            raise BadLine(f"invalid_{needed}", f"a {url} line needs {needed}; this one has "
+                          f"{other}, which {other_url} takes: change its url or its body", needed)
     return kinds[url], body
 
 
-def _plain_kind(data: dict) -> str:
+def plain_kind(data: dict) -> str:
+    """"chat", "completion" or "embedding": what a plain line (no OpenAI envelope) asks for;
+    BadLine when it holds neither messages, prompt nor input, or both of the first two."""
     has_messages, has_prompt = data.get("messages") is not None, data.get("prompt") is not None
     if has_messages and has_prompt:
         raise BadLine("invalid_messages", "give either messages (chat) or prompt (completion), "

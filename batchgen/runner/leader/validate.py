@@ -11,7 +11,8 @@ import typer
 
 from batchgen.core import SamplingParams
 from batchgen.io.embeddings import EMBEDDING_FIELDS, EMBEDDINGS_URL
-from batchgen.io.intake import EXTRA_FIELDS, IntakeError, parse_record
+from batchgen.io.intake import EXTRA_FIELDS, IntakeError, parse_record, plain_kind
+from batchgen.io.sampling_fields import BadLine
 from batchgen.io.reader import RawRecord, scan_input
 from batchgen.runner.exits import ExitCode
 
@@ -30,12 +31,12 @@ def unknown_fields(data: dict) -> list[str]:
     """One message per field batchgen does not read (a typo runs with the default), with the
     closest field it does read."""
     known = sorted(REQUEST_FIELDS | IGNORED_FIELDS)
-    plain_embedding = (not any(k in data for k in ENVELOPE_FIELDS[1:])
-                       and data.get("input") is not None
-                       and data.get("messages") is None and data.get("prompt") is None)
-    if data.get("url") == EMBEDDINGS_URL or plain_embedding:
+    envelope = any(k in data for k in ENVELOPE_FIELDS[1:])  # an OpenAI batch line
+    embedding = (data.get("url") == EMBEDDINGS_URL if envelope
+                 else _plain_kind_of(data) == "embedding")
+    if embedding:
         known = sorted({*EMBEDDING_FIELDS, *IGNORED_FIELDS})
-    if any(k in data for k in ENVELOPE_FIELDS[1:]):  # an OpenAI batch line
+    if envelope:
         body = data.get("body")
         checks = [(k, "", ENVELOPE_FIELDS) for k in data if k not in ENVELOPE_FIELDS]
         checks += [(k, "body.", known) for k in (body if isinstance(body, dict) else ())
@@ -49,6 +50,14 @@ def unknown_fields(data: dict) -> list[str]:
         hint = f"did you mean {close[0]!r}?" if close else "it is ignored"
         messages.append(f"unknown field {where}{name!r}: {hint}")
     return messages
+
+
+def _plain_kind_of(data: dict) -> str | None:
+    """A plain line's kind (intake's rule), None when it is not a valid one."""
+    try:
+        return plain_kind(data)
+    except BadLine:
+        return None
 
 
 def _count_words(counts: Counter[str]) -> str:

@@ -54,9 +54,10 @@ class EmbeddingJobs:
         if not self.queue:
             return []
         budget, taken, tokens = RUN_STEPS * self.max_step_tokens, 0, 0
-        while taken < len(self.queue) and (taken == 0 or tokens + self.queue[taken].prompt_tokens
-                                           <= budget):
-            tokens += self.queue[taken].prompt_tokens
+        for item in self.queue:
+            if taken and tokens + item.prompt_tokens > budget:
+                break
+            tokens += item.prompt_tokens
             taken += 1
         queue, self.queue = self.queue[:taken], self.queue[taken:]
         inputs = [ids for item in queue for ids in item.token_ids]
