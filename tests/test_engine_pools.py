@@ -4,6 +4,7 @@ greedy output must equal the roomy-pool run token for token."""
 import pytest
 import torch
 
+from batchgen.engine.engine import host_threads
 from engine_utils import greedy_requests, load_ours, make_engine, make_engine_pages
 from tiny_models import VOCAB, save_tiny_model
 
@@ -174,3 +175,11 @@ def test_tiny_pools_match_roomy_pools_on_cuda(tmp_path):
         adaptive_chunk_min=64, max_prefill_tokens=96, host_kv_watermark=50.0), prompts, 200)
     assert stats["unloads"] > 0 and stats["loads"] > 0
     assert tight == roomy
+
+
+def test_host_threads_one_on_an_accelerator_unchanged_on_the_cpu(tiny_llama):
+    assert host_threads(torch.device("cuda", 0), 16) == 1
+    assert host_threads(torch.device("cpu"), 3) == 3
+    before = torch.get_num_threads()
+    make_engine(tiny_llama)
+    assert torch.get_num_threads() == before  # the CPU engine keeps the model's threads
