@@ -145,6 +145,31 @@ def test_pooling_is_read_from_sentence_transformers_files(tmp_path, qwen3):
         read_pooling(tmp_path, cfg)
 
 
+@pytest.mark.parametrize("modules, pooling_config, named", [
+    ([{"path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}], None,
+     "1_Pooling/config.json"),
+    ({"0": {"path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}}, "{}",
+     "modules.json"),
+    ('[{"type": ', None, "modules.json"),
+    ([{"path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}], "[true]",
+     "1_Pooling/config.json"),
+])
+def test_unreadable_sentence_transformers_files_are_model_errors(tmp_path, modules,
+                                                                 pooling_config, named):
+    """A missing or malformed modules.json / Pooling config is the model folder's fault: an
+    EmbeddingModelError naming the file (the line's error `unsupported_model`), never an
+    OSError or AttributeError that crashes the worker on every run."""
+    from types import SimpleNamespace
+
+    text = modules if isinstance(modules, str) else json.dumps(modules)
+    (tmp_path / "modules.json").write_text(text)
+    if pooling_config is not None:
+        (tmp_path / "1_Pooling").mkdir()
+        (tmp_path / "1_Pooling" / "config.json").write_text(pooling_config)
+    with pytest.raises(EmbeddingModelError, match=named):
+        read_pooling(tmp_path, SimpleNamespace())
+
+
 class _Tok:
     def __len__(self):
         return 100

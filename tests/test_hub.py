@@ -260,6 +260,34 @@ def test_a_repo_without_safetensors_is_refused(fake_hub, tmp_path):
         resolve_model("org/pickled", cache_dir=str(tmp_path / "cache"))
 
 
+def test_weights_the_index_does_not_name_are_not_downloaded(fake_hub, tiny_chat_model, tmp_path):
+    """A sharded repo with another copy of its weights beside the shards (a merged or a
+    quantized file the index does not name): only the index's shards are fetched, as the loader
+    reads only those (and transformers fetches only those)."""
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "sharded"
+    folder.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_chat_model / name, folder)
+    tensors = load_file(str(tiny_chat_model / WEIGHTS))
+    names = sorted(tensors)
+    halves = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
+              "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    for shard, part in halves.items():
+        save_file({n: tensors[n].contiguous() for n in part}, str(folder / shard))
+    (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {n: s for s, part in halves.items() for n in part}}))
+    shutil.copy(tiny_chat_model / WEIGHTS, folder / "model-merged.safetensors")
+    fake_hub.add("org/sharded", folder)
+    source = resolve_model("org/sharded", cache_dir=str(tmp_path / "cache"))
+    fetched = [p.rsplit("/", 1)[-1] for p in _fetched(fake_hub)]
+    assert "model-merged.safetensors" not in fetched
+    assert set(halves) <= set(fetched)
+    assert not (source.path / "model-merged.safetensors").exists()
+    assert sorted(p.name for p in source.path.glob("*.safetensors")) == sorted(halves)
+
+
 def test_only_top_level_weights_and_no_duplicate_mistral_layout():
     files = [hub.RepoFile(p, 1) for p in (
         "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
@@ -273,6 +301,10 @@ def test_only_top_level_weights_and_no_duplicate_mistral_layout():
         "1_Pooling/config.json", "modules.json", "2_Dense/model.safetensors"]
     assert [f.path for f in hub.select([hub.RepoFile("consolidated.safetensors", 1)])] == [
         "consolidated.safetensors"]
+    # No index: model.safetensors is the model; an adapter beside it is not fetched.
+    assert [f.path for f in hub.select([hub.RepoFile(p, 1) for p in (
+        "model.safetensors", "adapter_model.safetensors", "config.json")])] == [
+        "model.safetensors", "config.json"]
 
 
 def test_redirects_to_another_host_drop_the_token():

@@ -8,7 +8,7 @@ import torch
 
 from batchgen.config import ModelConfig
 from batchgen.core import Request, SamplingParams
-from batchgen.models.factory import load_model
+from batchgen.models.factory import eos_token_ids, load_model
 from batchgen.models.loader import CheckpointError, ModelNotFoundError, resolve_model
 from batchgen.models.registry import UnsupportedModelError
 from engine_utils import assert_last_logits_match, hf_greedy, make_engine
@@ -69,6 +69,42 @@ def test_tied_config_over_two_different_tensors_unties_as_hf_does(tmp_path, capl
     assert "keeping them apart" in caplog.text
     assert ours.model.lm_head.weight.data_ptr() != ours.model.model.embed_tokens.weight.data_ptr()
     assert_last_logits_match(ours.model, hf, list(range(3, 70)))
+
+
+@pytest.mark.parametrize("field, value", [("intermediate_size", 256),
+                                          ("num_key_value_heads", 4),
+                                          ("num_hidden_layers", 2)])
+def test_config_contradicting_layer_tensors_is_a_checkpoint_error(tmp_path, field, value):
+    """A layer tensor of another shape, or one with no place in the model, found while the
+    weights load: CheckpointError (exit 5, "fix the model"), not a crash that a requeue repeats."""
+    folder = save_tiny_model("llama", tmp_path / "m")
+    config = json.loads((folder / "config.json").read_text())
+    config[field] = value
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="does not match config.json"):
+        load_model(ModelConfig(model=str(folder), dtype="float32"), torch.device("cpu"))
+
+
+@pytest.mark.parametrize("text", ['{"eos_token_id": [2,', "[2]"])
+def test_an_unreadable_generation_config_is_a_checkpoint_error(tmp_path, text):
+    """generation_config.json names where answers end: a damaged one is the model folder's
+    fault (exit 5 naming the file), not a JSONDecodeError that crashes every rerun."""
+    folder = save_tiny_model("llama", tmp_path / "m")
+    (folder / "generation_config.json").write_text(text)
+    with pytest.raises(CheckpointError, match="generation_config.json"):
+        eos_token_ids(folder, None, None)
+
+
+def test_an_adapter_beside_model_safetensors_is_not_read(tmp_path):
+    """Without an index the folder's model is `model.safetensors` (as transformers reads it):
+    an adapter file beside it is not loaded as part of the model."""
+    from safetensors.torch import save_file
+
+    folder = save_tiny_model("llama", tmp_path / "m")
+    save_file({"base_model.model.lm_head.lora_A.weight": torch.zeros(4, 64)},
+              str(folder / "adapter_model.safetensors"))
+    loaded = load_model(ModelConfig(model=str(folder), dtype="float32"), torch.device("cpu"))
+    assert loaded.model is not None
 
 
 def test_pickle_checkpoints_are_not_loaded(tmp_path):

@@ -71,8 +71,11 @@ def read_pooling(folder: Path | None, hf_config) -> Pooling:
     modules_file = folder / "modules.json" if folder is not None else None
     if modules_file is None or not modules_file.is_file():
         return Pooling("last", True, dimensions)
-    modules = json.loads(modules_file.read_text())
-    kinds = {m.get("type", "").rsplit(".", 1)[-1]: m for m in modules}
+    modules = _read_json(modules_file)
+    if not isinstance(modules, list) or not all(isinstance(m, dict) for m in modules):
+        raise EmbeddingModelError(f"{modules_file} is not a list of modules (JSON objects): "
+                                  "restore the model's sentence-transformers files")
+    kinds = {str(m.get("type", "")).rsplit(".", 1)[-1]: m for m in modules}
     unsupported = sorted(set(kinds) - {"Transformer", "Pooling", "Normalize"})
     if unsupported:
         raise EmbeddingModelError(f"{modules_file} uses sentence-transformers modules "
@@ -80,7 +83,11 @@ def read_pooling(folder: Path | None, hf_config) -> Pooling:
                                   "(it runs Transformer, Pooling and Normalize)")
     mode = "last"
     if "Pooling" in kinds:
-        config = json.loads((folder / kinds["Pooling"]["path"] / "config.json").read_text())
+        config = _read_json(folder / str(kinds["Pooling"].get("path", "")) / "config.json")
+        if not isinstance(config, dict):
+            raise EmbeddingModelError(f"{folder / str(kinds['Pooling'].get('path', ''))}"
+                                      "/config.json is not a JSON object: restore the model's "
+                                      "sentence-transformers files")
         chosen = [POOLING_MODES.get(k, k) for k, v in config.items()
                   if k.startswith("pooling_mode") and v]
         if len(chosen) != 1 or chosen[0] not in POOLING_MODES.values():
@@ -89,6 +96,16 @@ def read_pooling(folder: Path | None, hf_config) -> Pooling:
                                       f"{', '.join(POOLING_MODES.values())}")
         mode = chosen[0]
     return Pooling(mode, "Normalize" in kinds, dimensions)
+
+
+def _read_json(path: Path):
+    """A sentence-transformers file's JSON; EmbeddingModelError naming it if it is missing or
+    unreadable (the model folder is at fault, not the request)."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise EmbeddingModelError(f"cannot read {path} ({err}): restore the model's "
+                                  "sentence-transformers files") from None
 
 
 class Embedder:

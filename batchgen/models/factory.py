@@ -14,8 +14,9 @@ import torch
 from batchgen.config import ModelConfig
 from batchgen.models.convert import (EMBEDDED_NAME, check_manifest, converted_for_gguf,
                                      embedded_gguf, rank_shard, read_manifest)
-from batchgen.models.loader import (MANIFEST, build_model, load_hf_config, meta_model,
-                                    read_safetensors, resolve_dtype, resolve_model)
+from batchgen.models.loader import (MANIFEST, CheckpointError, build_model, load_hf_config,
+                                    meta_model, read_safetensors, resolve_dtype,
+                                    resolve_model)
 from batchgen.models.hf_text import text_only
 from batchgen.models.weight_stream import stream_to_device
 from batchgen.parallel import TensorParallel
@@ -64,7 +65,16 @@ def eos_token_ids(folder: Path, hf_config, tokenizer) -> tuple[int, ...]:
 
     gen = folder / "generation_config.json"
     if gen.is_file():
-        add(json.loads(gen.read_text()).get("eos_token_id"))
+        try:
+            settings = json.loads(gen.read_text())
+        except (OSError, ValueError) as err:
+            settings = err
+        if not isinstance(settings, dict):
+            why = settings if isinstance(settings, Exception) else "not a JSON object"
+            raise CheckpointError(f"cannot read {gen} ({why}): its eos_token_id says where "
+                                  "answers end; restore the model's generation_config.json "
+                                  "(or delete it to use config.json's eos_token_id)")
+        add(settings.get("eos_token_id"))
     add(getattr(hf_config, "eos_token_id", None))
     if tokenizer is not None:
         add(tokenizer.eos_token_id)

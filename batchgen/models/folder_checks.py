@@ -15,7 +15,7 @@ import re
 import struct
 from pathlib import Path
 
-from batchgen.models.loader import CheckpointError
+from batchgen.models.loader import CheckpointError, checkpoint_files
 from batchgen.models.registry import supported_architecture
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -71,25 +71,8 @@ def check_tokenizer(folder: Path) -> None:
 
 
 def weight_files(folder: Path) -> list[Path]:
-    """The safetensors files the loader reads (the index's, or every *.safetensors)."""
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
-            raise CheckpointError(f"cannot read {index}: {err!r}; restore it from the model's "
-                                  "source") from None
-        missing = [n for n in names if not (folder / n).is_file()]
-        if missing:
-            raise CheckpointError(f"{index} names {', '.join(missing[:3])}, missing from "
-                                  f"{folder}: the download or copy is incomplete")
-        files = [folder / n for n in names]
-    else:
-        files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"no *.safetensors in {folder} (batchgen loads safetensors only; "
-                              "convert .bin or .pt weights with transformers' save_pretrained)")
-    return files
+    """The safetensors files the loader reads (`loader.checkpoint_files`)."""
+    return [folder / name for name in checkpoint_files(folder)]
 
 
 def read_headers(folder: Path) -> dict[str, tuple[Path, list[int], str]]:

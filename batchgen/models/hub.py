@@ -21,6 +21,7 @@ HF_HUB_OFFLINE=1 (nothing is downloaded; `offline()`).
 from __future__ import annotations
 
 import fnmatch
+import json
 import logging
 import os
 import shutil
@@ -126,11 +127,14 @@ def wanted(path: str) -> bool:
 
 def select(paths: list[RepoFile]) -> list[RepoFile]:
     """The wanted files; Mistral's `consolidated*.safetensors` (the same weights in its own
-    layout) only when the repo has no other top-level weights."""
+    layout) only when the repo has no other top-level weights; without an index, a top-level
+    `model.safetensors` alone (the loader reads nothing else: `loader.checkpoint_files`)."""
     files = [f for f in paths if wanted(f.path)]
-    hf_weights = any(f.path.endswith(".safetensors") and "/" not in f.path
-                     and not f.path.startswith("consolidated") for f in files)
-    return [f for f in files if not (hf_weights and f.path.startswith("consolidated"))]
+    top = {f.path for f in files if f.path.endswith(".safetensors") and "/" not in f.path}
+    hf_weights = any(not p.startswith("consolidated") for p in top)
+    only_model = INDEX not in {f.path for f in files} and "model.safetensors" in top
+    return [f for f in files if not (hf_weights and f.path.startswith("consolidated"))
+            and not (only_model and f.path in top and f.path != "model.safetensors")]
 
 
 def download(repo: str, revision: str | None, root: Path) -> Path:
@@ -165,6 +169,7 @@ def _download_locked(repo: str, revision: str, root: Path, folder: Path) -> Path
     snapshot.mkdir(parents=True, exist_ok=True)
     marker = snapshot / INCOMPLETE
     marker.touch()
+    files = indexed_weights_only(repo, commit, files, snapshot)
     check_space(snapshot, files)
     total = sum(f.size for f in files)
     log.info("downloading %s@%s (commit %s): %d files, %.2f GB into %s", repo, revision, commit,
@@ -175,6 +180,37 @@ def _download_locked(repo: str, revision: str, root: Path, folder: Path) -> Path
     _write_ref(folder, revision, commit)
     marker.unlink()
     return snapshot
+
+
+INDEX = "model.safetensors.index.json"
+
+
+def indexed_weights_only(repo: str, commit: str, files: list[RepoFile],
+                         snapshot: Path) -> list[RepoFile]:
+    """`files` less the top-level weights that the repo's safetensors index does not name:
+    the loader reads only the index's shards (as transformers does), so another copy of the
+    weights beside them (a merged `model.safetensors`, a quantized variant) is never fetched.
+    The index itself is fetched first; without one (or unreadable) `files` are unchanged."""
+    index = next((f for f in files if f.path == INDEX), None)
+    if index is None:
+        return files
+    fetch_file(repo, commit, index, snapshot, _NO_PROGRESS)
+    try:
+        shards = set(json.loads((snapshot / INDEX).read_text())["weight_map"].values())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return files
+    if not shards:
+        return files
+    return [f for f in files if "/" in f.path or not f.path.endswith(".safetensors")
+            or f.path in shards]
+
+
+class _NoProgress:
+    def update(self, n: int) -> None:
+        pass
+
+
+_NO_PROGRESS = _NoProgress()
 
 
 def repo_files(repo: str, revision: str) -> tuple[str, list[RepoFile]]:

@@ -149,23 +149,46 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return getattr(torch, dtype)
 
 
+INDEX = "model.safetensors.index.json"
+
+
+def checkpoint_files(folder: Path) -> list[str]:
+    """The safetensors files of a folder that hold its model, as transformers picks them: the
+    index's shards; else `model.safetensors` alone (an adapter or another copy beside it is not
+    the model); else every *.safetensors. CheckpointError when there is none, or the index is
+    unreadable or names a missing shard."""
+    index = folder / INDEX
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+            raise CheckpointError(f"cannot read {index}: {err!r}; restore it from the model's "
+                                  "source") from None
+        missing = [n for n in names if not (folder / n).is_file()]
+        if missing:
+            raise CheckpointError(f"{index} names {', '.join(missing[:3])}, missing from "
+                                  f"{folder}: the download or copy is incomplete")
+    elif (folder / "model.safetensors").is_file():
+        names = ["model.safetensors"]
+    else:
+        names = sorted(p.name for p in folder.glob("*.safetensors"))
+    if not names:
+        raise CheckpointError(f"no *.safetensors in {folder} (batchgen loads safetensors only; "
+                              "convert .bin or .pt weights with transformers' save_pretrained)")
+    return names
+
+
 def read_safetensors(folder: Path, files: list[str] | None = None):
-    """Yield (name, tensor) from `files` of a folder (default: every safetensors shard,
-    index-aware)."""
+    """Yield (name, tensor) from `files` of a folder (default: `checkpoint_files`)."""
     from safetensors import safe_open
 
-    index = folder / "model.safetensors.index.json"
     if files is not None:
         missing = [f for f in files if not (folder / f).is_file()]
         if missing:
             raise CheckpointError(f"{folder} lacks {', '.join(missing)}: the conversion was "
                                   "interrupted or the folder was copied partially")
-    elif index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
     else:
-        files = sorted(p.name for p in folder.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"no *.safetensors in {folder} (batchgen loads safetensors only)")
+        files = checkpoint_files(folder)
     for file in files:
         try:
             with safe_open(str(folder / file), framework="pt") as f:
@@ -204,9 +227,13 @@ def _tied_pair_differs(folder: Path) -> bool:
     from safetensors import safe_open
 
     found = {}
-    for file in sorted(folder.glob("*.safetensors")):
+    try:
+        files = checkpoint_files(folder)
+    except CheckpointError:
+        return False  # the weight load names the problem
+    for file in files:
         try:
-            with safe_open(str(file), framework="pt") as f:
+            with safe_open(str(folder / file), framework="pt") as f:
                 names = set(f.keys())
                 found.update((n, f.get_tensor(n)) for n in TIED_PAIR if n in names)
         except Exception:  # noqa: BLE001 - the weight load names unreadable files
@@ -227,10 +254,20 @@ def build_model(hf_config, weights, dtype: torch.dtype, device: torch.device,
     model = materialize(meta_model(hf_config, options, tp).to(dtype), device)
     if not isinstance(weights, StreamedWeights):
         weights = stream_to_device(weights, device)
-    if presharded:  # only TP-capable models take the switch (meta_model checked that)
-        model.load_weights(weights, presharded=True)
-    else:
-        model.load_weights(weights)
+    try:
+        if presharded:  # only TP-capable models take the switch (meta_model checked that)
+            model.load_weights(weights, presharded=True)
+        else:
+            model.load_weights(weights)
+    except CheckpointError:
+        raise
+    except (KeyError, ValueError) as err:
+        # A tensor with no place in the model, of another shape, or missing: the checkpoint
+        # and config.json describe different models. A rerun cannot help: exit 5, not a crash.
+        why = err.args[0] if isinstance(err, KeyError) and err.args else err
+        raise CheckpointError(f"{why}: the checkpoint does not match config.json "
+                              f"({type(model).__name__}); restore the model's config.json or "
+                              "weights") from err
     return model.eval()
 
 
