@@ -84,7 +84,10 @@ def _import_run_job():
 @app.command()
 def validate(input: str = typer.Option(..., "--input", "-i",
                                        help="JSONL or Parquet requests file."),
-             max_tokens: int = typer.Option(256, help="Default max_tokens for lines without one.")):
+             max_tokens: int = typer.Option(256, help="Default max_tokens for lines without one."),
+             max_line_bytes: int = typer.Option(
+                 8 << 20, help="Longest JSONL line read, as `run --max-line-bytes` (give the "
+                               "job's value: a longer line is a line_too_long error).")):
     """Check an input file without loading a model: counts and the error of each bad line."""
     from batchgen.io.locations import refuse_urls
     from batchgen.runner.leader.validate import validate_file
@@ -92,9 +95,12 @@ def validate(input: str = typer.Option(..., "--input", "-i",
     if max_tokens < 1:
         _fail(f"--max-tokens={max_tokens} is not allowed: an integer >= 1 (the max_tokens of "
               "lines that give none)")
+    if max_line_bytes < 64:
+        _fail(f"--max-line-bytes={max_line_bytes} is not allowed: an integer >= 64 (as for "
+              "`batchgen run`)")
     with _user_errors():
         refuse_urls(input=input)  # as typed: a Path would fold its "//"
-        raise typer.Exit(validate_file(Path(input), max_tokens))
+        raise typer.Exit(validate_file(Path(input), max_tokens, max_line_bytes))
 
 
 @app.command()

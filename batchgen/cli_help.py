@@ -79,7 +79,7 @@ def run_app(app: typer.Typer, args: list[str] | None = None) -> int:
     except click.exceptions.ClickException as err:
         typer.secho(f"error: {err.format_message()}", fg=typer.colors.RED, err=True)
         return err.exit_code
-    except click.exceptions.Abort:
+    except typer.Abort:  # click's Abort (typer >= 0.16 keeps its own, not in _click)
         typer.echo("aborted", err=True)
         return 130
     return code if isinstance(code, int) else 0

@@ -363,6 +363,9 @@ class StorageConfig:
 
     def validate(self) -> None:
         _require(bool(self.input), "input", self.input, "a path to a .jsonl or .parquet file")
+        _require(self.output is None or (self.output.strip() not in ("", "-")), "output",
+                 self.output, "a path to the results file (they are written and fsynced to a "
+                 "file: standard output is not supported)")
         _require(self.max_line_bytes >= 64, "max_line_bytes", self.max_line_bytes,
                  "bytes >= 64")
         _require(bool(self.storage_path), "storage_path", self.storage_path, "a folder path")

@@ -25,7 +25,11 @@ def forced_functions(tools, tool_choice) -> list[dict] | None:
             raise ToolChoiceError("tool_choice \"required\" needs a non-empty tools list")
         return functions
     if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
-        name = (tool_choice.get("function") or {}).get("name")
+        function = tool_choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(name, str):
+            raise ToolChoiceError("tool_choice {\"type\": \"function\"} needs \"function\": "
+                                  f"{{\"name\": ...}} naming one of the tools, got {function!r}")
         chosen = [f for f in functions if f["name"] == name]
         if not chosen:
             raise ToolChoiceError(f"tool_choice names function {name!r}, which is not in tools")

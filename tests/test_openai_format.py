@@ -159,9 +159,9 @@ def test_forced_tool_choice_yields_a_parsable_call(smol, tools_tokenizer, parser
 def test_free_text_without_a_forced_choice_and_conflicts_are_errors(smol, tools_tokenizer):
     grammars = Grammars(smol.tokenizer, smol.hf_config.vocab_size, smol.eos_token_ids, "hermes")
     assert grammars.request(_pending(tools_tokenizer, "auto")).grammar is None
-    both = _pending(tools_tokenizer, "required", response_format={"type": "json_object"})
-    err = grammars.request(both)
-    assert isinstance(err, IntakeError) and err.param == "tool_choice"
+    both = intake(line({"messages": USER, "tools": [WEATHER, TIME], "tool_choice": "required",
+                        "response_format": {"type": "json_object"}}), tools_tokenizer, 2048)
+    assert isinstance(both, IntakeError) and both.param == "tool_choice"  # refused at intake
     unnamed = intake(line({"messages": USER, "tools": [WEATHER, TIME],  # refused at intake
                            "tool_choice": {"type": "function", "function": {"name": "x"}}}),
                      tools_tokenizer, 2048)

@@ -123,6 +123,37 @@ class GrammarCompiler:
         return CompiledGrammar(compiled, self.vocab_size, tuple(self._info.stop_token_ids))
 
 
+def schema_problem(response_format: dict | None, forced: list[dict] | None = None) -> str | None:
+    """Why the grammar compiler would refuse a request's `response_format`, or the parameters
+    schema of a function its tool_choice forces (`forced`: request_checks.forced_functions),
+    without a tokenizer: the JSON schema is converted exactly as compile() converts it (the
+    tokenizer only precomputes masks afterwards). None when it converts. `batchgen validate`
+    calls it, so it refuses the lines a job's worker would."""
+    try:
+        schema, strict = response_format_schema(response_format)
+    except StructuredOutputError as err:
+        return str(err)
+    if schema is not None:
+        problem = _schema_problem(json.dumps(schema), strict, True)
+        if problem is not None:
+            return f"response_format: invalid JSON schema: {problem}"
+    for fn in forced or ():
+        problem = _schema_problem(json.dumps(fn["parameters"]), True, False)  # as tool_choice.py
+        if problem is not None:
+            return f"tools: a parameters schema cannot be enforced: {problem}"
+    return None
+
+
+@functools.lru_cache(maxsize=256)
+def _schema_problem(schema: str, strict: bool, any_whitespace: bool) -> str | None:
+    try:
+        xgr.Grammar.from_json_schema(schema, strict_mode=strict, any_whitespace=any_whitespace,
+                                     max_whitespace_cnt=MAX_WHITESPACE if any_whitespace else None)
+    except (RuntimeError, ValueError) as exc:
+        return _first_line(exc)
+    return None
+
+
 def _first_line(exc: Exception) -> str:
     # xgrammar prefixes messages with "[time] file.cc:line: "; keep only the reason.
     line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

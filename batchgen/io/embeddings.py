@@ -80,7 +80,8 @@ def parse_embedding(body: dict, custom_id: str, line: int) -> EmbeddingRequest:
     """An embeddings body; raises EmbeddingLineError naming the field at fault."""
     if body.get("input") is None:
         raise EmbeddingLineError("invalid_input", "an embeddings line needs input", "input")
-    encoding = body.get("encoding_format") or "float"
+    encoding = body.get("encoding_format")
+    encoding = "float" if encoding is None else encoding  # false, 0, "" are not formats
     if encoding not in ("float", "base64"):
         raise EmbeddingLineError("invalid_request", "encoding_format must be \"float\" or "
                                  f"\"base64\", got {encoding!r}", "encoding_format")

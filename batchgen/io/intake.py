@@ -10,6 +10,7 @@ nothing here raises for bad input.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -24,6 +25,8 @@ from batchgen.io.sampling_fields import BadLine, gives_max_tokens, parse_samplin
 from batchgen.io.templates import TemplateError, render_chat
 from batchgen.request_checks import (StructuredOutputError, ToolChoiceError, check_tools,
                                      forced_functions, response_format_schema)
+
+log = logging.getLogger(__name__)
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
@@ -122,6 +125,11 @@ def parse_record(record: RawRecord,
     except RecursionError:  # valid JSON nested past what repr() and the checks recurse into
         return IntakeError(key, record.line, "invalid_request", f"line {record.line}: a field "
                            "is nested too deeply to check: flatten it")
+    except Exception as err:  # noqa: BLE001 - a check nobody foresaw failing costs this line
+        log.warning("line %d could not be checked", record.line, exc_info=True)
+        return IntakeError(key, record.line, "invalid_request", f"line {record.line}: batchgen "
+                           f"could not check this line ({type(err).__name__}: {err}); compare "
+                           "its fields with docs/job-files.md")
 
 
 def _parse(data: dict, key: str, line: int,
@@ -244,15 +252,19 @@ def _check_structured(extra: dict) -> None:
     except ToolChoiceError as err:
         raise BadLine("invalid_tools", str(err), "tools") from None
     try:
-        forced_functions(extra.get("tools"), extra.get("tool_choice"))
+        forced = forced_functions(extra.get("tools"), extra.get("tool_choice"))
     except ToolChoiceError as err:
         raise BadLine("invalid_tool_choice", str(err), "tool_choice") from None
     if "response_format" in extra:
         try:
             check_grammar_limits(extra["response_format"])
-            response_format_schema(extra["response_format"])
+            schema, _ = response_format_schema(extra["response_format"])
         except (GrammarTooComplex, StructuredOutputError) as err:
             raise BadLine("unsupported_response_format", str(err), "response_format") from None
+        if forced is not None and schema is not None:  # the worker's rule (grammars.py)
+            raise BadLine("invalid_tool_choice", "a tool_choice that forces a call cannot be "
+                                                 "combined with response_format: drop one",
+                           "tool_choice")
 
 
 def _messages(value: Any) -> list[dict]:

@@ -238,7 +238,9 @@ def _parquet_rows(path: Path) -> Iterator[tuple[int, dict]]:
                                  "file is damaged: write it again from its source") from None
         if batch is None:
             return
-        for item in batch.to_pylist():
+        # A MAP column (Spark's, or pyarrow's for a dict such as logit_bias) becomes a dict,
+        # not a list of (key, value) tuples; of repeated keys the last wins, as in JSON.
+        for item in batch.to_pylist(maps_as_pydicts="lossy"):
             row += 1
             yield row, _clean_value(item)
 

@@ -97,12 +97,22 @@ def _get_logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
     if value is None:
         return ()
     try:
-        pairs = sorted((int(k), v) for k, v in value.items())
+        pairs = sorted((_token_key(k), v) for k, v in value.items())
     except (AttributeError, TypeError, ValueError):
         raise _bad_type("logit_bias", value) from None
     if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for _, v in pairs):
         raise _bad_type("logit_bias", value)
     return tuple((t, float(v)) for t, v in pairs)
+
+
+def _token_key(key) -> int:
+    """A logit_bias key: a token id written in decimal digits ("42"; an int from a Parquet map
+    column); Python's int() would also take "4_2" and " 42 ". ValueError otherwise."""
+    if isinstance(key, int) and not isinstance(key, bool):
+        return key
+    if isinstance(key, str) and key.lstrip("-").isdigit() and key.isascii():
+        return int(key)
+    raise ValueError(key)
 
 
 def _get_logprobs(body: dict, kind: str) -> tuple[bool, int]:

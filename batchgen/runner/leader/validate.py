@@ -11,9 +11,11 @@ import typer
 
 from batchgen.core import SamplingParams
 from batchgen.io.embeddings import EMBEDDING_FIELDS, EMBEDDINGS_URL
-from batchgen.io.intake import EXTRA_FIELDS, IntakeError, parse_record, plain_kind
+from batchgen.io.intake import (EXTRA_FIELDS, IntakeError, ParsedRequest, parse_record,
+                                plain_kind)
 from batchgen.io.sampling_fields import BadLine
-from batchgen.io.reader import RawRecord, scan_input
+from batchgen.io.reader import DEFAULT_MAX_LINE_BYTES, RawRecord, scan_input
+from batchgen.request_checks import forced_functions, forces_call
 from batchgen.runner.exits import ExitCode
 
 SHOWN_ERRORS = 50
@@ -60,6 +62,25 @@ def _plain_kind_of(data: dict) -> str | None:
         return None
 
 
+def grammar_checked(parsed):
+    """`parsed`, or the error line a job's worker makes of it when the grammar compiler refuses
+    its response_format (unsupported_response_format) or the parameters schema of the tool call
+    its tool_choice forces (invalid_tool_choice): converting a JSON schema needs no model."""
+    if not isinstance(parsed, ParsedRequest) or not (
+            parsed.extra.get("response_format") or forces_call(parsed.extra)):
+        return parsed
+    from batchgen.engine.structured import schema_problem  # xgrammar (and torch) only if used
+
+    forced = forced_functions(parsed.extra.get("tools"), parsed.extra.get("tool_choice"))
+    problem = schema_problem(parsed.extra.get("response_format"), forced)
+    if problem is None:
+        return parsed
+    code, param = (("invalid_tool_choice", "tool_choice") if problem.startswith("tools:")
+                   else ("unsupported_response_format", "response_format"))
+    return IntakeError(parsed.custom_id, parsed.line, code, f"line {parsed.line}: {problem}",
+                       param)
+
+
 def _count_words(counts: Counter[str]) -> str:
     return ", ".join(f"{n} {code.replace('_', ' ')}" for code, n in counts.most_common())
 
@@ -68,16 +89,18 @@ def _plural(n: int, word: str) -> str:
     return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
-def validate_file(path: Path, max_tokens: int) -> int:
+def validate_file(path: Path, max_tokens: int,
+                  max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> int:
     """0 when every line is a valid request, 1 when some lines would become error results.
-    Unknown fields are warnings: the line still runs, with defaults for what it misspelled."""
+    Unknown fields are warnings: the line still runs, with defaults for what it misspelled.
+    `max_line_bytes`: the job's --max-line-bytes (a longer line is line_too_long in both)."""
     codes: Counter[str] = Counter()
     shown: list[str] = []  # at most SHOWN_ERRORS + SHOWN_WARNINGS^2 lines, printed after the scan
     warned = 0
 
     def check(record: RawRecord, _key: str) -> None:
         nonlocal warned
-        parsed = parse_record(record, max_tokens)
+        parsed = grammar_checked(parse_record(record, max_tokens))
         if isinstance(parsed, IntakeError):
             codes[parsed.code] += 1
             if codes.total() <= SHOWN_ERRORS:
@@ -90,7 +113,7 @@ def validate_file(path: Path, max_tokens: int) -> int:
 
     # The one pass that parses the lines; file-level problems (duplicates, unreadable) raise
     # here, before any line's message is shown.
-    summary = scan_input(path, each=check)
+    summary = scan_input(path, max_line_bytes, each=check)
     for message in shown:
         typer.echo(message)
     if summary.records == 0:
