@@ -141,3 +141,30 @@ def test_other_gqa_families_share(family, tmp_path):
     off, _, _ = answers(make_engine(model, enable_prefix_caching=False), prompts, 12, n=2)
     on, _, stats = answers(make_engine(model), prompts, 12, n=2)
     assert on == off and stats["cached_prompt_tokens"] > 0 and stats["forks"] > 0
+
+
+def test_a_continued_request_reports_whole_prompt_pages_as_cached(tiny_llama):
+    """Two requests with the same prompt, continued from a checkpoint with the same greedy
+    answer so far: the second maps the first's pages past the end of its prompt, yet its
+    cached_tokens is whole prompt pages short of the last prompt token (job-files.md), as an
+    uninterrupted run reports, never the whole prompt."""
+    import dataclasses
+
+    prompt = shared_prompts(count=1, prefix_len=100, seed=5)[0][:100]
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    requests = [Request("a", prompt, params), Request("b", prompt, params)]
+    whole = make_engine(tiny_llama).generate(requests)
+    engine = make_engine(tiny_llama)
+    for request in requests:
+        engine.add_request(request)
+    for _ in range(6):
+        engine.step()
+    engine.settle()
+    state = engine.inflight_state()
+    assert all(len(p.token_ids) > 30 for choices in state.values() for p in choices)
+    resumed = make_engine(tiny_llama).generate(
+        [dataclasses.replace(r, resume=state[r.request_id]) for r in requests])
+    assert [r.completions[0].token_ids for r in resumed] == [
+        r.completions[0].token_ids for r in whole]
+    assert [r.cached_tokens for r in whole] == [0, 64]
+    assert all(r.cached_tokens <= (len(prompt) - 1) // 64 * 64 for r in resumed)

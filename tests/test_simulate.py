@@ -269,3 +269,18 @@ def test_data_parallel_replicas_take_requests_by_shared_prefix():
     # Each replica computes its prefixes once: at least ~(256 - 7) x 1,984 cached tokens.
     assert result.cached_prompt_tokens >= (sim.num_requests - 7) * 1984
     assert result.cached_prompt_tokens < prompt_tokens
+
+
+def test_answers_of_prompts_shorter_than_the_shared_prefix_are_their_own():
+    """A prompt shorter than --shared-prefix-len is all prefix, but its answer is not shared:
+    the same workload (every prompt the same 200 tokens) simulates the same whether the shared
+    prefix is said to be 200 or 4,000 tokens long. Generated tokens taken as shared would let a
+    sequence loaded back map another request's decode pages (fewer copies, a larger batch)."""
+    base = SimulationConfig(model="llama3-8b", num_requests=60, prompt_len="fixed:200",
+                            output_len="fixed:1500", shared_prefix_len=200, device_kv_gb=1,
+                            host_kv_gb=3, seed=1)
+    exact = comparable(run_simulation(base, SchedulerConfig()))
+    longer = comparable(run_simulation(dataclasses.replace(base, shared_prefix_len=4000),
+                                       SchedulerConfig()))
+    assert exact["unloads"] > 0
+    assert longer == exact

@@ -104,6 +104,8 @@ def test_prefix_hits_share_over_engines():
                         {"prompt_tokens": 1000, "cached_prompt_tokens": 0}]) == \
         "44% of 2,000 prompt tokens"
     assert prefix_hits([{}, {"prompt_tokens": 0}]) == "-"
+    assert prefix_hits([{"prompt_tokens": 80, "cached_prompt_tokens": 60, "forks": 3}]) == (
+        "75% of 80 prompt tokens (each choice of n > 1 counted)")
 
 
 def test_a_job_sharing_a_system_prompt_reports_its_prefix_hits(tiny_chat_model, tmp_path):

@@ -24,7 +24,7 @@ from batchgen.sched.eviction import victim_order
 from batchgen.sched.host_backing import DeferredBacking
 from batchgen.sched.pages import PageAllocator
 from batchgen.sched.sharing import NO_HIT, Hit, PrefixSharing
-from batchgen.sched.sequence import Sequence, SeqState, pages_for
+from batchgen.sched.sequence import Sequence, SeqState, cached_prompt_tokens, pages_for
 from batchgen.sched.step import (  # noqa: F401  (the step contract, importable from here)
     PageCopy, PrefixShare, ScheduleOutput, SeqChunk, SeqResult, StepOutput)
 
@@ -458,6 +458,7 @@ class Scheduler:
             on_host = on_device
         seq.num_on_host = on_host * PAGE_SIZE
         seq.num_computed = hit.pages * PAGE_SIZE
+        forked = False
         if hit.donor is not None and hit.donor.state is SeqState.RUNNING and not any(
                 c.seq_id == hit.donor.seq_id for c in out.swap_in):
             # fork: copy the sibling's partial last prompt page. Not from a sibling loaded in
@@ -468,12 +469,13 @@ class Scheduler:
                                               [seq.device_pages[page]]))
             seq.num_computed = seq.num_tokens - 1
             self.counters.forks += 1
+            forked = True
         if self.prefix is not None:
             self.prefix.admitted(seq, hit)
             self.prefix.computed(seq)
             self.prefix.on_host(seq)
         if seq.cached_tokens is None:
-            seq.cached_tokens = min(seq.num_computed, seq.prompt_len)
+            seq.cached_tokens = cached_prompt_tokens(seq, forked)
             self.counters.prompt_tokens += seq.prompt_len
             self.counters.cached_prompt_tokens += seq.cached_tokens
         return True
@@ -505,3 +507,4 @@ class Scheduler:
             assert seq.num_on_host == seq.num_computed
         for seq in self.waiting:
             assert seq.state is SeqState.WAITING and not seq.host_pages and not seq.device_pages
+

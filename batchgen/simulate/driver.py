@@ -79,7 +79,11 @@ class _Replica:
         rows = zip(lengths[0].tolist(), lengths[2].tolist(), lengths[3].tolist(), lengths[4])
         for i, (prompt, budget, prefix, key) in enumerate(rows):
             sampling = params.setdefault(budget, SamplingParams(max_tokens=budget))
-            tokens = SyntheticTokens(prompt, (prefix + 1) << 40, sim.shared_prefix_len,
+            # A prompt shorter than the shared prefix is all prefix, but what it generates is
+            # its own: a longer shared_len would make every such request's answer the same
+            # tokens, whose pages the prefix cache would then share between requests.
+            tokens = SyntheticTokens(prompt, (prefix + 1) << 40,
+                                     min(sim.shared_prefix_len, prompt),
                                      (sim.num_prefixes + 1 + key) << 40)
             self.sched.add(Sequence(i, str(i), 0, tokens, prompt, sampling, 0))  # type: ignore
         self.clock = 0.0
