@@ -63,7 +63,7 @@ from batchgen.engine.engine import Engine
 from batchgen.engine.heap import frozen_heap
 from batchgen.engine.precompile import CompileWorkers, triton_cache_hook
 from batchgen.engine.runner import precompile_stand_in
-from batchgen.parallel import TensorParallel, pick_device
+from batchgen.parallel import TensorParallel, pick_device, require_device
 from batchgen.phases import StartupClock
 
 log = logging.getLogger("batchgen.bench")
@@ -263,6 +263,7 @@ def bench(cfg: BenchConfig, work: Workload, tp: TensorParallel | None = None) ->
 
     work.validate()
     engine_cfg = cfg.engine_config()  # the flags checked before any rank starts
+    require_device(cfg.device)
     if tp is None and cfg.tensor_parallel_size > 1:
         return bench_tensor_parallel(bench, cfg, work)
     tp = tp or TensorParallel()

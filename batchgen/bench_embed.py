@@ -81,10 +81,11 @@ def _timed(fn, device: torch.device):
 def run(cfg: EmbedBench) -> dict:
     from batchgen.bench_models import hf_twin, random_model
     from batchgen.engine.embed import Embedder, Pooling
-    from batchgen.parallel import pick_device
+    from batchgen.parallel import pick_device, require_device
     from batchgen.models.loader import resolve_dtype
 
     cfg.validate()
+    require_device(cfg.device)
     device = pick_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     config = hf_config(cfg)

@@ -161,6 +161,22 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def require_device(name: str) -> None:
+    """Refuse an explicit `--device cuda[:N]` where torch sees no such GPU, with the fix (a
+    ValueError, which the CLI prints as one `error:` line), before anything touches CUDA.
+    `batchgen run`'s preflight makes the same check (exit 8)."""
+    if not name.startswith("cuda"):
+        return
+    wait_driver_init()
+    count = torch.cuda.device_count()
+    index = int(name.split(":", 1)[1]) if ":" in name else 0
+    if index < count:
+        return
+    seen = f"torch sees {count} CUDA device(s)" if count else "torch sees no CUDA device"
+    raise ValueError(f"--device {name}: {seen} here: run on a GPU node (check "
+                     "CUDA_VISIBLE_DEVICES and the driver), or pass --device cpu")
+
+
 def init_tensor_parallel(place: Placement, device: torch.device) -> TensorParallel:
     """Join the job's process group (torchrun's env:// variables) and build the TP groups.
     Pure data parallel needs no communication at all, so nothing is joined then."""

@@ -62,6 +62,23 @@ def test_missing_model_lists_the_hf_cache_among_the_places_searched(tmp_path):
     assert str(tmp_path / "hf" / "hub" / "models--org--absent" / "snapshots") in proc.stderr
 
 
+def test_a_missing_model_path_is_named_as_a_path_not_as_a_hub_cache_entry(tmp_path):
+    inp = write_jsonl(tmp_path / "in.jsonl", chat_rows(1))
+    proc = batchgen("run", "-i", inp, "-o", tmp_path / "o.jsonl", "--model", "./no-such-model",
+                    env={"HF_HOME": str(tmp_path / "hf"), "HF_HUB_CACHE": ""})
+    assert proc.returncode == 5 and proc.stderr.startswith("error: "), proc.stderr
+    assert "/no-such-model" in proc.stderr and "no such file or folder" in proc.stderr
+    assert "models--" not in proc.stderr  # './x' is a path: no Hub cache layout to suggest
+
+
+@pytest.mark.parametrize("args", [["--tiny"], ["--mode", "embeddings", "--shape",
+                                               "qwen3-embedding-0.6b", "--tiny"]])
+def test_bench_on_a_cuda_device_that_is_not_there_is_one_error_line(args):
+    proc = batchgen("bench", "--device", "cuda", *args, env={"CUDA_VISIBLE_DEVICES": ""})
+    line = one_error_line(proc)
+    assert "--device cuda" in line and "--device cpu" in line, line
+
+
 def test_validate_warns_about_unknown_fields_with_the_closest_known_one(tmp_path):
     rows = [
         {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",

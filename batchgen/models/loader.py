@@ -63,10 +63,20 @@ def _classify(path: Path, name: str) -> ModelSource | None:
     return None
 
 
+def is_path_like(model: str) -> bool:
+    """`model` is spelled as a filesystem path (`./my-model`, `../m`, `/abs/m`, `~/m`), never as a
+    Hub id: it is looked for at that path (and by its last name under --cache-dir) only."""
+    return model in (".", "..") or model.startswith(("/", "./", "../", "~"))
+
+
 def search_places(model: str, cache_dir: str | None = None) -> list[Path]:
     """Every place `model` is looked for, in order (hub caches as their snapshots folder)."""
     hub_name = "models--" + model.replace("/", "--")
     places = [Path(model).expanduser()]
+    if is_path_like(model):  # a path has no Hub cache layout
+        if cache_dir:
+            places.append(Path(cache_dir).expanduser() / Path(model).name)
+        return list(dict.fromkeys(places))
     if cache_dir:
         root = Path(cache_dir).expanduser()
         places += [root, root / hub_name / "snapshots", root / model, root / model.split("/")[-1]]
@@ -77,6 +87,12 @@ def model_not_found_message(model: str, places: list[Path], revision: str | None
     """What a user reads when --model is nowhere and is not downloaded: every place searched,
     why nothing was downloaded, and how to fix it."""
     searched = "\n  ".join(str(p) for p in places)
+    if is_path_like(model):
+        return (f"model {model!r} not found: no such file or folder "
+                f"({Path(model).expanduser().absolute()})"
+                + ("" if len(places) < 2 else f", nor {places[1]}") + ". Give the path of a model "
+                "folder (config.json + *.safetensors), of a folder written by `batchgen convert`, "
+                "or of a .gguf file.")
     hub_name = "models--" + model.replace("/", "--")
     why = ("HF_HUB_OFFLINE is set, so nothing is downloaded" if hub.offline()
            else "not a Hub id (org/name), so nothing is downloaded")

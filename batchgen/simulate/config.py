@@ -32,7 +32,8 @@ class SimulationConfig:
     """KV storage dtype: bfloat16, float16 or fp8_e4m3fn (aliases as in `batchgen run`)."""
     world_size: int = 1
     """GPUs in all; data-parallel replicas = world_size / tensor_parallel, each with its own
-    scheduler and a round-robin share of the requests."""
+    scheduler and an equal contiguous share of the requests, split as `batchgen run` splits a
+    job (requests sharing a prefix together)."""
     tensor_parallel: int = 1
     """GPUs per replica (weights and compute split over them; 2 all-reduces per layer)."""
     nnodes: int = 1

@@ -1,6 +1,7 @@
 """`batchgen simulate`: the real Scheduler driven by a cost model instead of a model.
 
-Each data-parallel replica runs its own Scheduler over its share of the requests (round robin),
+Each data-parallel replica runs its own Scheduler over its share of the requests (split as a job's
+replicas split it: io/prefix_shards.py),
 through the same step contract as the engine: `schedule()` gives a plan, the simulator "runs"
 it by advancing a clock by `CostModel.step` (see cost_model.py), and hands the results back with
 `update_from_output` (one token per sampled chunk; a sequence whose output reached its length
