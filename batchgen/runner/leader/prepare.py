@@ -111,6 +111,10 @@ def prepare(config: JobConfig, summary: InputSummary, paths: JobPaths) -> tuple[
         batch_file.update(batch_id, status="validating", input_file=str(Path(s.input).resolve()),
                           fingerprint=fp, timings={"created_at": created},
                           request_counts={"total": summary.records, "completed": 0, "failed": 0})
-    elif retake:
-        batch_file.update(batch_id, fingerprint=fp)
+    elif retake:  # the job is this run's now: its input too (status reads the total)
+        record_upload(paths, Path(s.input), summary.sha256, summary.size_bytes, summary.records,
+                      summary.format)
+        batch_file.update(batch_id, fingerprint=fp, input_file=str(Path(s.input).resolve()),
+                          request_counts={"total": summary.records, "completed": 0,
+                                          "failed": 0})
     return spec, batch_file

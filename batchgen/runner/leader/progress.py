@@ -107,6 +107,18 @@ def run_summary(elapsed: float, completed: int, failed: int, tokens_in: int, tok
         f"tokens: {tokens_in:,} in, {tokens_out:,} out ({rate:,.1f} out tok/s this run)",
         f"results: {output}",
         f"errors:  {errors}" if failed else f"errors:  none ({errors} is empty)",
-        f"job:     {storage} (`batchgen status {output}` shows it)",
+        f"job:     {storage} (`{status_command(output, storage)}` shows it)",
     ]
     return "\n".join(lines)
+
+
+def status_command(output: Path, storage: Path) -> str:
+    """The `batchgen status` command that finds this job: it looks in the `.batchgen/` beside
+    the output and in the default job folder; any other job folder must be named."""
+    from batchgen.config import default_storage_path
+
+    found = {Path(default_storage_path(str(output))).resolve(),
+             Path(default_storage_path(None)).expanduser().resolve()}
+    if Path(storage).expanduser().resolve() in found:
+        return f"batchgen status {output}"
+    return f"batchgen status {output} --storage-path {storage}"

@@ -262,7 +262,10 @@ class Worker:
                 if not stopping and not exhausted:
                     exhausted = self._intake(records, limit, lines)
                 lines.extend(self._embedded())
-                if self.engine.has_unfinished():
+                # Stopping: no new step (a whole decode burst or prefill could outlast the
+                # worker's share of the grace period, and the stop checkpoint with it); only
+                # the burst the last step queued is collected.
+                if not stopping and self.engine.has_unfinished():
                     lines.extend(self._result(f) for f in self.engine.step())
                     self.clock.mark("first_token")
                 if stopping:  # a burst still on the device: its tokens go into the checkpoint
