@@ -199,7 +199,7 @@ def _raise_errors(findings: list[Finding]) -> None:
     if errors:
         codes = {f.code for f in errors}
         code = codes.pop() if len(codes) == 1 else ExitCode.PREFLIGHT
-        raise PreflightFailed("preflight failed (nothing was loaded or written):\n"
+        raise PreflightFailed("preflight failed (no model was loaded and no request run):\n"
                               + "\n".join(f"  - {f}" for f in errors), code)
 
 
