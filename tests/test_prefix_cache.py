@@ -346,3 +346,30 @@ def test_a_group_of_new_requests_is_ordered_longest_shared_prefix_first():
                 sharing(1, 1), sharing(2, 2), sharing(3, 4)]:
         sched.add(seq)
     assert [s.seq_id for s in sched.prefix.order(sched.waiting, 100)] == [0, 3, 2, 1]
+
+
+@pytest.mark.parametrize("device_pages", [6, 7])
+def test_a_sharer_of_a_cached_prefix_passes_an_older_request_that_does_not_fit(device_pages):
+    """Prefixes B A B A B in a device pool that holds about one sequence: the oldest waiting
+    request (an A) does not fit while a B runs, but the next B maps the B prefix cached on the
+    device and fits; it is admitted past the A, so every B after the first and the second A
+    reuse their prefix (oldest-first alone recomputed it: none or one reused). The passed
+    request is passed a bounded number of times, and everything ends."""
+    prefixes = [[5 + j for j in range(256)], [900 + j for j in range(256)]]
+    reqs = [Req(p, 192, 10, 1, 40, 40) for p in (1, 0, 1, 0, 1)]
+    cfg = SchedulerConfig(initial_gpu_page_buffer=1, extension_gpu_page_buffer=1,
+                          decision_frequency_pages=1, host_kv_chunk_size=64,
+                          adaptive_chunk_min=64, max_decode_batch=4)
+    run = FakeRun(reqs, device_pages, 64, cfg, prefixes)
+    run.run()
+    assert [s.cached_tokens for s in run.seqs] == [0, 0, 192, 192, 192]
+    assert len(run.finished) == len(run.seqs)
+    assert all(s.bypassed <= cfg.max_decode_batch for s in run.seqs)
+    run.sched.clear_prefix_cache()
+    assert run.sched.device.num_free == device_pages
+    # Once passed max_decode_batch times a request is passed no more: oldest first again.
+    worn = FakeRun(reqs, device_pages, 64, cfg, prefixes)
+    for seq in worn.seqs:
+        seq.bypassed = cfg.max_decode_batch
+    worn.run()
+    assert sum(s.cached_tokens for s in worn.seqs) < 3 * 192

@@ -14,12 +14,12 @@ Invariants after each decision, for every RUNNING sequence s (window = frequency
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
 from typing import Callable
 
 from batchgen.config import SchedulerConfig
 from batchgen.core import PAGE_SIZE
 from batchgen.sched.chunking import ChunkSizer
+from batchgen.sched.counters import Counters
 from batchgen.sched.eviction import victim_order
 from batchgen.sched.host_backing import DeferredBacking
 from batchgen.sched.pages import PageAllocator
@@ -30,29 +30,13 @@ from batchgen.sched.step import (  # noqa: F401  (the step contract, importable 
 
 DecodeSteps = Callable[[list[SeqChunk]], int]
 """How many decode steps a decode-only set of chunks should run back to back (a burst)."""
+PASS_LOOKAHEAD = 64
+"""Waiting sequences looked at past the oldest one that does not fit, for sharers of
+device-cached prefix pages to admit before those pages leave the cache (`_admit`)."""
 
 
 class RequestTooLarge(ValueError):
     pass
-
-
-@dataclass
-class Counters:
-    decisions: int = 0
-    loads: int = 0
-    unloads: int = 0
-    evictions: int = 0
-    reprefill_tokens: int = 0
-    chunk_growths: int = 0
-    device_extensions: int = 0
-    admitted: int = 0
-    finished: int = 0
-    prompt_tokens: int = 0
-    """Prompt tokens of first admissions."""
-    cached_prompt_tokens: int = 0
-    """Of those, tokens whose KV came from the prefix cache (or a sibling's fork)."""
-    forks: int = 0
-    """n > 1 choices admitted by copying a sibling's partial last prompt page."""
 
 
 class Scheduler:
@@ -396,12 +380,18 @@ class Scheduler:
     def _admit(self, out: ScheduleOutput, preempt: bool) -> int:
         """Admit waiting sequences up to the prefill token budget. With `preempt`, running
         sequences are unloaded to make device room (prefill priority). With prefix caching,
-        sequences sharing a prefix come together and map what is cached (sharing.py)."""
+        sequences sharing a prefix come together and map what is cached (sharing.py). Oldest
+        first: the first that does not fit waits for room, and only sequences mapping pages
+        cached on the device (which would leave the cache before the blocked one is in) that
+        fit without unloading anyone pass it (prefix caching on; the next PASS_LOOKAHEAD are
+        looked at), at most max_decode_batch times in all."""
         budget = self.cfg.max_prefill_tokens
         admitted: list[Sequence] = []
         self._deferred = False
         order = (self.prefix.order(self.waiting, 4 * self.cfg.max_decode_batch + 64)
                  if self.prefix is not None else self.waiting)
+        blocked: Sequence | None = None  # the oldest that did not fit: it waits for room
+        looked = 0  # sequences looked at past it
         for seq in order:
             if budget <= 0 and admitted:
                 break
@@ -414,8 +404,20 @@ class Scheduler:
             if hit is None:
                 self._deferred = True
                 continue  # what it would map is being computed: it waits for that
-            if not self._place(seq, hit, out, preempt, admitted):
-                break
+            if blocked is not None:
+                looked += 1
+                if looked > PASS_LOOKAHEAD:
+                    break
+                if not hit.device_pages:
+                    continue  # only a sharer of device-cached pages passes the blocked one
+            if not self._place(seq, hit, out, preempt and blocked is None, admitted):
+                if (blocked is not None or self.prefix is None
+                        or seq.bypassed >= self.cfg.max_decode_batch):
+                    break
+                blocked = seq
+                continue
+            if blocked is not None:
+                blocked.bypassed += 1
             self.running.append(seq)
             admitted.append(seq)
             budget -= seq.pending_tokens

@@ -52,6 +52,8 @@ class Sequence:
     """Leading device pages offered to the prefix cache (reset when the device pages go)."""
     host_registered: int = 0
     """Leading host pages offered to the prefix cache."""
+    bypassed: int = 0
+    """Sequences admitted past this one while it waited for room (Scheduler._admit)."""
 
     @property
     def num_tokens(self) -> int:
