@@ -59,6 +59,11 @@ def run(ctx: typer.Context, **flags) -> None:
     for line in deprecated_given(given_on_command_line(ctx)):
         warn(line)
     _setup_logging()
+    from batchgen.runner.leader.external import launcher_world_size
+
+    # Under torchrun / srun --world-size may be left out: the flags are checked against the
+    # launcher's world (docs/slurm.md), which `adopt` makes the job's.
+    flags["world_size"] = launcher_world_size(flags["world_size"], flags["nnodes"])
     config = _config(flags)
     with _user_errors():
         refuse_storage_urls(config.storage)

@@ -79,6 +79,14 @@ def external_rank(dist: DistConfig, env: dict | None = None) -> ExternalRank | N
     return None
 
 
+def launcher_world_size(world_size: int, nnodes: int, env: dict | None = None) -> int:
+    """--world-size as the job will run it, for validating the flags before `adopt`: left out
+    (1) under an external launcher, it is the launcher's (`--tensor-parallel-size 8` under
+    `torchrun --nproc-per-node 8` must be checked against 8, not 1)."""
+    ext = external_rank(DistConfig(nnodes=nnodes), env)
+    return ext.world if ext is not None and world_size == 1 else world_size
+
+
 def adopt(ext: ExternalRank, dist: DistConfig) -> DistConfig:
     """The launcher's world becomes the job's: torch's variables set for the worker (and for
     torch.distributed's env:// init), and the DistConfig the workers are handed."""

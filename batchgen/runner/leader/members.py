@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,8 +100,10 @@ def member_failure(end: MemberEnd, config: JobConfig) -> WorkerFailure:
     per_member = config.dist.world_size // config.dist.nnodes if config.dist.nnodes > 1 else 1
     first = end.member * per_member
     ranks = f"rank {first}" if per_member == 1 else f"ranks {first}-{first + per_member - 1}"
+    named = re.search(rf"\b{re.escape(ranks)}\b", end.cause)  # "rank 1 stopped ...": once
+    cause = end.cause if named else f"{end.cause} ({ranks})"
     return WorkerFailure(first, end.code, "(its process could not report: no log tail)", "",
-                         f"{end.cause} ({ranks})")
+                         cause)
 
 
 def check_plan(config: JobConfig, spec: JobSpec, spec_bytes: bytes, who: str) -> None:

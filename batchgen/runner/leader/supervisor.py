@@ -236,8 +236,9 @@ def _lead_ranks(spec: JobSpec, spec_file: Path, member: Member, sizes: dict,
     if group is not None:
         stops.install()  # from here a stop signal raises Preempted in this loop
         group.unwatch()
-        log.info("our ranks are done; waiting for the other %d %ss to finish their shards",
-                 group.members - 1, group.kind)
+        others = group.members - 1
+        log.info("our ranks are done; waiting for the other %d %s%s to finish their shards",
+                 others, group.kind, "" if others == 1 else "s")
         group.wait_ends()
 
 

@@ -37,7 +37,8 @@ from batchgen.models.convert import read_manifest
 from batchgen.models.factory import load_model, model_folder, weight_bytes
 from batchgen.models.loader import MANIFEST, CheckpointError, ModelNotFoundError
 from batchgen.models.registry import UnsupportedModelError
-from batchgen.parallel import Placement, default_tp_size, init_tensor_parallel, pick_device
+from batchgen.parallel import (ParallelError, Placement, default_tp_size, init_tensor_parallel,
+                               pick_device)
 from batchgen.phases import StartupClock
 from batchgen.runner.files.errors import DiskError, disk_errors
 from batchgen.runner.worker.embed_jobs import EmbeddingJobs
@@ -464,8 +465,9 @@ def serve(spec: JobSpec, rank: RankInfo, stop: StopFlag, watchdog: Watchdog) -> 
         watchdog.stats.update({"failure": str(err)})  # the supervisor's report names it
         code = ExitCode.LOCKED if isinstance(err, WriterLocked) else ExitCode.INPUT
     # The model cannot be served (an architecture or config batchgen does not run, a damaged
-    # checkpoint): no request is at fault, and a rerun cannot help until the model changes.
-    except (CheckpointError, ModelNotFoundError, UnsupportedModelError) as err:
+    # checkpoint, or a --tensor-parallel-size that does not divide its heads): no request is at
+    # fault, and a rerun cannot help until the model or the flags change.
+    except (CheckpointError, ModelNotFoundError, UnsupportedModelError, ParallelError) as err:
         log.error("rank %d: %s", rank.rank, err)
         watchdog.stats.update({"failure": str(err)})
         code = ExitCode.MODEL
