@@ -9,6 +9,7 @@ import subprocess
 
 import pytest
 from test_reliability_support import (
+    batch_state,
     check_against_clean,
     clean_storage,
     incremental_file,
@@ -84,6 +85,7 @@ def test_output_disk_full_at_finalize_then_resume(tmp_path, tiny_chat_model, tmp
     assert proc.returncode == 6, proc.stderr[-3000:]
     assert "could not write the final outputs" in proc.stderr and "Traceback" not in proc.stderr
     assert not list(out_dir.iterdir()), "a failed finalize must leave no partial or temp file"
+    assert "could not write the final outputs" in batch_state(storage)["health"]["last_failure"]
     _grow(out_dir)
     proc = run(inp, storage, tiny_chat_model, *extra, check=True)
     assert "32 already done" in proc.stderr  # nothing recomputed: only the merge was redone

@@ -33,7 +33,8 @@ from batchgen.io.writer import (IncompleteResults, final_files_complete, finaliz
 from batchgen.models.folder_checks import check_model_folder, machine_memory
 from batchgen.models.loader import MANIFEST
 from batchgen.runner.exits import ExitCode, Preempted, StopSignals
-from batchgen.runner.files.errors import EXIT_CODES, PreflightFailed, disk_errors, exit_code_of
+from batchgen.runner.files.errors import (EXIT_CODES, DiskError, PreflightFailed, disk_errors,
+                                         exit_code_of)
 from batchgen.runner.files.job import JobSpec, check_input_unchanged, file_version
 from batchgen.runner.files.lock import JobLock
 from batchgen.runner.leader.group import Group, GroupError, MemberEnd, PlanRefused
@@ -393,8 +394,10 @@ def _finish(spec: JobSpec, batch_file: BatchFile, started: float, stops: StopSig
                 raise
             log.warning("%s; waiting %d s for the shared filesystem", err, waits[0])
             time.sleep(waits.pop(0))
-        except BaseException:
+        except BaseException as err:
             paths.remove_output_temps()  # a temp file whose close failed on a full disk stays
+            if isinstance(err, DiskError):  # status says why it stopped (a rerun only merges)
+                try_record_end(spec, batch_file, started, "failed", {"last_failure": str(err)})
             raise
     s = spec.config.storage
     if s.save_result and s.output:
