@@ -14,7 +14,7 @@ import typer
 from batchgen.cli_help import PanelCommand, given_on_command_line, run_app, version_callback, warn
 from batchgen.cli_options import (SIMULATE_RENAMES, apply_renames, build_config,
                                   build_dataclass, deprecated_given, with_config_options)
-from batchgen.config import ConfigError, default_storage_path
+from batchgen.config import MIN_LINE_BYTES, ConfigError, StorageConfig, default_storage_path
 from batchgen.runner.exits import ExitCode, requeue_on_stop_signals
 
 # Rich's option tables truncate long flag names ("--initial-gpu-page-…") below ~120 columns;
@@ -91,8 +91,9 @@ def validate(input: str = typer.Option(..., "--input", "-i",
                                        help="JSONL or Parquet requests file."),
              max_tokens: int = typer.Option(256, help="Default max_tokens for lines without one."),
              max_line_bytes: int = typer.Option(
-                 8 << 20, help="Longest JSONL line read, as `run --max-line-bytes` (give the "
-                               "job's value: a longer line is a line_too_long error).")):
+                 StorageConfig.max_line_bytes,
+                 help="Longest JSONL line read, as `run --max-line-bytes` (give the job's value: "
+                      "a longer line is a line_too_long error).")):
     """Check an input file without loading a model: counts and the error of each bad line."""
     from batchgen.io.locations import refuse_urls
     from batchgen.runner.leader.validate import validate_file
@@ -100,9 +101,9 @@ def validate(input: str = typer.Option(..., "--input", "-i",
     if max_tokens < 1:
         _fail(f"--max-tokens={max_tokens} is not allowed: an integer >= 1 (the max_tokens of "
               "lines that give none)")
-    if max_line_bytes < 64:
-        _fail(f"--max-line-bytes={max_line_bytes} is not allowed: an integer >= 64 (as for "
-              "`batchgen run`)")
+    if max_line_bytes < MIN_LINE_BYTES:
+        _fail(f"--max-line-bytes={max_line_bytes} is not allowed: an integer >= "
+              f"{MIN_LINE_BYTES} (as for `batchgen run`)")
     with _user_errors():
         refuse_urls(input=input)  # as typed: a Path would fold its "//"
         raise typer.Exit(validate_file(Path(input), max_tokens, max_line_bytes))

@@ -316,6 +316,10 @@ def cache_root() -> Path:
     return Path(os.environ.get("BATCHGEN_CACHE", "~/.cache/batchgen")).expanduser()
 
 
+MIN_LINE_BYTES = 64
+"""The smallest --max-line-bytes (run and validate): below it no request line fits."""
+
+
 def default_storage_path(output: str | None) -> str:
     """Where a job's state goes without --storage-path: `.batchgen/` beside --output, else
     $BATCHGEN_STATE_DIR, else $XDG_STATE_HOME/batchgen (~/.local/state/batchgen). Never a
@@ -366,8 +370,8 @@ class StorageConfig:
         _require(self.output is None or (self.output.strip() not in ("", "-")), "output",
                  self.output, "a path to the results file (they are written and fsynced to a "
                  "file: standard output is not supported)")
-        _require(self.max_line_bytes >= 64, "max_line_bytes", self.max_line_bytes,
-                 "bytes >= 64")
+        _require(self.max_line_bytes >= MIN_LINE_BYTES, "max_line_bytes", self.max_line_bytes,
+                 f"bytes >= {MIN_LINE_BYTES}")
         _require(bool(self.storage_path), "storage_path", self.storage_path, "a folder path")
         _require(self.max_tokens >= 1, "max_tokens", self.max_tokens, "an integer >= 1")
         _require(self.wait_for_lock >= 0, "wait_for_lock", self.wait_for_lock, "seconds >= 0")

@@ -83,11 +83,11 @@ def read_pooling(folder: Path | None, hf_config) -> Pooling:
                                   "(it runs Transformer, Pooling and Normalize)")
     mode = "last"
     if "Pooling" in kinds:
-        config = _read_json(folder / str(kinds["Pooling"].get("path", "")) / "config.json")
+        pooling_file = folder / str(kinds["Pooling"].get("path", "")) / "config.json"
+        config = _read_json(pooling_file)
         if not isinstance(config, dict):
-            raise EmbeddingModelError(f"{folder / str(kinds['Pooling'].get('path', ''))}"
-                                      "/config.json is not a JSON object: restore the model's "
-                                      "sentence-transformers files")
+            raise EmbeddingModelError(f"{pooling_file} is not a JSON object: restore the "
+                                      "model's sentence-transformers files")
         chosen = [POOLING_MODES.get(k, k) for k, v in config.items()
                   if k.startswith("pooling_mode") and v]
         if len(chosen) != 1 or chosen[0] not in POOLING_MODES.values():

@@ -66,15 +66,11 @@ def eos_token_ids(folder: Path, hf_config, tokenizer) -> tuple[int, ...]:
     gen = folder / "generation_config.json"
     if gen.is_file():
         try:
-            settings = json.loads(gen.read_text())
-        except (OSError, ValueError) as err:
-            settings = err
-        if not isinstance(settings, dict):
-            why = settings if isinstance(settings, Exception) else "not a JSON object"
-            raise CheckpointError(f"cannot read {gen} ({why}): its eos_token_id says where "
+            add(json.loads(gen.read_text()).get("eos_token_id"))
+        except (OSError, ValueError, AttributeError) as err:  # AttributeError: not an object
+            raise CheckpointError(f"cannot read {gen} ({err}): its eos_token_id says where "
                                   "answers end; restore the model's generation_config.json "
-                                  "(or delete it to use config.json's eos_token_id)")
-        add(settings.get("eos_token_id"))
+                                  "(or delete it to use config.json's eos_token_id)") from None
     add(getattr(hf_config, "eos_token_id", None))
     if tokenizer is not None:
         add(tokenizer.eos_token_id)

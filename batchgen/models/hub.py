@@ -183,6 +183,14 @@ def _download_locked(repo: str, revision: str, root: Path, folder: Path) -> Path
 
 
 INDEX = "model.safetensors.index.json"
+INDEX_ERRORS = (OSError, ValueError, KeyError, TypeError, AttributeError)
+"""What reading a damaged or foreign index raises (`index_shards`)."""
+
+
+def index_shards(index: Path) -> list[str]:
+    """The shard files a safetensors index names, sorted; raises one of INDEX_ERRORS when it
+    is unreadable or not an index."""
+    return sorted(set(json.loads(index.read_text())["weight_map"].values()))
 
 
 def indexed_weights_only(repo: str, commit: str, files: list[RepoFile],
@@ -194,23 +202,17 @@ def indexed_weights_only(repo: str, commit: str, files: list[RepoFile],
     index = next((f for f in files if f.path == INDEX), None)
     if index is None:
         return files
-    fetch_file(repo, commit, index, snapshot, _NO_PROGRESS)
+    from tqdm.auto import tqdm
+
+    fetch_file(repo, commit, index, snapshot, tqdm(total=index.size, disable=True))
     try:
-        shards = set(json.loads((snapshot / INDEX).read_text())["weight_map"].values())
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        shards = set(index_shards(snapshot / INDEX))
+    except INDEX_ERRORS:
         return files
     if not shards:
         return files
     return [f for f in files if "/" in f.path or not f.path.endswith(".safetensors")
             or f.path in shards]
-
-
-class _NoProgress:
-    def update(self, n: int) -> None:
-        pass
-
-
-_NO_PROGRESS = _NoProgress()
 
 
 def repo_files(repo: str, revision: str) -> tuple[str, list[RepoFile]]:

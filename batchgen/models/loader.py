@@ -10,7 +10,6 @@ never set.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -165,19 +164,16 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return getattr(torch, dtype)
 
 
-INDEX = "model.safetensors.index.json"
-
-
 def checkpoint_files(folder: Path) -> list[str]:
     """The safetensors files of a folder that hold its model, as transformers picks them: the
     index's shards; else `model.safetensors` alone (an adapter or another copy beside it is not
     the model); else every *.safetensors. CheckpointError when there is none, or the index is
     unreadable or names a missing shard."""
-    index = folder / INDEX
+    index = folder / hub.INDEX
     if index.is_file():
         try:
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+            names = hub.index_shards(index)
+        except hub.INDEX_ERRORS as err:
             raise CheckpointError(f"cannot read {index}: {err!r}; restore it from the model's "
                                   "source") from None
         missing = [n for n in names if not (folder / n).is_file()]
