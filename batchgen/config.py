@@ -386,8 +386,9 @@ class OutputConfig:
     parse_thinking: bool = False
     """Move reasoning (<think>...</think>, harmony analysis) into message.reasoning_content."""
     parse_tool_call: bool = False
-    """Parse tool calls into message.tool_calls (finish_reason tool_calls). Lines whose
-    tool_choice forces a call are always parsed."""
+    """Parse tool calls into message.tool_calls (finish_reason tool_calls), on lines that give
+    tools and a tool_choice other than "none". Lines whose tool_choice forces a call are
+    always parsed."""
     tool_call_parser: str = "auto"
     """Tool-call format: auto (from the model), hermes, deepseek_v3, llama3_json."""
     reasoning_field: str = "reasoning_content"

@@ -141,6 +141,10 @@ def _check_enforceable(schema, path: str) -> None:
             raise StructuredOutputError(f"JSON schema keyword {key!r} at {where} is not supported")
         if key == "allOf" and isinstance(value, list) and len(value) > 1:
             raise StructuredOutputError(f"allOf with several schemas at {where} is not supported")
+        if key == "multipleOf" and schema.get("type") != "integer":
+            # xgrammar enforces it on integers only; on numbers it warns and ignores it.
+            raise StructuredOutputError(f"multipleOf at {where} is supported with \"type\": "
+                                        "\"integer\" only")
         if key == "pattern" and isinstance(value, str) and any(s in value for s in _LOOKAROUND):
             raise StructuredOutputError(f"regex lookaround in pattern at {where} is not supported")
         if key in _DATA_KEYWORDS:

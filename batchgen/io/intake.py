@@ -21,7 +21,8 @@ from batchgen.io.embeddings import (EMBEDDINGS_URL, EmbeddingLineError, Embeddin
                                     parse_embedding, tokenize_embedding)
 from batchgen.io.grammar_limits import GrammarTooComplex, check_grammar_limits
 from batchgen.io.reader import RawRecord, custom_id_of, record_key
-from batchgen.io.sampling_fields import BadLine, gives_max_tokens, parse_sampling, token_ids
+from batchgen.io.sampling_fields import (BadLine, gives_max_tokens, parse_sampling, token_ids,
+                                         whole)
 from batchgen.io.templates import TemplateError, render_chat
 from batchgen.request_checks import (StructuredOutputError, ToolChoiceError, check_tools,
                                      forced_functions, response_format_schema)
@@ -161,7 +162,41 @@ def _parse(data: dict, key: str, line: int,
     messages = _messages(body.get("messages")) if kind == "chat" else None
     prompt = _prompt(body.get("prompt")) if kind == "completion" else None
     sampling = parse_sampling(body, kind, default_max_tokens)
+    if _echo(body, kind, sampling):
+        extra["echo"] = True
+    _refuse_unimplemented(body, sampling.n)
     return ParsedRequest(key, line, kind, messages, prompt, sampling, extra)
+
+
+def _echo(body: dict, kind: str, sampling: SamplingParams) -> bool:
+    """Whether a completions line asks for its prompt before the answer (`"echo": true`).
+    The prompt's own log probabilities, which echo adds to logprobs, are not computed: echo
+    with logprobs is refused, as is echo on a chat line."""
+    echo = body.get("echo")
+    if echo is None or echo is False:
+        return False
+    if echo is not True:
+        raise BadLine("invalid_request", f"echo must be true or false, got {echo!r}", "echo")
+    if kind != "completion":
+        raise BadLine("invalid_request", "echo applies to /v1/completions lines: drop it",
+                       "echo")
+    if sampling.logprobs:
+        raise BadLine("invalid_request", "echo with logprobs (log probabilities of the prompt's "
+                                          "tokens) is not supported: drop one of them", "echo")
+    return True
+
+
+def _refuse_unimplemented(body: dict, n: int) -> None:
+    """OpenAI fields whose non-default values change the answer in ways batchgen does not
+    implement: such a line is refused, never answered as if the field were absent."""
+    if body.get("suffix") not in (None, ""):
+        raise BadLine("invalid_request", "suffix (the text after the completion: insertion) "
+                                          "is not supported: drop it", "suffix")
+    best_of = whole(body.get("best_of"))
+    if best_of is not None and best_of != n:
+        raise BadLine("invalid_request", f"best_of {best_of!r} is not supported (only best_of "
+                                          "equal to n, or none): ask for n choices and pick "
+                                          "among them", "best_of")
 
 
 def takes_default_max_tokens(parsed: ParsedRequest | EmbeddingRequest | IntakeError,
@@ -319,8 +354,8 @@ def _flatten_parts(parts: list, index: int) -> str:
 
 
 def _prompt(value: Any) -> str | list[int]:
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
-        value = value[0]
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+        value = value[0]  # one prompt in OpenAI's batched form: ["text"] or [[ids]]
     if isinstance(value, str):
         return value
     ids = token_ids(value)

@@ -119,6 +119,10 @@ def success_line(pending: PendingRequest, finished: FinishedRequest, *, batch_id
                    for c, t, p in zip(completions, texts, parsed or [None] * len(completions))]
         obj = "chat.completion"
     else:
+        if pending.extra.get("echo"):  # the prompt as the line gave it, then the answer
+            head = (pending.prompt if isinstance(pending.prompt, str)
+                    else decode_text(pending.prompt_token_ids))
+            texts = [head + t for t in texts]
         choices = [_text_choice(c, t, top_n, decode_token, decode_text)
                    for c, t in zip(completions, texts)]
         obj = "text_completion"

@@ -177,10 +177,14 @@ def parse_sampling(body: dict, kind: str, default_max_tokens: int = 256) -> Samp
         return SamplingParams(**given)  # checks its values (the only check they get)
     except ValueError as e:
         name, rest = (str(e).split(" ", 1) + [""])[:2]
-        got = (f", got {given.get(name, _SAMPLING_DEFAULTS.get(name))!r}"
-               if name in _SAMPLING_FIELDS else "")
-        if name == "max_tokens" and body.get("max_completion_tokens") is not None:
-            name = "max_completion_tokens"  # the field the line spelled
+        got = ""
+        if name in _SAMPLING_FIELDS:
+            if name == "max_tokens" and body.get("max_completion_tokens") is not None:
+                name = "max_completion_tokens"  # the field the line spelled
+            # As the line wrote it: `given` holds it converted (logit_bias, stop as tuples).
+            value = body.get(name)
+            value = given.get(name, _SAMPLING_DEFAULTS.get(name)) if value is None else value
+            got = f", got {value!r}"
         raise BadLine("invalid_sampling_param", f"{name} {rest}{got}".strip(),
                        name if name in _SAMPLING_FIELDS or name in ALLOWED else None) from None
 

@@ -21,12 +21,13 @@ from batchgen.runner.exits import ExitCode
 SHOWN_ERRORS = 50
 SHOWN_WARNINGS = 20
 ENVELOPE_FIELDS = ("custom_id", "method", "url", "body")
-REQUEST_FIELDS = frozenset({"messages", "prompt", "max_completion_tokens", *EXTRA_FIELDS,
+REQUEST_FIELDS = frozenset({"messages", "prompt", "max_completion_tokens", "echo", *EXTRA_FIELDS,
                             *(f.name for f in fields(SamplingParams))})
 """Request fields batchgen reads (the body of an OpenAI batch line, or a plain line)."""
 IGNORED_FIELDS = frozenset({"model", "user", "stream", "stream_options", "metadata", "store",
-                            "service_tier"})
-"""OpenAI request fields that change nothing in a batch job here: accepted silently."""
+                            "service_tier", "suffix", "best_of"})
+"""OpenAI request fields that change nothing in a batch job here: accepted silently (stream,
+suffix and best_of only at values that change nothing; intake refuses the others)."""
 
 
 def unknown_fields(data: dict) -> list[str]:

@@ -35,7 +35,11 @@ class OutputFormatter:
 
     def success(self, pending: PendingRequest, finished: FinishedRequest) -> dict:
         parsed = None
-        tools = self.tool_parser or (self.tool_format if forces_call(pending.extra) else None)
+        # OpenAI's rule: tool calls only for a line that gives tools and lets the model call
+        # them (tool_choice "none" forbids it; a forced call is parsed even without the flag).
+        free = pending.extra.get("tools") and pending.extra.get("tool_choice") != "none"
+        tools = (self.tool_format if forces_call(pending.extra)
+                 else self.tool_parser if free else None)
         if pending.kind == "chat" and (self.reasoning_style or tools):
             parsed = [self._parse(c, tools) for c in finished.completions]
         return success_line(pending, finished, batch_id=self.spec.batch_id, model=self.model_name,

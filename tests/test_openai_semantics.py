@@ -1,0 +1,144 @@
+"""OpenAI request fields whose meaning batchgen must keep or refuse, never drop silently: echo,
+suffix and best_of; tool_choice "none"; one prompt in the batched form; error values as the
+line wrote them; JSON schema keywords the grammar would ignore."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from batchgen.config import OutputConfig
+from batchgen.core import Completion, FinishedRequest, FinishReason, SamplingParams
+from batchgen.io.intake import IntakeError, ParsedRequest, PendingRequest, parse_record
+from batchgen.io.reader import RawRecord
+from batchgen.request_checks import StructuredOutputError, response_format_schema
+from batchgen.runner.leader.validate import unknown_fields
+
+USER = [{"role": "user", "content": "What is the weather like?"}]
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}
+
+
+def line(body, url="/v1/completions"):
+    return RawRecord(1, {"custom_id": "c1", "method": "POST", "url": url, "body": body})
+
+
+@pytest.mark.parametrize("field, value", [
+    ("suffix", " the end"), ("best_of", 3), ("best_of", 1.0 + 1)])
+def test_fields_that_change_the_answer_are_refused_not_ignored(field, value):
+    """suffix wants an insertion, best_of the best of several samples: answering as if they
+    were absent gives a result of another shape."""
+    err = parse_record(line({"prompt": "Once", field: value}))
+    assert isinstance(err, IntakeError) and err.code == "invalid_request"
+    assert err.param == field and field in err.message
+
+
+@pytest.mark.parametrize("extra", [
+    {"echo": False}, {"suffix": ""}, {"suffix": None}, {"best_of": 1}, {"best_of": 2, "n": 2}])
+def test_their_defaults_pass_silently(extra):
+    record = line({"prompt": "Once", **extra})
+    assert isinstance(parse_record(record), ParsedRequest)
+    assert unknown_fields(record.data) == []  # validate: no "unknown field" warning either
+
+
+@pytest.mark.parametrize("prompt, ids", [([[5, 6, 7]], [5, 6, 7]), ([5.0, 6], [5, 6])])
+def test_one_prompt_of_token_ids_in_the_batched_form(prompt, ids):
+    """[[ids]] is one prompt, as ["text"] is; several prompts stay refused."""
+    parsed = parse_record(line({"prompt": prompt}))
+    assert isinstance(parsed, ParsedRequest) and parsed.prompt == ids
+    err = parse_record(line({"prompt": [[5, 6], [7]]}))
+    assert isinstance(err, IntakeError) and err.code == "invalid_prompt"
+
+
+@pytest.mark.parametrize("body, shown", [
+    ({"logit_bias": {"28": 101}}, "got {'28': 101}"),
+    ({"stop": list("abcdefghijklmnopq")}, "got ['a', 'b',"),
+    ({"max_tokens": 5, "max_completion_tokens": 0}, "max_completion_tokens must be >= 1, got 0"),
+])
+def test_a_refused_value_is_shown_as_the_line_wrote_it(body, shown):
+    err = parse_record(line({"prompt": "Once", **body}))
+    assert isinstance(err, IntakeError) and shown in err.message, err.message
+    assert "((" not in err.message and "('" not in err.message  # no internal tuples
+
+
+def test_multiple_of_is_refused_where_the_grammar_would_ignore_it():
+    def schema(s):
+        return {"type": "json_schema", "json_schema": {"name": "n", "schema": s}}
+
+    number = {"type": "object", "properties": {"x": {"type": "number", "multipleOf": 2}}}
+    with pytest.raises(StructuredOutputError, match="multipleOf"):
+        response_format_schema(schema(number))
+    err = parse_record(line({"messages": USER, "response_format": schema(number)},
+                            "/v1/chat/completions"))
+    assert isinstance(err, IntakeError) and err.code == "unsupported_response_format"
+    assert response_format_schema(schema({"type": "integer", "multipleOf": 3}))[0] is not None
+
+
+@pytest.fixture(scope="module")
+def formatter():
+    from tiny_models import embedded_tokenizer, tiny_config
+
+    from batchgen.runner.worker.outputs import OutputFormatter
+
+    loaded = SimpleNamespace(tokenizer=embedded_tokenizer(), name="m",
+                             hf_config=tiny_config("qwen2"))  # hermes tool calls
+    spec = SimpleNamespace(config=SimpleNamespace(output=OutputConfig(parse_tool_call=True)),
+                           batch_id="b", created=1)
+    return OutputFormatter(spec, loaded)
+
+
+@pytest.mark.parametrize("extra, calls", [
+    ({"tools": [WEATHER]}, True), ({"tools": [WEATHER], "tool_choice": "auto"}, True),
+    ({"tools": [WEATHER], "tool_choice": "none"}, False), ({}, False)])
+def test_parse_tool_call_keeps_to_the_lines_tool_choice(formatter, extra, calls):
+    """--parse-tool-call: tool_choice "none" (or a line without tools) never gets tool_calls
+    nor finish_reason "tool_calls", whatever the text looks like."""
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    pending = PendingRequest("c1", 1, "chat", USER, None, SamplingParams(max_tokens=8), extra,
+                             [5, 6])
+    choice = formatter.success(pending, FinishedRequest("c1", 2, [Completion(
+        0, [1, 2], FinishReason.STOP, text=text)]))["response"]["body"]["choices"][0]
+    assert ("tool_calls" in choice["message"]) is calls
+    assert choice["finish_reason"] == ("tool_calls" if calls else "stop")
+    if not calls:
+        assert choice["message"]["content"] == text
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"prompt": "Once", "echo": True, "logprobs": 2}, "echo with logprobs"),
+    ({"prompt": "Once", "echo": "yes"}, "echo must be true or false"),
+])
+def test_echo_that_cannot_be_answered_is_refused(body, message):
+    err = parse_record(line(body))
+    assert isinstance(err, IntakeError) and err.param == "echo" and message in err.message
+    chat = parse_record(line({"messages": USER, "echo": True}, "/v1/chat/completions"))
+    assert isinstance(chat, IntakeError) and "/v1/completions" in chat.message
+
+
+def test_echo_puts_the_prompt_before_each_choice(tiny_chat_model, tmp_path):
+    """`"echo": true` on completions: the prompt string as given (token ids decoded), then
+    each choice's answer; the same line without echo answers the same text after it."""
+    from job_utils import batchgen, read_jsonl, write_jsonl
+
+    def row(custom_id, prompt, **extra):
+        return {"custom_id": custom_id, "method": "POST", "url": "/v1/completions",
+                "body": {"prompt": prompt, "max_tokens": 6, "temperature": 0, "n": 2, **extra}}
+
+    ids = [40, 41, 42, 43]
+    inp = write_jsonl(tmp_path / "in.jsonl", [
+        row("plain", "Once upon a time"), row("echo", "Once upon a time", echo=True),
+        row("ids", ids, echo=True)])
+    out = tmp_path / "out.jsonl"
+    batchgen("run", "--input", inp, "--model", tiny_chat_model, "--storage-path",
+             tmp_path / "s", "--output", out, "--device", "cpu", check=True)
+    bodies = {r["custom_id"]: r["response"]["body"] for r in read_jsonl(out)}
+    for plain, echoed in zip(bodies["plain"]["choices"], bodies["echo"]["choices"]):
+        assert echoed["text"] == "Once upon a time" + plain["text"]
+    from tiny_models import embedded_tokenizer
+
+    head = embedded_tokenizer().decode(ids)
+    assert all(c["text"].startswith(head) and len(c["text"]) > len(head)
+               for c in bodies["ids"]["choices"])
+    for field in ("prompt_tokens", "completion_tokens"):  # the echoed prompt is not counted
+        assert bodies["echo"]["usage"][field] == bodies["plain"]["usage"][field]
