@@ -471,3 +471,24 @@ def test_a_worker_embeds_a_bounded_share_of_its_queue_per_step(qwen3):
     one = EmbeddingJobs(qwen3, "batch_e", 1)  # a line over the share is a share of its own
     one.queue = job(8192).queue[:2]
     assert len(one.run()) == 1 and len(one) == 1
+
+
+def test_the_pooling_files_are_part_of_the_resume_fingerprint(tmp_path):
+    """Editing 1_Pooling/config.json changes what an embedding job answers: the weights
+    signature (the job's fingerprint) changes with it, so a resume refuses the edited model
+    instead of mixing vectors of two poolings. Other folders (onnx/, .cache/) do not count."""
+    from batchgen.models.loader import weights_signature
+
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * 64)
+    plain = weights_signature(tmp_path)
+    for other in ("onnx", ".cache"):
+        (tmp_path / other).mkdir()
+        (tmp_path / other / "config.json").write_text('{"x": 1}')
+    assert weights_signature(tmp_path) == plain
+    (tmp_path / "1_Pooling").mkdir()
+    pooling = tmp_path / "1_Pooling" / "config.json"
+    pooling.write_text('{"pooling_mode_lasttoken": true}')
+    last = weights_signature(tmp_path)
+    pooling.write_text('{"pooling_mode_mean_tokens": true}')
+    assert len({plain, last, weights_signature(tmp_path)}) == 3

@@ -251,22 +251,23 @@ def test_not_enough_disk_space_fails_before_the_first_byte(fake_hub, tmp_path, m
 
 
 def test_a_repo_without_safetensors_is_refused(fake_hub, tmp_path):
+    """Pickled weights only; a sentence-transformers Dense module's safetensors beside them are
+    not the model's weights."""
     folder = tmp_path / "pickled"
-    folder.mkdir()
+    (folder / "2_Dense").mkdir(parents=True)
     (folder / "config.json").write_text("{}")
     (folder / "pytorch_model.bin").write_bytes(b"x")
+    (folder / "2_Dense" / "model.safetensors").write_bytes(b"x")
     fake_hub.add("org/pickled", folder)
     with pytest.raises(ModelNotFoundError, match="no \\*.safetensors"):
         resolve_model("org/pickled", cache_dir=str(tmp_path / "cache"))
+    assert not _fetched(fake_hub)
 
 
-def test_weights_the_index_does_not_name_are_not_downloaded(fake_hub, tiny_chat_model, tmp_path):
-    """A sharded repo with another copy of its weights beside the shards (a merged or a
-    quantized file the index does not name): only the index's shards are fetched, as the loader
-    reads only those (and transformers fetches only those)."""
+def _sharded_repo(tiny_chat_model, folder: Path) -> dict[str, list[str]]:
+    """`folder`: the tiny model with its weights in two shards and an index; shard -> names."""
     from safetensors.torch import load_file, save_file
 
-    folder = tmp_path / "sharded"
     folder.mkdir()
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tiny_chat_model / name, folder)
@@ -278,6 +279,15 @@ def test_weights_the_index_does_not_name_are_not_downloaded(fake_hub, tiny_chat_
         save_file({n: tensors[n].contiguous() for n in part}, str(folder / shard))
     (folder / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {}, "weight_map": {n: s for s, part in halves.items() for n in part}}))
+    return halves
+
+
+def test_weights_the_index_does_not_name_are_not_downloaded(fake_hub, tiny_chat_model, tmp_path):
+    """A sharded repo with another copy of its weights beside the shards (a merged or a
+    quantized file the index does not name): only the index's shards are fetched, as the loader
+    reads only those (and transformers fetches only those)."""
+    folder = tmp_path / "sharded"
+    halves = _sharded_repo(tiny_chat_model, folder)
     shutil.copy(tiny_chat_model / WEIGHTS, folder / "model-merged.safetensors")
     fake_hub.add("org/sharded", folder)
     source = resolve_model("org/sharded", cache_dir=str(tmp_path / "cache"))
@@ -286,6 +296,67 @@ def test_weights_the_index_does_not_name_are_not_downloaded(fake_hub, tiny_chat_
     assert set(halves) <= set(fetched)
     assert not (source.path / "model-merged.safetensors").exists()
     assert sorted(p.name for p in source.path.glob("*.safetensors")) == sorted(halves)
+
+
+def test_a_snapshot_left_between_shards_is_completed(fake_hub, tiny_chat_model, tmp_path):
+    """A cached snapshot holding the index and only its first shard (what a download by another
+    tool, killed between shards, leaves) is not a model: the missing shard is downloaded, and
+    only it (the loader would otherwise refuse the folder on every run)."""
+    repo = tmp_path / "sharded"
+    halves = _sharded_repo(tiny_chat_model, repo)
+    sha = fake_hub.add("org/sharded", repo).sha
+    folder = tmp_path / "cache" / "models--org--sharded"
+    snapshot = folder / "snapshots" / sha
+    snapshot.mkdir(parents=True)
+    first, second = sorted(halves)
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", hub.INDEX, first):
+        shutil.copy(repo / name, snapshot)
+    (folder / "refs").mkdir()
+    (folder / "refs" / "main").write_text(sha)
+    assert resolve_model("org/sharded", cache_dir=str(tmp_path / "cache")).path == snapshot
+    assert (snapshot / second).read_bytes() == (repo / second).read_bytes()
+    assert [p.rsplit("/", 1)[-1] for p in _fetched(fake_hub)] == [second]
+
+
+@pytest.mark.parametrize("fault, said", [
+    ("mkdir", "Read-only file system"),  # a shared, read-only HF cache
+    ("write", "No space left on device"),  # the disk filled up during the download
+])
+def test_a_cache_that_cannot_take_the_download_is_named(fake_hub, tmp_path, monkeypatch, fault,
+                                                        said):
+    """The model cache, not the job's files nor the network, is named with its fix (exit 5 as
+    a ModelNotFoundError): an OSError here used to read as "could not write the job's files"
+    (exit 6), or as a cut download to run again."""
+    import errno as errnos
+
+    cache = tmp_path / "cache"
+    if fault == "mkdir":
+        mkdir = Path.mkdir
+
+        def refuse(self, *args, **kw):
+            if self.is_relative_to(cache):
+                raise OSError(errnos.EROFS, os.strerror(errnos.EROFS), str(self))
+            return mkdir(self, *args, **kw)
+        monkeypatch.setattr(Path, "mkdir", refuse)
+    else:
+        class Full:
+            def __init__(self, *args):
+                pass
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                return False
+
+            def write(self, data):
+                raise OSError(errnos.ENOSPC, os.strerror(errnos.ENOSPC))
+        monkeypatch.setattr(hub, "open", Full, raising=False)
+    with pytest.raises(ModelNotFoundError) as err:
+        resolve_model("org/tiny", cache_dir=str(cache))
+    message = str(err.value)
+    assert f"cannot download org/tiny into the model cache {cache}: {said}" in message
+    assert "--cache-dir" in message and "\n" not in message
 
 
 def test_only_top_level_weights_and_no_duplicate_mistral_layout():

@@ -20,6 +20,7 @@ HF_HUB_OFFLINE=1 (nothing is downloaded; `offline()`).
 
 from __future__ import annotations
 
+import errno
 import fnmatch
 import json
 import logging
@@ -45,6 +46,11 @@ INCOMPLETE = ".batchgen-incomplete"
 """Marker file inside a snapshot folder while its download is unfinished."""
 CHUNK = 1 << 20
 HUB_ID = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_."
+CACHE_ERRNOS = {errno.ENOSPC: "free space there", errno.EDQUOT: "free space there",
+                errno.EROFS: "it is mounted read-only: remount it",
+                errno.EACCES: "this user may not write there",
+                errno.EPERM: "this user may not write there"}
+"""OSErrors that mean the cache folder cannot take a download, with the fix each asks for."""
 
 
 class HubError(Exception):
@@ -100,9 +106,17 @@ def cached_snapshot(root: Path, repo: str, revision: str | None) -> Path | None:
 
 
 def _complete(snapshot: Path) -> bool:
-    return (snapshot.is_dir() and not (snapshot / INCOMPLETE).exists()
-            and (snapshot / "config.json").is_file()
-            and any(snapshot.glob("*.safetensors")))
+    """config.json and the weights: every shard the safetensors index names (a download
+    another tool left between shards is not complete), else some *.safetensors."""
+    if not snapshot.is_dir() or (snapshot / INCOMPLETE).exists() \
+            or not (snapshot / "config.json").is_file():
+        return False
+    if (snapshot / INDEX).is_file():
+        try:
+            return all((snapshot / name).is_file() for name in index_shards(snapshot / INDEX))
+        except INDEX_ERRORS:
+            return True  # the loader names the damaged index
+    return any(snapshot.glob("*.safetensors"))
 
 
 def commit_of(folder: Path) -> str | None:
@@ -140,6 +154,19 @@ def select(paths: list[RepoFile]) -> list[RepoFile]:
 def download(repo: str, revision: str | None, root: Path) -> Path:
     """Fetch `repo` at `revision` into the HF cache `root` (see module docstring); the snapshot
     folder. Raises HubError."""
+    try:
+        return _download(repo, revision, root)
+    except OSError as err:  # the cache folder cannot take it (not the job's files, not the Hub)
+        if err.errno not in CACHE_ERRNOS:
+            raise
+        raise HubError(f"cannot download {repo} into the model cache {root}: {err.strerror} "
+                       f"({err.filename or repo_folder(root, repo)}): "
+                       f"{CACHE_ERRNOS[err.errno]}, or point --cache-dir (or HF_HUB_CACHE) at a "
+                       "writable folder with room for the model; a rerun continues the "
+                       "download") from None
+
+
+def _download(repo: str, revision: str | None, root: Path) -> Path:
     from filelock import FileLock, Timeout
 
     folder = repo_folder(root, repo)
@@ -161,7 +188,7 @@ def download(repo: str, revision: str | None, root: Path) -> Path:
 
 def _download_locked(repo: str, revision: str, root: Path, folder: Path) -> Path:
     commit, files = repo_files(repo, revision)
-    if not any(f.path.endswith(".safetensors") for f in files):
+    if not any(f.path.endswith(".safetensors") and "/" not in f.path for f in files):
         raise HubError(f"{repo}@{revision} has no *.safetensors weights (batchgen never loads "
                        "pickled *.bin/*.pt files): convert the repo to safetensors or choose "
                        "another repo")
@@ -311,6 +338,8 @@ def fetch_file(repo: str, commit: str, f: RepoFile, snapshot: Path, bar) -> None
     except urllib.error.HTTPError as err:
         raise HubError(refused_file(err, repo, f.path, url)) from None
     except OSError as err:
+        if err.errno in CACHE_ERRNOS:  # our write failed: the cache folder's fault (download)
+            raise
         raise HubError(f"download of {f.path} of {repo} was cut ({err}); run again to "
                        "continue where it stopped") from None
     size = partial.stat().st_size

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -134,6 +135,8 @@ def resolve_model(model: str, cache_dir: str | None = None,
 
 WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin", ".json")
 SAMPLES_PER_FILE, SAMPLE_BYTES = 8, 64 << 10
+MODULE_FOLDER = re.compile(r"\d+_\w+")
+"""A sentence-transformers module's folder (1_Pooling, 2_Normalize, 2_Dense)."""
 
 
 def weights_signature(path: Path) -> str:
@@ -142,12 +145,12 @@ def weights_signature(path: Path) -> str:
     behind an unchanged path changes it; copying the model elsewhere does not. A few hundred
     KiB read per file, whatever its size. A Hub snapshot's commit is appended ("@sha"), so a
     resume is pinned to the commit its job started with."""
-    files = [path] if path.is_file() else sorted(
-        p for p in path.iterdir() if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES))
+    files = [path] if path.is_file() else _signed_files(path)
     digest = hashlib.blake2b(digest_size=16)
     for file in files:
         size = file.stat().st_size
-        digest.update(f"{file.name}:{size};".encode())
+        name = file.name if path.is_file() else file.relative_to(path).as_posix()
+        digest.update(f"{name}:{size};".encode())
         offsets = {i * size // SAMPLES_PER_FILE for i in range(SAMPLES_PER_FILE)}
         offsets.add(max(0, size - SAMPLE_BYTES))
         with open(file, "rb") as f:
@@ -156,6 +159,14 @@ def weights_signature(path: Path) -> str:
                 digest.update(f.read(SAMPLE_BYTES))
     commit = hub.commit_of(path if path.is_dir() else path.parent)
     return digest.hexdigest() + (f"@{commit}" if commit else "")
+
+
+def _signed_files(folder: Path) -> list[Path]:
+    """A folder's weight and config files, and those of its sentence-transformers module
+    folders (`1_Pooling/config.json`: the pooling an embedding job answers with)."""
+    modules = [d for d in folder.iterdir() if d.is_dir() and MODULE_FOLDER.fullmatch(d.name)]
+    return sorted(p for d in [folder, *modules] for p in d.iterdir()
+                  if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES))
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
