@@ -161,3 +161,16 @@ def test_status_finds_a_job_from_its_output_and_shows_totals_and_heartbeat_age(t
     os.remove(batches / "batch_x.json")
     result = CliRunner().invoke(app, ["status", str(out)])
     assert result.exit_code == 1 and "no job writes" in result.output
+
+
+def test_status_of_an_embeddings_job_shows_its_input_rate():
+    """A job of embeddings lines generates no token: its speed is input tokens a second, not
+    "0.0 out tok/s"."""
+    from batchgen.runner.leader.status import _speed
+
+    state = {"usage": {"prompt_tokens": 6000, "completion_tokens": 0},
+             "timings": {"runs": 1, "all_runs_seconds": 30.0},
+             "throughput": {"output_tokens_per_s": 0.0}}
+    assert _speed(state) == "200.0 in tok/s over 1 run (30.0 s)"
+    state["usage"]["completion_tokens"] = 300
+    assert _speed(state).startswith("10.0 out tok/s over 1 run") and "last run 0.0" in _speed(state)

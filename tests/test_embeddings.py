@@ -202,6 +202,18 @@ def test_bad_embedding_lines_name_the_field(body, param):
     assert isinstance(item, IntakeError) and item.param == param, item
 
 
+@pytest.mark.parametrize("value, says", [
+    (["a", ""], "input[1] is ''"), (["a", [5, 6]], "mixes strings and token-id lists"),
+    ([[5], []], "input[1] is []"), ([-1, 5], "token id -1"), ([5, 2.5], "token id 2.5"),
+    ([[5], "b"], "mixes"),
+])
+def test_a_bad_input_item_is_named(value, says):
+    """OpenAI's input is a string, strings, token ids or token-id lists: a mix, or a bad
+    item, is refused naming the item."""
+    err = intake(embedding_line({"input": value}), _Tok(), 32)
+    assert isinstance(err, IntakeError) and err.param == "input" and says in err.message, err
+
+
 def test_plain_lines_with_input_are_embeddings():
     item = parse_record(RawRecord(1, {"custom_id": "p", "input": "hello"}))
     assert isinstance(item, EmbeddingRequest) and item.inputs == ("hello",)

@@ -420,3 +420,15 @@ def test_a_download_logs_its_progress_where_stderr_is_not_a_terminal(fake_hub, t
         progress = hub.LoggedProgress(total=10, initial=0, every_s=0.0)
         progress.update(4)  # past its interval: a line now
         assert "0.00 of 0.00 GB (40%)" in caplog.records[-1].getMessage()
+
+
+def test_a_revision_with_a_local_folder_is_named_as_ignored(tiny_chat_model, caplog):
+    """--revision picks a Hub commit; with --model naming a local folder it cannot apply,
+    and the log says so instead of letting the user believe that commit answered."""
+    with caplog.at_level("WARNING", logger="batchgen.loader"):
+        source = resolve_model(str(tiny_chat_model), revision="v2")
+    assert source.path == Path(tiny_chat_model)
+    assert "--revision v2 is ignored" in caplog.text
+    caplog.clear()
+    resolve_model(str(tiny_chat_model))
+    assert "ignored" not in caplog.text

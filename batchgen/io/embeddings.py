@@ -57,6 +57,10 @@ def _ids(value: Any) -> tuple[int, ...] | None:
     return None
 
 
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _inputs(value: Any) -> tuple:
     bad = EmbeddingLineError("invalid_input", "input must be a non-empty string, a list of "
                              "strings, a list of token ids or a list of token-id lists", "input")
@@ -64,11 +68,23 @@ def _inputs(value: Any) -> tuple:
         items: list = [value]
     elif _ids(value) is not None:
         items = [_ids(value)]
+    elif isinstance(value, list) and value and all(_number(v) for v in value):
+        bad_id = next(v for v in value if _ids([v]) is None)
+        raise EmbeddingLineError("invalid_input", f"input holds token id {bad_id!r}: token ids "
+                                 "are integers >= 0", "input")
     elif isinstance(value, list) and value:
         items = [v if isinstance(v, str) else _ids(v) for v in value]
+        for i, item in enumerate(items):
+            if item is None or item == "":
+                raise EmbeddingLineError("invalid_input", f"input[{i}] is {value[i]!r}: each "
+                                         "item must be a non-empty string or a non-empty list "
+                                         "of token ids (integers >= 0)", "input")
+        if len({isinstance(v, str) for v in items}) > 1:
+            raise EmbeddingLineError("invalid_input", "input mixes strings and token-id lists: "
+                                     "give one kind per line", "input")
     else:
         raise bad
-    if any(v is None or v == "" for v in items):
+    if items == [""]:
         raise bad
     if len(items) > MAX_INPUTS:
         raise EmbeddingLineError("invalid_input", f"input holds {len(items)} items, at most "

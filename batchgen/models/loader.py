@@ -108,14 +108,20 @@ def resolve_model(model: str, cache_dir: str | None = None,
     """Locate `model` on disk, or download a Hub id (org/name) not found there into --cache-dir
     (default: the HF cache); the error lists every place searched."""
     candidates = [Path(model).expanduser()]
+    snapshots: list[Path] = []
     if cache_dir:
         root = Path(cache_dir).expanduser()
-        candidates += [root, *_hub_snapshots(root, model, revision), root / model,
-                       root / model.split("/")[-1]]
-    candidates += _hub_snapshots(hub.default_cache(), model, revision)
+        snapshots = _hub_snapshots(root, model, revision)
+        candidates += [root, *snapshots, root / model, root / model.split("/")[-1]]
+    default = _hub_snapshots(hub.default_cache(), model, revision)
+    candidates += default
+    snapshots += default
     for path in candidates:
         found = _classify(path, model)
         if found is not None:
+            if revision and path not in snapshots:
+                log.warning("--revision %s is ignored: --model %s is the folder or file %s, "
+                            "not a Hub snapshot", revision, model, path)
             return found
     given = Path(model).expanduser()
     if given.exists():  # a path, but to something else than a model

@@ -142,16 +142,18 @@ def age(seconds: float) -> str:
 
 
 def _speed(state: dict) -> str:
-    """Output tokens per second over every run of the job (and the last run's)."""
+    """Output tokens per second over every run of the job (and the last run's); input tokens
+    per second for a job that generated nothing (embeddings only)."""
     timings, usage = state.get("timings", {}), state.get("usage", {})
     last = state.get("throughput", {}).get("output_tokens_per_s")
     seconds, runs = timings.get("all_runs_seconds"), timings.get("runs")
+    embedded = not usage.get("completion_tokens") and usage.get("prompt_tokens", 0) > 0
     parts = []
     if seconds and runs:
-        rate = usage.get("completion_tokens", 0) / seconds
-        parts.append(f"{rate:,.1f} out tok/s over {runs} run{'s' * (runs != 1)} "
-                     f"({human_seconds(seconds)})")
-    if last is not None:
+        rate = usage.get("prompt_tokens" if embedded else "completion_tokens", 0) / seconds
+        parts.append(f"{rate:,.1f} {'in' if embedded else 'out'} tok/s over {runs} "
+                     f"run{'s' * (runs != 1)} ({human_seconds(seconds)})")
+    if last is not None and not embedded:
         parts.append(f"last run {last:,.1f} out tok/s")
     return "; ".join(parts) or "not measured yet"
 
