@@ -32,11 +32,12 @@ def greedy_requests(prompts: list[list[int]], max_tokens: int, **kw) -> list[Req
             for i, p in enumerate(prompts)]
 
 
-def hf_greedy(hf_model, prompt: list[int], max_tokens: int) -> list[int]:
-    """HF greedy continuation with EOS ignored (as our ignore_eos=True)."""
+def hf_greedy(hf_model, prompt: list[int], max_tokens: int, use_cache: bool = True) -> list[int]:
+    """HF greedy continuation with EOS ignored (as our ignore_eos=True); `use_cache=False`: each
+    token from a whole forward, the model's own numbers where HF's cache departs from them."""
     hf_model.generation_config.eos_token_id = None
     out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False,
-                            pad_token_id=0)
+                            pad_token_id=0, use_cache=use_cache)
     return out[0, len(prompt):].tolist()
 
 

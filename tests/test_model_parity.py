@@ -179,3 +179,21 @@ def test_sliding_windows_follow_hf(case, tmp_path):
     for prompt, result in zip(ps, results):
         assert result.completions[0].token_ids == hf_greedy(hf, prompt, 24)
     assert_last_logits_match(ours, hf, ps[-1])
+
+
+def test_llama_ignores_a_sliding_window_left_in_its_config(tmp_path):
+    """HF's Llama attends to every earlier token: a `sliding_window` left in a Llama
+    config.json (a Mistral or Qwen converted to Llama) changes nothing in its forward. HF's
+    generate does read it (its cache keeps only that many keys, unlike the forward it runs), so
+    the reference here is greedy over whole forwards, without a cache."""
+    from transformers import AutoModelForCausalLM
+
+    folder = save_tiny_model("llama", tmp_path, sliding_window=16)
+    assert json.loads((folder / "config.json").read_text())["sliding_window"] == 16
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    ours = load_ours(folder)
+    ps = prompts(3)[1:3]
+    results = make_engine(ours).generate(greedy_requests(ps, 24, ignore_eos=True))
+    for prompt, result in zip(ps, results):
+        assert result.completions[0].token_ids == hf_greedy(hf, prompt, 24, use_cache=False)
+    assert_last_logits_match(ours, hf, ps[-1])

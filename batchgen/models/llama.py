@@ -93,9 +93,10 @@ def _sliding_window(cfg, layer: int) -> int | None:
     """`layer`'s attention window as HF applies it: on the layers layer_types marks sliding, on
     all of them without layer_types. Qwen2/Qwen3 configs derive layer_types (sliding from
     max_window_layers on) only when a checkpoint lists none, and use_sliding_window off
-    disables the window altogether."""
+    disables the window altogether. HF's Llama has no window: a `sliding_window` left in a
+    Llama config.json (a converted Mistral or Qwen) changes nothing there, nor here."""
     window = getattr(cfg, "sliding_window", None)
-    if not window:
+    if not window or getattr(cfg, "model_type", "") == "llama":
         return None
     layer_types = getattr(cfg, "layer_types", None)
     if getattr(cfg, "model_type", "") in ("qwen2", "qwen3"):
