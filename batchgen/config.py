@@ -26,6 +26,9 @@ DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "floa
                  "fp32": "float32"}
 """Short spellings --dtype accepts (vLLM's among them), as --kv-dtype does."""
 GPU_ARCH_CHOICES = ("auto", "hopper", "ampere", "cpu")
+GENERATION_CONFIGS = ("auto", "none", "vllm")
+"""--generation-config: the model's sampling defaults (auto) or OpenAI's (none; vLLM's name
+for that is "vllm")."""
 REASONING_FIELD_CHOICES = ("reasoning_content", "reasoning", "both")
 
 
@@ -101,6 +104,10 @@ class ModelConfig:
     """Longest context (prompt + max_tokens) of a request, at most the model's own; a longer
     request becomes an error line naming both numbers. Memory is planned for this length.
     Default: the model's context."""
+    generation_config: str = "auto"
+    """Sampling defaults of lines that leave a field out: auto (the temperature, top_p, top_k,
+    min_p and repetition_penalty the model folder's generation_config.json recommends, as
+    vLLM does; OpenAI's defaults for the rest), none or vllm (OpenAI's defaults only)."""
 
     def validate(self) -> None:
         _require(self.max_model_len is None or self.max_model_len >= 2, "max_model_len",
@@ -109,6 +116,8 @@ class ModelConfig:
                  "one of " + ", ".join((*DTYPE_CHOICES, *DTYPE_ALIASES)))
         _require(self.kv_dtype in set(KV_DTYPE_ALIASES.values()), "kv_dtype", self.kv_dtype,
                  "one of " + ", ".join(KV_DTYPE_ALIASES))
+        _require(self.generation_config in GENERATION_CONFIGS, "generation_config",
+                 self.generation_config, "one of " + ", ".join(GENERATION_CONFIGS))
         _require(0.0 <= self.ep_offloading_ratio <= 1.0, "ep_offloading_ratio",
                  self.ep_offloading_ratio, "a ratio in [0, 1]")
         _require(self.ep_offloading_ratio == 0.0 or self.enable_ep_with_offloading,

@@ -4,13 +4,15 @@ line wrote them; JSON schema keywords the grammar would ignore."""
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pytest
 
 from batchgen.config import OutputConfig
 from batchgen.core import Completion, FinishedRequest, FinishReason, SamplingParams
-from batchgen.io.intake import IntakeError, ParsedRequest, PendingRequest, parse_record
+from batchgen.io.intake import (IntakeError, ParsedRequest, PendingRequest, parse_record,
+                                with_model_defaults)
 from batchgen.io.reader import RawRecord
 from batchgen.request_checks import StructuredOutputError, response_format_schema
 from batchgen.runner.leader.validate import unknown_fields
@@ -142,3 +144,61 @@ def test_echo_puts_the_prompt_before_each_choice(tiny_chat_model, tmp_path):
                for c in bodies["ids"]["choices"])
     for field in ("prompt_tokens", "completion_tokens"):  # the echoed prompt is not counted
         assert bodies["echo"]["usage"][field] == bodies["plain"]["usage"][field]
+
+
+def test_model_defaults_read_generation_config_as_a_line_would_be_read():
+    from batchgen.io.sampling_fields import BadLine, model_defaults
+
+    assert model_defaults({"temperature": 0.7, "top_k": -1, "top_p": 0.8, "do_sample": True,
+                           "min_p": None, "eos_token_id": 2}) == {
+        "temperature": 0.7, "top_k": 0, "top_p": 0.8}
+    assert model_defaults({"max_new_tokens": 30}) == {}
+    with pytest.raises(BadLine, match="top_p"):
+        model_defaults({"top_p": 0})
+    defaults = {"temperature": 0.6, "repetition_penalty": 1.1}
+    left_out = with_model_defaults(parse_record(line({"prompt": "Once"})), defaults)
+    assert (left_out.sampling.temperature, left_out.sampling.repetition_penalty) == (0.6, 1.1)
+    given = with_model_defaults(parse_record(line(
+        {"prompt": "Once", "temperature": 0, "repetition_penalty": 1})), defaults)
+    assert (given.sampling.temperature, given.sampling.repetition_penalty) == (0, 1)
+
+
+def test_a_models_generation_config_sets_what_lines_leave_out(tiny_chat_model, tmp_path):
+    """--generation-config auto (the default): a line without temperature is answered with
+    generation_config.json's (here 0: greedy), as one giving it explicitly; `none` answers it
+    with OpenAI's (1.0: sampled). The defaults are part of the job: a resume with the other
+    setting is refused."""
+    import shutil
+
+    from job_utils import batchgen, read_jsonl, write_jsonl
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_chat_model, model)
+    (model / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": 2, "temperature": 0.0, "do_sample": True}))
+
+    def row(custom_id, **extra):
+        return {"custom_id": custom_id, "method": "POST", "url": "/v1/completions",
+                "body": {"prompt": "Once upon a time", "max_tokens": 24, "seed": 7,
+                         "ignore_eos": True, **extra}}
+
+    inp = write_jsonl(tmp_path / "in.jsonl", [row("left-out"), row("greedy", temperature=0),
+                                              row("sampled", temperature=1.0)])
+
+    def run(out, *flags):
+        proc = batchgen("run", "--input", inp, "--model", model, "--output", out, "--device",
+                        "cpu", "--storage-path", tmp_path / "s", *flags)
+        texts = ({r["custom_id"]: r["response"]["body"]["choices"][0]["text"]
+                  for r in read_jsonl(out)} if proc.returncode == 0 else None)
+        return proc, texts
+
+    proc, auto = run(tmp_path / "auto.jsonl")
+    assert auto is not None, proc.stderr
+    assert "generation_config.json's temperature 0.0" in proc.stderr
+    assert auto["left-out"] == auto["greedy"] != auto["sampled"]
+    proc, _ = run(tmp_path / "auto.jsonl", "--generation-config", "none")
+    assert proc.returncode == 3 and "sampling_defaults" in proc.stderr, proc.stderr
+    proc, none = run(tmp_path / "none.jsonl", "--generation-config", "vllm", "--batch-id", "b2")
+    assert none is not None, proc.stderr
+    assert none["left-out"] == none["sampled"] == auto["sampled"]
+    assert none["greedy"] == auto["greedy"]

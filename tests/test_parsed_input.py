@@ -139,7 +139,7 @@ def _fake_worker():
         engine=SimpleNamespace(num_requests=0), done=set(), writer=None,
         embeddings=_Queue(admitted), grammars=SimpleNamespace(request=lambda p: p.to_request()),
         _admit=admitted.append, stats=SimpleNamespace(failed=0),
-        spec=SimpleNamespace(batch_id="b", config=SimpleNamespace(
+        spec=SimpleNamespace(batch_id="b", sampling_defaults={}, config=SimpleNamespace(
             engine=SimpleNamespace(model=SimpleNamespace(max_model_len=None)))),
         loaded=SimpleNamespace(tokenizer=embedded_tokenizer(), max_context=256,
                                model=SimpleNamespace(generates=True),

@@ -81,7 +81,7 @@ def test_each_line_is_journaled_before_its_risky_intake(tmp_path, monkeypatch):
                              engine=SimpleNamespace(model=SimpleNamespace(max_model_len=None)))
     fake = SimpleNamespace(engine=SimpleNamespace(num_requests=0), done=set(), writer=object(),
                            quarantine=quarantine, embeddings=[],
-                           spec=SimpleNamespace(config=config),
+                           spec=SimpleNamespace(config=config, sampling_defaults={}),
                            loaded=SimpleNamespace(tokenizer=None, max_context=64,
                                                   model=SimpleNamespace(generates=True),
                                                   hf_config=SimpleNamespace(vocab_size=64)))

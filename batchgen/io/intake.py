@@ -11,7 +11,7 @@ nothing here raises for bad input.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import orjson
@@ -21,8 +21,8 @@ from batchgen.io.embeddings import (EMBEDDINGS_URL, EmbeddingLineError, Embeddin
                                     parse_embedding, tokenize_embedding)
 from batchgen.io.grammar_limits import GrammarTooComplex, check_grammar_limits
 from batchgen.io.reader import RawRecord, custom_id_of, record_key
-from batchgen.io.sampling_fields import (BadLine, gives_max_tokens, parse_sampling, token_ids,
-                                         whole)
+from batchgen.io.sampling_fields import (MODEL_DEFAULT_FIELDS, BadLine, gives_max_tokens,
+                                         parse_sampling, token_ids, whole)
 from batchgen.io.templates import TemplateError, render_chat
 from batchgen.request_checks import (StructuredOutputError, ToolChoiceError, check_tools,
                                      forced_functions, response_format_schema)
@@ -65,6 +65,9 @@ class ParsedRequest:
     sampling: SamplingParams
     extra: dict[str, Any]
     """Body fields in EXTRA_FIELDS that were given."""
+    unset: frozenset[str] = field(default=frozenset(), kw_only=True)
+    """The MODEL_DEFAULT_FIELDS the line left out: the model's defaults fill them
+    (with_model_defaults)."""
 
 
 @dataclass(frozen=True)
@@ -165,7 +168,23 @@ def _parse(data: dict, key: str, line: int,
     if _echo(body, kind, sampling):
         extra["echo"] = True
     _refuse_unimplemented(body, sampling.n)
-    return ParsedRequest(key, line, kind, messages, prompt, sampling, extra)
+    unset = frozenset(k for k in MODEL_DEFAULT_FIELDS if body.get(k) is None)
+    return ParsedRequest(key, line, kind, messages, prompt, sampling, extra, unset=unset)
+
+
+def with_model_defaults(parsed: ParsedRequest, defaults: dict[str, Any]
+                        ) -> ParsedRequest | IntakeError:
+    """`parsed` with the model's sampling defaults (sampling_fields.model_defaults) in the
+    fields it left out; an IntakeError if the line's own fields do not go with them."""
+    taken = {k: v for k, v in defaults.items() if k in parsed.unset}
+    if not taken:
+        return parsed
+    try:
+        return replace(parsed, sampling=replace(parsed.sampling, **taken))
+    except ValueError as err:
+        return IntakeError(parsed.custom_id, parsed.line, "invalid_sampling_param",
+                           f"line {parsed.line}: with the model's sampling defaults "
+                           f"{taken}: {err}")
 
 
 def _echo(body: dict, kind: str, sampling: SamplingParams) -> bool:
@@ -392,15 +411,15 @@ def tokenize_request(parsed: ParsedRequest | EmbeddingRequest, tokenizer: Any,
     except BadLine as bad:
         return IntakeError(parsed.custom_id, parsed.line, bad.code, f"line {parsed.line}: {bad}",
                            bad.param)
-    field = "messages" if parsed.kind == "chat" else "prompt"
+    param = "messages" if parsed.kind == "chat" else "prompt"
     if not ids:
         return IntakeError(parsed.custom_id, parsed.line, "invalid_prompt",
-                           f"line {parsed.line}: the prompt is empty after tokenization", field)
+                           f"line {parsed.line}: the prompt is empty after tokenization", param)
     if len(ids) >= max_context:
         return IntakeError(parsed.custom_id, parsed.line, "context_length_exceeded",
                            f"line {parsed.line}: the prompt is {len(ids)} tokens but the model "
                            f"context is {max_context} tokens (at least one token must be left "
-                           "to generate); shorten the prompt: it is never truncated", field)
+                           "to generate); shorten the prompt: it is never truncated", param)
     sampling = parsed.sampling.fit_context(max_context - len(ids))
     values = {f.name: getattr(parsed, f.name) for f in fields(ParsedRequest)}
     values["sampling"] = sampling

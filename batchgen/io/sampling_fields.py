@@ -143,6 +143,19 @@ def gives_max_tokens(body: dict) -> bool:
     return body.get("max_completion_tokens") is not None or body.get("max_tokens") is not None
 
 
+MODEL_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+"""The fields a model's generation_config.json may set for lines that leave them out."""
+
+
+def model_defaults(generation_config: dict) -> dict:
+    """The MODEL_DEFAULT_FIELDS a generation_config.json's object sets, as parse_sampling reads
+    them (checked as a line's would be: BadLine naming a bad one)."""
+    body = {k: generation_config[k] for k in MODEL_DEFAULT_FIELDS
+            if generation_config.get(k) is not None}
+    parsed = parse_sampling(body, "chat")
+    return {k: getattr(parsed, k) for k in body}
+
+
 def parse_sampling(body: dict, kind: str, default_max_tokens: int = 256) -> SamplingParams:
     """SamplingParams from request fields (None means "not given"); raises BadLine."""
     max_tokens = _get_int(body, "max_completion_tokens")

@@ -54,6 +54,25 @@ def model_folder(cfg: ModelConfig, world_size: int = 1,
     return source.path, cfg.model
 
 
+def generation_config(folder: Path) -> dict:
+    """A model folder's generation_config.json (its stop tokens and sampling defaults); {}
+    without one, CheckpointError if it is unreadable."""
+    gen = folder / "generation_config.json"
+    if not gen.is_file():
+        return {}
+    try:
+        data = json.loads(gen.read_text())
+        problem = None if isinstance(data, dict) else "not a JSON object"
+    except (OSError, ValueError) as err:
+        problem = err
+    if problem is not None:
+        raise CheckpointError(f"cannot read {gen} ({problem}): it says where answers end and how "
+                              "lines are sampled by default; restore the model's "
+                              "generation_config.json (or delete it to use config.json's "
+                              "eos_token_id and OpenAI's sampling defaults)")
+    return data
+
+
 def eos_token_ids(folder: Path, hf_config, tokenizer) -> tuple[int, ...]:
     ids: list[int] = []
 
@@ -63,14 +82,7 @@ def eos_token_ids(folder: Path, hf_config, tokenizer) -> tuple[int, ...]:
         elif isinstance(value, (list, tuple)):
             ids.extend(v for v in value if isinstance(v, int))
 
-    gen = folder / "generation_config.json"
-    if gen.is_file():
-        try:
-            add(json.loads(gen.read_text()).get("eos_token_id"))
-        except (OSError, ValueError, AttributeError) as err:  # AttributeError: not an object
-            raise CheckpointError(f"cannot read {gen} ({err}): its eos_token_id says where "
-                                  "answers end; restore the model's generation_config.json "
-                                  "(or delete it to use config.json's eos_token_id)") from None
+    add(generation_config(folder).get("eos_token_id"))
     add(getattr(hf_config, "eos_token_id", None))
     if tokenizer is not None:
         add(tokenizer.eos_token_id)

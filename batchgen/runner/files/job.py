@@ -27,6 +27,9 @@ class JobSpec:
     created: int
     """Unix time of the job's first start; result lines use it so a resume writes identical
     lines."""
+    sampling_defaults: dict = dataclasses.field(default_factory=dict)
+    """The model's sampling defaults (generation_config.json, --generation-config auto) for
+    the fields a line leaves out: the workers fill them in (intake.with_model_defaults)."""
 
     @property
     def paths(self) -> JobPaths:
@@ -68,22 +71,26 @@ def _config_from_dict(cls, data: dict):
 
 def fingerprint(config: JobConfig, input_sha256: str, model_identity: str,
                 model_weights: str, device_type: str = "cpu",
-                default_max_tokens_used: bool = True) -> dict:
+                default_max_tokens_used: bool = True,
+                sampling_defaults: dict | None = None) -> dict:
     """What decides the answers: a resume with any of it changed is refused. The dtypes are
     recorded as they resolve on `device_type` ("auto" is bfloat16 on CUDA, float32 on the
     CPU; the KV cache's "auto" is the model's dtype), so a job started on the CPU is not
     resumed on a GPU in another precision, and `--dtype float32` resumes a CPU job started
     with "auto". --max-tokens counts only where a request takes it
-    (`default_max_tokens_used`)."""
+    (`default_max_tokens_used`); the model's sampling defaults (prepare.sampling_defaults)
+    only where there are some."""
     m = config.engine.model
     out = config.output
-    lengths = {}  # absent at their defaults: jobs started before they existed still resume
+    optional = {}  # absent at their defaults: jobs started before they existed still resume
     if default_max_tokens_used and config.storage.max_tokens != StorageConfig.max_tokens:
-        lengths["default_max_tokens"] = config.storage.max_tokens
+        optional["default_max_tokens"] = config.storage.max_tokens
     if m.max_model_len is not None:
-        lengths["max_model_len"] = m.max_model_len
+        optional["max_model_len"] = m.max_model_len
+    if sampling_defaults:
+        optional["sampling_defaults"] = dict(sampling_defaults)
     return make_fingerprint({
-        **lengths,
+        **optional,
         "input_sha256": input_sha256,
         "model": model_identity,
         "model_weights": model_weights,

@@ -12,8 +12,10 @@ from batchgen.io.jobfiles import (BatchFile, FingerprintMismatch, JobPaths, chec
                                   derive_batch_id, record_upload)
 from batchgen.io.parsed_input import parse_input
 from batchgen.io.reader import InputFile, InputFileError, InputSummary, identify_input
+from batchgen.io.sampling_fields import BadLine, model_defaults
 from batchgen.io.writer import read_done_ids
-from batchgen.models.loader import resolve_model, weights_signature
+from batchgen.models.factory import generation_config
+from batchgen.models.loader import CheckpointError, resolve_model, weights_signature
 from batchgen.parallel import pick_device
 from batchgen.runner.files.job import JobSpec, fingerprint, now
 from batchgen.runner.files.job_dirs import claim_incremental, make_job_dirs
@@ -34,6 +36,29 @@ def model_weights(config: JobConfig) -> str:
     if m.model is None:
         return "embedded"
     return weights_signature(resolve_model(m.model, m.cache_dir, m.revision).path)
+
+
+def sampling_defaults(config: JobConfig) -> dict:
+    """What lines that leave a sampling field out are answered with (--generation-config
+    auto): the fields of sampling_fields.MODEL_DEFAULT_FIELDS that --model's
+    generation_config.json sets, as vLLM reads them. None for a .gguf file or the embedded
+    model (they carry no such file); CheckpointError for a value no line could give."""
+    m = config.engine.model
+    if m.model is None or m.generation_config != "auto":
+        return {}
+    path = resolve_model(m.model, m.cache_dir, m.revision).path
+    if not path.is_dir():
+        return {}
+    try:
+        defaults = model_defaults(generation_config(path))
+    except BadLine as bad:
+        raise CheckpointError(f"{path / 'generation_config.json'}: {bad}; fix the file, or "
+                              "run with --generation-config none (OpenAI's defaults)") from None
+    if defaults:
+        log.info("lines that leave them out are sampled with generation_config.json's %s "
+                 "(--generation-config none: OpenAI's defaults)",
+                 ", ".join(f"{k} {v}" for k, v in defaults.items()))
+    return defaults
 
 
 def identify(config: JobConfig) -> tuple[InputFile, JobPaths]:
@@ -85,8 +110,10 @@ def prepare(config: JobConfig, summary: InputSummary, paths: JobPaths) -> tuple[
     batch_id, s = paths.batch_id, config.storage
     batch_file = BatchFile(paths.batch_file)
     state = batch_file.load()
-    fp = fingerprint(config, summary.sha256, model_identity(config), model_weights(config),
-                     job_device_type(config), summary.default_max_tokens_lines != 0)
+    weights = model_weights(config)  # first: a Hub model is downloaded here
+    defaults = sampling_defaults(config)
+    fp = fingerprint(config, summary.sha256, model_identity(config), weights,
+                     job_device_type(config), summary.default_max_tokens_lines != 0, defaults)
     retake = False
     if state is not None and state.fingerprint:
         try:
@@ -104,7 +131,7 @@ def prepare(config: JobConfig, summary: InputSummary, paths: JobPaths) -> tuple[
     claim_incremental(paths, fp, job_recorded=state is not None,
                       as_recorded=lambda old, new: _as_recorded_then(old, new, config, summary))
     created = int(state.timings.get("created_at", now())) if state else now()
-    spec = JobSpec(config, batch_id, summary.sha256, summary.records, created)
+    spec = JobSpec(config, batch_id, summary.sha256, summary.records, created, defaults)
     if state is None:
         record_upload(paths, Path(s.input), summary.sha256, summary.size_bytes, summary.records,
                       summary.format)

@@ -26,7 +26,8 @@ from batchgen.engine.embed import step_tokens
 from batchgen.engine.precompile import CompileWorkers
 from batchgen.engine.resume import ResumeError
 from batchgen.io.embeddings import EmbeddingRequest
-from batchgen.io.intake import IntakeError, PendingRequest, tokenize_parsed
+from batchgen.io.intake import (IntakeError, ParsedRequest, PendingRequest, tokenize_parsed,
+                               with_model_defaults)
 from batchgen.io.parsed_input import read_parsed
 from batchgen.io.reader import InputFileError
 from batchgen.io.results import dumps, error_line
@@ -325,6 +326,8 @@ class Worker:
                 with disk_errors("journal the request read"):
                     self.quarantine.admitted([record.key])
             item = record.item  # parsed and checked by the supervisor: tokenized here
+            if isinstance(item, ParsedRequest):
+                item = with_model_defaults(item, self.spec.sampling_defaults)
             if not isinstance(item, IntakeError):
                 item = tokenize_parsed(item, self.loaded.tokenizer, self.loaded.max_context,
                                        self.spec.config.engine.model.max_model_len,
