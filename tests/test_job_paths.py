@@ -183,3 +183,22 @@ def test_the_fingerprint_records_the_dtypes_a_run_resolves(tmp_path):
     config, new = fp("cpu", dtype="bfloat16")
     with pytest.raises(FingerprintMismatch, match="dtype: 'auto' -> 'bfloat16'"):
         check_fingerprint(legacy, _as_recorded_then(legacy, new, config))
+
+
+def test_a_changed_tool_call_parser_is_refused_on_resume():
+    """The tool-call format decides forced calls' tokens (their grammar is built in it) and how
+    answers are parsed: a resume with another --tool-call-parser mixed answers of two formats
+    in one output (docs/reliability.md promise 5: other parse settings are refused)."""
+    from batchgen.config import OutputConfig
+    from batchgen.io.jobfiles import check_fingerprint
+    from batchgen.runner.files.job import fingerprint
+
+    def fp(parser):
+        config = JobConfig(storage=StorageConfig(input="in.jsonl"),
+                           output=OutputConfig(tool_call_parser=parser))
+        return fingerprint(config, "sha", "model", "weights")
+
+    assert "tool_call_parser" not in fp("auto")  # jobs recorded before it still resume
+    check_fingerprint(fp("hermes"), fp("hermes"))
+    with pytest.raises(FingerprintMismatch, match="tool_call_parser: 'hermes' -> 'llama3_json'"):
+        check_fingerprint(fp("hermes"), fp("llama3_json"))

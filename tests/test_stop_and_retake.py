@@ -1,5 +1,6 @@
 """A stop signal runs no further step; a retaken --batch-id records its new input; the run summary
-names the status command that finds the job."""
+names the status command that finds the job; a job folder deleted mid-run is recorded anew; a stop
+during the final merge is on record."""
 
 import contextlib
 
@@ -134,3 +135,76 @@ def test_run_summary_names_the_storage_path_status_needs(tmp_path, monkeypatch):
     elsewhere = run_summary(1.0, 1, 0, 1, 1, 1, out, tmp_path / "o.errors.jsonl",
                             tmp_path / "jobs")
     assert f"`batchgen status {out} --storage-path {tmp_path / 'jobs'}` shows it" in elsewhere
+
+
+def test_a_job_folder_deleted_while_it_ran_is_recorded_again(tmp_path):
+    """Deleting the job folder while a run works: the run fails and its end is recorded into a
+    batch file made anew, with no fingerprint, input or upload record. The next run starts the
+    job over and must record it whole: before, it kept the stub, so status named no input and
+    a resume with other settings was refused as 'a job with other settings' sharing an
+    --incremental-output-dir instead of by the fingerprint."""
+    import shutil
+
+    import pytest
+
+    from batchgen.config import EngineConfig, JobConfig, RuntimeConfig, StorageConfig
+    from batchgen.io.jobfiles import BatchFile, FingerprintMismatch
+    from batchgen.runner.leader import prepare
+    from job_utils import chat_rows, write_jsonl
+
+    inp = write_jsonl(tmp_path / "in.jsonl", chat_rows(3))
+
+    def start(seed=0):
+        config = JobConfig(storage=StorageConfig(input=str(inp), storage_path=str(tmp_path / "s")),
+                           engine=EngineConfig(runtime=RuntimeConfig(seed=seed))).validate()
+        source, paths = prepare.identify(config)
+        prepare.prepare(config, prepare.parse(config, source, paths), paths)
+        return paths
+
+    paths = start()
+    recorded = BatchFile(paths.batch_file).load().fingerprint
+    shutil.rmtree(tmp_path / "s")  # while the run works; its end is then recorded anew:
+    BatchFile(paths.batch_file).update(paths.batch_id, status="failed",
+                                       health={"last_exit_code": 1})
+    start()
+    state = BatchFile(paths.batch_file).load()
+    assert state.fingerprint == recorded
+    assert state.input_file == str(inp.resolve())
+    assert paths.upload_file.exists()
+    paths.incremental().write_text('{"custom_id": "req-0"}\n')  # a result saved, then a kill
+    with pytest.raises(FingerprintMismatch) as err:
+        start(seed=1)
+    assert "seed: 0 -> 1" in str(err.value) and "incremental-output-dir" not in str(err.value)
+
+
+def test_a_stop_during_the_final_merge_is_on_record(tmp_path, monkeypatch):
+    """A stop signal while the outputs are merged exits 75 and the rerun merges again
+    (docs/reliability.md promise 6); `batchgen status` must then say the job was stopped.
+    Before, the batch file stayed 'finalizing' and health.last_stop named an older stop, or
+    none, though no run was merging any more."""
+    import pytest
+
+    from batchgen.config import JobConfig, StorageConfig
+    from batchgen.io.jobfiles import BatchFile
+    from batchgen.runner.exits import Preempted, StopSignals
+    from batchgen.runner.files.job import file_version
+    from batchgen.runner.leader import prepare, supervisor
+    from job_utils import chat_rows, write_jsonl
+
+    inp = write_jsonl(tmp_path / "in.jsonl", chat_rows(3))
+    config = JobConfig(storage=StorageConfig(input=str(inp), storage_path=str(tmp_path / "s"))
+                       ).validate()
+    source, paths = prepare.identify(config)
+    spec, batch_file = prepare.prepare(config, prepare.parse(config, source, paths), paths)
+    batch_file.update(spec.batch_id, health={"last_stop": "SIGINT"})  # an earlier run's
+
+    def stopped(*args, **kwargs):
+        raise Preempted("SIGTERM")
+
+    monkeypatch.setattr(supervisor, "finalize", stopped)
+    member = type("Member", (), {"group": None})()
+    with pytest.raises(Preempted):  # every record has its result: the run only merges
+        supervisor._run_locked(spec, batch_file, spec.total_records, StopSignals(), member, {},
+                               file_version(inp))
+    state = BatchFile(paths.batch_file).load()
+    assert state.status == "in_progress" and state.health["last_stop"] == "SIGTERM"

@@ -100,6 +100,9 @@ def fingerprint(config: JobConfig, input_sha256: str, model_identity: str,
         "parse_tool_call": out.parse_tool_call,
         "reasoning_field": out.reasoning_field,
         "include_special_tokens": out.detokenization_include_special_tokens,
+        # The format forced tool calls are decoded in and parsed from; recorded only when
+        # named, so jobs started before it was recorded still resume.
+        **({} if out.tool_call_parser == "auto" else {"tool_call_parser": out.tool_call_parser}),
         # Decides which lines are read (custom_ids of longer ones are not); recorded only when
         # set, so jobs started before the limit existed still resume.
         **({} if config.storage.max_line_bytes == DEFAULT_MAX_LINE_BYTES

@@ -132,7 +132,8 @@ def prepare(config: JobConfig, summary: InputSummary, paths: JobPaths) -> tuple[
                       as_recorded=lambda old, new: _as_recorded_then(old, new, config, summary))
     created = int(state.timings.get("created_at", now())) if state else now()
     spec = JobSpec(config, batch_id, summary.sha256, summary.records, created, defaults)
-    if state is None:
+    if state is None or not state.fingerprint:  # no fingerprint: a stub, the end of a run
+        # recorded into a job folder deleted while it ran (nothing of the job is left)
         record_upload(paths, Path(s.input), summary.sha256, summary.size_bytes, summary.records,
                       summary.format)
         batch_file.update(batch_id, status="validating", input_file=str(Path(s.input).resolve()),

@@ -220,7 +220,11 @@ def _run_locked(spec: JobSpec, batch_file: BatchFile, already: int, stops: StopS
         stops.install()  # the launcher (or the in-process worker) replaced our handlers
         progress.stop()
     check_input_unchanged(spec, input_version)
-    return _finish(spec, batch_file, started, stops, patient=group is not None)
+    try:
+        return _finish(spec, batch_file, started, stops, patient=group is not None)
+    except Preempted as stop:  # recorded as a stop while the workers run is; a rerun merges
+        try_record_end(spec, batch_file, started, "in_progress", {"last_stop": str(stop)})
+        raise
 
 
 def _lead_ranks(spec: JobSpec, spec_file: Path, member: Member, sizes: dict,
