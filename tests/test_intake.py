@@ -10,7 +10,7 @@ from transformers import PreTrainedTokenizerFast
 
 from batchgen.core import SamplingParams
 from batchgen.io.intake import (IntakeError, PendingRequest, intake, parse_record,
-                                tokenize_request)
+                                tokenize_parsed, tokenize_request)
 from batchgen.io.reader import RawRecord, parse_line, read_records
 
 DATA = Path(__file__).parent / "data"
@@ -384,3 +384,18 @@ def test_token_ids_past_a_models_smaller_vocabulary_are_refused_by_line(tok):
     assert err.code == "invalid_prompt" and err.param == "messages"
     embed = parse_record(RawRecord(5, {"custom_id": "e", "input": [[1, size - 1]]}))
     assert tokenize_parsed(embed, tok, 64, vocab_size=size - 1).code == "invalid_input"
+
+
+def test_a_prompt_over_max_model_len_names_the_flag(tok):
+    """A prompt that fills the context set by --max-model-len is refused naming the flag (and
+    raising it as a fix), not "the model context", which is larger."""
+    parsed = parse_record(RawRecord(3, {"prompt": [5, 6] * 20}))
+    err = tokenize_parsed(parsed, tok, 40, max_model_len=40)
+    assert isinstance(err, IntakeError) and err.code == "context_length_exceeded"
+    assert "but --max-model-len is 40 tokens" in err.message
+    assert "or raise --max-model-len" in err.message
+    err = tokenize_parsed(parsed, tok, 40)
+    assert "but the model context is 40 tokens" in err.message and "raise" not in err.message
+    embedding = parse_record(RawRecord(4, {"input": [[5, 6] * 23]}))
+    err = tokenize_parsed(embedding, tok, 40, max_model_len=40)
+    assert isinstance(err, IntakeError) and "--max-model-len is 40 tokens" in err.message

@@ -112,7 +112,8 @@ def parse_embedding(body: dict, custom_id: str, line: int) -> EmbeddingRequest:
 
 
 def tokenize_embedding(parsed: EmbeddingRequest, tokenizer: Any, max_context: int,
-                       vocab: int | None = None) -> EmbeddingRequest:
+                       vocab: int | None = None,
+                       context: str = "the model context") -> EmbeddingRequest:
     """Tokenize every input (as the tokenizer does by default: its special tokens, e.g. the
     EOS last-token pooling reads, are added); raises EmbeddingLineError. `vocab`: every token
     id must be below it (default: the tokenizer's size)."""
@@ -130,8 +131,10 @@ def tokenize_embedding(parsed: EmbeddingRequest, tokenizer: Any, max_context: in
                                      where)
         if len(tokens) > max_context:
             raise EmbeddingLineError("context_length_exceeded", f"{where} is {len(tokens)} "
-                                     f"tokens but the model context is {max_context} tokens; "
-                                     "shorten it: it is never truncated", where)
+                                     f"tokens but {context} is {max_context} tokens; shorten "
+                                     "it: it is never truncated"
+                                     + (f", or raise {context}" if context.startswith("--")
+                                        else ""), where)
         ids.append(tokens)
     return EmbeddingRequest(parsed.custom_id, parsed.line, parsed.inputs,
                             parsed.encoding_format, parsed.dimensions, tuple(ids))

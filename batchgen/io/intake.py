@@ -35,6 +35,8 @@ EXTRA_FIELDS = ("tools", "tool_choice", "response_format", "parallel_tool_calls"
                 "chat_template_kwargs")
 """Body fields carried to the chat template, the output parsers and, for response_format
 (json_object, json_schema), the grammar that constrains sampling."""
+MODEL_CONTEXT = "the model context"
+"""What bounds a prompt's length unless --max-model-len does (errors name it)."""
 MAX_CHARS_PER_TOKEN = 128
 """More characters than any vocabulary piece holds: a text longer than this many per token of
 the context cannot fit, whatever the tokenizer."""
@@ -96,7 +98,9 @@ def tokenize_parsed(parsed: ParsedRequest | EmbeddingRequest, tokenizer: Any, ma
     """What intake does after parse_record: tokenize, and refuse a prompt + max_tokens above
     the `max_model_len` cap. A job's workers call it on the records the supervisor parsed.
     `vocab_size`: the model's (token ids at or past it, or past the tokenizer's, are refused)."""
-    item = tokenize_request(parsed, tokenizer, max_context, vocab_size)
+    flag = max_model_len is not None and max_model_len <= max_context
+    item = tokenize_request(parsed, tokenizer, max_context, vocab_size,
+                            "--max-model-len" if flag else MODEL_CONTEXT)
     if max_model_len is not None:  # the model's own context may be the smaller cap
         return _within_cap(item, parsed, min(max_model_len, max_context))
     return item
@@ -386,15 +390,17 @@ def _prompt(value: Any) -> str | list[int]:
 
 
 def tokenize_request(parsed: ParsedRequest | EmbeddingRequest, tokenizer: Any,
-                     max_context: int, vocab_size: int | None = None
+                     max_context: int, vocab_size: int | None = None,
+                     context: str = MODEL_CONTEXT
                      ) -> PendingRequest | EmbeddingRequest | IntakeError:
     """Render (chat template) and tokenize; refuse prompts that leave no room to generate, and
     token ids the model has no embedding or logit for (`vocab_size`: the model's; the smaller
-    of it and the tokenizer's bounds every id)."""
+    of it and the tokenizer's bounds every id). `context` names what set `max_context` (the
+    model, or "--max-model-len") in the error."""
     vocab = len(tokenizer) if vocab_size is None else min(len(tokenizer), vocab_size)
     if isinstance(parsed, EmbeddingRequest):
         try:
-            return tokenize_embedding(parsed, tokenizer, max_context, vocab)
+            return tokenize_embedding(parsed, tokenizer, max_context, vocab, context)
         except EmbeddingLineError as bad:
             return IntakeError(parsed.custom_id, parsed.line, bad.code,
                                f"line {parsed.line}: {bad}", bad.param)
@@ -417,13 +423,18 @@ def tokenize_request(parsed: ParsedRequest | EmbeddingRequest, tokenizer: Any,
                            f"line {parsed.line}: the prompt is empty after tokenization", param)
     if len(ids) >= max_context:
         return IntakeError(parsed.custom_id, parsed.line, "context_length_exceeded",
-                           f"line {parsed.line}: the prompt is {len(ids)} tokens but the model "
-                           f"context is {max_context} tokens (at least one token must be left "
-                           "to generate); shorten the prompt: it is never truncated", param)
+                           f"line {parsed.line}: the prompt is {len(ids)} tokens but {context} "
+                           f"is {max_context} tokens (at least one token must be left to "
+                           "generate); shorten the prompt: it is never truncated"
+                           + _raise_flag(context), param)
     sampling = parsed.sampling.fit_context(max_context - len(ids))
     values = {f.name: getattr(parsed, f.name) for f in fields(ParsedRequest)}
     values["sampling"] = sampling
     return PendingRequest(**values, prompt_token_ids=ids)
+
+
+def _raise_flag(context: str) -> str:
+    return f", or raise {context}" if context.startswith("--") else ""
 
 
 def _check_in_vocabulary(what: str, token_ids, vocab: int, code: str, param: str) -> None:
