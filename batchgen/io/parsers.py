@@ -395,6 +395,8 @@ def parse_output(
         tool_content, calls = parse_tool_calls(text, "harmony")
         if calls or _harmony_split(text)[2]:  # calls, or a malformed call: keep the tool view
             content = tool_content
+        elif reasoning_style is None:  # no call: the answer is the final channel, as with one
+            content = _harmony_split(text)[1]
         return ParsedMessage(content=content, reasoning=reasoning, tool_calls=calls)
     if content is None:  # unterminated thinking: there is no answer to look for calls in
         return ParsedMessage(content=None, reasoning=reasoning)

@@ -5,6 +5,7 @@ loops, grows without end or raises becomes one line's error, never a stuck or de
 from __future__ import annotations
 
 import contextlib
+import json
 import signal
 import threading
 from typing import Any
@@ -55,13 +56,51 @@ def render_chat(messages: list[dict], extra: dict, tokenizer: Any) -> str:
     end becomes this line's template_error). Tools the template does not render (the text is
     the same without them) are refused: the model would answer without ever seeing them."""
     tools = extra.get("tools")
-    text = _render(messages, extra, tokenizer, tools)
+    decoded = _decoded_arguments(messages)
+    try:
+        text = _render(decoded, extra, tokenizer, tools)
+        messages = decoded
+    except TemplateError:
+        if decoded is messages:
+            raise
+        # A template that concatenates the arguments as text (DeepSeek-V3's) wants the string.
+        text = _render(messages, extra, tokenizer, tools)
     if tools and text == _render(messages, extra, tokenizer, None):
         raise TemplateError("unsupported_tools",
                             "this model's chat template does not render tools, so the model "
                             "would never see them: drop \"tools\" or use a model whose template "
                             "supports tool use", "tools")
     return text
+
+
+def _decoded_arguments(messages: list[dict]) -> list[dict]:
+    """`messages` with each assistant tool call's `arguments` (OpenAI's JSON string) as the
+    object it encodes, as vLLM and transformers hand them to templates: Llama 3.1's and
+    Qwen2.5's templates write `arguments | tojson`, which would encode a string a second time.
+    Arguments that are not a JSON object stay as they are. `messages` itself when none
+    changes."""
+    out = messages
+    for i, message in enumerate(messages):
+        calls = message.get("tool_calls") if message.get("role") == "assistant" else None
+        if not isinstance(calls, list):
+            continue
+        new_calls = []
+        for call in calls:
+            function = call.get("function") if isinstance(call, dict) else None
+            arguments = function.get("arguments") if isinstance(function, dict) else None
+            if isinstance(arguments, str):
+                try:
+                    value = json.loads(arguments)
+                except (ValueError, RecursionError):
+                    value = None
+                if isinstance(value, dict):
+                    call = {**call, "function": {**function, "arguments": value}}
+            new_calls.append(call)
+        if any(a is not b for a, b in zip(new_calls, calls)):
+            if out is messages:
+                out = list(messages)
+            out[i] = {**message, "tool_calls": new_calls}
+    return out
 
 
 def _render(messages: list[dict], extra: dict, tokenizer: Any, tools) -> str:

@@ -3,6 +3,7 @@ and whether final output files hold this job's lines."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import orjson
@@ -10,8 +11,8 @@ import orjson
 from batchgen.core import FinishedRequest
 from batchgen.detokenizer import Detokenizer
 from batchgen.io.intake import PendingRequest
-from batchgen.io.parsers import (count_reasoning_tokens, parse_output, reasoning_style_for,
-                                 tool_parser_for)
+from batchgen.io.parsers import (THINK_CLOSE, THINK_OPEN, count_reasoning_tokens, parse_output,
+                                 reasoning_style_for, tool_parser_for)
 from batchgen.io.results import ParsedChoice, item_id, success_line
 from batchgen.engine.tool_choice import forces_call
 
@@ -40,25 +41,54 @@ class OutputFormatter:
         free = pending.extra.get("tools") and pending.extra.get("tool_choice") != "none"
         tools = (self.tool_format if forces_call(pending.extra)
                  else self.tool_parser if free else None)
-        if pending.kind == "chat" and (self.reasoning_style or tools):
-            parsed = [self._parse(c, tools) for c in finished.completions]
+        style = self._reasoning_style(pending)
+        if pending.kind == "chat" and (style or tools):
+            parsed = [self._parse(c, tools, style) for c in finished.completions]
+            if pending.extra.get("parallel_tool_calls") is False:  # OpenAI: at most one call
+                parsed = [replace(p, tool_calls=p.tool_calls[:1]) if p.tool_calls else p
+                          for p in parsed]
         return success_line(pending, finished, batch_id=self.spec.batch_id, model=self.model_name,
                             created=self.spec.created, decode_token=self.detokenizer.label,
                             decode_text=self.detokenizer.text,
                             parsed=parsed, reasoning_field=self.reasoning_field)
 
-    def _parse(self, completion, tool_parser: str | None) -> ParsedChoice:
+    def _reasoning_style(self, pending: PendingRequest) -> str | None:
+        """The reasoning style of this line's answers. A grammar (a forced tool call, a JSON
+        response_format) constrains the answer from its first token: it holds no reasoning,
+        whatever block the prompt opened. Otherwise the end of the rendered prompt says where
+        the answer starts: after an opened <think> (Qwen3-Thinking-2507, DeepSeek-R1 and its
+        distills) all up to </think>, or all of a cut-off answer, is reasoning; after a closed
+        one (DeepSeek-V3.1 without thinking) an answer without tags is all content."""
+        style = self.reasoning_style
+        if style is None or style == "harmony":
+            return style
+        if _grammar_constrained(pending.extra):
+            return None
+        tail = self.detokenizer.markup(pending.prompt_token_ids[-8:]).rstrip()
+        if tail.endswith(THINK_OPEN):
+            return "deepseek_r1"
+        if tail.endswith(THINK_CLOSE) and style == "deepseek_r1":
+            return "think"
+        return style
+
+    def _parse(self, completion, tool_parser: str | None, style: str | None) -> ParsedChoice:
         text = completion.text or ""
-        if "harmony" in (self.reasoning_style, tool_parser):
+        if "harmony" in (style, tool_parser):
             # Harmony's channel markers are special tokens: parse the text that keeps them.
             text = self.detokenizer.markup(completion.token_ids)
-        message = parse_output(text, reasoning_style=self.reasoning_style,
-                               tool_parser=tool_parser)
+        message = parse_output(text, reasoning_style=style, tool_parser=tool_parser)
         tokens = 0
-        if self.reasoning_style and message.reasoning:
-            tokens = count_reasoning_tokens(completion.token_ids, self.detokenizer,
-                                            self.reasoning_style)
+        if style and message.reasoning:
+            tokens = count_reasoning_tokens(completion.token_ids, self.detokenizer, style)
         return ParsedChoice(message.content, message.reasoning, message.tool_calls or None, tokens)
+
+
+def _grammar_constrained(extra: dict) -> bool:
+    """Whether a grammar decides the answer from its first token: a tool_choice that forces a
+    call, or a JSON response_format (runner/worker/grammars.py)."""
+    response_format = extra.get("response_format")
+    return forces_call(extra) or (isinstance(response_format, dict) and
+                                  response_format.get("type") in ("json_object", "json_schema"))
 
 
 def outputs_belong_to(batch_id: str, *files: Path) -> bool:
