@@ -134,7 +134,7 @@ class MemoryConfig:
     for it."""
     gpu_memory_frac: float = 0.9
     """Fraction (0-1] of device memory for weights + KV; the KV pool gets
-    device_memory*frac - model_size."""
+    device_memory*(frac - 0.05) - model_size (0.05 of the device is kept for activations)."""
     gpu_kv_cache_size: float | None = None
     """Device KV pool in GB, overriding --gpu-memory-frac (on CPU it sizes the "device" pool)."""
     gpu_arch: str = "auto"

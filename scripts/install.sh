@@ -6,7 +6,8 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-$(command -v python3.11 || command -v python3)}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
-# torch first, pinned to the CPU wheel: a bare "torch" would pull a multi-GB CUDA build.
+# torch first, pinned to 2.13.0 (a torch already in .venv is kept): the pin picks the version,
+# not the build; the index decides CPU or CUDA (plain PyPI on Linux serves the CUDA build).
 .venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/pip install -q "torch==2.13.0"
 extra=${1:-}
 .venv/bin/pip install -q -e ".${extra:+[$extra]}"

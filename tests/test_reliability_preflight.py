@@ -59,8 +59,15 @@ def test_small_dev_shm_is_an_error_naming_the_fixes(tmp_path, machine):
     with pytest.raises(PreflightFailed) as err:
         pf.preflight(_config(tmp_path, host_gb=4, world=2), _paths(tmp_path), 10, 1, 1)
     message = str(err.value)
-    assert err.value.code == ExitCode.PREFLIGHT and "8.0 GB of /dev/shm, 2.0 GB" in message
-    assert "mount -o remount,size=8G /dev/shm" in message and "--fast-init" in message
+    assert err.value.code == ExitCode.PREFLIGHT and "4.0 GB of /dev/shm, 2.0 GB" in message
+    assert "mount -o remount,size=4G /dev/shm" in message and "--fast-init" in message
+
+
+def test_the_host_pool_size_is_the_nodes_not_each_ranks(tmp_path, machine):
+    """--host-kv-cache-size is per node (plan_pools gives each of the node's workers its share):
+    8 ranks under a 60 GB pool need 60 GB of /dev/shm and host memory, not 8 x 60."""
+    machine["shm"], machine["mem"] = 100 * GB, 200 * GB
+    assert pf.check_host_pool(_config(tmp_path, host_gb=60, world=8)) == []
 
 
 def test_fast_init_does_not_need_dev_shm(tmp_path, machine):

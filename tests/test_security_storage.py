@@ -98,7 +98,8 @@ def test_job_folders_are_created_private(tmp_path, tiny_chat_model):
                  tmp_path / "s", check=True)
     finally:
         os.umask(old)
-    for name in ("batches", "incremental", "uploads", "outputs"):
+    for name in ("batches", "incremental", "uploads", "outputs", "logs", "logs/" + next(
+            (tmp_path / "s" / "logs").iterdir()).name):
         assert stat.S_IMODE((tmp_path / "s" / name).stat().st_mode) == 0o750, name
 
 

@@ -95,7 +95,7 @@ class JobPaths:
 
     def make_dirs(self) -> None:
         for d in (self.upload_file.parent, self.batch_file.parent, self.incremental_dir,
-                  self.output.parent):
+                  self.storage_path / "logs", self.output.parent):
             d.mkdir(FOLDER_MODE, parents=True, exist_ok=True)
 
     @property

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from batchgen.config import DistConfig
+from batchgen.io.jobfiles import FOLDER_MODE
 from batchgen.parallel import NCCL_SAFE_ENV
 from batchgen.runner.exits import STOP_SIGNALS, ExitCode  # the signals the agent forwards
 from batchgen.runner.worker.process import LAUNCHED_AT_ENV, SUPERVISOR_PID_ENV
@@ -58,7 +59,7 @@ def launch_workers(dist: DistConfig, spec_file: Path, log_dir: Path, grace: floa
     os.environ[SUPERVISOR_PID_ENV] = str(os.getpid())
     os.environ[LAUNCHED_AT_ENV] = repr(time.time())
     per_node = dist.world_size // dist.nnodes
-    log_dir.mkdir(parents=True, exist_ok=True)
+    log_dir.mkdir(FOLDER_MODE, parents=True, exist_ok=True)  # the job's own folders are 0750
     if dist.nnodes == 1:
         rdzv = {"rdzv_backend": "c10d", "rdzv_endpoint": "localhost:0",
                 "run_id": uuid.uuid4().hex[:8]}

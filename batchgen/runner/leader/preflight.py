@@ -83,17 +83,18 @@ def check_device(config: JobConfig) -> list[Finding]:
 
 def check_host_pool(config: JobConfig) -> list[Finding]:
     """/dev/shm and host memory against an explicit --host-kv-cache-size (the auto size already
-    fits /dev/shm, with a warning from the pool itself)."""
+    fits /dev/shm, with a warning from the pool itself). The size is the node's: its workers
+    share it (engine.memory.plan_pools gives each 1 / workers on the node), so it is what the
+    node needs whatever the number of ranks."""
     mem = config.engine.memory
     if mem.host_kv_cache_size is None:
         return []
-    ranks = config.dist.world_size // config.dist.nnodes
-    need = mem.host_kv_cache_size * GB * ranks
+    need = mem.host_kv_cache_size * GB
     findings = []
     total = host_memory_bytes()
     if need > total * 0.95:
-        findings.append(Finding(True, f"--host-kv-cache-size {mem.host_kv_cache_size:g} GB x "
-                                f"{ranks} rank(s) needs {need / GB:.1f} GB, this host has "
+        findings.append(Finding(True, f"--host-kv-cache-size {mem.host_kv_cache_size:g} GB (this "
+                                f"node's host KV pool) is more than 95% of this host's "
                                 f"{total / GB:.1f} GB", "lower --host-kv-cache-size"))
     if not (mem.fast_init or mem.enable_hugetlbfs):  # memfd and hugetlbfs bypass /dev/shm
         free = shm_free_bytes()
