@@ -91,6 +91,14 @@ def test_small_memlock_warns_when_pinning_on_cuda(tmp_path, machine, caplog):
     assert pf.check_memlock(_config(tmp_path, host_gb=4, device="cpu")) == []
 
 
+def test_memlock_is_checked_against_each_workers_share(tmp_path, machine):
+    """Each worker pins its share of the node's pool: 8 ranks under a 16 GB pool pin 2 GB
+    each, which a 4 GB memlock limit allows."""
+    machine["memlock"] = 4 * GB
+    assert pf.check_memlock(_config(tmp_path, host_gb=16, device="cuda", world=8)) == []
+    assert pf.check_memlock(_config(tmp_path, host_gb=16, device="cuda", world=2)) != []
+
+
 @pytest.mark.parametrize(("device", "gpus", "seen"), [
     ("cuda", 0, "torch sees no CUDA device"), ("cuda:2", 2, "torch sees 2 CUDA device(s)")])
 def test_missing_cuda_device_fails_before_any_load(tmp_path, machine, device, gpus, seen):

@@ -116,7 +116,8 @@ def check_memlock(config: JobConfig) -> list[Finding]:
     if limit == resource.RLIM_INFINITY:
         return []
     size = config.engine.memory.host_kv_cache_size
-    if size is not None and size * GB <= limit:
+    ranks = max(1, config.dist.world_size // config.dist.nnodes)  # each pins its share
+    if size is not None and size * GB / ranks <= limit:
         return []
     pool = f"{size:g} GB" if size is not None else "an auto-sized"
     return [Finding(False, f"the memlock limit is {_human(limit)} and {pool} host KV pool "
