@@ -190,3 +190,42 @@ def test_each_line_is_parsed_once_from_the_scan_to_the_final_merge(tmp_path, mon
     nonblank = [1, 2, 4, 5, 6, 7, 8]
     assert decoded == Counter(nonblank)  # one JSON decode per line
     assert checked == Counter(n for n in nonblank if n != 5)  # one check per JSON object
+
+
+def test_stored_records_hold_values_not_field_names(tmp_path):
+    """The parsed input is rewritten on every run and holds one record per input line: each
+    record's fields go by position (core.CompactPickle), so a short line's record is not
+    mostly the names of SamplingParams' fields (5-7x the input's size before)."""
+    inp = write_input(tmp_path / "in.jsonl", [{"custom_id": f"r{i}", "prompt": "hi"}
+                                               for i in range(200)] + LINES)
+    out = tmp_path / "job.requests"
+    parse_input(identify_input(inp), out, 1 << 20, 16)
+    stored = out.read_bytes()
+    for name in ("frequency_penalty", "stop_token_ids", "top_logprobs", "custom_id",
+                 "encoding_format", "dimensions", "ignore_eos"):
+        assert name.encode() not in stored, name
+    expected = [parse_record(r, 16) for r in read_records(inp)]
+    assert [r.item for r in read_parsed(out)] == expected
+    assert len(stored) / 200 < 320  # bytes per short line, all told
+
+
+def test_a_resumed_worker_passes_finished_records_over_unread(tmp_path, monkeypatch):
+    """A resumed job's worker skips the requests whose results are saved: it must not unpickle
+    each of them to find that out (900k of a 1M-line job, twice per start)."""
+    from batchgen.io import parsed_input
+
+    inp = write_input(tmp_path / "in.jsonl", [{"custom_id": f"r{i}", "prompt": "hi"}
+                                               for i in range(50)])
+    out = tmp_path / "job.requests"
+    parse_input(identify_input(inp), out, 1 << 20, 16)
+    loads = []
+    real_load = parsed_input._load
+    monkeypatch.setattr(parsed_input, "_load", lambda raw, path: loads.append(1)
+                        or real_load(raw, path))
+    done = {f"r{i}" for i in range(48)}
+    assert [r.key for r in read_parsed(out, skip=done)] == ["r48", "r49"]
+    assert len(loads) == 2
+    for world in (2, 3):  # each replica's share, less the finished
+        shards = [[r.key for r in read_parsed(out, rank, world, skip=done)]
+                  for rank in range(world)]
+        assert sorted(k for s in shards for k in s) == ["r48", "r49"]

@@ -160,3 +160,29 @@ def test_a_run_killed_before_recording_its_end_is_counted_by_the_next(tmp_path):
     assert state.usage == {"prompt_tokens": 60, "completion_tokens": 120, "total_tokens": 180}
     record_killed_run("batch_k", batch_file, batches)  # recorded now: counted once
     assert batch_file.load().timings["runs"] == 2
+
+
+def test_status_reads_the_saved_results_once(tmp_path, monkeypatch):
+    """A million saved lines take seconds to read: the saved count and the checkpoint row
+    share one pass over the incremental files."""
+    from batchgen.io import writer
+    from batchgen.runner.leader import status as status_module
+
+    root = tmp_path / "jobs"
+    (root / "batches").mkdir(parents=True)
+    (root / "batches" / "batch_big.json").write_text(json.dumps({
+        "batch_id": "batch_big", "status": "in_progress",
+        "request_counts": {"total": 5, "completed": 0, "failed": 0}}))
+    (root / "incremental").mkdir()
+    (root / "incremental" / "batch_big.jsonl").write_text(
+        "".join(json.dumps({"custom_id": f"r{i}", "response": {}}) + "\n" for i in range(2)))
+    passes = []
+
+    def counting(paths):
+        passes.append(1)
+        return writer.read_done_ids(paths)
+
+    monkeypatch.setattr(status_module, "read_done_ids", counting)
+    code, out = status(str(root))
+    assert code == 0 and "2 of 5 results" in out and "0 requests in flight" in out
+    assert len(passes) == 1

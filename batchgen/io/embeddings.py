@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from batchgen.core import CompactPickle
+
 EMBEDDINGS_URL = "/v1/embeddings"
 EMBEDDING_FIELDS = ("input", "encoding_format", "dimensions")
 """The body fields of an embeddings line batchgen reads."""
@@ -28,7 +30,7 @@ class EmbeddingLineError(Exception):
 
 
 @dataclass(frozen=True)
-class EmbeddingRequest:
+class EmbeddingRequest(CompactPickle):
     """An embeddings line, parsed (token_ids empty) or tokenized."""
 
     custom_id: str

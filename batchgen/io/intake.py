@@ -16,7 +16,7 @@ from typing import Any
 
 import orjson
 
-from batchgen.core import Request, SamplingParams
+from batchgen.core import CompactPickle, Request, SamplingParams
 from batchgen.io.embeddings import (EMBEDDINGS_URL, EmbeddingLineError, EmbeddingRequest,
                                     parse_embedding, tokenize_embedding)
 from batchgen.io.grammar_limits import GrammarTooComplex, check_grammar_limits
@@ -43,7 +43,7 @@ the context cannot fit, whatever the tokenizer."""
 
 
 @dataclass(frozen=True)
-class IntakeError:
+class IntakeError(CompactPickle):
     """A line that becomes an error result (status 400) instead of a request."""
 
     custom_id: str
@@ -55,7 +55,7 @@ class IntakeError:
 
 
 @dataclass(frozen=True)
-class ParsedRequest:
+class ParsedRequest(CompactPickle):
     custom_id: str
     line: int
     kind: str

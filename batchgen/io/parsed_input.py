@@ -21,19 +21,22 @@ from __future__ import annotations
 import io
 import pickle
 import struct
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import BinaryIO
 
+import numpy as np
+
 from batchgen.atomic import atomic_file
 from batchgen.io.embeddings import EmbeddingRequest
 from batchgen.io.intake import IntakeError, ParsedRequest, parse_record, takes_default_max_tokens
-from batchgen.io.prefix_shards import assign_replicas, prefix_key
+from batchgen.io.prefix_shards import assign_packed, prefix_key
 from batchgen.io.reader import InputFile, InputFileError, InputSummary, RawRecord, scan_input
 
 HEADER = struct.Struct("<QII12s")
 """line number, custom_id length, pickled item length, prompt-prefix key."""
+HEADER_PREFIX_AT = struct.calcsize("<QII")
 _CLASSES = {("batchgen.io.intake", "ParsedRequest"), ("batchgen.io.intake", "IntakeError"),
             ("batchgen.io.embeddings", "EmbeddingRequest"), ("batchgen.core", "SamplingParams")}
 
@@ -103,26 +106,31 @@ def _headers(f: BinaryIO, path: Path) -> Iterator[tuple[int, int, int, bytes]]:
         yield HEADER.unpack(head)
 
 
-def replica_of_records(path: Path, world: int) -> list[int]:
+def replica_of_records(path: Path, world: int) -> np.ndarray:
     """The data-parallel replica of each stored record, in input order (prefix_shards)."""
-    keys = []
+    keys = bytearray()  # the 12-byte keys end to end: no object per record
     with _open(path) as f:
         for _, key_len, item_len, prefix in _headers(f, path):
-            keys.append(prefix)
+            keys += prefix
             f.seek(key_len + item_len, 1)
-    return assign_replicas(keys, world)
+    return assign_packed(keys, HEADER.size - HEADER_PREFIX_AT, world)
 
 
-def _records(path: Path, rank: int, world: int, items: bool) -> Iterator[ParsedRecord]:
+def _records(path: Path, rank: int, world: int, items: bool,
+             skip: Container[str] = ()) -> Iterator[ParsedRecord]:
     owner = replica_of_records(path, world) if world > 1 else None
     with _open(path) as f:
         for index, (line, key_len, item_len, _) in enumerate(_headers(f, path)):
             if owner is not None and owner[index] != rank:
                 f.seek(key_len + item_len, 1)
                 continue
-            key = f.read(key_len)
-            if len(key) < key_len:
+            raw_key = f.read(key_len)
+            if len(raw_key) < key_len:
                 raise _damaged(path)
+            key = raw_key.decode("utf-8", "surrogatepass")
+            if key in skip:
+                f.seek(item_len, 1)
+                continue
             item = None
             if items:
                 raw = f.read(item_len)
@@ -131,7 +139,7 @@ def _records(path: Path, rank: int, world: int, items: bool) -> Iterator[ParsedR
                 item = _load(raw, path)
             else:
                 f.seek(item_len, 1)
-            yield ParsedRecord(line, key.decode("utf-8", "surrogatepass"), item)
+            yield ParsedRecord(line, key, item)
 
 
 def _load(raw: bytes, path: Path):
@@ -147,13 +155,15 @@ def _damaged(path: Path) -> InputFileError:
                           "re-run the job (the supervisor writes it again from the input)")
 
 
-def read_parsed(path: Path, rank: int = 0, world: int = 1) -> Iterator[ParsedRecord]:
+def read_parsed(path: Path, rank: int = 0, world: int = 1,
+                skip: Container[str] = ()) -> Iterator[ParsedRecord]:
     """The stored records data-parallel replica `rank` of `world` owns (prefix_shards:
     records that start alike together, equal shares), streamed in input order; the others'
-    are skipped unread."""
+    are skipped unread, and so are those whose custom_id is in `skip` (a resumed job's
+    finished requests: a job resumed with 900k of 1M done unpickled each of them to drop it)."""
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} outside [0, {world})")
-    return _records(Path(path), rank, world, items=True)
+    return _records(Path(path), rank, world, items=True, skip=skip)
 
 
 def parsed_keys(path: Path) -> Iterator[tuple[int, str]]:

@@ -20,6 +20,8 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable, Sequence
 
+import numpy as np
+
 LEVEL_CHARS = (256, 1024, 4096)
 """Prompt starts (characters; a quarter as many token ids) that key a record, one digest each:
 records that share less than the first are spread as if unrelated, which costs each replica
@@ -59,6 +61,48 @@ def assign_replicas(keys: Iterable[bytes], world: int) -> list[int]:
     if world < 1:
         raise ValueError(f"world must be >= 1, got {world}")
     keys = list(keys)
+    size = len(keys[0]) if keys else 0
+    if size and all(len(key) == size for key in keys):
+        return assign_packed(b"".join(keys), size, world).tolist()
+    return _assign_tuples(keys, world)
+
+
+def assign_packed(packed: bytes | bytearray | memoryview, key_size: int,
+                  world: int) -> np.ndarray:
+    """assign_replicas for keys of one size laid end to end in `packed`, with numpy: about
+    50 bytes per record at its peak, where a dict of every level's prefix and a tuple per
+    record took ~600 (a million-line job's ranks each held ~600 MB for it)."""
+    if world < 1:
+        raise ValueError(f"world must be >= 1, got {world}")
+    raw = np.frombuffer(packed, dtype=np.uint8)
+    count = len(raw) // key_size if key_size else 0
+    if count == 0:
+        return np.zeros(0, dtype=np.int64)
+    words = -(-key_size // LEVEL_BYTES)
+    padded = np.zeros((count, words * LEVEL_BYTES), dtype=np.uint8)
+    padded[:, :key_size] = raw[:count * key_size].reshape(count, key_size)
+    chunks = padded.view("<u4")  # one column per level: its LEVEL_BYTES more of the key
+    del padded
+    group = np.zeros(count, dtype=np.uint64)
+    firsts = []
+    for level in range(words):
+        # a level's prefix = (the previous level's group, this level's bytes)
+        value = (group << np.uint64(32)) | chunks[:, level].astype(np.uint64)
+        _, first, inverse = np.unique(value, return_index=True, return_inverse=True)
+        del value
+        group = inverse.reshape(-1).astype(np.uint64)
+        # groups of a level ranked by their first appearance (trie order, as in the docstring)
+        firsts.append(first[inverse.reshape(-1)])
+        del first, inverse
+    order = np.lexsort(firsts[::-1])  # stable: input order within a group
+    del firsts, group
+    replica = np.empty(count, dtype=np.int64)
+    replica[order] = np.arange(count, dtype=np.int64) * world // count
+    return replica
+
+
+def _assign_tuples(keys: list[bytes], world: int) -> list[int]:
+    """Keys of several sizes (callers other than a job's parsed input)."""
     first_seen: dict[bytes, int] = {}
     order = []
     for index, key in enumerate(keys):  # trie order: each level ranked by first appearance

@@ -14,7 +14,7 @@ from rich.table import Table
 
 from batchgen.io.checkpoints import checkpoint_files, load
 from batchgen.io.jobfiles import JobPaths
-from batchgen.io.writer import CorruptIncrementalFile, read_done_ids
+from batchgen.io.writer import CorruptIncrementalFile, IdSet, read_done_ids
 from batchgen.runner.exits import ExitCode
 from batchgen.runner.files.job import JobSpec
 from batchgen.runner.leader.progress import human_seconds, prefix_hits, read_worker_stats
@@ -57,8 +57,9 @@ def _show_files(files: list[Path], missing: str) -> int:
             batch_id = state["batch_id"]
             table = _table(state, read_worker_stats(batches, batch_id))
             if state.get("status") != "completed":
-                table.add_row("saved", _saved(storage, batch_id, state))
-                table.add_row("checkpoint", _checkpointed(storage, batch_id))
+                done = _done_ids(storage, batch_id)  # read once: a million lines take seconds
+                table.add_row("saved", _saved(done, state))
+                table.add_row("checkpoint", _checkpointed(storage, batch_id, done))
                 table.add_row("run", _liveness(batches / f"{batch_id}.lock", state["status"]))
             console.print(table)
         except (OSError, orjson.JSONDecodeError, KeyError, TypeError) as err:
@@ -67,25 +68,28 @@ def _show_files(files: list[Path], missing: str) -> int:
     return failed
 
 
-def _saved(storage: Path, batch_id: str, state: dict) -> str:
-    """Results fsynced so far: the incremental files' complete lines (the batch file's counts
-    are only written when the job ends)."""
-    paths = _job_paths(storage, batch_id)
+def _done_ids(storage: Path, batch_id: str) -> IdSet | CorruptIncrementalFile:
+    """The ids of the results fsynced so far (every incremental file's complete lines), or
+    why they cannot be read."""
     try:
-        done = len(read_done_ids(paths.incremental_files()))
+        return read_done_ids(_job_paths(storage, batch_id).incremental_files())
     except CorruptIncrementalFile as err:
-        return f"unreadable: {err}"
+        return err
+
+
+def _saved(done: IdSet | CorruptIncrementalFile, state: dict) -> str:
+    """Results fsynced so far (the batch file's counts are only written when the job ends)."""
+    if isinstance(done, CorruptIncrementalFile):
+        return f"unreadable: {done}"
     total = state.get("request_counts", {}).get("total", 0)
-    return f"{done} of {total} results (incremental files)"
+    return f"{len(done)} of {total} results (incremental files)"
 
 
-def _checkpointed(storage: Path, batch_id: str) -> str:
+def _checkpointed(storage: Path, batch_id: str, done: IdSet | CorruptIncrementalFile) -> str:
     """Requests in flight whose progress an in-flight checkpoint holds (those whose results
     are saved since are not counted), and the tokens a resume does not draw again."""
     paths = _job_paths(storage, batch_id)
-    try:
-        done = read_done_ids(paths.incremental_files())
-    except CorruptIncrementalFile:
+    if isinstance(done, CorruptIncrementalFile):
         done = set()
     requests = tokens = 0
     for path in checkpoint_files(paths.batch_file, batch_id):

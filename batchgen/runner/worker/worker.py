@@ -207,8 +207,10 @@ class Worker:
             self.clock.mark("graphs", end)
 
     def _records(self):
-        """This replica's shard of the records the supervisor parsed (never the input)."""
-        return read_parsed(self.spec.paths.parsed_input, self.place.dp_rank, self.place.dp_size)
+        """This replica's shard of the records the supervisor parsed (never the input), less
+        those whose results are saved (passed over unread)."""
+        return read_parsed(self.spec.paths.parsed_input, self.place.dp_rank, self.place.dp_size,
+                           skip=self.done)
 
     def run(self) -> int:
         self.stop.serving = True
