@@ -151,3 +151,21 @@ def test_parallel_tool_calls_false_answers_at_most_one_call(tokenizer):
         assert len(choice["message"]["tool_calls"]) == count
         assert json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"]) \
             == {"city": "Paris"}
+
+
+@pytest.mark.parametrize("template, role", [
+    ("{%- for m in messages %}{{- m.role + ': ' + m.content + '\\n' }}{%- endfor %}", "system"),
+    ("{%- for m in messages %}{%- if m.role == 'developer' %}{{- 'DEV: ' + m.content }}"
+     "{%- else %}{{- m.role + ': ' + m.content + '\\n' }}{%- endif %}{%- endfor %}", "DEV"),
+])
+def test_developer_is_system_unless_the_template_knows_it(template, role):
+    """OpenAI's `developer` message is a system message under a newer name: a template that
+    never mentions the role renders it as `system`; one that does (gpt-oss's) gets it as is."""
+    from tiny_models import embedded_tokenizer
+
+    tokenizer = embedded_tokenizer()
+    tokenizer.chat_template = template
+    messages = [{"role": "developer", "content": "Be brief."}] + USER
+    text = render_chat(messages, {}, tokenizer)
+    assert text.startswith(f"{role}: Be brief.") and "developer" not in text
+    assert messages[0]["role"] == "developer"  # the line's own messages are left as given

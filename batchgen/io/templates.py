@@ -56,6 +56,7 @@ def render_chat(messages: list[dict], extra: dict, tokenizer: Any) -> str:
     end becomes this line's template_error). Tools the template does not render (the text is
     the same without them) are refused: the model would answer without ever seeing them."""
     tools = extra.get("tools")
+    messages = _developer_as_system(messages, tokenizer)
     decoded = _decoded_arguments(messages)
     try:
         text = _render(decoded, extra, tokenizer, tools)
@@ -71,6 +72,18 @@ def render_chat(messages: list[dict], extra: dict, tokenizer: Any) -> str:
                             "would never see them: drop \"tools\" or use a model whose template "
                             "supports tool use", "tools")
     return text
+
+
+def _developer_as_system(messages: list[dict], tokenizer: Any) -> list[dict]:
+    """OpenAI's `developer` role is its `system` role under a newer name: a template that never
+    names it gets it as `system` (Qwen3's drops an unknown role, ChatML templates render a
+    header the model never saw and add their default system prompt before it)."""
+    if not any(m.get("role") == "developer" for m in messages):
+        return messages
+    template = getattr(tokenizer, "chat_template", None)
+    if "developer" in str(template or ""):
+        return messages
+    return [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
 
 
 def _decoded_arguments(messages: list[dict]) -> list[dict]:
