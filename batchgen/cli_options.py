@@ -29,7 +29,7 @@ VLLM_ALIASES = {
 """vLLM engine-argument names accepted as our flags where the meaning is the same (the ones
 spelled as ours are VLLM_SAME_NAMES; --swap-space, GiB not GB, is converted: SWAP_SPACE)."""
 VLLM_SAME_NAMES = ("model", "dtype", "seed", "max_model_len", "tensor_parallel_size",
-                   "enable_prefix_caching", "generation_config")
+                   "enable_prefix_caching", "generation_config", "chat_template")
 """vLLM engine arguments spelled as ours already."""
 SHORT = {"input": ["-i"], "output": ["-o"]}
 REQUIRED = ("input",)

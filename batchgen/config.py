@@ -66,6 +66,18 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
+def read_chat_template(value: str) -> str:
+    """--chat-template's text: the value itself if it reads as a Jinja template ({{ or {%),
+    else the file it names; ConfigError if that cannot be read."""
+    if "{{" in value or "{%" in value:
+        return value
+    try:
+        return Path(value).expanduser().read_text()
+    except (OSError, ValueError) as err:  # ValueError: undecodable, or a NUL in the name
+        raise ConfigError("chat_template", value, "a Jinja template file that can be read "
+                          f"({err}), or the template text itself") from None
+
+
 def _require(ok: bool, name: str, value: object, allowed: str) -> None:
     if not ok:
         raise ConfigError(name, value, allowed)
@@ -108,6 +120,10 @@ class ModelConfig:
     """Sampling defaults of lines that leave a field out: auto (the temperature, top_p, top_k,
     min_p and repetition_penalty the model folder's generation_config.json recommends, as
     vLLM does; OpenAI's defaults for the rest), none or vllm (OpenAI's defaults only)."""
+    chat_template: str | None = None
+    """A Jinja chat template used instead of the model's (a file, or the template text
+    itself), as vLLM's: for chat lines on a model that ships none (a base model), or to fix
+    one. Part of the job's fingerprint. Default: the model's own."""
 
     def validate(self) -> None:
         _require(self.max_model_len is None or self.max_model_len >= 2, "max_model_len",
@@ -116,6 +132,8 @@ class ModelConfig:
                  "one of " + ", ".join((*DTYPE_CHOICES, *DTYPE_ALIASES)))
         _require(self.kv_dtype in set(KV_DTYPE_ALIASES.values()), "kv_dtype", self.kv_dtype,
                  "one of " + ", ".join(KV_DTYPE_ALIASES))
+        if self.chat_template is not None:
+            read_chat_template(self.chat_template)  # raises ConfigError naming the flag
         _require(self.generation_config in GENERATION_CONFIGS, "generation_config",
                  self.generation_config, "one of " + ", ".join(GENERATION_CONFIGS))
         _require(0.0 <= self.ep_offloading_ratio <= 1.0, "ep_offloading_ratio",

@@ -36,7 +36,7 @@ def leaf(config: JobConfig, name: str):
 VALUES = {"gpu_memory_frac": "0.55", "max_decode_batch": "17", "max_prefill_tokens": "4096",
           "kv_dtype": "fp8", "cache_dir": "/models", "max_model_len": "1000", "seed": "9",
           "dtype": "float16", "tensor_parallel_size": "1", "model": "org/name",
-          "generation_config": "vllm"}
+          "generation_config": "vllm", "chat_template": "{{ messages[0].content }}"}
 FLAG_VALUES = {"disable_cuda_graphs": True, "enable_prefix_caching": False}
 
 

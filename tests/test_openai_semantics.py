@@ -202,3 +202,39 @@ def test_a_models_generation_config_sets_what_lines_leave_out(tiny_chat_model, t
     assert none is not None, proc.stderr
     assert none["left-out"] == none["sampled"] == auto["sampled"]
     assert none["greedy"] == auto["greedy"]
+
+
+def test_chat_template_flag_serves_a_model_without_one(tiny_chat_model, tmp_path):
+    """A model folder with no chat template: chat lines are error lines saying how to give one;
+    --chat-template (a file, or the text itself) answers them; the template is part of the job:
+    a resume with another one is refused."""
+    import shutil
+
+    from job_utils import batchgen, read_jsonl, write_jsonl
+
+    model = tmp_path / "base"
+    shutil.copytree(tiny_chat_model, model)
+    (model / "chat_template.jinja").unlink()
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    inp = write_jsonl(tmp_path / "in.jsonl", [
+        {"custom_id": "c", "messages": USER, "max_tokens": 4, "temperature": 0}])
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+                        "assistant:")
+
+    def run(batch_id, *flags, check=False):
+        return batchgen("run", "--input", inp, "--model", model, "--output",
+                        tmp_path / f"{batch_id}.jsonl", "--batch-id", batch_id, "--device",
+                        "cpu", "--storage-path", tmp_path / "s", *flags, check=check)
+
+    run("none", check=True)
+    error = read_jsonl(tmp_path / "none.errors.jsonl")[0]["response"]["body"]["error"]
+    assert "no chat template" in error["message"] and "--chat-template" in error["message"]
+    run("file", "--chat-template", template, check=True)
+    assert read_jsonl(tmp_path / "file.jsonl")[0]["response"]["status_code"] == 200
+    proc = run("file", "--chat-template", template.read_text() + " ")
+    assert proc.returncode == 3 and "chat_template" in proc.stderr, proc.stderr
+    proc = run("missing", "--chat-template", tmp_path / "missing.jinja")
+    assert proc.returncode == 2 and "--chat-template" in proc.stderr

@@ -117,6 +117,10 @@ def _decoded_arguments(messages: list[dict]) -> list[dict]:
 
 
 def _render(messages: list[dict], extra: dict, tokenizer: Any, tools) -> str:
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise TemplateError("template_error", "this model ships no chat template: give one "
+                            "with --chat-template (a file or the template text), or send "
+                            "/v1/completions lines", "messages")
     kwargs = {k: v for k, v in (extra.get("chat_template_kwargs") or {}).items()
               if k not in _RESERVED_TEMPLATE_KWARGS}
     try:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 import time
 from dataclasses import dataclass
@@ -12,7 +13,7 @@ from pathlib import Path
 import orjson
 
 from batchgen.atomic import atomic_file
-from batchgen.config import JobConfig, StorageConfig
+from batchgen.config import JobConfig, StorageConfig, read_chat_template
 from batchgen.io.jobfiles import FingerprintMismatch, JobPaths, make_fingerprint
 from batchgen.io.reader import DEFAULT_MAX_LINE_BYTES, InputFileError, identify_input
 
@@ -89,6 +90,9 @@ def fingerprint(config: JobConfig, input_sha256: str, model_identity: str,
         optional["max_model_len"] = m.max_model_len
     if sampling_defaults:
         optional["sampling_defaults"] = dict(sampling_defaults)
+    if m.chat_template is not None:  # the template's text decides every chat prompt
+        optional["chat_template"] = hashlib.sha256(
+            read_chat_template(m.chat_template).encode()).hexdigest()[:16]
     return make_fingerprint({
         **optional,
         "input_sha256": input_sha256,
