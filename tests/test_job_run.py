@@ -332,3 +332,30 @@ def test_save_result_keeps_an_atomic_copy_at_the_default_path(tmp_path, tiny_cha
     batchgen(*run_args(inp, storage, tiny_chat_model, "--output", elsewhere, "--save-result"),
              check=True)
     assert default.read_bytes() == elsewhere.read_bytes() and not killed_copy.exists()
+
+
+def test_a_completed_job_is_recognised_without_parsing_its_input(tmp_path, tiny_chat_model,
+                                                                 monkeypatch):
+    """A rerun of a completed job under the same settings exits before the input is parsed
+    again (a million lines take tens of seconds); a changed setting is left to the full check,
+    which refuses it."""
+    import typer
+
+    from batchgen.cli import app
+    from batchgen.cli_options import build_config
+    from batchgen.runner.leader import prepare
+
+    inp = write_jsonl(tmp_path / "in.jsonl", chat_rows(3))
+    args = run_args(inp, tmp_path / "s", tiny_chat_model, "--device", "cpu")
+    batchgen(*args, check=True)
+
+    def config(*extra):
+        command = typer.main.get_command(app).commands["run"]
+        return build_config(command.make_context("run", [*map(str, args[1:]), *extra]).params)
+
+    source, paths = prepare.identify(config())
+    assert prepare.completed_already(config(), source, paths)
+    assert not prepare.completed_already(config("--seed", "4"), source, paths)
+    paths.errors_output.write_text("")  # the final files changed by hand: merge again
+    paths.output.write_text(paths.output.read_text().split("\n", 1)[1])
+    assert not prepare.completed_already(config(), source, paths)

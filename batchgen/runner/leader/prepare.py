@@ -13,12 +13,13 @@ from batchgen.io.jobfiles import (BatchFile, FingerprintMismatch, JobPaths, chec
 from batchgen.io.parsed_input import parse_input
 from batchgen.io.reader import InputFile, InputFileError, InputSummary, identify_input
 from batchgen.io.sampling_fields import BadLine, model_defaults
-from batchgen.io.writer import read_done_ids
+from batchgen.io.writer import final_files_complete, read_done_ids
 from batchgen.models.factory import generation_config
 from batchgen.models.loader import CheckpointError, resolve_model, weights_signature
 from batchgen.parallel import pick_device
 from batchgen.runner.files.job import JobSpec, fingerprint, now
 from batchgen.runner.files.job_dirs import claim_incremental, make_job_dirs
+from batchgen.runner.worker.outputs import outputs_belong_to
 
 log = logging.getLogger("batchgen.job")
 
@@ -103,6 +104,25 @@ def _as_recorded_then(old: dict, new: dict, config: JobConfig,
     if "auto" in (old.get("dtype"), old.get("kv_dtype")):
         new.update(dtype=config.engine.model.dtype, kv_dtype=config.engine.model.kv_dtype)
     return new
+
+
+def completed_already(config: JobConfig, source: InputFile, paths: JobPaths) -> bool:
+    """Whether this job is on record as completed under this run's settings, its final files
+    whole: a rerun then has nothing to do and need not parse the input (a million lines take
+    tens of seconds). Any doubt answers False, and the full check (parse, prepare) decides."""
+    state = BatchFile(paths.batch_file).load()
+    if state is None or state.status != "completed" or not state.fingerprint:
+        return False
+    # As if some line took --max-tokens: it is recorded then, so a changed one is a doubt.
+    fp = fingerprint(config, source.sha256, model_identity(config), model_weights(config),
+                     job_device_type(config), True, sampling_defaults(config))
+    try:
+        check_fingerprint(state.fingerprint, _as_recorded_then(state.fingerprint, fp, config))
+    except FingerprintMismatch:
+        return False
+    total = state.request_counts.get("total", -1)
+    return final_files_complete(paths.output, paths.errors_output, total) and outputs_belong_to(
+        paths.batch_id, paths.output, paths.errors_output)
 
 
 def prepare(config: JobConfig, summary: InputSummary, paths: JobPaths) -> tuple[JobSpec, BatchFile]:

@@ -41,7 +41,7 @@ from batchgen.runner.leader.group import Group, GroupError, MemberEnd, PlanRefus
 from batchgen.runner.leader.launch import WorkerFailure, is_stop_signal, release_exit_barrier
 from batchgen.runner.leader.members import Member, check_plan, member_failure, member_for
 from batchgen.runner.leader.preflight import preflight, refuse_unwritable
-from batchgen.runner.leader.prepare import identify, parse, prepare
+from batchgen.runner.leader.prepare import completed_already, identify, parse, prepare
 from batchgen.runner.leader.progress import ProgressReporter, read_worker_stats, run_summary
 from batchgen.runner.leader.records import (record_end, record_killed_run, result_files,
                                             try_record_end, usage_total, warn_if_replacing)
@@ -92,19 +92,14 @@ def _run(config: JobConfig, stops: StopSignals, member: Member) -> int:
     try:
         with _abort_followers(group):
             _lock_output(output_lock, paths, config.storage.wait_for_lock)
+            if completed_already(config, source, paths):  # nothing to parse or run
+                return _completed(config, paths, stops, group)
             summary = parse(config, source, paths)
             spec, batch_file = prepare(config, summary, paths)
             if batch_file.load().status == "completed" and final_files_complete(
                     paths.output, paths.errors_output, summary.records) and outputs_belong_to(
                     spec.batch_id, paths.output, paths.errors_output):
-                log.info("job %s already completed: %s", spec.batch_id, paths.output)
-                stops.completed = True
-                if config.storage.no_incremental_save:  # a kill came before their removal
-                    paths.remove_incremental()
-                paths.parsed_input.unlink(missing_ok=True)
-                if group is not None:
-                    group.publish_final("done")
-                return ExitCode.OK
+                return _completed(config, paths, stops, group)
             warn_if_replacing(spec, Path(config.storage.storage_path))
             already = done_records(paths, summary.records)
             left = summary.records - already
@@ -119,6 +114,18 @@ def _run(config: JobConfig, stops: StopSignals, member: Member) -> int:
     finally:
         output_lock.release()
         lock.release()
+
+
+def _completed(config: JobConfig, paths: JobPaths, stops: StopSignals, group) -> int:
+    """A rerun of a job that completed: say so, tidy what a kill may have left, exit 0."""
+    log.info("job %s already completed: %s", paths.batch_id, paths.output)
+    stops.completed = True
+    if config.storage.no_incremental_save:  # a kill came before their removal
+        paths.remove_incremental()
+    paths.parsed_input.unlink(missing_ok=True)
+    if group is not None:
+        group.publish_final("done")
+    return ExitCode.OK
 
 
 def _lock_output(output_lock: JobLock, paths: JobPaths, wait_s: float) -> None:
