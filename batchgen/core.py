@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 import functools
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import MISSING, Field, dataclass, field, fields, replace
 
 PAGE_SIZE = 64
 """Tokens per KV page, on the device and in the host pool alike."""
@@ -17,6 +17,14 @@ PAGE_SIZE = 64
 @functools.cache
 def _field_names(cls: type) -> tuple[str, ...]:
     return tuple(f.name for f in fields(cls))
+
+
+def _default_of(f: Field):
+    if f.default is not MISSING:
+        return f.default
+    if f.default_factory is not MISSING:
+        return f.default_factory()
+    raise KeyError(f.name)
 
 
 class CompactPickle:
@@ -30,8 +38,9 @@ class CompactPickle:
         return tuple(getattr(self, name) for name in _field_names(type(self)))
 
     def __setstate__(self, state: tuple | dict) -> None:
-        if isinstance(state, dict):  # pickled before (a field per name)
-            state = tuple(state[name] for name in _field_names(type(self)))
+        if isinstance(state, dict):  # pickled before (a field per name; later fields absent)
+            state = tuple(state[f.name] if f.name in state else _default_of(f)
+                          for f in fields(type(self)))
         for name, value in zip(_field_names(type(self)), state, strict=True):
             object.__setattr__(self, name, value)
 

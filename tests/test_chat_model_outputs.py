@@ -169,3 +169,15 @@ def test_developer_is_system_unless_the_template_knows_it(template, role):
     text = render_chat(messages, {}, tokenizer)
     assert text.startswith(f"{role}: Be brief.") and "developer" not in text
     assert messages[0]["role"] == "developer"  # the line's own messages are left as given
+
+
+def test_a_template_mentioning_developers_in_prose_still_gets_developer_as_system():
+    """Only a template that compares the role to the quoted name handles it; a default system
+    prompt mentioning "developers" does not."""
+    from tiny_models import embedded_tokenizer
+
+    tokenizer = embedded_tokenizer()
+    tokenizer.chat_template = ("{{- 'Made by our developers.\\n' }}{%- for m in messages %}"
+                               "{{- m.role + ': ' + m.content + '\\n' }}{%- endfor %}")
+    text = render_chat([{"role": "developer", "content": "Be brief."}] + USER, {}, tokenizer)
+    assert "system: Be brief." in text

@@ -432,3 +432,18 @@ def test_a_revision_with_a_local_folder_is_named_as_ignored(tiny_chat_model, cap
     caplog.clear()
     resolve_model(str(tiny_chat_model))
     assert "ignored" not in caplog.text
+
+
+def test_a_network_error_is_never_blamed_on_the_cache(tmp_path):
+    """A TLS failure's errno is 1 (EPERM's): it is a cut download, not a cache folder this
+    user may not write. An index naming no shard is no complete snapshot."""
+    import errno
+    import ssl
+
+    assert not hub.cache_fault(ssl.SSLError(1, "decryption failed or bad record mac"))
+    assert not hub.cache_fault(ConnectionResetError(errno.EPERM, "reset"))
+    assert hub.cache_fault(OSError(errno.EROFS, "Read-only file system"))
+    assert hub.cache_fault(PermissionError(errno.EACCES, "Permission denied"))
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / hub.INDEX).write_text('{"weight_map": {}}')
+    assert not hub._complete(tmp_path)

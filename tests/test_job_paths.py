@@ -202,3 +202,14 @@ def test_a_changed_tool_call_parser_is_refused_on_resume():
     check_fingerprint(fp("hermes"), fp("hermes"))
     with pytest.raises(FingerprintMismatch, match="tool_call_parser: 'hermes' -> 'llama3_json'"):
         check_fingerprint(fp("hermes"), fp("llama3_json"))
+
+
+def test_the_chat_template_text_travels_in_the_job_spec(tmp_path):
+    """Workers render chat lines with the text the supervisor read and fingerprinted (the
+    spec carries it), not by reading --chat-template's file again."""
+    from batchgen.config import JobConfig
+    from batchgen.runner.files.job import JobSpec
+
+    spec = JobSpec(JobConfig(), "b", "0" * 64, 1, 1, {"temperature": 0.5}, "{{ x }}")
+    again = JobSpec.from_bytes(spec.to_bytes())
+    assert again.chat_template == "{{ x }}" and again.sampling_defaults == {"temperature": 0.5}

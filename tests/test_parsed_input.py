@@ -17,7 +17,8 @@ from tiny_models import embedded_tokenizer
 from batchgen.config import JobConfig, StorageConfig
 from batchgen.io import intake as intake_module
 from batchgen.io import reader as reader_module
-from batchgen.io.intake import IntakeError, PendingRequest, parse_record
+from batchgen.core import SamplingParams
+from batchgen.io.intake import IntakeError, ParsedRequest, PendingRequest, parse_record
 from batchgen.io.parsed_input import HEADER, parse_input, parsed_keys, read_parsed
 from batchgen.io.reader import InputFileError, identify_input, read_records, record_key
 
@@ -229,3 +230,21 @@ def test_a_resumed_worker_passes_finished_records_over_unread(tmp_path, monkeypa
         shards = [[r.key for r in read_parsed(out, rank, world, skip=done)]
                   for rank in range(world)]
         assert sorted(k for s in shards for k in s) == ["r48", "r49"]
+
+
+def test_records_pickled_with_field_names_load_with_later_fields_defaulted(monkeypatch):
+    """A store written before a field existed (pickled as a dict of names, as before compact
+    pickling) loads with that field's default; one missing a required field is damaged."""
+    from batchgen.io.parsed_input import _load
+
+    record = ParsedRequest("c", 1, "completion", None, "hi", SamplingParams(), {})
+    state = {k: v for k, v in vars(record).items() if k != "unset"}
+    monkeypatch.setattr(ParsedRequest, "__getstate__", lambda self: state)
+    old = pickle.dumps(record)
+    del state["kind"]
+    damaged = pickle.dumps(record)
+    monkeypatch.undo()
+    loaded = _load(old, Path("x"))
+    assert loaded == record and loaded.unset == frozenset()
+    with pytest.raises(InputFileError, match="damaged"):
+        _load(damaged, Path("x"))

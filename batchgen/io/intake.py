@@ -22,7 +22,7 @@ from batchgen.io.embeddings import (EMBEDDINGS_URL, EmbeddingLineError, Embeddin
 from batchgen.io.grammar_limits import GrammarTooComplex, check_grammar_limits
 from batchgen.io.reader import RawRecord, custom_id_of, record_key
 from batchgen.io.sampling_fields import (MODEL_DEFAULT_FIELDS, BadLine, gives_max_tokens,
-                                         parse_sampling, token_ids, whole)
+                                         is_int, parse_sampling, token_ids, whole)
 from batchgen.io.templates import TemplateError, render_chat
 from batchgen.request_checks import (StructuredOutputError, ToolChoiceError, check_tools,
                                      forced_functions, response_format_schema)
@@ -216,7 +216,7 @@ def _refuse_unimplemented(body: dict, n: int) -> None:
         raise BadLine("invalid_request", "suffix (the text after the completion: insertion) "
                                           "is not supported: drop it", "suffix")
     best_of = whole(body.get("best_of"))
-    if best_of is not None and best_of != n:
+    if best_of is not None and (not is_int(best_of) or best_of != n):
         raise BadLine("invalid_request", f"best_of {best_of!r} is not supported (only best_of "
                                           "equal to n, or none): ask for n choices and pick "
                                           "among them", "best_of")

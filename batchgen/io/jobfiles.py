@@ -203,10 +203,13 @@ def check_fingerprint(old: dict, new: dict) -> None:
             show = lambda v: "<absent>" if v is missing else repr(v)  # noqa: E731
             diffs.append(f"{key}: {show(before)} -> {show(after)}")
     if diffs:
+        hint = (" (`sampling_defaults`: the model's generation_config.json; "
+                "--generation-config none leaves them out)"
+                if any(d.startswith("sampling_defaults") for d in diffs) else "")
         raise FingerprintMismatch(
             "refusing to resume: this job was started with settings that decide the answers "
-            "differently (" + "; ".join(diffs) + "). Re-run with the original settings, or start "
-            "a new job (--batch-id or another --storage-path).")
+            "differently (" + "; ".join(diffs) + f"){hint}. Re-run with the original settings, "
+            "or start a new job (--batch-id or another --storage-path).")
 
 
 @dataclass

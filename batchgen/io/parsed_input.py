@@ -145,7 +145,8 @@ def _records(path: Path, rank: int, world: int, items: bool,
 def _load(raw: bytes, path: Path):
     try:
         return _Unpickler(io.BytesIO(raw)).load()
-    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError) as err:
+    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, KeyError,
+            TypeError) as err:
         raise InputFileError(f"the job's parsed input {path} is damaged ({err}): re-run the job "
                              "(the supervisor writes it again from the input)") from None
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import signal
 import threading
 from typing import Any
@@ -74,6 +75,10 @@ def render_chat(messages: list[dict], extra: dict, tokenizer: Any) -> str:
     return text
 
 
+DEVELOPER_ROLE = re.compile(r"""['"]developer['"]""")
+"""How a template that handles the developer role names it (`role == 'developer'`)."""
+
+
 def _developer_as_system(messages: list[dict], tokenizer: Any) -> list[dict]:
     """OpenAI's `developer` role is its `system` role under a newer name: a template that never
     names it gets it as `system` (Qwen3's drops an unknown role, ChatML templates render a
@@ -81,7 +86,7 @@ def _developer_as_system(messages: list[dict], tokenizer: Any) -> list[dict]:
     if not any(m.get("role") == "developer" for m in messages):
         return messages
     template = getattr(tokenizer, "chat_template", None)
-    if "developer" in str(template or ""):
+    if DEVELOPER_ROLE.search(str(template or "")):  # the role's name quoted: a comparison
         return messages
     return [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
 

@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch
 
-from batchgen.config import ModelConfig, read_chat_template
+from batchgen.config import ModelConfig
 from batchgen.models.convert import (EMBEDDED_NAME, check_manifest, converted_for_gguf,
                                      embedded_gguf, rank_shard, read_manifest)
 from batchgen.models.loader import (MANIFEST, CheckpointError, build_model, load_hf_config,
@@ -127,8 +127,6 @@ def load_model(cfg: ModelConfig, device: torch.device, world_size: int = 1,
         weights.close()
     model.max_context = capped_context(model.max_context, cfg.max_model_len)
     tokenizer = load_tokenizer(folder)
-    if cfg.chat_template is not None and tokenizer is not None:
-        tokenizer.chat_template = read_chat_template(cfg.chat_template)
     log.info("model %s ready on %s in %.1fs (%s)", name, device, time.perf_counter() - start, dtype)
     return LoadedModel(model, hf_config, tokenizer, eos_token_ids(folder, hf_config, tokenizer),
                        folder, name, dtype, model.max_context)

@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import shutil
+import ssl
 import time
 import urllib.error
 import urllib.parse
@@ -51,6 +52,14 @@ CACHE_ERRNOS = {errno.ENOSPC: "free space there", errno.EDQUOT: "free space ther
                 errno.EACCES: "this user may not write there",
                 errno.EPERM: "this user may not write there"}
 """OSErrors that mean the cache folder cannot take a download, with the fix each asks for."""
+NETWORK_ERRORS = (ssl.SSLError, ConnectionError, TimeoutError, urllib.error.URLError)
+"""OSErrors of the connection, whose errno says nothing about the cache folder."""
+
+
+def cache_fault(err: OSError) -> bool:
+    """Whether `err` says the cache folder cannot take the download (CACHE_ERRNOS). A network
+    error never does, whatever its errno (a TLS failure's is 1, EPERM's)."""
+    return err.errno in CACHE_ERRNOS and not isinstance(err, NETWORK_ERRORS)
 
 
 class HubError(Exception):
@@ -113,7 +122,8 @@ def _complete(snapshot: Path) -> bool:
         return False
     if (snapshot / INDEX).is_file():
         try:
-            return all((snapshot / name).is_file() for name in index_shards(snapshot / INDEX))
+            shards = index_shards(snapshot / INDEX)
+            return bool(shards) and all((snapshot / name).is_file() for name in shards)
         except INDEX_ERRORS:
             return True  # the loader names the damaged index
     return any(snapshot.glob("*.safetensors"))
@@ -157,7 +167,7 @@ def download(repo: str, revision: str | None, root: Path) -> Path:
     try:
         return _download(repo, revision, root)
     except OSError as err:  # the cache folder cannot take it (not the job's files, not the Hub)
-        if err.errno not in CACHE_ERRNOS:
+        if not cache_fault(err):
             raise
         raise HubError(f"cannot download {repo} into the model cache {root}: {err.strerror} "
                        f"({err.filename or repo_folder(root, repo)}): "
@@ -338,7 +348,7 @@ def fetch_file(repo: str, commit: str, f: RepoFile, snapshot: Path, bar) -> None
     except urllib.error.HTTPError as err:
         raise HubError(refused_file(err, repo, f.path, url)) from None
     except OSError as err:
-        if err.errno in CACHE_ERRNOS:  # our write failed: the cache folder's fault (download)
+        if cache_fault(err):  # our write failed: the cache folder's fault (download)
             raise
         raise HubError(f"download of {f.path} of {repo} was cut ({err}); run again to "
                        "continue where it stopped") from None

@@ -139,7 +139,8 @@ def resolve_model(model: str, cache_dir: str | None = None,
                                                      revision))
 
 
-WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin", ".json")
+WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin", ".json", ".jinja")
+"""Files whose content decides the answers (a chat template among them): weights_signature."""
 SAMPLES_PER_FILE, SAMPLE_BYTES = 8, 64 << 10
 MODULE_FOLDER = re.compile(r"\d+_\w+")
 """A sentence-transformers module's folder (1_Pooling, 2_Normalize, 2_Dense)."""

@@ -13,7 +13,7 @@ from pathlib import Path
 import orjson
 
 from batchgen.atomic import atomic_file
-from batchgen.config import JobConfig, StorageConfig, read_chat_template
+from batchgen.config import JobConfig, StorageConfig
 from batchgen.io.jobfiles import FingerprintMismatch, JobPaths, make_fingerprint
 from batchgen.io.reader import DEFAULT_MAX_LINE_BYTES, InputFileError, identify_input
 
@@ -31,6 +31,9 @@ class JobSpec:
     sampling_defaults: dict = dataclasses.field(default_factory=dict)
     """The model's sampling defaults (generation_config.json, --generation-config auto) for
     the fields a line leaves out: the workers fill them in (intake.with_model_defaults)."""
+    chat_template: str | None = None
+    """--chat-template's text, read once by the supervisor (and fingerprinted): the workers
+    render chat lines with it, never reading the file again."""
 
     @property
     def paths(self) -> JobPaths:
@@ -73,14 +76,15 @@ def _config_from_dict(cls, data: dict):
 def fingerprint(config: JobConfig, input_sha256: str, model_identity: str,
                 model_weights: str, device_type: str = "cpu",
                 default_max_tokens_used: bool = True,
-                sampling_defaults: dict | None = None) -> dict:
+                sampling_defaults: dict | None = None,
+                chat_template: str | None = None) -> dict:
     """What decides the answers: a resume with any of it changed is refused. The dtypes are
     recorded as they resolve on `device_type` ("auto" is bfloat16 on CUDA, float32 on the
     CPU; the KV cache's "auto" is the model's dtype), so a job started on the CPU is not
     resumed on a GPU in another precision, and `--dtype float32` resumes a CPU job started
     with "auto". --max-tokens counts only where a request takes it
     (`default_max_tokens_used`); the model's sampling defaults (prepare.sampling_defaults)
-    only where there are some."""
+    only where there are some, --chat-template's text (as a hash) only where given."""
     m = config.engine.model
     out = config.output
     optional = {}  # absent at their defaults: jobs started before they existed still resume
@@ -90,9 +94,8 @@ def fingerprint(config: JobConfig, input_sha256: str, model_identity: str,
         optional["max_model_len"] = m.max_model_len
     if sampling_defaults:
         optional["sampling_defaults"] = dict(sampling_defaults)
-    if m.chat_template is not None:  # the template's text decides every chat prompt
-        optional["chat_template"] = hashlib.sha256(
-            read_chat_template(m.chat_template).encode()).hexdigest()[:16]
+    if chat_template is not None:  # --chat-template's text decides every chat prompt
+        optional["chat_template"] = hashlib.sha256(chat_template.encode()).hexdigest()[:16]
     return make_fingerprint({
         **optional,
         "input_sha256": input_sha256,

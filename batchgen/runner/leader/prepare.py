@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from batchgen.config import JobConfig
+from batchgen.config import JobConfig, read_chat_template
 from batchgen.io.jobfiles import (BatchFile, FingerprintMismatch, JobPaths, check_fingerprint,
                                   derive_batch_id, record_upload)
 from batchgen.io.parsed_input import parse_input
@@ -39,11 +39,18 @@ def model_weights(config: JobConfig) -> str:
     return weights_signature(resolve_model(m.model, m.cache_dir, m.revision).path)
 
 
-def sampling_defaults(config: JobConfig) -> dict:
+def chat_template(config: JobConfig) -> str | None:
+    """--chat-template's text, read here once: the fingerprint and the workers take this."""
+    value = config.engine.model.chat_template
+    return None if value is None else read_chat_template(value)
+
+
+def sampling_defaults(config: JobConfig, quiet: bool = False) -> dict:
     """What lines that leave a sampling field out are answered with (--generation-config
     auto): the fields of sampling_fields.MODEL_DEFAULT_FIELDS that --model's
     generation_config.json sets, as vLLM reads them. None for a .gguf file or the embedded
-    model (they carry no such file); CheckpointError for a value no line could give."""
+    model (they carry no such file); CheckpointError for a value no line could give.
+    `quiet`: without the log line saying which it took."""
     m = config.engine.model
     if m.model is None or m.generation_config != "auto":
         return {}
@@ -55,7 +62,7 @@ def sampling_defaults(config: JobConfig) -> dict:
     except BadLine as bad:
         raise CheckpointError(f"{path / 'generation_config.json'}: {bad}; fix the file, or "
                               "run with --generation-config none (OpenAI's defaults)") from None
-    if defaults:
+    if defaults and not quiet:
         log.info("lines that leave them out are sampled with generation_config.json's %s "
                  "(--generation-config none: OpenAI's defaults)",
                  ", ".join(f"{k} {v}" for k, v in defaults.items()))
@@ -115,7 +122,8 @@ def completed_already(config: JobConfig, source: InputFile, paths: JobPaths) -> 
         return False
     # As if some line took --max-tokens: it is recorded then, so a changed one is a doubt.
     fp = fingerprint(config, source.sha256, model_identity(config), model_weights(config),
-                     job_device_type(config), True, sampling_defaults(config))
+                     job_device_type(config), True, sampling_defaults(config, quiet=True),
+                     chat_template(config))
     try:
         check_fingerprint(state.fingerprint, _as_recorded_then(state.fingerprint, fp, config))
     except FingerprintMismatch:
@@ -131,9 +139,10 @@ def prepare(config: JobConfig, summary: InputSummary, paths: JobPaths) -> tuple[
     batch_file = BatchFile(paths.batch_file)
     state = batch_file.load()
     weights = model_weights(config)  # first: a Hub model is downloaded here
-    defaults = sampling_defaults(config)
+    defaults, template = sampling_defaults(config), chat_template(config)
     fp = fingerprint(config, summary.sha256, model_identity(config), weights,
-                     job_device_type(config), summary.default_max_tokens_lines != 0, defaults)
+                     job_device_type(config), summary.default_max_tokens_lines != 0, defaults,
+                     template)
     retake = False
     if state is not None and state.fingerprint:
         try:
@@ -151,7 +160,8 @@ def prepare(config: JobConfig, summary: InputSummary, paths: JobPaths) -> tuple[
     claim_incremental(paths, fp, job_recorded=state is not None,
                       as_recorded=lambda old, new: _as_recorded_then(old, new, config, summary))
     created = int(state.timings.get("created_at", now())) if state else now()
-    spec = JobSpec(config, batch_id, summary.sha256, summary.records, created, defaults)
+    spec = JobSpec(config, batch_id, summary.sha256, summary.records, created, defaults,
+                   template)
     if state is None or not state.fingerprint:  # no fingerprint: a stub, the end of a run
         # recorded into a job folder deleted while it ran (nothing of the job is left)
         record_upload(paths, Path(s.input), summary.sha256, summary.size_bytes, summary.records,

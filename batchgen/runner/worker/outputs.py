@@ -41,7 +41,7 @@ class OutputFormatter:
         free = pending.extra.get("tools") and pending.extra.get("tool_choice") != "none"
         tools = (self.tool_format if forces_call(pending.extra)
                  else self.tool_parser if free else None)
-        style = self._reasoning_style(pending)
+        style = self._reasoning_style(pending) if pending.kind == "chat" else None
         if pending.kind == "chat" and (style or tools):
             parsed = [self._parse(c, tools, style) for c in finished.completions]
             if pending.extra.get("parallel_tool_calls") is False:  # OpenAI: at most one call

@@ -171,6 +171,9 @@ class Worker:
                                      compile_workers, device, cfg.engine, sequences, self.tp,
                                      lambda: self.clock.mark("precompile")))
         self.clock.mark("weights")
+        if spec.chat_template is not None and self.loaded.tokenizer is not None:
+            # the text the supervisor read and fingerprinted, never the file again
+            self.loaded.tokenizer.chat_template = spec.chat_template
         # Off through the imports and the load (worker_entry.py); on again before the engine
         # runs forwards, whose cyclic garbage (an exception's frames) may hold device memory.
         gc.enable()
