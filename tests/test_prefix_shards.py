@@ -8,8 +8,8 @@ from collections import Counter
 import pytest
 from hypothesis import given, strategies as st
 
-from batchgen.io.prefix_shards import (LEVEL_BYTES, LEVEL_CHARS, PREFIX_CHARS, assign_replicas,
-                                       prefix_key)
+from batchgen.io.prefix_shards import (LEVEL_BYTES, LEVEL_CHARS, PREFIX_CHARS, _assign_tuples,
+                                       assign_replicas, prefix_key)
 
 
 def chat(system: str, user: str) -> list[dict]:
@@ -91,26 +91,12 @@ def test_bad_world_is_refused():
         assign_replicas([b"a"], 0)
 
 
-def _assign_reference(keys, world):
-    """The assignment as first written (a dict of every level's prefix, a tuple per record)."""
-    first_seen, order = {}, []
-    for index, key in enumerate(keys):
-        levels = [key[:end] for end in range(LEVEL_BYTES, len(key) + LEVEL_BYTES, LEVEL_BYTES)]
-        order.append((*(first_seen.setdefault(level, len(first_seen)) for level in levels),
-                      index))
-    order.sort()
-    replica = [0] * len(keys)
-    for position, (*_, index) in enumerate(order):
-        replica[index] = position * world // max(1, len(keys))
-    return replica
-
-
 @given(st.integers(1, 12), st.lists(st.lists(st.sampled_from([0, 1, 255]), min_size=12,
                                              max_size=12), max_size=200), st.integers(1, 9))
 def test_packed_keys_are_assigned_as_before(size, raw, world):
     """Resumed jobs and every rank must agree: the numpy assignment is the original one."""
     keys = [bytes(k[:size]) for k in raw]
-    assert assign_replicas(keys, world) == _assign_reference(keys, world)
+    assert assign_replicas(keys, world) == _assign_tuples(keys, world)  # the original
 
 
 def test_assignment_memory_does_not_hold_an_object_per_prefix():
