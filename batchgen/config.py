@@ -119,7 +119,8 @@ class ModelConfig:
     generation_config: str = "auto"
     """Sampling defaults of lines that leave a field out: auto (the temperature, top_p, top_k,
     min_p and repetition_penalty the model folder's generation_config.json recommends, as
-    vLLM does; OpenAI's defaults for the rest), none or vllm (OpenAI's defaults only)."""
+    vLLM does; OpenAI's defaults for the rest), none or vllm (OpenAI's defaults only), or a
+    folder whose generation_config.json is read instead of the model's."""
     chat_template: str | None = None
     """A Jinja chat template used instead of the model's (a file, or the template text
     itself), as vLLM's: for chat lines on a model that ships none (a base model), or to fix
@@ -134,8 +135,12 @@ class ModelConfig:
                  "one of " + ", ".join(KV_DTYPE_ALIASES))
         if self.chat_template is not None:
             read_chat_template(self.chat_template)  # raises ConfigError naming the flag
-        _require(self.generation_config in GENERATION_CONFIGS, "generation_config",
-                 self.generation_config, "one of " + ", ".join(GENERATION_CONFIGS))
+        _require(self.generation_config in GENERATION_CONFIGS
+                 or (Path(self.generation_config).expanduser()
+                     / "generation_config.json").is_file(),
+                 "generation_config", self.generation_config,
+                 "one of " + ", ".join(GENERATION_CONFIGS) + ", or a folder holding "
+                 "generation_config.json")
         _require(0.0 <= self.ep_offloading_ratio <= 1.0, "ep_offloading_ratio",
                  self.ep_offloading_ratio, "a ratio in [0, 1]")
         _require(self.ep_offloading_ratio == 0.0 or self.enable_ep_with_offloading,

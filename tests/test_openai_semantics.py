@@ -238,3 +238,21 @@ def test_chat_template_flag_serves_a_model_without_one(tiny_chat_model, tmp_path
     assert proc.returncode == 3 and "chat_template" in proc.stderr, proc.stderr
     proc = run("missing", "--chat-template", tmp_path / "missing.jinja")
     assert proc.returncode == 2 and "--chat-template" in proc.stderr
+
+
+def test_generation_config_may_name_a_folder(tmp_path):
+    """vLLM's --generation-config also takes a folder: its generation_config.json is read
+    instead of the model's; a folder without one is refused as the flag's value."""
+    from dataclasses import replace
+
+    from batchgen.config import ConfigError, JobConfig
+    from batchgen.runner.leader.prepare import sampling_defaults
+
+    (tmp_path / "generation_config.json").write_text(json.dumps({"top_k": 5, "top_p": 0.5}))
+    base = JobConfig()
+    model = replace(base.engine.model, generation_config=str(tmp_path))
+    model.validate()
+    config = replace(base, engine=replace(base.engine, model=model))
+    assert sampling_defaults(config) == {"top_k": 5, "top_p": 0.5}
+    with pytest.raises(ConfigError, match="--generation-config"):
+        replace(model, generation_config=str(tmp_path / "elsewhere")).validate()

@@ -50,11 +50,17 @@ def sampling_defaults(config: JobConfig, quiet: bool = False) -> dict:
     auto): the fields of sampling_fields.MODEL_DEFAULT_FIELDS that --model's
     generation_config.json sets, as vLLM reads them. None for a .gguf file or the embedded
     model (they carry no such file); CheckpointError for a value no line could give.
+    A folder given as --generation-config (vLLM's form) is read instead of the model's.
     `quiet`: without the log line saying which it took."""
     m = config.engine.model
-    if m.model is None or m.generation_config != "auto":
+    if m.generation_config in ("none", "vllm"):
         return {}
-    path = resolve_model(m.model, m.cache_dir, m.revision).path
+    if m.generation_config != "auto":
+        path = Path(m.generation_config).expanduser()
+    elif m.model is None:
+        return {}
+    else:
+        path = resolve_model(m.model, m.cache_dir, m.revision).path
     if not path.is_dir():
         return {}
     try:
