@@ -186,3 +186,15 @@ def test_status_reads_the_saved_results_once(tmp_path, monkeypatch):
     code, out = status(str(root))
     assert code == 0 and "2 of 5 results" in out and "0 requests in flight" in out
     assert len(passes) == 1
+
+
+def test_status_and_the_error_reporting_import_no_torch():
+    """`batchgen status` answers in a fraction of a second: the CLI, the status command and the
+    errors it may report (the model's among them) load without torch (~1-3 s of imports)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, batchgen.cli, batchgen.runner.leader.status, "
+            "batchgen.runner.files.errors; print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from batchgen.models import hub
+from batchgen.models.errors import CheckpointError, ModelNotFoundError  # noqa: F401 (re-exported)
 from batchgen.models.hf_text import text_only
 from batchgen.models.registry import model_class
 from batchgen.models.weight_stream import StreamedWeights, stream_to_device
@@ -25,14 +26,6 @@ from batchgen.parallel import TensorParallel
 
 log = logging.getLogger("batchgen.loader")
 MANIFEST = "batchgen_manifest.json"
-
-
-class ModelNotFoundError(FileNotFoundError):
-    pass
-
-
-class CheckpointError(ValueError):
-    pass
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from batchgen.io.jobfiles import CorruptBatchFile, FingerprintMismatch, UnsafeJobPath
 from batchgen.io.reader import InputFileError
 from batchgen.io.writer import CorruptIncrementalFile, IncompleteResults, WriteFailed, WriterLocked
-from batchgen.models.loader import CheckpointError, ModelNotFoundError
+from batchgen.models.errors import CheckpointError, ModelNotFoundError
 from batchgen.models.registry import UnsupportedModelError
 from batchgen.runner.exits import ExitCode
 from batchgen.runner.files.lock import JobLocked
