@@ -55,6 +55,14 @@ def forces_call(extra: dict) -> bool:
         return False
 
 
+def grammar_constrained(extra: dict) -> bool:
+    """Whether a grammar decides the answer from its first token: a tool_choice that forces a
+    call, or a JSON response_format (runner/worker/grammars.py compiles them)."""
+    response_format = extra.get("response_format")
+    return forces_call(extra) or (isinstance(response_format, dict) and
+                                  response_format.get("type") in ("json_object", "json_schema"))
+
+
 def _functions(tools) -> list[dict]:
     if not isinstance(tools, list):
         return []

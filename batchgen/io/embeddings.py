@@ -16,6 +16,8 @@ import numpy as np
 
 from batchgen.core import CompactPickle
 
+MODEL_CONTEXT = "the model context"
+"""What bounds an input's length unless --max-model-len does (errors name it)."""
 EMBEDDINGS_URL = "/v1/embeddings"
 EMBEDDING_FIELDS = ("input", "encoding_format", "dimensions")
 """The body fields of an embeddings line batchgen reads."""
@@ -113,9 +115,14 @@ def parse_embedding(body: dict, custom_id: str, line: int) -> EmbeddingRequest:
     return EmbeddingRequest(custom_id, line, _inputs(body["input"]), encoding, dimensions)
 
 
+def raise_flag(context: str) -> str:
+    """The second fix of a too-long input when a flag (--max-model-len) set the context."""
+    return f", or raise {context}" if context.startswith("--") else ""
+
+
 def tokenize_embedding(parsed: EmbeddingRequest, tokenizer: Any, max_context: int,
                        vocab: int | None = None,
-                       context: str = "the model context") -> EmbeddingRequest:
+                       context: str = MODEL_CONTEXT) -> EmbeddingRequest:
     """Tokenize every input (as the tokenizer does by default: its special tokens, e.g. the
     EOS last-token pooling reads, are added); raises EmbeddingLineError. `vocab`: every token
     id must be below it (default: the tokenizer's size)."""
@@ -134,9 +141,7 @@ def tokenize_embedding(parsed: EmbeddingRequest, tokenizer: Any, max_context: in
         if len(tokens) > max_context:
             raise EmbeddingLineError("context_length_exceeded", f"{where} is {len(tokens)} "
                                      f"tokens but {context} is {max_context} tokens; shorten "
-                                     "it: it is never truncated"
-                                     + (f", or raise {context}" if context.startswith("--")
-                                        else ""), where)
+                                     "it: it is never truncated" + raise_flag(context), where)
         ids.append(tokens)
     return EmbeddingRequest(parsed.custom_id, parsed.line, parsed.inputs,
                             parsed.encoding_format, parsed.dimensions, tuple(ids))

@@ -17,8 +17,9 @@ from typing import Any
 import orjson
 
 from batchgen.core import CompactPickle, Request, SamplingParams
-from batchgen.io.embeddings import (EMBEDDINGS_URL, EmbeddingLineError, EmbeddingRequest,
-                                    parse_embedding, tokenize_embedding)
+from batchgen.io.embeddings import (EMBEDDINGS_URL, MODEL_CONTEXT, EmbeddingLineError,
+                                    EmbeddingRequest, parse_embedding, raise_flag,
+                                    tokenize_embedding)
 from batchgen.io.grammar_limits import GrammarTooComplex, check_grammar_limits
 from batchgen.io.reader import RawRecord, custom_id_of, record_key
 from batchgen.io.sampling_fields import (MODEL_DEFAULT_FIELDS, BadLine, gives_max_tokens,
@@ -35,8 +36,6 @@ EXTRA_FIELDS = ("tools", "tool_choice", "response_format", "parallel_tool_calls"
                 "chat_template_kwargs")
 """Body fields carried to the chat template, the output parsers and, for response_format
 (json_object, json_schema), the grammar that constrains sampling."""
-MODEL_CONTEXT = "the model context"
-"""What bounds a prompt's length unless --max-model-len does (errors name it)."""
 MAX_CHARS_PER_TOKEN = 128
 """More characters than any vocabulary piece holds: a text longer than this many per token of
 the context cannot fit, whatever the tokenizer."""
@@ -426,15 +425,11 @@ def tokenize_request(parsed: ParsedRequest | EmbeddingRequest, tokenizer: Any,
                            f"line {parsed.line}: the prompt is {len(ids)} tokens but {context} "
                            f"is {max_context} tokens (at least one token must be left to "
                            "generate); shorten the prompt: it is never truncated"
-                           + _raise_flag(context), param)
+                           + raise_flag(context), param)
     sampling = parsed.sampling.fit_context(max_context - len(ids))
     values = {f.name: getattr(parsed, f.name) for f in fields(ParsedRequest)}
     values["sampling"] = sampling
     return PendingRequest(**values, prompt_token_ids=ids)
-
-
-def _raise_flag(context: str) -> str:
-    return f", or raise {context}" if context.startswith("--") else ""
 
 
 def _check_in_vocabulary(what: str, token_ids, vocab: int, code: str, param: str) -> None:

@@ -132,7 +132,7 @@ def resolve_model(model: str, cache_dir: str | None = None,
                                                      revision))
 
 
-WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin", ".json", ".jinja")
+SIGNED_SUFFIXES = (".safetensors", ".gguf", ".bin", ".json", ".jinja")
 """Files whose content decides the answers (a chat template among them): weights_signature."""
 SAMPLES_PER_FILE, SAMPLE_BYTES = 8, 64 << 10
 MODULE_FOLDER = re.compile(r"\d+_\w+")
@@ -166,7 +166,7 @@ def _signed_files(folder: Path) -> list[Path]:
     folders (`1_Pooling/config.json`: the pooling an embedding job answers with)."""
     modules = [d for d in folder.iterdir() if d.is_dir() and MODULE_FOLDER.fullmatch(d.name)]
     return sorted(p for d in [folder, *modules] for p in d.iterdir()
-                  if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES))
+                  if p.is_file() and p.name.endswith(SIGNED_SUFFIXES))
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:

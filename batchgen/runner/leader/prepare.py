@@ -134,9 +134,14 @@ def completed_already(config: JobConfig, source: InputFile, paths: JobPaths) -> 
         check_fingerprint(state.fingerprint, _as_recorded_then(state.fingerprint, fp, config))
     except FingerprintMismatch:
         return False
-    total = state.request_counts.get("total", -1)
-    return final_files_complete(paths.output, paths.errors_output, total) and outputs_belong_to(
-        paths.batch_id, paths.output, paths.errors_output)
+    return final_files_whole(paths, state.request_counts.get("total", -1))
+
+
+def final_files_whole(paths: JobPaths, records: int) -> bool:
+    """Whether the final output files hold one line of this job per input record (a file
+    deleted, cut or edited by hand, or another job's, makes the next run merge them again)."""
+    return final_files_complete(paths.output, paths.errors_output, records) and \
+        outputs_belong_to(paths.batch_id, paths.output, paths.errors_output)
 
 
 def prepare(config: JobConfig, summary: InputSummary, paths: JobPaths) -> tuple[JobSpec, BatchFile]:

@@ -28,8 +28,7 @@ from batchgen.config import ConfigError, JobConfig
 from batchgen.io.checkpoints import checkpoint_files
 from batchgen.io.jobfiles import BatchFile, JobPaths, errors_path_for
 from batchgen.io.parsed_input import parsed_keys
-from batchgen.io.writer import (IncompleteResults, final_files_complete, finalize,
-                                read_done_ids)
+from batchgen.io.writer import IncompleteResults, finalize, read_done_ids
 from batchgen.models.folder_checks import check_model_folder, machine_memory
 from batchgen.models.loader import MANIFEST
 from batchgen.runner.exits import ExitCode, Preempted, StopSignals
@@ -41,11 +40,11 @@ from batchgen.runner.leader.group import Group, GroupError, MemberEnd, PlanRefus
 from batchgen.runner.leader.launch import WorkerFailure, is_stop_signal, release_exit_barrier
 from batchgen.runner.leader.members import Member, check_plan, member_failure, member_for
 from batchgen.runner.leader.preflight import preflight, refuse_unwritable
-from batchgen.runner.leader.prepare import completed_already, identify, parse, prepare
+from batchgen.runner.leader.prepare import (completed_already, final_files_whole, identify,
+                                            parse, prepare)
 from batchgen.runner.leader.progress import ProgressReporter, read_worker_stats, run_summary
 from batchgen.runner.leader.records import (record_end, record_killed_run, result_files,
                                             try_record_end, usage_total, warn_if_replacing)
-from batchgen.runner.worker.outputs import outputs_belong_to
 from batchgen.runner.worker.quarantine import mark_crashed
 
 log = logging.getLogger("batchgen")
@@ -96,9 +95,8 @@ def _run(config: JobConfig, stops: StopSignals, member: Member) -> int:
                 return _completed(config, paths, stops, group)
             summary = parse(config, source, paths)
             spec, batch_file = prepare(config, summary, paths)
-            if batch_file.load().status == "completed" and final_files_complete(
-                    paths.output, paths.errors_output, summary.records) and outputs_belong_to(
-                    spec.batch_id, paths.output, paths.errors_output):
+            if batch_file.load().status == "completed" and final_files_whole(paths,
+                                                                             summary.records):
                 return _completed(config, paths, stops, group)
             warn_if_replacing(spec, Path(config.storage.storage_path))
             already = done_records(paths, summary.records)

@@ -15,6 +15,7 @@ from batchgen.io.parsers import (THINK_CLOSE, THINK_OPEN, count_reasoning_tokens
                                  reasoning_style_for, tool_parser_for)
 from batchgen.io.results import ParsedChoice, item_id, success_line
 from batchgen.engine.tool_choice import forces_call
+from batchgen.request_checks import grammar_constrained
 
 
 class OutputFormatter:
@@ -62,7 +63,7 @@ class OutputFormatter:
         style = self.reasoning_style
         if style is None or style == "harmony":
             return style
-        if _grammar_constrained(pending.extra):
+        if grammar_constrained(pending.extra):
             return None
         tail = self.detokenizer.markup(pending.prompt_token_ids[-8:]).rstrip()
         if tail.endswith(THINK_OPEN):
@@ -81,14 +82,6 @@ class OutputFormatter:
         if style and message.reasoning:
             tokens = count_reasoning_tokens(completion.token_ids, self.detokenizer, style)
         return ParsedChoice(message.content, message.reasoning, message.tool_calls or None, tokens)
-
-
-def _grammar_constrained(extra: dict) -> bool:
-    """Whether a grammar decides the answer from its first token: a tool_choice that forces a
-    call, or a JSON response_format (runner/worker/grammars.py)."""
-    response_format = extra.get("response_format")
-    return forces_call(extra) or (isinstance(response_format, dict) and
-                                  response_format.get("type") in ("json_object", "json_schema"))
 
 
 def outputs_belong_to(batch_id: str, *files: Path) -> bool:
