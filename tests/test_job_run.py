@@ -45,6 +45,7 @@ def test_run_writes_results_in_input_order(tmp_path, tiny_chat_model):
     assert batch["status"] == "completed"
     assert batch["request_counts"] == {"total": 8, "completed": 7, "failed": 1}
     assert "done: 7 results" in proc.stderr
+    assert not list((tmp_path / "s" / "batches").glob("*.requests*"))  # the store and its stamp
     # A clean exit: nothing left for the interpreter's teardown to report (a heap still frozen
     # for the GC at exit made native extensions print each object as a leak).
     assert "Traceback" not in proc.stderr and "leaked" not in proc.stderr, proc.stderr[-2000:]

@@ -248,3 +248,83 @@ def test_records_pickled_with_field_names_load_with_later_fields_defaulted(monke
     assert loaded == record and loaded.unset == frozenset()
     with pytest.raises(InputFileError, match="damaged"):
         _load(damaged, Path("x"))
+
+
+def _parse_counting(monkeypatch, inp: Path, out: Path, max_tokens: int = 16):
+    """parse_input, and how many lines it decoded (0: the stored records were reused)."""
+    decoded = Counter()
+    parse_line = reader_module.parse_line
+
+    def counted(raw, line):
+        decoded[line] += 1
+        return parse_line(raw, line)
+
+    monkeypatch.setattr(reader_module, "parse_line", counted)
+    summary = parse_input(identify_input(inp), out, 1 << 20, max_tokens)
+    monkeypatch.setattr(reader_module, "parse_line", parse_line)
+    return summary, sum(decoded.values())
+
+
+def test_a_resume_reuses_the_stored_records_only_while_everything_matches(tmp_path, monkeypatch):
+    from batchgen.io import parsed_input
+
+    inp = write_input(tmp_path / "in.jsonl")
+    out = tmp_path / "job.requests"
+    first, decoded = _parse_counting(monkeypatch, inp, out)
+    assert decoded == 7 and parsed_input.stamp_of(out).is_file()
+    stored = out.read_bytes()
+    again, decoded = _parse_counting(monkeypatch, inp, out)
+    assert decoded == 0 and again == first and out.read_bytes() == stored
+    # Another --max-tokens, another input, another parser: parsed again.
+    assert _parse_counting(monkeypatch, inp, out, max_tokens=17)[1] == 7
+    assert _parse_counting(monkeypatch, inp, out)[1] == 7
+    write_input(inp, LINES + [{"custom_id": "e", "prompt": "more"}])
+    grown, decoded = _parse_counting(monkeypatch, inp, out)
+    assert decoded == 8 and grown.records == 8
+    assert [key for _, key in parsed_keys(out)][-1] == "e"
+    monkeypatch.setattr(parsed_input, "parser_digest", lambda: "another parser")
+    assert _parse_counting(monkeypatch, inp, out)[1] == 8
+    monkeypatch.undo()
+    assert _parse_counting(monkeypatch, inp, out)[1] == 8  # the stamp names the new digest
+    assert _parse_counting(monkeypatch, inp, out)[1] == 0
+
+
+@pytest.mark.parametrize("damage", ["flip", "cut", "no stamp", "stamp edited", "stamp garbage"])
+def test_a_changed_store_or_stamp_is_parsed_again(tmp_path, monkeypatch, damage):
+    from batchgen.io import parsed_input
+
+    inp = write_input(tmp_path / "in.jsonl")
+    out = tmp_path / "job.requests"
+    first, _ = _parse_counting(monkeypatch, inp, out)
+    stored, stamp = out.read_bytes(), parsed_input.stamp_of(out)
+    if damage == "flip":  # same size, one byte of a prompt changed
+        at = stored.index(b"Hi there")
+        out.write_bytes(stored[:at] + b"Ho" + stored[at + 2:])
+    elif damage == "cut":
+        out.write_bytes(stored[:-3])
+    elif damage == "no stamp":
+        stamp.unlink()
+    elif damage == "stamp edited":
+        data = orjson.loads(stamp.read_bytes())
+        stamp.write_bytes(orjson.dumps({**data, "records": "many"}))
+    else:
+        stamp.write_bytes(b"\x00not json")
+    again, decoded = _parse_counting(monkeypatch, inp, out)
+    assert decoded == 7 and again == first and out.read_bytes() == stored
+
+
+def test_a_reader_that_finds_the_store_damaged_removes_its_stamp(tmp_path, monkeypatch):
+    from batchgen.io import parsed_input
+
+    inp = write_input(tmp_path / "in.jsonl")
+    out = tmp_path / "job.requests"
+    _parse_counting(monkeypatch, inp, out)
+    stored = out.read_bytes()
+    out.write_bytes(stored[:-3])
+    parsed_input.stamp_of(out).write_bytes(orjson.dumps({}))  # any stamp: the reader drops it
+    with pytest.raises(InputFileError, match="re-run the job"):
+        list(read_parsed(out))
+    assert not parsed_input.stamp_of(out).exists()
+    assert _parse_counting(monkeypatch, inp, out)[1] == 7 and out.read_bytes() == stored
+    parsed_input.remove_parsed(out)
+    assert not out.exists() and not parsed_input.stamp_of(out).exists()

@@ -6,8 +6,13 @@ records and refuses duplicate custom_ids while every record is parsed and checke
 order, in `batches/{batch_id}.requests` (JobPaths.parsed_input), written all or nothing. From
 then on no one parses the input: each worker reads its shard of the stored records (skipping
 the others' unread) and only tokenizes them; resume and the final merge read the custom_ids in
-input order from it. The file is rewritten from the input on every run (the input's sha256
-is checked anyway) and removed when the job completes.
+input order from it. It is removed when the job completes.
+
+A resumed job reuses the store (a million lines take tens of seconds to parse) when its stamp
+(`{batch_id}.requests.stamp`, written after it) says it was parsed from this input (sha256),
+with these parse settings, by this parsing code (a digest of its source files), and the
+store's own size and sha256 still match; anything else, or no stamp, parses the input again.
+A reader that finds the store damaged removes the stamp, so the next run rewrites it.
 
 Format: records one after another, each a header (line: u64, custom_id bytes: u32, item bytes:
 u32, prompt-prefix key: 12 bytes, prefix_shards.prefix_key), the custom_id in UTF-8, and the
@@ -18,7 +23,11 @@ SamplingParams only. Pickling keeps what parse_record made: SamplingParams are n
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import io
+import logging
+import os
 import pickle
 import struct
 from collections.abc import Container, Iterator
@@ -28,11 +37,15 @@ from typing import BinaryIO
 
 import numpy as np
 
-from batchgen.atomic import atomic_file
+import batchgen.core
+import batchgen.request_checks
+from batchgen.atomic import atomic_file, read_json_dict, write_json_atomic
 from batchgen.io.embeddings import EmbeddingRequest
 from batchgen.io.intake import IntakeError, ParsedRequest, parse_record, takes_default_max_tokens
 from batchgen.io.prefix_shards import assign_packed, prefix_key
 from batchgen.io.reader import InputFile, InputFileError, InputSummary, RawRecord, scan_input
+
+log = logging.getLogger("batchgen.job")
 
 HEADER = struct.Struct("<QII12s")
 """line number, custom_id length, pickled item length, prompt-prefix key."""
@@ -54,12 +67,18 @@ class ParsedRecord:
 
 
 class _Store:
-    """Appends each record scan_input hands it, parsed, to the open file."""
+    """Appends each record scan_input hands it, parsed, to the open file (and its digest)."""
 
     def __init__(self, f: BinaryIO, default_max_tokens: int):
-        self.f, self.default_max_tokens = f, default_max_tokens
+        self.out, self.default_max_tokens = f, default_max_tokens
+        self.sha256, self.size = hashlib.sha256(), 0
         self.defaulted = 0
         """Records whose max_tokens is the default (intake.takes_default_max_tokens)."""
+
+    def write(self, data: bytes) -> None:
+        self.out.write(data)
+        self.sha256.update(data)
+        self.size += len(data)
 
     def add(self, record: RawRecord, key: str) -> None:
         parsed = parse_record(record, self.default_max_tokens)
@@ -68,19 +87,84 @@ class _Store:
         raw_key = key.encode("utf-8", "surrogatepass")
         prefix = (prefix_key(parsed.messages, parsed.prompt) if isinstance(parsed, ParsedRequest)
                   else bytes(12))  # embeddings and bad lines: one group, spread evenly
-        self.f.write(HEADER.pack(record.line, len(raw_key), len(item), prefix))
-        self.f.write(raw_key)
-        self.f.write(item)
+        self.write(HEADER.pack(record.line, len(raw_key), len(item), prefix))
+        self.write(raw_key)
+        self.write(item)
 
 
 def parse_input(identity: InputFile, out: Path, max_line_bytes: int,
                 default_max_tokens: int) -> InputSummary:
     """Parse every record of the input once into `out` (all or nothing: a duplicate custom_id
-    or an unreadable file raises InputFileError and leaves `out` as it was)."""
+    or an unreadable file raises InputFileError and leaves `out` as it was), then stamp it.
+    A store stamped for this input and these settings is reused instead (reused_input)."""
+    settings = _settings(identity, max_line_bytes, default_max_tokens)
+    summary = reused_input(identity, out, settings)
+    if summary is not None:
+        log.info("the input's %d records were parsed by an earlier run of this job: reused",
+                 summary.records)
+        return summary
+    stamp_of(out).unlink(missing_ok=True)
     with atomic_file(out) as f:
         store = _Store(f, default_max_tokens)
         summary = scan_input(identity.path, max_line_bytes, store.add, identity)
-    return replace(summary, default_max_tokens_lines=store.defaulted)
+    summary = replace(summary, default_max_tokens_lines=store.defaulted)
+    write_json_atomic(stamp_of(out), {
+        **settings, "store_bytes": store.size, "store_sha256": store.sha256.hexdigest(),
+        "records": summary.records, "line_errors": summary.line_errors,
+        "default_max_tokens_lines": summary.default_max_tokens_lines})
+    return summary
+
+
+def stamp_of(store: Path) -> Path:
+    """The stamp file beside a store: what it was parsed from, and its own digest."""
+    return store.with_name(store.name + ".stamp")
+
+
+def remove_parsed(store: Path) -> None:
+    """Remove a store and its stamp (the job completed, or nothing was parsed)."""
+    for path in (stamp_of(store), store):
+        path.unlink(missing_ok=True)
+
+
+def _settings(identity: InputFile, max_line_bytes: int, default_max_tokens: int) -> dict:
+    return {"input_sha256": identity.sha256, "input_bytes": identity.size_bytes,
+            "format": identity.format, "max_line_bytes": max_line_bytes,
+            "default_max_tokens": default_max_tokens, "parser": parser_digest()}
+
+
+def parser_digest() -> str:
+    """A digest of the source of every module that decides a stored record: the io package
+    (reader, intake, sampling fields, templates, ...), the request checks and the core types.
+    A changed parser, or pickled classes of another shape, must not be read back."""
+    files = sorted(Path(__file__).parent.glob("*.py"))
+    files += [Path(batchgen.core.__file__), Path(batchgen.request_checks.__file__)]
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
+def reused_input(identity: InputFile, out: Path, settings: dict) -> InputSummary | None:
+    """The summary of a store already parsed from this input with these settings, or None
+    (no store or stamp, other settings or parser, or a store whose bytes changed since)."""
+    stamp = read_json_dict(stamp_of(out))
+    if stamp is None or any(stamp.get(k) != v for k, v in settings.items()):
+        return None
+    try:
+        with open(out, "rb") as f:
+            if os.fstat(f.fileno()).st_size != stamp.get("store_bytes"):
+                return None
+            if hashlib.file_digest(f, "sha256").hexdigest() != stamp.get("store_sha256"):
+                return None
+    except OSError:
+        return None
+    try:
+        return InputSummary(identity.path, identity.format, identity.sha256,
+                            identity.size_bytes, int(stamp["records"]),
+                            {str(k): int(v) for k, v in stamp["line_errors"].items()},
+                            int(stamp["default_max_tokens_lines"]))
+    except (KeyError, TypeError, ValueError, AttributeError):  # a stamp edited by hand
+        return None
 
 
 class _Unpickler(pickle.Unpickler):
@@ -147,11 +231,19 @@ def _load(raw: bytes, path: Path):
         return _Unpickler(io.BytesIO(raw)).load()
     except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, KeyError,
             TypeError) as err:
+        _unstamp(path)
         raise InputFileError(f"the job's parsed input {path} is damaged ({err}): re-run the job "
                              "(the supervisor writes it again from the input)") from None
 
 
+def _unstamp(path: Path) -> None:
+    """A store found damaged loses its stamp: the next run parses the input again."""
+    with contextlib.suppress(OSError):
+        stamp_of(path).unlink(missing_ok=True)
+
+
 def _damaged(path: Path) -> InputFileError:
+    _unstamp(path)
     return InputFileError(f"the job's parsed input {path} ends inside a record (damaged): "
                           "re-run the job (the supervisor writes it again from the input)")
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from batchgen.config import JobConfig, read_chat_template
 from batchgen.io.jobfiles import (BatchFile, FingerprintMismatch, JobPaths, check_fingerprint,
                                   derive_batch_id, record_upload)
-from batchgen.io.parsed_input import parse_input
+from batchgen.io.parsed_input import parse_input, remove_parsed
 from batchgen.io.reader import InputFile, InputFileError, InputSummary, identify_input
 from batchgen.io.sampling_fields import BadLine, model_defaults
 from batchgen.io.writer import final_files_complete, read_done_ids
@@ -91,7 +91,7 @@ def parse(config: JobConfig, source: InputFile, paths: JobPaths) -> InputSummary
     s = config.storage
     summary = parse_input(source, paths.parsed_input, s.max_line_bytes, s.max_tokens)
     if summary.records == 0:
-        paths.parsed_input.unlink(missing_ok=True)
+        remove_parsed(paths.parsed_input)
         raise InputFileError(f"input file {s.input} holds no requests (it is "
                              "empty): write one JSON request per line")
     return summary

@@ -27,7 +27,7 @@ from batchgen.atomic import atomic_file
 from batchgen.config import ConfigError, JobConfig
 from batchgen.io.checkpoints import checkpoint_files
 from batchgen.io.jobfiles import BatchFile, JobPaths, errors_path_for
-from batchgen.io.parsed_input import parsed_keys
+from batchgen.io.parsed_input import parsed_keys, remove_parsed
 from batchgen.io.writer import IncompleteResults, finalize, read_done_ids
 from batchgen.models.folder_checks import check_model_folder, machine_memory
 from batchgen.models.loader import MANIFEST
@@ -120,7 +120,7 @@ def _completed(config: JobConfig, paths: JobPaths, stops: StopSignals, group) ->
     stops.completed = True
     if config.storage.no_incremental_save:  # a kill came before their removal
         paths.remove_incremental()
-    paths.parsed_input.unlink(missing_ok=True)
+    remove_parsed(paths.parsed_input)
     if group is not None:
         group.publish_final("done")
     return ExitCode.OK
@@ -424,8 +424,9 @@ def _finish(spec: JobSpec, batch_file: BatchFile, started: float, stops: StopSig
         paths.remove_incremental()
     # Every request has its result: no checkpoint holds anything a rerun would resume (a stop
     # after the last result was saved leaves one behind, and no worker runs again to drop it).
-    for leftover in (*checkpoint_files(paths.batch_file, spec.batch_id), paths.parsed_input):
+    for leftover in checkpoint_files(paths.batch_file, spec.batch_id):
         leftover.unlink(missing_ok=True)
+    remove_parsed(paths.parsed_input)
     stats = read_worker_stats(paths.batch_file.parent, spec.batch_id)
     print(run_summary(time.time() - started, report.completed, report.failed,
                       report.prompt_tokens, report.completion_tokens,
