@@ -93,6 +93,15 @@ class JobPaths:
                        key=lambda p: int(p.name.rsplit(".rank", 1)[1].split(".")[0]))
         return ([single] if single.exists() else []) + ranks
 
+    def removed_while_running(self) -> str | None:
+        """What of the job's folders is gone (removed by hand while a run used them), or None."""
+        for what, folder in (("folder", self.storage_path), ("batches folder",
+                                                             self.batch_file.parent),
+                             ("results folder", self.incremental_dir)):
+            if not folder.is_dir():
+                return f"the job's {what} {folder}"
+        return None
+
     def make_dirs(self) -> None:
         for d in (self.upload_file.parent, self.batch_file.parent, self.incremental_dir,
                   self.storage_path / "logs", self.output.parent):

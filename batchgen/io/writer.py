@@ -41,6 +41,11 @@ class WriteFailed(Exception):
     """A flush could not be made durable (ENOSPC, EIO, ...); the job must stop."""
 
 
+class ResultsFileRemoved(Exception):
+    """The incremental file was removed (by hand, or with its folder) while being written: the
+    results appended since are gone with it."""
+
+
 class WriterLocked(Exception):
     """Another live process holds this incremental file."""
 
@@ -193,6 +198,11 @@ class IncrementalWriter:
                 "resume") from e
         self._size += len(data)
         self._broken = False
+        if os.fstat(self._fd).st_nlink == 0:  # written to a file no name reaches any more
+            self._broken = True
+            raise ResultsFileRemoved(
+                f"{self.path} was removed while the job was writing it (by hand, or with its "
+                "folder): the results saved in it are gone")
 
     def _flush(self, data: memoryview) -> None:
         if self._fault is not None:

@@ -350,6 +350,11 @@ def _failure_cause(spec: JobSpec, failure: WorkerFailure) -> str:
              for s in read_worker_stats(spec.paths.batch_file.parent, spec.batch_id)}
     mine = stats.get(failure.rank, {})
     resume = "re-run the same command to resume (under Slurm: requeue)"
+    removed = spec.paths.removed_while_running()
+    if removed is not None:
+        return (f"{removed} was removed while the job ran: the results saved there are gone; "
+                "run the same command again to start the job over (keep the storage folder "
+                "until the job completes)")
     if failure.cause:
         return f"{failure.cause}; {resume}"
     if failure.exitcode == ExitCode.WATCHDOG:

@@ -32,8 +32,8 @@ from batchgen.io.parsed_input import read_parsed
 from batchgen.io.reader import InputFileError
 from batchgen.io.results import dumps, error_line
 from batchgen.io.jobfiles import JobPaths
-from batchgen.io.writer import (IdSet, IncrementalWriter, WriteFailed, WriterLocked,
-                                read_done_ids)
+from batchgen.io.writer import (IdSet, IncrementalWriter, ResultsFileRemoved, WriteFailed,
+                                WriterLocked, read_done_ids)
 from batchgen.models.convert import read_manifest
 from batchgen.models.factory import load_model, model_folder, weight_bytes
 from batchgen.models.loader import MANIFEST, CheckpointError, ModelNotFoundError
@@ -467,6 +467,14 @@ def serve(spec: JobSpec, rank: RankInfo, stop: StopFlag, watchdog: Watchdog) -> 
         log.error("rank %d: %s", rank.rank, err)  # one clear line, no traceback
         watchdog.stats.update({"failure": str(err)})
         code = ExitCode.DISK
+    except (ResultsFileRemoved, FileNotFoundError) as err:
+        removed = spec.paths.removed_while_running()
+        if removed is None and not isinstance(err, ResultsFileRemoved):
+            raise
+        log.error("rank %d: %s; run the same command again to start over (keep the storage "
+                  "folder until the job completes)",
+                  rank.rank, f"{removed} was removed while the job ran" if removed else err)
+        code = ExitCode.INPUT
     # Another live writer of the results file, or the parsed input gone or damaged.
     except (WriterLocked, InputFileError) as err:
         log.error("rank %d: %s", rank.rank, err)

@@ -1,0 +1,53 @@
+"""A job's storage folder removed by hand while the job runs: the worker stops at its next
+write with one clear line (no traceback), and the same command then starts the job over."""
+
+import shutil
+
+from job_utils import chat_rows
+from test_reliability_support import count_lines, job_input, kill_group, launch, run, wait_for
+
+from batchgen.io.jobfiles import JobPaths
+from batchgen.io.writer import IncrementalWriter, ResultsFileRemoved
+
+
+def test_a_results_file_removed_while_written_is_reported(tmp_path):
+    path = tmp_path / "inc" / "job.jsonl"
+    with IncrementalWriter(path) as writer:
+        writer.write_batch([b'{"custom_id": "a"}\n'])
+        path.unlink()
+        try:
+            writer.write_batch([b'{"custom_id": "b"}\n'])
+        except ResultsFileRemoved as err:
+            assert "was removed while the job was writing it" in str(err)
+        else:
+            raise AssertionError("a write to a removed file was taken as saved")
+
+
+def test_removed_job_folders_are_named(tmp_path):
+    paths = JobPaths.for_job(tmp_path / "s", "batch_x")
+    paths.make_dirs()
+    assert paths.removed_while_running() is None
+    shutil.rmtree(paths.incremental_dir)
+    assert paths.removed_while_running() == f"the job's results folder {paths.incremental_dir}"
+    shutil.rmtree(paths.storage_path)
+    assert paths.removed_while_running() == f"the job's folder {paths.storage_path}"
+
+
+def test_a_storage_folder_removed_mid_run_stops_the_job_with_a_way_out(tmp_path,
+                                                                       tiny_chat_model):
+    rows = chat_rows(24, max_tokens=40)
+    inp = job_input(tmp_path / "in", rows)
+    storage = tmp_path / "s"
+    proc = launch(inp, storage, tiny_chat_model, "--max-num-seqs", "1")
+    try:
+        assert wait_for(lambda: count_lines(storage) >= 1, timeout=240, poll=0.05)
+        shutil.rmtree(storage)
+        _, stderr = proc.communicate(timeout=240)
+    finally:
+        kill_group(proc)
+    assert proc.returncode == 2, stderr[-3000:]
+    assert f"the job's folder {storage} was removed while the job ran" in stderr
+    assert "start the job over" in stderr and "Traceback" not in stderr, stderr[-3000:]
+    run(inp, storage, tiny_chat_model, check=True)
+    assert count_lines(storage) == len(rows)
+
