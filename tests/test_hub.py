@@ -422,16 +422,24 @@ def test_a_download_logs_its_progress_where_stderr_is_not_a_terminal(fake_hub, t
         assert "0.00 of 0.00 GB (40%)" in caplog.records[-1].getMessage()
 
 
-def test_a_revision_with_a_local_folder_is_named_as_ignored(tiny_chat_model, caplog):
+def test_a_revision_with_a_local_folder_is_named_as_ignored(tiny_chat_model, caplog, tmp_path):
     """--revision picks a Hub commit; with --model naming a local folder it cannot apply,
-    and the log says so instead of letting the user believe that commit answered."""
-    with caplog.at_level("WARNING", logger="batchgen.loader"):
-        source = resolve_model(str(tiny_chat_model), revision="v2")
-    assert source.path == Path(tiny_chat_model)
-    assert "--revision v2 is ignored" in caplog.text
-    caplog.clear()
-    resolve_model(str(tiny_chat_model))
-    assert "ignored" not in caplog.text
+    and the job's log says so, once, instead of letting the user believe that commit
+    answered."""
+    from batchgen.config import EngineConfig, JobConfig, ModelConfig, StorageConfig
+    from batchgen.runner.leader import prepare
+
+    source = resolve_model(str(tiny_chat_model), revision="v2")
+    assert source.path == Path(tiny_chat_model) and source.revision_ignored
+    assert not resolve_model(str(tiny_chat_model)).revision_ignored
+    config = JobConfig(
+        storage=StorageConfig(input=str(tmp_path / "in.jsonl"), storage_path=str(tmp_path)),
+        engine=EngineConfig(model=ModelConfig(model=str(tiny_chat_model), revision="v2")))
+    with caplog.at_level("WARNING", logger="batchgen.job"):
+        prepare.model_weights(config, quiet=True)
+        assert "ignored" not in caplog.text
+        prepare.model_weights(config)
+    assert caplog.text.count("--revision v2 is ignored") == 1
 
 
 def test_a_network_error_is_never_blamed_on_the_cache(tmp_path):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -35,6 +35,9 @@ class ModelSource:
     kind: str
     """'hf', 'gguf' or 'converted'."""
     name: str
+    revision_ignored: bool = False
+    """--revision was given but --model named a local folder or file (no Hub snapshot): the
+    job's supervisor says so once (prepare.model_weights)."""
 
 
 def _hub_snapshots(root: Path, name: str, revision: str | None = None) -> list[Path]:
@@ -112,10 +115,7 @@ def resolve_model(model: str, cache_dir: str | None = None,
     for path in candidates:
         found = _classify(path, model)
         if found is not None:
-            if revision and path not in snapshots:
-                log.warning("--revision %s is ignored: --model %s is the folder or file %s, "
-                            "not a Hub snapshot", revision, model, path)
-            return found
+            return replace(found, revision_ignored=bool(revision) and path not in snapshots)
     given = Path(model).expanduser()
     if given.exists():  # a path, but to something else than a model
         kind = "a folder without config.json" if given.is_dir() else "a file that is not .gguf"

@@ -28,15 +28,20 @@ def model_identity(config: JobConfig) -> str:
     return config.engine.model.model or "embedded:SmolLM2-135M-Instruct"
 
 
-def model_weights(config: JobConfig) -> str:
+def model_weights(config: JobConfig, quiet: bool = False) -> str:
     """The signature of the weights --model names (`weights_signature`): a resume must not mix
     answers of two models behind one path. What --model names, not what is read: a
     --converted-ckpt-dir folder is derived from it, and written by the first run. The
-    embedded model is pinned by its package."""
+    embedded model is pinned by its package. `quiet`: without the log line saying that a
+    --revision is ignored."""
     m = config.engine.model
     if m.model is None:
         return "embedded"
-    return weights_signature(resolve_model(m.model, m.cache_dir, m.revision).path)
+    source = resolve_model(m.model, m.cache_dir, m.revision)
+    if source.revision_ignored and not quiet:
+        log.warning("--revision %s is ignored: --model %s is the folder or file %s, not a Hub "
+                    "snapshot", m.revision, m.model, source.path)
+    return weights_signature(source.path)
 
 
 def chat_template(config: JobConfig) -> str | None:
@@ -127,7 +132,7 @@ def completed_already(config: JobConfig, source: InputFile, paths: JobPaths) -> 
     if state is None or state.status != "completed" or not state.fingerprint:
         return False
     # As if some line took --max-tokens: it is recorded then, so a changed one is a doubt.
-    fp = fingerprint(config, source.sha256, model_identity(config), model_weights(config),
+    fp = fingerprint(config, source.sha256, model_identity(config), model_weights(config, True),
                      job_device_type(config), True, sampling_defaults(config, quiet=True),
                      chat_template(config))
     try:
