@@ -214,6 +214,27 @@ def test_a_bad_input_item_is_named(value, says):
     assert isinstance(err, IntakeError) and err.param == "input" and says in err.message, err
 
 
+class _CountingTok(_Tok):
+    def __init__(self):
+        self.chars = 0
+
+    def encode(self, text):
+        self.chars += len(text)
+        return super().encode(text)
+
+
+@pytest.mark.parametrize("value, param", [("x" * (32 * 128 + 1), "input"),
+                                          (["a", "x" * (32 * 128 + 1)], "input[1]")])
+def test_a_text_no_context_could_hold_is_refused_without_tokenizing(value, param):
+    """As a prompt is: tokenizing costs ~100 bytes of memory per character, so an input over
+    128 characters per token of the context (an 8 MiB line: ~1 GB) is never tokenized."""
+    tokenizer = _CountingTok()
+    err = intake(embedding_line({"input": value}), tokenizer, 32)
+    assert isinstance(err, IntakeError) and err.code == "context_length_exceeded", err
+    assert err.param == param and "without tokenizing" in err.message
+    assert tokenizer.chars < 10
+
+
 def test_plain_lines_with_input_are_embeddings():
     item = parse_record(RawRecord(1, {"custom_id": "p", "input": "hello"}))
     assert isinstance(item, EmbeddingRequest) and item.inputs == ("hello",)
@@ -319,6 +340,25 @@ def test_mixed_job_file_answers_embeddings_like_transformers_and_resumes(embed_m
     assert incremental.read_bytes().startswith(kept)
     assert len(incremental.read_bytes().splitlines()) == len(rows)
     assert out.read_bytes() == first
+
+
+def test_an_embeddings_only_job_sizes_no_kv_pool_for_its_lines(embed_model, tmp_path):
+    """Embeddings keep no KV: a job of embeddings lines only takes one request's pages (the
+    host pool is pinned on a GPU node; sized for every line, it took up to 90% of host memory
+    for nothing), whatever its number of lines."""
+    import re
+
+    from job_utils import batchgen, write_jsonl
+
+    folder, _ = embed_model
+    rows = [{"custom_id": f"e{i}", "input": f"text {i}"} for i in range(40)]
+    inp = write_jsonl(tmp_path / "in.jsonl", rows)
+    proc = batchgen("run", "--input", inp, "--output", tmp_path / "out.jsonl", "--model", folder,
+                    "--dtype", "float32", "--device", "cpu", check=True)
+    pools = re.search(r"KV pools: device (\d+) pages .* host (\d+) pages", proc.stderr)
+    assert pools, proc.stderr[-2000:]
+    context_pages = 1024 // 64  # one request of the model's whole context
+    assert [int(n) for n in pools.groups()] == [context_pages, context_pages]
 
 
 def test_bench_embeddings_mode_runs_tiny_on_cpu_and_agrees_with_transformers():

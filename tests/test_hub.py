@@ -242,6 +242,27 @@ def test_offline_uses_the_warm_cache_and_names_every_place_when_cold(fake_hub, t
     assert len(fake_hub.requests) == before
 
 
+@pytest.mark.parametrize("env, where", [
+    ({"XDG_CACHE_HOME": "xdg"}, "xdg/huggingface/hub"),
+    ({"XDG_CACHE_HOME": "xdg", "HF_HOME": "home"}, "home/hub"),
+    ({"HUGGINGFACE_HUB_CACHE": "legacy", "HF_HOME": "home"}, "legacy"),
+    ({"HF_HUB_CACHE": "hub", "HUGGINGFACE_HUB_CACHE": "legacy"}, "hub"),
+])
+def test_the_default_cache_is_where_huggingface_hub_puts_models(tmp_path, monkeypatch, env,
+                                                                where):
+    """A model `hf download` (or transformers) fetched is found there, also offline, and a
+    download goes there: not to ~/.cache when XDG_CACHE_HOME moved the HF cache."""
+    for name in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, str(tmp_path / value))
+    assert hub.default_cache() == tmp_path / where
+    probe = ("import huggingface_hub.constants as c; print(c.HF_HUB_CACHE)")
+    theirs = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                            check=True, env={**os.environ}).stdout.strip()
+    assert Path(theirs) == hub.default_cache()
+
+
 def test_not_enough_disk_space_fails_before_the_first_byte(fake_hub, tmp_path, monkeypatch):
     usage = shutil.disk_usage(tmp_path)
     monkeypatch.setattr(hub.shutil, "disk_usage", lambda _: usage._replace(free=1000))

@@ -23,6 +23,10 @@ EMBEDDING_FIELDS = ("input", "encoding_format", "dimensions")
 """The body fields of an embeddings line batchgen reads."""
 MAX_INPUTS = 2048
 """OpenAI's limit of inputs per embeddings request."""
+MAX_CHARS_PER_TOKEN = 128
+"""More characters than any vocabulary piece holds: a text longer than this many per token of
+the context cannot fit, whatever the tokenizer (so it is refused without being tokenized:
+tokenizing costs about a hundred bytes of memory per character)."""
 
 
 class EmbeddingLineError(Exception):
@@ -129,8 +133,14 @@ def tokenize_embedding(parsed: EmbeddingRequest, tokenizer: Any, max_context: in
     vocab = len(tokenizer) if vocab is None else vocab
     ids = []
     for i, item in enumerate(parsed.inputs):
-        tokens = tuple(tokenizer.encode(item)) if isinstance(item, str) else item
         where = "input" if len(parsed.inputs) == 1 else f"input[{i}]"
+        if isinstance(item, str) and len(item) > max_context * MAX_CHARS_PER_TOKEN:
+            raise EmbeddingLineError("context_length_exceeded", f"{where} is {len(item)} "
+                                     f"characters, more than {MAX_CHARS_PER_TOKEN} per token of "
+                                     f"{context} ({max_context} tokens), so it cannot fit (it is "
+                                     "refused without tokenizing); shorten it: it is never "
+                                     "truncated" + raise_flag(context), where)
+        tokens = tuple(tokenizer.encode(item)) if isinstance(item, str) else item
         if tokens and max(tokens) >= vocab:
             raise EmbeddingLineError("invalid_input", f"{where}: token ids must be < {vocab} "
                                      "(the vocabulary size of the model and its tokenizer)",

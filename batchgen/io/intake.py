@@ -17,9 +17,9 @@ from typing import Any
 import orjson
 
 from batchgen.core import CompactPickle, Request, SamplingParams
-from batchgen.io.embeddings import (EMBEDDINGS_URL, MODEL_CONTEXT, EmbeddingLineError,
-                                    EmbeddingRequest, parse_embedding, raise_flag,
-                                    tokenize_embedding)
+from batchgen.io.embeddings import (EMBEDDINGS_URL, MAX_CHARS_PER_TOKEN, MODEL_CONTEXT,
+                                    EmbeddingLineError, EmbeddingRequest, parse_embedding,
+                                    raise_flag, tokenize_embedding)
 from batchgen.io.grammar_limits import GrammarTooComplex, check_grammar_limits
 from batchgen.io.reader import RawRecord, custom_id_of, record_key
 from batchgen.io.sampling_fields import (MODEL_DEFAULT_FIELDS, BadLine, gives_max_tokens,
@@ -36,9 +36,6 @@ EXTRA_FIELDS = ("tools", "tool_choice", "response_format", "parallel_tool_calls"
                 "chat_template_kwargs")
 """Body fields carried to the chat template, the output parsers and, for response_format
 (json_object, json_schema), the grammar that constrains sampling."""
-MAX_CHARS_PER_TOKEN = 128
-"""More characters than any vocabulary piece holds: a text longer than this many per token of
-the context cannot fit, whatever the tokenizer."""
 
 
 @dataclass(frozen=True)

@@ -86,8 +86,16 @@ def offline() -> bool:
 
 
 def default_cache() -> Path:
-    hf_home = Path(os.environ.get("HF_HOME", "~/.cache/huggingface")).expanduser()
-    return Path(os.environ.get("HF_HUB_CACHE") or hf_home / "hub").expanduser()
+    """The HF cache as huggingface_hub (and transformers, `hf download`) find it: HF_HUB_CACHE,
+    else the legacy HUGGINGFACE_HUB_CACHE, else `hub/` under HF_HOME, else under
+    `$XDG_CACHE_HOME/huggingface` (`~/.cache/huggingface`). Read at each call (not at import,
+    as huggingface_hub.constants does), so a test or a wrapper may set them late."""
+    env = os.environ
+    xdg = env.get("XDG_CACHE_HOME") or "~/.cache"
+    hf_home = env.get("HF_HOME") or os.path.join(xdg, "huggingface")
+    cache = (env.get("HF_HUB_CACHE") or env.get("HUGGINGFACE_HUB_CACHE")
+             or os.path.join(hf_home, "hub"))
+    return Path(os.path.expandvars(cache)).expanduser()
 
 
 def repo_folder(root: Path, repo: str) -> Path:

@@ -178,7 +178,11 @@ class Worker:
         # runs forwards, whose cyclic garbage (an exception's frames) may hold device memory.
         gc.enable()
         sched = cfg.engine.scheduler
-        demand = job_demand_tokens(-(-spec.total_records // self.place.dp_size),
+        # Only lines that decode hold KV: a job left with embeddings (and bad lines) only
+        # (sequences 0) needs no more than one request's pages, not a pool, pinned on the
+        # host, sized for every one of its lines.
+        decoding = -(-spec.total_records // self.place.dp_size) if sequences else 0
+        demand = job_demand_tokens(decoding,
                                    min(sched.max_intake_capacity, sched.max_pool_size),
                                    self.loaded.max_context)
         self.engine = Engine(self.loaded.model, cfg.engine, self.loaded.tokenizer,
