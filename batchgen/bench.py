@@ -128,7 +128,8 @@ def run_ours(model, tokenizer, engine_cfg: EngineConfig, work: Workload,
         engine = Engine(model, engine_cfg, tokenizer, (), tp=tp, demand_tokens=demand,
                         compile_workers=compile_workers)
     startup = dict(engine.runner.startup)
-    warmup_s = warm_up(engine, model, work, engine_cfg.scheduler.max_prefill_tokens)
+    with triton_variants_first_used() as warm_variants:
+        warmup_s = warm_up(engine, model, work, engine_cfg.scheduler.max_prefill_tokens)
     with frozen_heap():  # as a job's worker: no collection re-scans the startup objects
         elapsed, produced, digests, variants = _timed_run(engine, model, ids, prompts, outputs,
                                                           work)
@@ -139,6 +140,10 @@ def run_ours(model, tokenizer, engine_cfg: EngineConfig, work: Workload,
     stats["triton_variants_in_timed_run"] = len(variants) if variants is not None else None
     # One string: the report keeps scalars only.
     stats["triton_variants_first_launched"] = " | ".join(variants[:8]) if variants else ""
+    if variants:  # what the warm-up launched of the same kernels: the specialisations differ
+        kernels = {v.split("[")[0] for v in variants}
+        stats["triton_variants_of_warm_up"] = " | ".join(
+            v for v in warm_variants or () if v.split("[")[0] in kernels)
     stager = getattr(model, "expert_stager", None)
     if stager is not None:  # offloaded experts copied in during the timed run (and warm-up)
         stats["expert_copies"] = {"fetches": stager.fetches, "experts": stager.copied_experts,
@@ -184,7 +189,7 @@ def triton_variants_first_used():
     def counting(previous):
         def count(*args, **kwargs):
             spec = (kwargs.get("compile") or {}).get("specialization_data", "")
-            seen.append(f"{kwargs.get('repr', '?')} {spec}".strip()[:1500])
+            seen.append(f"{kwargs.get('repr', '?')} {spec}".strip()[:8000])
             return previous(*args, **kwargs) if previous else False  # False: compile as usual
         return count
 
