@@ -202,7 +202,8 @@ def warm_up(engine: Engine, model, work: Workload, prefill_tokens: int) -> float
     each kernel variant on first use (seconds per variant on a fresh machine), a one-time cost
     of a job that would otherwise land in a short benchmark. Two full prefill steps and a few
     decode bursts, shaped like the workload (its shared prefixes and n, so the shared-prefix
-    kernels compile here too) but on other tokens; the prefix cache is emptied after it.
+    kernels compile here too) but on other tokens, then, for a workload whose rows share
+    prefixes, every shared-prefix CUDA graph; the prefix cache is emptied after it.
     Returns its seconds."""
     begin = time.perf_counter()
     count = min(work.requests, 2 * -(-prefill_tokens // work.input_len) + 1)
@@ -214,6 +215,10 @@ def warm_up(engine: Engine, model, work: Workload, prefill_tokens: int) -> float
         engine.add_request(Request(f"warmup{i}", prompt, work.sampling(length)))
     while engine.has_unfinished():
         engine.step()
+    graphs = engine.runner.graphs
+    shares = (work.shared_prefix_len or work.n > 1) and engine.scheduler.prefix is not None
+    if shares and graphs is not None and getattr(model, "shared_prefix_decode", False):
+        graphs.capture_grouped()  # a job captures each when it first decodes such a batch
     sync(model)
     engine.scheduler.clear_prefix_cache()
     engine.reset_stats()
