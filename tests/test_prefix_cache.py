@@ -239,6 +239,17 @@ def test_n_choices_fork_from_one_prefill():
     assert len({tuple(o) for o in outputs}) == 4  # the choices diverge, each from its own KV
 
 
+def test_choices_that_do_not_fork_are_counted_as_extra_choices():
+    """n = 2 of a 65-token prompt: the second choice maps the first's full page and computes
+    only the last token, no fork (nothing partial to copy), yet its prompt is counted again in
+    prompt_tokens: extra_choices says so (the status line's "each choice of n > 1 counted")."""
+    run = FakeRun([Req(0, 0, 65, 2, 4, 4)], 100, 200, SchedulerConfig(), [[]])
+    run.run()
+    counters = run.sched.counters
+    assert counters.forks == 0 and counters.prompt_tokens == 2 * 65
+    assert counters.extra_choices == 1
+
+
 def test_caching_off_shares_nothing():
     prefixes = [[5 + j for j in range(640)]]
     reqs = [Req(0, 640, 10, 2, 4, 4) for _ in range(3)]

@@ -106,6 +106,10 @@ def test_prefix_hits_share_over_engines():
     assert prefix_hits([{}, {"prompt_tokens": 0}]) == "-"
     assert prefix_hits([{"prompt_tokens": 80, "cached_prompt_tokens": 60, "forks": 3}]) == (
         "75% of 80 prompt tokens (each choice of n > 1 counted)")
+    # n > 1 choices that did not fork (no partial page to copy, or no room) count too
+    assert prefix_hits([{"prompt_tokens": 130, "cached_prompt_tokens": 64, "forks": 0,
+                         "extra_choices": 1}]) == (
+        "49% of 130 prompt tokens (each choice of n > 1 counted)")
 
 
 def test_a_job_sharing_a_system_prompt_reports_its_prefix_hits(tiny_chat_model, tmp_path):

@@ -22,3 +22,6 @@ class Counters:
     """Of those, tokens whose KV came from the prefix cache (or a sibling's fork)."""
     forks: int = 0
     """n > 1 choices admitted by copying a sibling's partial last prompt page."""
+    extra_choices: int = 0
+    """n > 1 choices after the first, first admitted (forked or not): their prompts are in
+    prompt_tokens too, which is then above the job's prompt tokens (each request's once)."""

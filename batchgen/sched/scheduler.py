@@ -480,6 +480,7 @@ class Scheduler:
             seq.cached_tokens = cached_prompt_tokens(seq, forked)
             self.counters.prompt_tokens += seq.prompt_len
             self.counters.cached_prompt_tokens += seq.cached_tokens
+            self.counters.extra_choices += seq.choice > 0
         return True
 
     def _host_admits(self, pages: int) -> bool:

@@ -73,15 +73,17 @@ class ProgressReporter(threading.Thread):
 
 def prefix_hits(counters: list[dict]) -> str:
     """Share of prompt tokens whose KV came from the prefix cache, over engines' counters
-    (`prompt_tokens`, `cached_prompt_tokens`, `forks`): "87% of 2,048 prompt tokens", or "-".
-    The engine counts each choice of an n > 1 request (a fork finds all but the last prompt
-    token cached), so where forks happened the count says so: it is then above the job's
+    (`prompt_tokens`, `cached_prompt_tokens`, `forks`, `extra_choices`): "87% of 2,048 prompt
+    tokens", or "-". The engine counts each choice of an n > 1 request (a fork finds all but
+    the last prompt token cached), so where such choices ran, forked or not (a tight pool, or a
+    prompt of 64k + 1 tokens, has none to copy), the count says so: it is then above the job's
     prompt tokens, which count each request's prompt once."""
     prompt = sum(c.get("prompt_tokens", 0) for c in counters)
     cached = sum(c.get("cached_prompt_tokens", 0) for c in counters)
     if not prompt:
         return "-"
-    each = " (each choice of n > 1 counted)" if sum(c.get("forks", 0) for c in counters) else ""
+    each = (" (each choice of n > 1 counted)"
+            if sum(c.get("forks", 0) + c.get("extra_choices", 0) for c in counters) else "")
     return f"{cached / prompt:.0%} of {prompt:,} prompt tokens{each}"
 
 
