@@ -360,3 +360,16 @@ def test_a_completed_job_is_recognised_without_parsing_its_input(tmp_path, tiny_
     paths.errors_output.write_text("")  # the final files changed by hand: merge again
     paths.output.write_text(paths.output.read_text().split("\n", 1)[1])
     assert not prepare.completed_already(config(), source, paths)
+
+
+def test_a_refused_rerun_of_a_completed_job_leaves_no_parsed_input(tmp_path, tiny_chat_model):
+    """Another --seed on a completed job is refused (exit 3) after the input was parsed again:
+    that store (~2x the input) must not stay in the folder of a job that completed."""
+    inp = write_jsonl(tmp_path / "in.jsonl", chat_rows(3))
+    storage = tmp_path / "s"
+    batchgen(*run_args(inp, storage, tiny_chat_model), check=True)
+    assert not list((storage / "batches").glob("*.requests*"))
+    proc = batchgen("run", "--input", inp, "--storage-path", storage, "--model",
+                    tiny_chat_model, "--seed", "5")
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert not list((storage / "batches").glob("*.requests*"))

@@ -328,3 +328,49 @@ def test_a_reader_that_finds_the_store_damaged_removes_its_stamp(tmp_path, monke
     assert _parse_counting(monkeypatch, inp, out)[1] == 7 and out.read_bytes() == stored
     parsed_input.remove_parsed(out)
     assert not out.exists() and not parsed_input.stamp_of(out).exists()
+
+
+def test_parses_killed_before_their_rename_leave_no_temp_files_behind(tmp_path, monkeypatch):
+    """Each kill during a parse leaves its temp file (~2x the input): the next parse removes
+    them, or kills during long parses fill the disk and every run after fails (ENOSPC) before
+    any cleanup."""
+    from batchgen.io import parsed_input
+
+    inp = write_input(tmp_path / "in.jsonl")
+    out = tmp_path / "job.requests"
+    stale = [tmp_path / f".{out.name}.tmp-{pid}" for pid in (101, 102)]
+    stale.append(tmp_path / f".{parsed_input.stamp_of(out).name}.tmp-103")
+    for path in stale:
+        path.write_bytes(b"x" * 1000)
+    other = tmp_path / ".another_job.requests.tmp-104"
+    other.write_bytes(b"y")
+    assert _parse_counting(monkeypatch, inp, out)[1] == 7
+    assert not any(path.exists() for path in stale) and other.exists()
+
+
+def test_an_input_edited_while_parsed_is_not_stamped_for_reuse(tmp_path, monkeypatch):
+    """The sha256 is taken before the parse: lines edited in between must not be stored as the
+    hashed input's, or a resume on the original file answers the edited lines."""
+    from batchgen.io import parsed_input
+
+    inp = write_input(tmp_path / "in.jsonl")
+    original = inp.read_bytes()
+    out = tmp_path / "job.requests"
+    identity = identify_input(inp)
+    real = parsed_input.parse_record
+
+    def edit_mid_parse(record, max_tokens):
+        if record.line == 1:  # same size, one prompt changed, in place
+            with open(inp, "r+b") as f:
+                f.write(original.replace(b"Once upon", b"ONCE UPON"))
+        return real(record, max_tokens)
+
+    monkeypatch.setattr(parsed_input, "parse_record", edit_mid_parse)
+    parse_input(identity, out, 1 << 20, 16)
+    monkeypatch.undo()
+    assert not parsed_input.stamp_of(out).exists()
+    inp.write_bytes(original)  # the hashed content back: parsed again, from it
+    assert identify_input(inp).sha256 == identity.sha256
+    assert _parse_counting(monkeypatch, inp, out)[1] == 7
+    prompts = [r.item.prompt for r in read_parsed(out) if isinstance(r.item, ParsedRequest)]
+    assert "Once upon a time" in prompts and "ONCE UPON a time" not in prompts

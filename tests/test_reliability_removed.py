@@ -51,3 +51,45 @@ def test_a_storage_folder_removed_mid_run_stops_the_job_with_a_way_out(tmp_path,
     run(inp, storage, tiny_chat_model, check=True)
     assert count_lines(storage) == len(rows)
 
+
+def test_a_results_file_removed_mid_run_is_named_by_the_supervisor(tmp_path, tiny_chat_model):
+    """Only the results file goes (its folder stays): the run's last words name that file,
+    not the parsed input, and do not promise a resume of results that are gone."""
+    from test_reliability_support import batch_state, incremental_file
+
+    rows = chat_rows(24, max_tokens=40)
+    inp = job_input(tmp_path / "in", rows)
+    storage = tmp_path / "s"
+    proc = launch(inp, storage, tiny_chat_model, "--max-num-seqs", "1")
+    try:
+        assert wait_for(lambda: count_lines(storage) >= 1, timeout=240, poll=0.05)
+        results = incremental_file(storage)
+        results.unlink()
+        _, stderr = proc.communicate(timeout=240)
+    finally:
+        kill_group(proc)
+    assert proc.returncode == 2, stderr[-3000:]
+    last = batch_state(storage)["health"]["last_failure"]
+    assert f"{results} was removed while the job ran" in last, last
+    assert "parsed input" not in last and "start the job over" in last, last
+    run(inp, storage, tiny_chat_model, check=True)
+    assert count_lines(storage) == len(rows)
+
+
+def test_a_storage_folder_removed_while_the_input_is_parsed_exits_2(tmp_path, tiny_chat_model):
+    """The supervisor's own phase (a large input's parse takes seconds): no traceback and no
+    exit 1 (a worker crash), but the same line as when a worker finds the folder gone."""
+    rows = chat_rows(40000)
+    inp = job_input(tmp_path / "in", rows)
+    storage = tmp_path / "s"
+    proc = launch(inp, storage, tiny_chat_model)
+    try:
+        assert wait_for(lambda: any((storage / "batches").glob(".*.requests.tmp-*")),
+                        timeout=120, poll=0.01)
+        shutil.rmtree(storage)
+        _, stderr = proc.communicate(timeout=240)
+    finally:
+        kill_group(proc)
+    assert proc.returncode == 2, stderr[-3000:]
+    assert f"the job's folder {storage} was removed while the job ran" in stderr
+    assert "Traceback" not in stderr, stderr[-3000:]

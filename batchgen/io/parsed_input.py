@@ -43,7 +43,8 @@ from batchgen.atomic import atomic_file, read_json_dict, write_json_atomic
 from batchgen.io.embeddings import EmbeddingRequest
 from batchgen.io.intake import IntakeError, ParsedRequest, parse_record, takes_default_max_tokens
 from batchgen.io.prefix_shards import assign_packed, prefix_key
-from batchgen.io.reader import InputFile, InputFileError, InputSummary, RawRecord, scan_input
+from batchgen.io.reader import (InputFile, InputFileError, InputSummary, RawRecord,
+                                file_version, scan_input)
 
 log = logging.getLogger("batchgen.job")
 
@@ -104,10 +105,21 @@ def parse_input(identity: InputFile, out: Path, max_line_bytes: int,
                  summary.records)
         return summary
     stamp_of(out).unlink(missing_ok=True)
+    # Temp files of parses killed before their rename (one per kill, each ~2x the input):
+    # never renamed by anyone, and under the job lock no other parse is writing one.
+    for stale in out.parent.glob(f".{out.name}*.tmp-*"):
+        stale.unlink(missing_ok=True)
     with atomic_file(out) as f:
         store = _Store(f, default_max_tokens)
         summary = scan_input(identity.path, max_line_bytes, store.add, identity)
     summary = replace(summary, default_max_tokens_lines=store.defaulted)
+    if identity.version and file_version(identity.path) != identity.version:
+        # Edited or replaced since it was hashed: the store may hold lines the sha256 does
+        # not name. This run is refused before it publishes (check_input_unchanged); no stamp,
+        # so no later run of this job reuses them.
+        log.warning("the input %s changed while it was parsed: its parsed records are not "
+                    "kept for a resume", identity.path)
+        return summary
     write_json_atomic(stamp_of(out), {
         **settings, "store_bytes": store.size, "store_sha256": store.sha256.hexdigest(),
         "records": summary.records, "line_errors": summary.line_errors,

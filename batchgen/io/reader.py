@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 import stat
 from array import array
 from collections.abc import Callable, Iterator
@@ -69,6 +70,19 @@ class InputFile:
     """"jsonl" or "parquet"."""
     sha256: str
     size_bytes: int
+    version: tuple[int, ...] = ()
+    """file_version() taken before the hash: a parse that ends with another one did not read
+    the bytes `sha256` names (the file was edited or replaced meanwhile)."""
+
+
+def file_version(path: str | Path) -> tuple[int, ...]:
+    """What changes when a file is edited or replaced: size, mtime, inode, device (() when it
+    cannot be read)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return ()
+    return st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev
 
 
 @dataclass(frozen=True)
@@ -306,7 +320,8 @@ def identify_input(path: str | Path) -> InputFile:
     """The input's format, sha256 and size, from its bytes (no line is parsed)."""
     p = Path(path)
     fmt = detect_format(p)
-    return InputFile(p, fmt, _file_sha256(p), p.stat().st_size)
+    version = file_version(p)  # before the hash: an edit while hashing moves it
+    return InputFile(p, fmt, _file_sha256(p), p.stat().st_size, version)
 
 
 def scan_input(path: str | Path, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,

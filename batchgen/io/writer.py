@@ -45,6 +45,10 @@ class ResultsFileRemoved(Exception):
     """The incremental file was removed (by hand, or with its folder) while being written: the
     results appended since are gone with it."""
 
+    def __init__(self, message: str, path: Path | None = None):
+        super().__init__(message)
+        self.path = path
+
 
 class WriterLocked(Exception):
     """Another live process holds this incremental file."""
@@ -202,7 +206,7 @@ class IncrementalWriter:
             self._broken = True
             raise ResultsFileRemoved(
                 f"{self.path} was removed while the job was writing it (by hand, or with its "
-                "folder): the results saved in it are gone")
+                "folder): the results saved in it are gone", self.path)
 
     def _flush(self, data: memoryview) -> None:
         if self._fault is not None:

@@ -26,7 +26,7 @@ from pathlib import Path
 from batchgen.atomic import atomic_file
 from batchgen.config import ConfigError, JobConfig
 from batchgen.io.checkpoints import checkpoint_files
-from batchgen.io.jobfiles import BatchFile, JobPaths, errors_path_for
+from batchgen.io.jobfiles import BatchFile, FingerprintMismatch, JobPaths, errors_path_for
 from batchgen.io.parsed_input import parsed_keys, remove_parsed
 from batchgen.io.writer import IncompleteResults, finalize, read_done_ids
 from batchgen.models.folder_checks import check_model_folder, machine_memory
@@ -94,7 +94,13 @@ def _run(config: JobConfig, stops: StopSignals, member: Member) -> int:
             if completed_already(config, source, paths):  # nothing to parse or run
                 return _completed(config, paths, stops, group)
             summary = parse(config, source, paths)
-            spec, batch_file = prepare(config, summary, paths)
+            try:
+                spec, batch_file = prepare(config, summary, paths)
+            except FingerprintMismatch:  # refused: a completed job keeps no parsed input
+                state = BatchFile(paths.batch_file).load()
+                if state is not None and state.status == "completed":
+                    remove_parsed(paths.parsed_input)
+                raise
             if batch_file.load().status == "completed" and final_files_whole(paths,
                                                                              summary.records):
                 return _completed(config, paths, stops, group)
@@ -109,6 +115,14 @@ def _run(config: JobConfig, stops: StopSignals, member: Member) -> int:
                 check_model_folder(folder, *machine_memory())
         return _run_locked(spec, batch_file, already, stops, member,
                            {"input_bytes": summary.size_bytes, "left": left}, input_version)
+    except FileNotFoundError:  # a write of the supervisor's own (parse, batch file, merge)
+        removed = paths.removed_while_running()
+        if removed is None:
+            raise
+        log.error("%s was removed while the job ran: the results saved there are gone; run "
+                  "the same command again to start the job over (keep the storage folder "
+                  "until the job completes)", removed)
+        return ExitCode.INPUT
     finally:
         output_lock.release()
         lock.release()
@@ -351,6 +365,8 @@ def _failure_cause(spec: JobSpec, failure: WorkerFailure) -> str:
     mine = stats.get(failure.rank, {})
     resume = "re-run the same command to resume (under Slurm: requeue)"
     removed = spec.paths.removed_while_running()
+    if removed is None and mine.get("removed"):  # its results file alone: the folders stand
+        removed = str(mine["removed"])
     if removed is not None:
         return (f"{removed} was removed while the job ran: the results saved there are gone; "
                 "run the same command again to start the job over (keep the storage folder "

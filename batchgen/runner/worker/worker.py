@@ -475,9 +475,12 @@ def serve(spec: JobSpec, rank: RankInfo, stop: StopFlag, watchdog: Watchdog) -> 
         removed = spec.paths.removed_while_running()
         if removed is None and not isinstance(err, ResultsFileRemoved):
             raise
+        what = f"{removed} was removed while the job ran" if removed else str(err)
         log.error("rank %d: %s; run the same command again to start over (keep the storage "
-                  "folder until the job completes)",
-                  rank.rank, f"{removed} was removed while the job ran" if removed else err)
+                  "folder until the job completes)", rank.rank, what)
+        # The supervisor's report names it (a results file alone gone leaves every folder).
+        gone = removed or f"the job's results file {getattr(err, 'path', None) or 'of this rank'}"
+        watchdog.stats.update({"failure": what, "removed": gone})
         code = ExitCode.INPUT
     # Another live writer of the results file, or the parsed input gone or damaged.
     except (WriterLocked, InputFileError) as err:
