@@ -97,8 +97,9 @@ class ModelConfig:
     (models--org--name/snapshots/REV/), where Hub downloads go (default: the HF cache)."""
     converted_ckpt_dir: str | None = None
     """Folder written by `batchgen convert` (or the embedded model's conversion cache); loading
-    from it skips conversion. Refused if converted for another world size, dtype or
-    tensor-parallel size."""
+    from it skips conversion. Refused if converted for another world size or tensor-parallel
+    size, or to a dtype other than --dtype (a float32 folder, as every GGUF conversion is,
+    loads at any --dtype)."""
     dtype: str = "auto"
     """Weight and activation dtype: auto (bfloat16 on GPU, float32 on CPU), float32|fp32|float,
     bfloat16|bf16, float16|fp16|half."""

@@ -14,6 +14,7 @@ rank reads 1/T of the weights and slices nothing; only a run at that TP size can
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import importlib.util
@@ -63,9 +64,14 @@ def source_key(path: Path) -> str:
     """A GGUF's converted folder is named by the file's content, not by where it lies, so a
     reinstall or another virtualenv holding the same file reuses the conversion instead of
     adding another copy. Hashing a multi-GB file on every start would cost seconds, so the
-    content key is remembered per (path, size, mtime) in the cache root's `source-keys.json`."""
+    content key is remembered per (path, size, mtime, ctime, inode) in the cache root's
+    `source-keys.json`."""
     stat = path.stat()
-    location = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    # mtime alone can be set back (cp -p, rsync -t, touch -r, archives' second stamps): a
+    # replaced file of the same size would keep the old key and reuse a stale conversion. The
+    # ctime and inode change with every write or replacement and cannot be set by the user.
+    location = (f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{stat.st_ctime_ns}:"
+                f"{stat.st_dev}:{stat.st_ino}")
     index_path = default_cache_root() / "source-keys.json"
     index = read_json_dict(index_path) or {}  # only a cache: unreadable means empty
     if location not in index:
@@ -110,7 +116,10 @@ def check_manifest(manifest: dict, folder: Path, world_size: int, dtype: str | N
         raise CheckpointError(
             f"{folder} was converted for world size {manifest.get('world_size')}, this run uses "
             f"{world_size}: re-run `batchgen convert --world-size {world_size}` into a new folder")
-    if dtype not in (None, "auto") and manifest.get("dtype") not in (dtype, None):
+    # A float32 folder (every GGUF conversion is one) holds the weights at full precision: a
+    # lower --dtype casts them as loading the source would. A folder of a lower dtype holds
+    # less than a float32 run would read from the source: refused.
+    if dtype not in (None, "auto") and manifest.get("dtype") not in (dtype, None, "float32"):
         raise CheckpointError(
             f"{folder} was converted to {manifest.get('dtype')}, "
             f"this run asks for --dtype {dtype}: "
@@ -142,20 +151,31 @@ def rank_shard(folder: Path, tp: TensorParallel) -> str | None:
     return shard_name(tp.rank, size)
 
 
+UNWRITABLE_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EEXIST})
+"""OSErrors creating a conversion's folder that mean "not a folder this user may write"."""
+CACHE_HINT = ("set BATCHGEN_CACHE to a folder this user may write, or give --converted-ckpt-dir "
+              "a new folder there")
 TEMP_PREFIX = ".convert-"
 UNLOCKED_TEMP_AGE_S = 3600.0
 """A temp folder without its lock file (made by an older batchgen) is left alone this long."""
 
 
 @contextlib.contextmanager
-def conversion_folder(parent: Path):
+def conversion_folder(parent: Path, hint: str = "choose a folder this user may write"):
     """A temp folder beside the destination, locked (flock on a sibling `.lock` file) while
     this process fills it and removed after. A conversion killed outright leaves its folder,
     a whole model's size: each new conversion first removes those whose lock no live process
     holds."""
-    parent.mkdir(parents=True, exist_ok=True)
-    _remove_abandoned(parent)
-    tmp = Path(tempfile.mkdtemp(prefix=TEMP_PREFIX, dir=parent))
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        _remove_abandoned(parent)
+        tmp = Path(tempfile.mkdtemp(prefix=TEMP_PREFIX, dir=parent))
+    except OSError as err:
+        if err.errno not in UNWRITABLE_ERRNOS:
+            raise  # a full or failing disk: the caller's disk_errors names it
+        raise CheckpointError(
+            f"cannot write a converted model under {parent}: {err.strerror} "
+            f"({err.filename or parent}); {hint}") from None
     lock = tmp.with_name(tmp.name + ".lock")
     fd = os.open(lock, os.O_CREAT | os.O_RDWR, 0o644)
     try:
@@ -195,11 +215,13 @@ def convert_gguf(gguf: Path, out_dir: Path) -> Path:
     """Dequantize a GGUF model into our layout, atomically (temp folder + rename)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    check_gguf_architecture(gguf)  # seconds of metadata, not minutes of dequantizing
     log.info("converting %s (dequantizing GGUF, one-off) into %s", gguf, out_dir)
-    with conversion_folder(out_dir.parent) as tmp:
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                                     dtype=torch.float32)
+    with conversion_folder(out_dir.parent, CACHE_HINT) as tmp:
+        with _unreadable_gguf(gguf):
+            tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+            model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                         dtype=torch.float32)
         config = model.config
         config.architectures = config.architectures or [type(model).__name__]
         config.quantization_config = None
@@ -209,6 +231,41 @@ def convert_gguf(gguf: Path, out_dir: Path) -> Path:
                         dtype="float32", world_size=1)
         _publish(tmp, out_dir)
     return out_dir
+
+
+@contextlib.contextmanager
+def _unreadable_gguf(gguf: Path):
+    """transformers' GGUF reader fails with ValueError, RuntimeError, ... on a file that is
+    truncated, not a GGUF at all, or of an architecture or layout it does not read: one clear
+    CheckpointError (exit 5) naming the file, never a traceback. OSErrors stay what they are
+    (a disk error is reported as such)."""
+    try:
+        yield
+    except (OSError, CheckpointError):
+        raise
+    except Exception as err:  # noqa: BLE001 - whatever the reader raises
+        text = str(err).strip()
+        why = text.splitlines()[-1].rstrip(".") if text else type(err).__name__
+        raise CheckpointError(
+            f"cannot convert {gguf}: {why}. The file is truncated or damaged (compare its size "
+            "and checksum with the source's, or download it again), is not a GGUF model, or is "
+            "of an architecture transformers' GGUF loader does not read") from err
+
+
+def check_gguf_architecture(gguf: Path) -> None:
+    """Refuse a GGUF of an architecture batchgen does not run from its metadata alone, before a
+    conversion spends minutes and a float32 copy of the model on it (UnsupportedModelError)."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from batchgen.models.registry import supported_architecture
+
+    with _unreadable_gguf(gguf):
+        config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    archs = list(getattr(config, "architectures", None) or [])
+    mapped = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(getattr(config, "model_type", None))
+    archs += [mapped] if isinstance(mapped, str) else list(mapped or [])
+    supported_architecture(archs)
 
 
 def _publish(tmp: Path, out_dir: Path) -> None:
@@ -309,8 +366,16 @@ def _refuse_foreign_folder(folder: Path) -> None:
 
 def converted_for_gguf(gguf: Path, converted_dir: str | None) -> Path:
     """The converted folder for a GGUF file, converting on first use."""
-    folder = Path(converted_dir).expanduser() if converted_dir else default_cache_root() / (
-        f"{gguf.stem}-{source_key(gguf)}")
+    if converted_dir:
+        folder = Path(converted_dir).expanduser()
+    else:
+        key = source_key(gguf)
+        folder = default_cache_root() / f"{gguf.stem}-{key}"
+        # The key is the content's: the same file under another name (renamed, or installed
+        # under another name) reuses its conversion instead of adding a whole model's copy.
+        done = sorted(f for f in default_cache_root().glob(f"*-{key}") if (f / MANIFEST).is_file())
+        if not (folder / MANIFEST).is_file() and done:
+            folder = done[0]
     if (folder / MANIFEST).is_file():
         log.debug("using converted checkpoint %s (no GGUF dequantization)", folder)
         return folder
