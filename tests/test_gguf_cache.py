@@ -12,13 +12,14 @@ from batchgen.models.loader import MANIFEST, CheckpointError
 from batchgen.models.registry import UnsupportedModelError
 
 
-def write_tiny_gguf(path, arch="llama", seed=0):
-    """A 1-layer GGUF (byte-level vocabulary of 64 tokens, hidden size 32) with the metadata
-    transformers' GGUF loader reads."""
+def write_tiny_gguf(path, arch="llama", seed=0, tokenizer: dict | None = None):
+    """A 1-layer GGUF (byte-level vocabulary of 64 tokens, or the `tokenizer` fields given;
+    hidden size 32) with the metadata transformers' GGUF loader reads."""
     import gguf
 
     rng = np.random.default_rng(seed)
-    hidden, vocab = 32, 64
+    hidden = 32
+    vocab = len(tokenizer["tokenizer.ggml.tokens"]) if tokenizer else 64
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_context_length(128)
     writer.add_embedding_length(hidden)
@@ -30,11 +31,21 @@ def write_tiny_gguf(path, arch="llama", seed=0):
     writer.add_rope_freq_base(10000.0)
     writer.add_key_length(hidden // 2)
     writer.add_value_length(hidden // 2)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list([chr(ord("a") + i % 26) * (1 + i // 26) for i in range(vocab)])
-    writer.add_token_merges([])
-    writer.add_bos_token_id(0)
-    writer.add_eos_token_id(1)
+    if tokenizer:
+        writer.add_tokenizer_model(tokenizer["tokenizer.ggml.model"])
+        writer.add_tokenizer_pre(tokenizer["tokenizer.ggml.pre"])
+        writer.add_token_list(tokenizer["tokenizer.ggml.tokens"])
+        writer.add_token_types(tokenizer["tokenizer.ggml.token_type"])
+        writer.add_token_merges(tokenizer["tokenizer.ggml.merges"])
+        writer.add_bos_token_id(tokenizer["tokenizer.ggml.bos_token_id"])
+        writer.add_eos_token_id(tokenizer["tokenizer.ggml.eos_token_id"])
+        writer.add_chat_template(tokenizer["tokenizer.chat_template"])
+    else:
+        writer.add_tokenizer_model("gpt2")
+        writer.add_token_list([chr(ord("a") + i % 26) * (1 + i // 26) for i in range(vocab)])
+        writer.add_token_merges([])
+        writer.add_bos_token_id(0)
+        writer.add_eos_token_id(1)
     shapes = {"token_embd.weight": (vocab, hidden), "output_norm.weight": (hidden,),
               "blk.0.attn_norm.weight": (hidden,), "blk.0.ffn_norm.weight": (hidden,),
               "blk.0.attn_q.weight": (hidden, hidden), "blk.0.attn_k.weight": (hidden, hidden),
@@ -129,3 +140,36 @@ def test_an_unwritable_conversion_cache_is_a_clear_error(tmp_path, monkeypatch):
     path = write_tiny_gguf(tmp_path / "model.gguf")
     with pytest.raises(CheckpointError, match="cannot write a converted model.*BATCHGEN_CACHE"):
         convert.converted_for_gguf(path, None)
+
+
+def _tokenizer_fields_of_the_embedded_gguf() -> dict:
+    import gguf
+
+    reader = gguf.GGUFReader(str(convert.embedded_gguf()))
+    return {key: reader.fields[key].contents() for key in (
+        "tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens",
+        "tokenizer.ggml.token_type", "tokenizer.ggml.merges", "tokenizer.ggml.bos_token_id",
+        "tokenizer.ggml.eos_token_id", "tokenizer.chat_template")}
+
+
+def test_a_converted_gguf_tokenizes_as_the_file_defines(tmp_path, monkeypatch):
+    """A Qwen2 GGUF whose tokenizer uses another pre-tokenizer (here SmolLM2's): the converted
+    folder's tokenizer must split text as transformers' GGUF loader does, not as the
+    Qwen2Tokenizer class would rebuild it (newlines and runs of spaces differed)."""
+    from transformers import AutoTokenizer
+
+    from batchgen.models.factory import load_tokenizer
+
+    monkeypatch.setenv("BATCHGEN_CACHE", str(tmp_path / "cache"))
+    path = write_tiny_gguf(tmp_path / "model.gguf", arch="qwen2",
+                           tokenizer=_tokenizer_fields_of_the_embedded_gguf())
+    folder = convert.converted_for_gguf(path, None)
+    ours = load_tokenizer(folder)
+    theirs = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    for text in ("line1\nline2\n\n  indented", "a\r\nb", "  multiple   spaces\t\ttabs",
+                 "Don't you're I'll 1234567"):
+        assert ours.encode(text) == theirs.encode(text), text
+    messages = [{"role": "user", "content": "Hi\n\nthere"}]
+    assert (ours.apply_chat_template(messages, tokenize=False)
+            == theirs.apply_chat_template(messages, tokenize=False))
+    assert ours.eos_token_id == theirs.eos_token_id

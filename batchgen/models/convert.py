@@ -233,6 +233,7 @@ def convert_gguf(gguf: Path, out_dir: Path) -> Path:
     return out_dir
 
 
+
 @contextlib.contextmanager
 def _unreadable_gguf(gguf: Path):
     """transformers' GGUF reader fails with ValueError, RuntimeError, ... on a file that is

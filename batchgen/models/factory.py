@@ -90,14 +90,29 @@ def eos_token_ids(folder: Path, hf_config, tokenizer) -> tuple[int, ...]:
 
 
 def load_tokenizer(folder: Path):
+    """The folder's tokenizer as transformers loads it; for a GGUF's conversion, the generic
+    fast tokenizer over its tokenizer.json (see below)."""
     text_only()
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
     if not any((folder / f).is_file() for f in names):
         return None
+    if (folder / "tokenizer.json").is_file() and _converted_from_gguf(folder):
+        # tokenizer.json holds the vocabulary, merges and pre-tokenizer the GGUF defined.
+        # AutoTokenizer would pick the model type's class (Qwen2Tokenizer for a qwen2 file),
+        # which rebuilds its own text splitting: wrong for a file made with another one.
+        return PreTrainedTokenizerFast.from_pretrained(str(folder), local_files_only=True)
     return AutoTokenizer.from_pretrained(str(folder), local_files_only=True,
                                          trust_remote_code=False)
+
+
+def _converted_from_gguf(folder: Path) -> bool:
+    try:
+        source = json.loads((folder / MANIFEST).read_text()).get("source", "")
+    except (OSError, ValueError, AttributeError):
+        return False
+    return isinstance(source, str) and source.lower().endswith(".gguf")
 
 
 def load_model(cfg: ModelConfig, device: torch.device, world_size: int = 1,
