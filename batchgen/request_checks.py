@@ -139,10 +139,82 @@ def response_format_schema(response_format) -> tuple[dict | None, bool]:
     return schema, bool(spec.get("strict", False))
 
 
-def _check_enforceable(schema, path: str) -> None:
+def check_parameters_schema(parameters, where: str) -> None:
+    """Raise StructuredOutputError for a forced tool's `parameters` schema the grammar would
+    not enforce (the same rules as a response_format's schema)."""
+    _check_enforceable(parameters, "#", where)
+
+
+# Keywords that constrain nothing (annotations) and may stand beside $ref or anyOf/oneOf/allOf.
+_ANNOTATIONS = {"title", "description", "default", "examples", "$comment", "deprecated",
+                "readOnly", "writeOnly", "$schema", "$id", "$defs", "definitions"}
+_COMBINATORS = ("anyOf", "oneOf", "allOf")
+# Keywords the grammar enforces only where the node names its "type".
+_TYPED_KEYWORDS = {"minLength", "maxLength", "pattern", "minimum", "maximum",
+                   "exclusiveMinimum", "exclusiveMaximum", "minItems", "maxItems"}
+# `format` values the grammar builds a string grammar for; beside one of them (or a pattern),
+# minLength / maxLength are not enforced, and a pattern beside such a format is not either.
+_GRAMMAR_FORMATS = {"email", "date", "time", "date-time", "duration", "uuid", "ipv4", "ipv6",
+                    "hostname", "uri", "uri-reference", "uri-template", "json-pointer",
+                    "relative-json-pointer"}
+
+
+def _check_node(schema: dict, path: str) -> None:
+    """Combinations of keywords in one schema node of which the grammar silently keeps one."""
+    ref = schema.get("$ref")
+    if ref is not None and not (isinstance(ref, str) and (ref == "#" or ref.startswith("#/"))):
+        raise StructuredOutputError(f"$ref {ref!r} at {path}/$ref is not supported: only "
+                                    "references into the schema itself (\"#/$defs/...\")")
+    for head in ("$ref",) + _COMBINATORS:
+        if head not in schema:
+            continue
+        allowed = _ANNOTATIONS | ({"type"} if head != "$ref" else set())
+        others = sorted(k for k in schema if k != head and k not in allowed)
+        if others:
+            raise StructuredOutputError(
+                f"{', '.join(others)} beside {head} at {path} is not supported (the grammar "
+                f"would enforce only {head}): move {'them' if len(others) > 1 else 'it'} "
+                f"into {'the referenced schema' if head == '$ref' else f'each {head} branch'}")
+    # (a propertyNames schema is a string's: its pattern is enforced without a type)
+    if ("type" not in schema and not {"enum", "const"} & schema.keys()
+            and not path.endswith("/propertyNames")):
+        untyped = sorted(_TYPED_KEYWORDS & schema.keys())
+        if untyped:
+            raise StructuredOutputError(f"{', '.join(untyped)} at {path} needs a \"type\" "
+                                        "beside it to be enforced")
+    lengths = sorted({"minLength", "maxLength"} & schema.keys())
+    fmt = schema.get("format") if schema.get("format") in _GRAMMAR_FORMATS else None
+    if lengths and (fmt or "pattern" in schema):
+        beside = f"format {fmt!r}" if fmt else "pattern"
+        raise StructuredOutputError(f"{', '.join(lengths)} beside {beside} at {path} is not "
+                                    "supported: write the length into the pattern instead")
+    if fmt and "pattern" in schema:
+        raise StructuredOutputError(f"pattern beside format {fmt!r} at {path} is not "
+                                    "supported: keep one of them")
+    required, properties = schema.get("required"), schema.get("properties")
+    if isinstance(required, list):
+        declared = properties if isinstance(properties, dict) else {}
+        missing = [name for name in required if name not in declared]
+        if missing:
+            raise StructuredOutputError(f"required {missing!r} at {path} not declared in "
+                                        "properties is not supported: declare each required "
+                                        "property")
+
+
+def _check_enforceable(schema, path: str, prefix: str | None = None) -> None:
     """Raise for keywords the grammar would silently ignore, naming where they are."""
+    try:
+        _check_enforceable_(schema, path)
+    except StructuredOutputError as err:
+        if prefix is None:
+            raise
+        raise StructuredOutputError(f"{prefix}: {err}") from None
+
+
+def _check_enforceable_(schema, path: str) -> None:
     if not isinstance(schema, dict):
         return  # boolean subschemas are fine
+    _check_node(schema, path)
     for key, value in schema.items():
         where = f"{path}/{key}"
         if key in _UNENFORCED and not _is_permissive(key, value):
@@ -159,16 +231,20 @@ def _check_enforceable(schema, path: str) -> None:
             continue
         if key in _SCHEMA_MAPS and isinstance(value, dict):
             for name, sub in value.items():
-                _check_enforceable(sub, f"{where}/{name}")
+                _check_enforceable_(sub, f"{where}/{name}")
         elif isinstance(value, dict):
-            _check_enforceable(value, where)
+            _check_enforceable_(value, where)
         elif isinstance(value, list):
             for i, sub in enumerate(value):
-                _check_enforceable(sub, f"{where}/{i}")
+                _check_enforceable_(sub, f"{where}/{i}")
 
 
 def _is_permissive(key: str, value) -> bool:
     """A keyword value that constrains nothing, e.g. ``additionalItems: true``."""
     if key == "uniqueItems":
         return value is False
+    if key == "not":  # not: false excludes nothing; not: true / {} excludes everything
+        return value is False
+    if key == "contains":  # contains: true / {} still needs one item
+        return False
     return value is True or value == {}

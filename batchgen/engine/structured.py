@@ -5,9 +5,10 @@ Accepted formats (the request body's ``response_format``):
 - ``{"type": "text"}`` or absent: no constraint (``GrammarCompiler.compile`` returns None).
 - ``{"type": "json_object"}``: any JSON object.
 - ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": bool}}``:
-  JSON valid under ``schema``. ``strict: true`` follows OpenAI's strict mode: properties and array
-  items not declared in the schema are not generated (an undeclared ``{"type": "object"}`` can
-  only be ``{}``). Without it, JSON Schema's defaults apply (extra properties allowed).
+  JSON valid under ``schema``. ``strict: true`` follows OpenAI's strict mode: where an object
+  declares properties, no other property is generated (an object that declares none, a bare
+  ``{"type": "object"}``, still takes any keys). Without it, JSON Schema's defaults apply
+  (extra properties allowed).
 
 Supported: objects (properties, required, additionalProperties, patternProperties,
 propertyNames, min/maxProperties), arrays (items, prefixItems, min/maxItems), strings

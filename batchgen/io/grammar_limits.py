@@ -21,18 +21,18 @@ class GrammarTooComplex(ValueError):
     """A response_format over the limits; the message names where and the limit."""
 
 
-def check_grammar_limits(response_format: Any) -> None:
+def check_grammar_limits(response_format: Any, name: str = "response_format") -> None:
     """Raise GrammarTooComplex for a response_format over the size, schema depth or regex
-    nesting limits."""
+    nesting limits. `name`: what the message calls it (a forced tool's parameters, too)."""
     try:
         size = len(orjson.dumps(response_format))
     except (TypeError, orjson.JSONEncodeError):  # orjson refuses nesting past 254 levels
         size = None
     if size is None or size > MAX_GRAMMAR_BYTES:
         said = "is nested past 254 levels" if size is None else f"is {size} bytes"
-        raise GrammarTooComplex(f"response_format {said}; at most {MAX_GRAMMAR_BYTES} bytes "
+        raise GrammarTooComplex(f"{name} {said}; at most {MAX_GRAMMAR_BYTES} bytes "
                                 f"and {MAX_SCHEMA_DEPTH} levels: simplify the schema")
-    stack = [(response_format, 1, "response_format")]
+    stack = [(response_format, 1, name)]
     while stack:
         value, depth, where = stack.pop()
         if depth > MAX_SCHEMA_DEPTH:

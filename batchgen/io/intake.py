@@ -25,8 +25,9 @@ from batchgen.io.reader import RawRecord, custom_id_of, record_key
 from batchgen.io.sampling_fields import (MODEL_DEFAULT_FIELDS, BadLine, gives_max_tokens,
                                          is_int, parse_sampling, token_ids, whole)
 from batchgen.io.templates import TemplateError, render_chat
-from batchgen.request_checks import (StructuredOutputError, ToolChoiceError, check_tools,
-                                     forced_functions, response_format_schema)
+from batchgen.request_checks import (StructuredOutputError, ToolChoiceError,
+                                     check_parameters_schema, check_tools, forced_functions,
+                                     grammar_constrained, response_format_schema)
 
 log = logging.getLogger(__name__)
 
@@ -165,6 +166,10 @@ def _parse(data: dict, key: str, line: int,
     messages = _messages(body.get("messages")) if kind == "chat" else None
     prompt = _prompt(body.get("prompt")) if kind == "completion" else None
     sampling = parse_sampling(body, kind, default_max_tokens)
+    if (sampling.stop or sampling.stop_token_ids) and grammar_constrained(extra):
+        # A stop string or token inside the JSON would leave it cut and invalid (reported as
+        # "stop"): a grammar-constrained answer ends where its grammar does.
+        sampling = replace(sampling, stop=(), stop_token_ids=())
     if _echo(body, kind, sampling):
         extra["echo"] = True
     _refuse_unimplemented(body, sampling.n)
@@ -309,6 +314,13 @@ def _check_structured(extra: dict) -> None:
         forced = forced_functions(extra.get("tools"), extra.get("tool_choice"))
     except ToolChoiceError as err:
         raise BadLine("invalid_tool_choice", str(err), "tool_choice") from None
+    for fn in forced or ():  # a forced call's grammar is built from these schemas
+        try:
+            check_grammar_limits(fn["parameters"], "parameters")
+            check_parameters_schema(fn["parameters"], f"function {fn['name']!r} parameters")
+        except (GrammarTooComplex, StructuredOutputError) as err:
+            raise BadLine("invalid_tool_choice", f"tools: a parameters schema cannot be "
+                                                 f"enforced: {err}", "tools") from None
     if "response_format" in extra:
         try:
             check_grammar_limits(extra["response_format"])

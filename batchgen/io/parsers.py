@@ -297,10 +297,34 @@ def _name_and_args(obj, arguments_required: bool = False) -> tuple:
 _HERMES_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
 
 
+_HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
+
+
 def _hermes(text: str) -> tuple[str, list[tuple]]:
-    bodies = _HERMES_CALL.findall(text)
-    calls = [_name_and_args(_loads(body.strip())) for body in bodies]
-    return _HERMES_CALL.sub("", text), calls
+    # Each call's JSON is read whole before its </tool_call> is looked for: a string argument
+    # may itself hold "</tool_call>" (a forced call's grammar allows any string).
+    content, calls, pos = [], [], 0
+    while (start := text.find(_HERMES_OPEN, pos)) >= 0:
+        content.append(text[pos:start])
+        body = start + len(_HERMES_OPEN)
+        begin = len(text) - len(text[body:].lstrip())
+        try:
+            obj, end = _DECODER.raw_decode(text, begin)
+        except (ValueError, RecursionError):  # not one JSON value: the old, lenient reading
+            match = _HERMES_CALL.match(text, start)
+            calls.append(_name_and_args(_loads(match.group(1).strip())))
+            pos = match.end()
+            continue
+        calls.append(_name_and_args(obj))
+        rest = len(text) - len(text[end:].lstrip())
+        if text.startswith(_HERMES_CLOSE, rest):
+            pos = rest + len(_HERMES_CLOSE)
+        elif rest == len(text):
+            pos = rest  # the last call may lack </tool_call>
+        else:
+            raise _Malformed("text after a tool call's JSON inside <tool_call>")
+    content.append(text[pos:])
+    return "".join(content), calls
 
 
 _DS_CALLS_BEGIN, _DS_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"

@@ -1,0 +1,116 @@
+"""Schemas the grammar engine (xgrammar) would only partly enforce are refused per line, for
+response_format and for the parameters of a tool a tool_choice forces; a forced call whose
+string argument holds "</tool_call>" is still parsed. Model-free and fast."""
+
+import json
+
+import pytest
+
+from batchgen.engine.structured import schema_problem
+from batchgen.io.intake import IntakeError, ParsedRequest, parse_record
+from batchgen.io.parsers import parse_output
+from batchgen.io.reader import RawRecord
+
+USER = [{"role": "user", "content": "hi"}]
+
+
+def rf(schema, strict=True):
+    return {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": strict}}
+
+
+def parse(**body):
+    return parse_record(RawRecord(1, {"messages": USER, **body}))
+
+
+def S(**kw):
+    return {"type": "object", "properties": {"a": kw}, "required": ["a"],
+            "additionalProperties": False}
+
+
+# Each of these compiled, and the grammar then matched a value the schema forbids (noted).
+DROPPED = {
+    "pattern+maxLength": S(type="string", pattern="^[a-z]+$", maxLength=3),  # "abcdef"
+    "format+maxLength": S(type="string", format="email", maxLength=5),  # "abcdef@ex.com"
+    "format+pattern": S(type="string", format="uuid", pattern="^0"),  # "1111...-1111"
+    "ref+sibling": {"$defs": {"S": {"type": "string"}}, **S(**{"$ref": "#/$defs/S",
+                                                              "maxLength": 3})},
+    "anyOf+sibling": {"type": "object", "properties": {"a": {"type": "string"}},
+                      "anyOf": [{"required": ["a"]}]},  # {}
+    "untyped minimum": S(minimum=5),  # 3
+    "external ref": S(**{"$ref": "https://example.com/s.json"}),  # anything
+    "required undeclared": {"type": "object", "properties": {"a": {"type": "integer"}},
+                            "required": ["a", "b"]},  # {"a": 1}
+    "not {}": S(type="integer", **{"not": {}}),  # 1 (not {} excludes every value)
+}
+
+
+@pytest.mark.parametrize("name", sorted(DROPPED))
+def test_response_format_keywords_the_grammar_would_drop_are_refused(name):
+    parsed = parse(response_format=rf(DROPPED[name]))
+    assert isinstance(parsed, IntakeError), name
+    assert (parsed.code, parsed.param) == ("unsupported_response_format", "response_format")
+
+
+def test_keywords_the_grammar_would_drop_are_refused():
+    assert schema_problem(rf(DROPPED["pattern+maxLength"])) is not None
+
+
+ACCEPTED = {  # what pydantic's model_json_schema() and OpenAI's examples write
+    "ref+annotations": {"$defs": {"S": {"type": "integer"}},
+                        **S(**{"$ref": "#/$defs/S", "description": "d", "default": 1})},
+    "nullable anyOf": S(anyOf=[{"type": "integer", "minimum": 0}, {"type": "null"}],
+                        default=None, title="A"),
+    "root ref": {"$defs": {"N": {"type": "object", "properties": {"v": {"type": "integer"}},
+                                 "required": ["v"]}}, "$ref": "#/$defs/N"},
+    "propertyNames": {"type": "object", "propertyNames": {"pattern": "^[a-z]+$"}},
+    "unknown format + maxLength": S(type="string", format="phone", maxLength=3),
+    "not false": S(type="integer", **{"not": False}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ACCEPTED))
+def test_schemas_users_write_are_accepted(name):
+    assert isinstance(parse(response_format=rf(ACCEPTED[name])), ParsedRequest), name
+    assert schema_problem(rf(ACCEPTED[name])) is None
+
+
+def tool(parameters):
+    return [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
+
+
+@pytest.mark.parametrize("parameters", [
+    S(type="array", items={"type": "string"}, uniqueItems=True),  # duplicates were generated
+    S(type="number", multipleOf=0.5),  # -67667652.526 was generated
+    S(type="string", pattern="(" * 50_000 + "a" + ")" * 50_000),  # segfaulted the worker
+])
+def test_forced_tool_parameters_get_the_response_format_checks(parameters):
+    for choice in ("required", {"type": "function", "function": {"name": "f"}}):
+        parsed = parse(tools=tool(parameters), tool_choice=choice)
+        assert isinstance(parsed, IntakeError)
+        assert (parsed.code, parsed.param) == ("invalid_tool_choice", "tools")
+    # a call the model is free to make is not built into a grammar: no refusal
+    assert isinstance(parse(tools=tool(parameters), tool_choice="auto"), ParsedRequest)
+
+
+def test_forced_hermes_call_with_a_closing_tag_in_a_string_is_parsed():
+    arguments = {"code": "print('</tool_call>')"}
+    text = ("<tool_call>\n" + json.dumps({"name": "f", "arguments": arguments})
+            + "\n</tool_call>")
+    message = parse_output(text, reasoning_style=None, tool_parser="hermes")
+    assert message.content is None
+    assert [json.loads(c["function"]["arguments"]) for c in message.tool_calls] == [arguments]
+
+
+@pytest.mark.parametrize("body", [
+    {"response_format": {"type": "json_object"}},
+    {"response_format": rf(S(type="string"))},
+    {"tools": tool({"type": "object", "properties": {}}), "tool_choice": "required"},
+])
+def test_stop_strings_do_not_cut_a_grammar_constrained_answer(body):
+    """A stop inside the JSON left it cut and invalid, with finish_reason "stop": such an
+    answer ends where its grammar does; a free answer keeps its stops."""
+    parsed = parse(stop=["\n", ","], stop_token_ids=[5], **body)
+    assert isinstance(parsed, ParsedRequest)
+    assert parsed.sampling.stop == () and parsed.sampling.stop_token_ids == ()
+    free = parse(stop=["\n", ","], stop_token_ids=[5])
+    assert free.sampling.stop == ("\n", ",") and free.sampling.stop_token_ids == (5,)
