@@ -26,7 +26,7 @@ OUT = REPO / "batchgen" / "startup_modules.txt"
 CONFIG_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "deepseek_v3", "gpt_oss")
 NEIGHBOURS_OF = ("transformers",)
 """Packages whose listed modules bring every other module of their folders into the list."""
-ALSO_IMPORTED = ("batchgen.runner.leader.supervisor", "batchgen.runner.worker.worker",
+ALSO_IMPORTED = ("batchgen.runner.leader.supervisor", "batchgen.runner.worker.serve",
                  "batchgen.engine.precompile", "transformers.tokenization_utils_fast",
                  "transformers.generation", "safetensors.torch", "triton", "triton.language",
                  "xgrammar", "batchgen_kernels")

@@ -11,7 +11,7 @@ from job_utils import BATCHGEN
 from batchgen.parallel import ParallelError, free_port
 from batchgen.runner.exits import ExitCode
 from batchgen.runner.leader.external import launcher_world_size
-from batchgen.runner.worker import worker
+from batchgen.runner.worker import serve, worker
 
 SRUN_RANK1 = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "1",
               "SLURM_NNODES": "1", "MASTER_ADDR": "127.0.0.1"}
@@ -56,10 +56,10 @@ def test_a_tensor_parallel_size_the_model_cannot_split_is_a_model_error_not_a_cr
                                 "tensor-parallel size 2: choose --tensor-parallel-size "
                                 "dividing it")
 
-    monkeypatch.setattr(worker, "Worker", Unsplittable)
+    monkeypatch.setattr(serve, "Worker", Unsplittable)
     recorded = {}
     watchdog = SimpleNamespace(stats=SimpleNamespace(update=recorded.update))
-    code = worker.serve(None, worker.RankInfo(), None, watchdog)
+    code = serve.serve(None, worker.RankInfo(), None, watchdog)
     assert code == ExitCode.MODEL
     assert "choose --tensor-parallel-size" in recorded["failure"]
 

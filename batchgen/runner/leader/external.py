@@ -108,7 +108,7 @@ def adopt(ext: ExternalRank, dist: DistConfig) -> DistConfig:
 def run_worker_here(spec_file: Path, log_file: Path) -> int:
     """The worker's main() in this process; its log lines also go to `log_file` (a rank that
     fails reports that file's tail to the leader)."""
-    from batchgen.runner.worker import worker
+    from batchgen.runner.worker import serve
 
     log_file.parent.mkdir(parents=True, exist_ok=True)
     handler = logging.FileHandler(log_file)
@@ -116,7 +116,7 @@ def run_worker_here(spec_file: Path, log_file: Path) -> int:
     root = logging.getLogger()
     root.addHandler(handler)
     try:
-        return worker.main([str(spec_file)])
+        return serve.main([str(spec_file)])
     finally:
         root.removeHandler(handler)
         handler.close()

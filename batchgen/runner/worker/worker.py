@@ -1,26 +1,22 @@
 """A worker: the engine fed from this rank's shard of the input, results fsynced per step.
 
 Run by the supervisor through torch.distributed's launcher (`python -m
-batchgen.runner.worker.worker_entry SPEC.json`, which calls `main`); rank and world size come
-from the launcher's environment, never from globals.
-Exit codes: 0 shard done, 75 stopped by a signal, 4 results file locked, 6 disk, 70 watchdog,
-71 device out of memory; anything else is a crash.
+batchgen.runner.worker.worker_entry SPEC.json`, which calls serve.main); rank and world size
+come from the launcher's environment, never from globals. serve.py maps what ends a worker to
+its exit code.
 """
 
 from __future__ import annotations
 
-import faulthandler
 import gc
 import logging
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 
 import torch
 
 from batchgen.engine.engine import Engine
-from batchgen.engine.heap import frozen_heap
 from batchgen.engine.memory import job_demand_tokens
 from batchgen.engine.embed import step_tokens
 from batchgen.engine.precompile import CompileWorkers
@@ -29,19 +25,16 @@ from batchgen.io.embeddings import EmbeddingRequest
 from batchgen.io.intake import (IntakeError, ParsedRequest, PendingRequest, tokenize_parsed,
                                with_model_defaults)
 from batchgen.io.parsed_input import read_parsed
-from batchgen.io.reader import InputFileError
 from batchgen.io.results import dumps, error_line
 from batchgen.io.jobfiles import JobPaths
-from batchgen.io.writer import (IdSet, IncrementalWriter, ResultsFileRemoved, WriteFailed,
-                                WriterLocked, read_done_ids)
+from batchgen.io.writer import IdSet, IncrementalWriter, WriterLocked, read_done_ids
 from batchgen.models.convert import read_manifest
 from batchgen.models.factory import load_model, model_folder, weight_bytes
-from batchgen.models.loader import MANIFEST, CheckpointError, ModelNotFoundError
-from batchgen.models.registry import UnsupportedModelError
-from batchgen.parallel import (ParallelError, Placement, default_tp_size, init_tensor_parallel,
+from batchgen.models.loader import MANIFEST
+from batchgen.parallel import (Placement, default_tp_size, init_tensor_parallel,
                                pick_device)
 from batchgen.phases import StartupClock
-from batchgen.runner.files.errors import DiskError, disk_errors
+from batchgen.runner.files.errors import disk_errors
 from batchgen.runner.worker.embed_jobs import EmbeddingJobs
 from batchgen.runner.worker.grammars import Grammars
 from batchgen.runner.worker.inflight import InflightCheckpoints, with_progress
@@ -50,9 +43,9 @@ from batchgen.runner.worker.stand_in import precompile_hook
 from batchgen.runner.exits import ExitCode
 from batchgen.runner.files.job import JobSpec
 from batchgen.runner.worker.outputs import OutputFormatter
-from batchgen.runner.worker.process import StopFlag, die_with_supervisor, launched_at
+from batchgen.runner.worker.process import StopFlag, launched_at
 from batchgen.runner.worker.quarantine import Quarantine
-from batchgen.runner.worker.watchdog import StatsFile, Watchdog, guard_decode_steps
+from batchgen.runner.worker.watchdog import Watchdog, guard_decode_steps
 from batchgen.sched.scheduler import RequestTooLarge
 from batchgen.testing import faults
 
@@ -436,75 +429,3 @@ def open_writer(path, wait_s: float = ORPHAN_WAIT_S) -> IncrementalWriter:
                 raise
             time.sleep(0.2)
 
-
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    die_with_supervisor()
-    faulthandler.enable(all_threads=True)  # a segfault or abort dumps every thread's stack
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s rank%(rank)s %(name)s: %(message)s"
-                        .replace("%(rank)s", os.environ.get("RANK", "0")))
-    spec = JobSpec.load(argv[0])
-    rank = RankInfo.from_env()
-    stop = StopFlag(spec.config.watchdog.preempt_grace)
-    stop.install()
-    stats = StatsFile(spec.paths.batch_file.with_name(f"{spec.batch_id}.worker{rank.rank}.json"),
-                      initial={"rank": rank.rank, "pid": os.getpid(), "completed": 0, "failed": 0,
-                               "prompt_tokens": 0, "completion_tokens": 0})
-    watchdog = Watchdog(spec.config.watchdog, stats, launched_at())
-    watchdog.start()
-    torch.set_num_threads(cpu_threads())
-    return serve(spec, rank, stop, watchdog)
-
-
-def serve(spec: JobSpec, rank: RankInfo, stop: StopFlag, watchdog: Watchdog) -> int:
-    """Run the worker to its exit code. Failures that are not the requests' fault (disk, lock,
-    input)
-    leave no crash evidence; the others keep the in-flight journal for the quarantine."""
-    worker = None
-    try:
-        worker = Worker(spec, rank, stop, watchdog)
-        # Thawed before the interpreter's teardown, which must free the startup objects too
-        # (native extensions report what is left alive as leaks).
-        with frozen_heap():
-            code = worker.run()
-    except (WriteFailed, DiskError) as err:
-        log.error("rank %d: %s", rank.rank, err)  # one clear line, no traceback
-        watchdog.stats.update({"failure": str(err)})
-        code = ExitCode.DISK
-    except (ResultsFileRemoved, FileNotFoundError) as err:
-        removed = spec.paths.removed_while_running()
-        if removed is None and not isinstance(err, ResultsFileRemoved):
-            raise
-        what = f"{removed} was removed while the job ran" if removed else str(err)
-        log.error("rank %d: %s; run the same command again to start over (keep the storage "
-                  "folder until the job completes)", rank.rank, what)
-        # The supervisor's report names it (a results file alone gone leaves every folder).
-        gone = removed or f"the job's results file {getattr(err, 'path', None) or 'of this rank'}"
-        watchdog.stats.update({"failure": what, "removed": gone})
-        code = ExitCode.INPUT
-    # Another live writer of the results file, or the parsed input gone or damaged.
-    except (WriterLocked, InputFileError) as err:
-        log.error("rank %d: %s", rank.rank, err)
-        watchdog.stats.update({"failure": str(err)})  # the supervisor's report names it
-        code = ExitCode.LOCKED if isinstance(err, WriterLocked) else ExitCode.INPUT
-    # The model cannot be served (an architecture or config batchgen does not run, a damaged
-    # checkpoint, or a --tensor-parallel-size that does not divide its heads): no request is at
-    # fault, and a rerun cannot help until the model or the flags change.
-    except (CheckpointError, ModelNotFoundError, UnsupportedModelError, ParallelError) as err:
-        log.error("rank %d: %s", rank.rank, err)
-        watchdog.stats.update({"failure": str(err)})
-        code = ExitCode.MODEL
-    except torch.cuda.OutOfMemoryError as err:
-        log.error("rank %d: device out of memory (%s); the requests in flight will be retried "
-                  "in smaller groups on restart", rank.rank, str(err).splitlines()[0])
-        return ExitCode.DEVICE_OOM
-    finally:
-        if worker is not None:
-            worker.close()
-    if worker is not None and worker.writer is not None:
-        worker.quarantine.clean_exit()
-    return code
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,6 @@
 """`python -m batchgen.runner.worker.worker_entry SPEC`: how the launcher starts a worker.
 
-A worker spends seconds importing torch before `worker.main()` installs its stop handlers; a
+A worker spends seconds importing torch before `serve.main()` installs its stop handlers; a
 stop signal in that window (Ctrl-C reaches every process of the terminal's group) would
 otherwise end it with a KeyboardInterrupt traceback or a signal death. As the `batchgen` entry
 point does for the supervisor, the early handlers make it exit 75 at once: nothing has
@@ -30,7 +30,7 @@ def start() -> int:
     start_bytecode_compile()
     start_driver_init()
     gc.disable()
-    from batchgen.runner.worker.worker import main
+    from batchgen.runner.worker.serve import main
 
     return main()
 
