@@ -1,6 +1,7 @@
 """A job's storage folder removed by hand while the job runs: the worker stops at its next
 write with one clear line (no traceback), and the same command then starts the job over."""
 
+import os
 import shutil
 
 from job_utils import chat_rows
@@ -93,3 +94,22 @@ def test_a_storage_folder_removed_while_the_input_is_parsed_exits_2(tmp_path, ti
     assert proc.returncode == 2, stderr[-3000:]
     assert f"the job's folder {storage} was removed while the job ran" in stderr
     assert "Traceback" not in stderr, stderr[-3000:]
+
+
+def test_a_results_file_replaced_under_its_name_is_reported(tmp_path):
+    """On NFS an unlinked open file stays linked (renamed .nfsXXXX): the check compares the
+    file behind the name with the one written, so a name gone or taken by another file is
+    seen too."""
+    path = tmp_path / "job.jsonl"
+    with IncrementalWriter(path) as writer:
+        writer.write_batch([b'{"custom_id": "a"}\n'])
+        keep = tmp_path / ".nfs0001"
+        os.link(path, keep)  # as NFS's silly rename leaves it: a link is still there
+        path.unlink()
+        path.write_bytes(b"")  # and another file took the name
+        try:
+            writer.write_batch([b'{"custom_id": "b"}\n'])
+        except ResultsFileRemoved:
+            pass
+        else:
+            raise AssertionError("a write to a file its name no longer reaches was taken")

@@ -8,6 +8,7 @@ import gc
 import pytest
 
 import batchgen.runner.worker.worker as worker_mod
+import batchgen.runner.worker.serve as serve_mod
 import batchgen.runner.worker.worker_entry as entry
 from batchgen.config import JobConfig, StorageConfig
 from batchgen.io.parsed_input import parse_input
@@ -25,7 +26,7 @@ def collector_restored():
 def test_entry_runs_the_worker_with_the_collector_off(monkeypatch, collector_restored):
     seen = []
     monkeypatch.setattr(entry, "requeue_on_stop_signals", lambda: None)
-    monkeypatch.setattr(worker_mod, "main", lambda: seen.append(gc.isenabled()) or 0)
+    monkeypatch.setattr(serve_mod, "main", lambda: seen.append(gc.isenabled()) or 0)
     assert entry.start() == 0
     assert seen == [False]
 

@@ -25,11 +25,13 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.metadata
 import io
 import logging
 import os
 import pickle
 import struct
+import sys
 from collections.abc import Container, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -146,14 +148,25 @@ def _settings(identity: InputFile, max_line_bytes: int, default_max_tokens: int)
 
 def parser_digest() -> str:
     """A digest of the source of every module that decides a stored record: the io package
-    (reader, intake, sampling fields, templates, ...), the request checks and the core types.
+    (reader, intake, sampling fields, templates, ...), the request checks and the core types,
+    with the versions of Python, orjson and pyarrow.
     A changed parser, or pickled classes of another shape, must not be read back."""
     files = sorted(Path(__file__).parent.glob("*.py"))
     files += [Path(batchgen.core.__file__), Path(batchgen.request_checks.__file__)]
     digest = hashlib.sha256()
+    # and what reads the lines and pickles the records: another version may read them otherwise
+    versions = [sys.version] + [_version(name) for name in ("orjson", "pyarrow")]
+    digest.update("|".join(versions).encode())
     for path in files:
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "none"
 
 
 def reused_input(identity: InputFile, out: Path, settings: dict) -> InputSummary | None:

@@ -194,6 +194,8 @@ class IncrementalWriter:
         try:
             self._flush(data)
         except OSError as e:
+            if e.errno == errno.ESTALE:  # removed on another node of a shared filesystem
+                raise self._removed() from e
             self._rollback()
             raise WriteFailed(
                 f"could not save {len(lines)} finished results to {self.path}: "
@@ -201,12 +203,28 @@ class IncrementalWriter:
                 "before are safe; fix the disk (free space) and run the same command again to "
                 "resume") from e
         self._size += len(data)
+        if self._unnamed():  # written to a file no one will read
+            raise self._removed()
         self._broken = False
-        if os.fstat(self._fd).st_nlink == 0:  # written to a file no name reaches any more
-            self._broken = True
-            raise ResultsFileRemoved(
-                f"{self.path} was removed while the job was writing it (by hand, or with its "
-                "folder): the results saved in it are gone", self.path)
+
+    def _unnamed(self) -> bool:
+        """Whether the file's name no longer reaches it: unlinked, or the name now another file
+        or none (NFS keeps a file unlinked while open as a linked `.nfsXXXX`)."""
+        try:
+            mine = os.fstat(self._fd)
+            if mine.st_nlink == 0:
+                return True
+            named = os.stat(self.path)
+        except OSError as err:
+            if err.errno in (errno.ENOENT, errno.ESTALE):
+                return True
+            raise
+        return (named.st_dev, named.st_ino) != (mine.st_dev, mine.st_ino)
+
+    def _removed(self) -> ResultsFileRemoved:
+        return ResultsFileRemoved(
+            f"{self.path} was removed while the job was writing it (by hand, or with its "
+            "folder): the results saved in it are gone", self.path)
 
     def _flush(self, data: memoryview) -> None:
         if self._fault is not None:

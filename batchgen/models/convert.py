@@ -242,10 +242,13 @@ def _unreadable_gguf(gguf: Path):
     (a disk error is reported as such)."""
     try:
         yield
-    except (OSError, CheckpointError):
+    except (OSError, CheckpointError, MemoryError):
         raise
     except Exception as err:  # noqa: BLE001 - whatever the reader raises
         text = str(err).strip()
+        if isinstance(err, RuntimeError) and ("alloc" in text.lower()
+                                              or "out of memory" in text.lower()):
+            raise  # the host's memory, not the file: dequantizing holds a float32 copy
         why = text.splitlines()[-1].rstrip(".") if text else type(err).__name__
         raise CheckpointError(
             f"cannot convert {gguf}: {why}. The file is truncated or damaged (compare its size "
