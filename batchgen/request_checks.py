@@ -5,6 +5,8 @@ builders (engine/structured.py, engine/tool_choice.py) use the same functions.""
 
 from __future__ import annotations
 
+import re
+
 
 class StructuredOutputError(ValueError):
     """A response_format that cannot be enforced; the request becomes an error line."""
@@ -145,9 +147,20 @@ def check_parameters_schema(parameters, where: str) -> None:
     _check_enforceable(parameters, "#", where)
 
 
-# Keywords that constrain nothing (annotations) and may stand beside $ref or anyOf/oneOf/allOf.
-_ANNOTATIONS = {"title", "description", "default", "examples", "$comment", "deprecated",
-                "readOnly", "writeOnly", "$schema", "$id", "$defs", "definitions"}
+# Keywords that assert something of a value: beside $ref or anyOf/oneOf/allOf the grammar
+# drops them. Any other key there (title, description, default, pydantic's discriminator, an
+# x-* extension) asserts nothing and is left alone.
+_ASSERTIONS = {"type", "enum", "const", "properties", "required", "additionalProperties",
+               "patternProperties", "propertyNames", "minProperties", "maxProperties", "items",
+               "prefixItems", "additionalItems", "minItems", "maxItems", "uniqueItems",
+               "contains", "minContains", "maxContains", "minLength", "maxLength", "pattern",
+               "format", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
+               "multipleOf", "not", "if", "then", "else", "dependentRequired",
+               "dependentSchemas", "unevaluatedProperties", "unevaluatedItems", "$ref",
+               "anyOf", "oneOf", "allOf"}
+UNENFORCED_MAX_LENGTH = 256
+"""A maxLength at least this long beside a `format` is accepted unenforced (pydantic's HttpUrl
+says 2,083): the formats' strings (URLs, e-mail addresses, dates, ids) stay far shorter."""
 _COMBINATORS = ("anyOf", "oneOf", "allOf")
 # Keywords the grammar enforces only where the node names its "type".
 _TYPED_KEYWORDS = {"minLength", "maxLength", "pattern", "minimum", "maximum",
@@ -159,6 +172,26 @@ _GRAMMAR_FORMATS = {"email", "date", "time", "date-time", "duration", "uuid", "i
                     "relative-json-pointer"}
 
 
+def _length_implied(key: str, value, fmt: str | None, schema: dict) -> bool:
+    """A length bound beside a format or pattern that holds anyway: minLength 1 where the
+    string cannot be empty (a format's, or a pattern that does not match ""), a maxLength of
+    UNENFORCED_MAX_LENGTH or more beside a format."""
+    if not isinstance(value, int):
+        return False
+    if key == "minLength":
+        if value <= 0:
+            return True
+        return value == 1 and (fmt is not None or _never_empty(schema.get("pattern")))
+    return fmt is not None and "pattern" not in schema and value >= UNENFORCED_MAX_LENGTH
+
+
+def _never_empty(pattern) -> bool:
+    try:
+        return isinstance(pattern, str) and re.search(pattern, "") is None
+    except re.error:
+        return False
+
+
 def _check_node(schema: dict, path: str) -> None:
     """Combinations of keywords in one schema node of which the grammar silently keeps one."""
     ref = schema.get("$ref")
@@ -168,8 +201,8 @@ def _check_node(schema: dict, path: str) -> None:
     for head in ("$ref",) + _COMBINATORS:
         if head not in schema:
             continue
-        allowed = _ANNOTATIONS | ({"type"} if head != "$ref" else set())
-        others = sorted(k for k in schema if k != head and k not in allowed)
+        others = sorted(k for k in schema if k != head and k in _ASSERTIONS
+                        and not (k == "type" and head != "$ref"))
         if others:
             raise StructuredOutputError(
                 f"{', '.join(others)} beside {head} at {path} is not supported (the grammar "
@@ -182,8 +215,9 @@ def _check_node(schema: dict, path: str) -> None:
         if untyped:
             raise StructuredOutputError(f"{', '.join(untyped)} at {path} needs a \"type\" "
                                         "beside it to be enforced")
-    lengths = sorted({"minLength", "maxLength"} & schema.keys())
     fmt = schema.get("format") if schema.get("format") in _GRAMMAR_FORMATS else None
+    lengths = sorted(k for k in ("minLength", "maxLength")
+                     if k in schema and not _length_implied(k, schema[k], fmt, schema))
     if lengths and (fmt or "pattern" in schema):
         beside = f"format {fmt!r}" if fmt else "pattern"
         raise StructuredOutputError(f"{', '.join(lengths)} beside {beside} at {path} is not "

@@ -41,6 +41,8 @@ DROPPED = {
     "required undeclared": {"type": "object", "properties": {"a": {"type": "integer"}},
                             "required": ["a", "b"]},  # {"a": 1}
     "not {}": S(type="integer", **{"not": {}}),  # 1 (not {} excludes every value)
+    "format+short maxLength": S(type="string", format="uri", maxLength=20),
+    "pattern+minLength 1, empty allowed": S(type="string", pattern="^[a-z]*$", minLength=1),
 }
 
 
@@ -65,6 +67,21 @@ ACCEPTED = {  # what pydantic's model_json_schema() and OpenAI's examples write
     "propertyNames": {"type": "object", "propertyNames": {"pattern": "^[a-z]+$"}},
     "unknown format + maxLength": S(type="string", format="phone", maxLength=3),
     "not false": S(type="integer", **{"not": False}),
+    # pydantic's model_json_schema(): a discriminated union, HttpUrl, Optional[AnyUrl],
+    # json_schema_extra beside a $ref, constr(pattern=..., min_length=1)
+    "discriminated union": {"$defs": {"C": {"type": "object", "properties": {
+        "kind": {"const": "cat", "type": "string"}}, "required": ["kind"]}, "D": {
+        "type": "object", "properties": {"kind": {"const": "dog", "type": "string"}},
+        "required": ["kind"]}}, **S(oneOf=[{"$ref": "#/$defs/C"}, {"$ref": "#/$defs/D"}],
+                                    discriminator={"propertyName": "kind", "mapping": {
+                                        "cat": "#/$defs/C", "dog": "#/$defs/D"}},
+                                    title="Pet")},
+    "HttpUrl": S(type="string", format="uri", minLength=1, maxLength=2083, title="Url"),
+    "Optional[AnyUrl]": S(anyOf=[{"type": "string", "format": "uri", "minLength": 1},
+                                 {"type": "null"}], default=None),
+    "ref + x-order": {"$defs": {"T": {"type": "integer"}},
+                      **S(**{"$ref": "#/$defs/T", "description": "d", "x-order": 1})},
+    "pattern + minLength 1": S(type="string", pattern="^[A-Z]+$", minLength=1),
 }
 
 
