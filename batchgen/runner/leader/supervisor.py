@@ -119,9 +119,7 @@ def _run(config: JobConfig, stops: StopSignals, member: Member) -> int:
         removed = paths.removed_while_running()
         if removed is None:
             raise
-        log.error("%s was removed while the job ran: the results saved there are gone; run "
-                  "the same command again to start the job over (keep the storage folder "
-                  "until the job completes)", removed)
+        log.error("%s", removed_cause(removed))
         return ExitCode.INPUT
     finally:
         output_lock.release()
@@ -358,6 +356,13 @@ def _worker_failed(spec: JobSpec, batch_file: BatchFile, started: float,
     return _worker_exit_code(code)
 
 
+def removed_cause(what: str) -> str:
+    """What to say when `what` (a job folder or results file) was removed during the run."""
+    return (f"{what} was removed while the job ran: the results saved there are gone; run the "
+            "same command again to start the job over (keep the storage folder until the job "
+            "completes)")
+
+
 def _failure_cause(spec: JobSpec, failure: WorkerFailure) -> str:
     """One paragraph for the log and the batch file's health.last_failure."""
     stats = {s.get("rank"): s
@@ -368,9 +373,7 @@ def _failure_cause(spec: JobSpec, failure: WorkerFailure) -> str:
     if removed is None and mine.get("removed"):  # its results file alone: the folders stand
         removed = str(mine["removed"])
     if removed is not None:
-        return (f"{removed} was removed while the job ran: the results saved there are gone; "
-                "run the same command again to start the job over (keep the storage folder "
-                "until the job completes)")
+        return removed_cause(removed)
     if failure.cause:
         return f"{failure.cause}; {resume}"
     if failure.exitcode == ExitCode.WATCHDOG:
