@@ -34,23 +34,33 @@ def test_removed_job_folders_are_named(tmp_path):
     assert paths.removed_while_running() == f"the job's folder {paths.storage_path}"
 
 
-def test_a_storage_folder_removed_mid_run_stops_the_job_with_a_way_out(tmp_path,
-                                                                       tiny_chat_model):
-    rows = chat_rows(24, max_tokens=40)
-    inp = job_input(tmp_path / "in", rows)
+ROWS = chat_rows(24, max_tokens=40)
+
+
+def _remove_mid_run(tmp_path, model, remove) -> tuple:
+    """Run a job one sequence at a time, `remove(storage)` once its first result is saved;
+    (storage, input, stderr) once it exited 2; then the same command completes it."""
+    inp = job_input(tmp_path / "in", ROWS)
     storage = tmp_path / "s"
-    proc = launch(inp, storage, tiny_chat_model, "--max-num-seqs", "1")
+    proc = launch(inp, storage, model, "--max-num-seqs", "1")
     try:
         assert wait_for(lambda: count_lines(storage) >= 1, timeout=240, poll=0.05)
-        shutil.rmtree(storage)
+        remove(storage)
         _, stderr = proc.communicate(timeout=240)
     finally:
         kill_group(proc)
     assert proc.returncode == 2, stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    return storage, inp, stderr
+
+
+def test_a_storage_folder_removed_mid_run_stops_the_job_with_a_way_out(tmp_path,
+                                                                       tiny_chat_model):
+    storage, inp, stderr = _remove_mid_run(tmp_path, tiny_chat_model, shutil.rmtree)
     assert f"the job's folder {storage} was removed while the job ran" in stderr
-    assert "start the job over" in stderr and "Traceback" not in stderr, stderr[-3000:]
+    assert "start the job over" in stderr
     run(inp, storage, tiny_chat_model, check=True)
-    assert count_lines(storage) == len(rows)
+    assert count_lines(storage) == len(ROWS)
 
 
 def test_a_results_file_removed_mid_run_is_named_by_the_supervisor(tmp_path, tiny_chat_model):
@@ -58,23 +68,18 @@ def test_a_results_file_removed_mid_run_is_named_by_the_supervisor(tmp_path, tin
     not the parsed input, and do not promise a resume of results that are gone."""
     from test_reliability_support import batch_state, incremental_file
 
-    rows = chat_rows(24, max_tokens=40)
-    inp = job_input(tmp_path / "in", rows)
-    storage = tmp_path / "s"
-    proc = launch(inp, storage, tiny_chat_model, "--max-num-seqs", "1")
-    try:
-        assert wait_for(lambda: count_lines(storage) >= 1, timeout=240, poll=0.05)
-        results = incremental_file(storage)
-        results.unlink()
-        _, stderr = proc.communicate(timeout=240)
-    finally:
-        kill_group(proc)
-    assert proc.returncode == 2, stderr[-3000:]
+    removed = []
+
+    def remove_results(storage):
+        removed.append(incremental_file(storage))
+        removed[0].unlink()
+
+    storage, inp, _ = _remove_mid_run(tmp_path, tiny_chat_model, remove_results)
     last = batch_state(storage)["health"]["last_failure"]
-    assert f"{results} was removed while the job ran" in last, last
+    assert f"{removed[0]} was removed while the job ran" in last, last
     assert "parsed input" not in last and "start the job over" in last, last
     run(inp, storage, tiny_chat_model, check=True)
-    assert count_lines(storage) == len(rows)
+    assert count_lines(storage) == len(ROWS)
 
 
 def test_a_storage_folder_removed_while_the_input_is_parsed_exits_2(tmp_path, tiny_chat_model):
