@@ -118,3 +118,25 @@ def test_a_results_file_replaced_under_its_name_is_reported(tmp_path):
             pass
         else:
             raise AssertionError("a write to a file its name no longer reaches was taken")
+
+
+def test_followers_are_told_a_removed_folder_as_the_leader_says_it(tmp_path):
+    """A folder removed during the leader's own phase (the parse) exits 2 on the leader; the
+    followers of a multi-node job get the same code and words, not a crash's."""
+    from types import SimpleNamespace
+
+    from batchgen.runner.exits import ExitCode
+    from batchgen.runner.leader.supervisor import _abort_followers
+
+    paths = JobPaths.for_job(tmp_path / "s", "batch_x")
+    paths.make_dirs()
+    told = {}
+    group = SimpleNamespace(publish_final=lambda what, wait, **kw: told.update(kw, what=what))
+    shutil.rmtree(paths.storage_path)
+    try:
+        with _abort_followers(group, paths):
+            raise FileNotFoundError(2, "No such file or directory", str(paths.parsed_input))
+    except FileNotFoundError:
+        pass
+    assert told["what"] == "abort" and told["code"] == ExitCode.INPUT
+    assert "was removed while the job ran" in told["reason"]

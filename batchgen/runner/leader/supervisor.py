@@ -89,7 +89,7 @@ def _run(config: JobConfig, stops: StopSignals, member: Member) -> int:
     output_lock = JobLock(paths.output_lock, f"another live job writes {paths.output}",
                           remove_on_release=True)
     try:
-        with _abort_followers(group):
+        with _abort_followers(group, paths):
             _lock_output(output_lock, paths, config.storage.wait_for_lock)
             if completed_already(config, source, paths):  # nothing to parse or run
                 return _completed(config, paths, stops, group)
@@ -164,16 +164,19 @@ def done_records(paths: JobPaths, records: int) -> int:
 
 
 @contextlib.contextmanager
-def _abort_followers(group: Group | None):
-    """The leader failed before launching: tell the followers why (and with which code)."""
+def _abort_followers(group: Group | None, paths: JobPaths | None = None):
+    """The leader failed before launching: tell the followers why (and with which code; a job
+    folder `paths` names removed meanwhile is what the leader says too)."""
     try:
         yield
     except BaseException as err:
         if group is not None:
-            code = _code_of(err)
+            code, reason = _code_of(err), f"{type(err).__name__}: {err}"
+            removed = paths.removed_while_running() if paths is not None else None
+            if isinstance(err, FileNotFoundError) and removed is not None:
+                code, reason = ExitCode.INPUT, removed_cause(removed)
             try:
-                group.publish_final("abort", 10.0, code=code,
-                                    reason=f"{type(err).__name__}: {err}")
+                group.publish_final("abort", 10.0, code=code, reason=reason)
             except Exception as lost:  # noqa: BLE001
                 log.warning("could not tell the followers: %s (they stop when we exit)", lost)
         raise
