@@ -42,6 +42,22 @@ def link_message(path: Path) -> str:
             "only you can write (--storage-path)")
 
 
+def is_named(fd: int, path: Path) -> bool:
+    """Whether the open file `fd` is still the file at `path`: not removed (unlinked, or NFS's
+    silly-renamed `.nfsXXXX`, or gone on another node: ESTALE) and not replaced by another
+    file under that name."""
+    try:
+        mine = os.fstat(fd)
+        if mine.st_nlink == 0:
+            return False
+        named = os.lstat(path)
+    except OSError as err:
+        if err.errno in (errno.ENOENT, errno.ESTALE):
+            return False
+        raise
+    return (named.st_dev, named.st_ino) == (mine.st_dev, mine.st_ino)
+
+
 def fsync_dir(path: Path) -> None:
     """Make a rename in `path` durable."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)

@@ -144,7 +144,10 @@ def response_format_schema(response_format) -> tuple[dict | None, bool]:
 def check_parameters_schema(parameters, where: str) -> None:
     """Raise StructuredOutputError for a forced tool's `parameters` schema the grammar would
     not enforce (the same rules as a response_format's schema)."""
-    _check_enforceable(parameters, "#", where)
+    try:
+        _check_enforceable(parameters, "#")
+    except StructuredOutputError as err:
+        raise StructuredOutputError(f"{where}: {err}") from None
 
 
 # Keywords that assert something of a value: beside $ref or anyOf/oneOf/allOf the grammar
@@ -235,17 +238,8 @@ def _check_node(schema: dict, path: str) -> None:
                                         "property")
 
 
-def _check_enforceable(schema, path: str, prefix: str | None = None) -> None:
+def _check_enforceable(schema, path: str) -> None:
     """Raise for keywords the grammar would silently ignore, naming where they are."""
-    try:
-        _check_enforceable_(schema, path)
-    except StructuredOutputError as err:
-        if prefix is None:
-            raise
-        raise StructuredOutputError(f"{prefix}: {err}") from None
-
-
-def _check_enforceable_(schema, path: str) -> None:
     if not isinstance(schema, dict):
         return  # boolean subschemas are fine
     _check_node(schema, path)
@@ -265,12 +259,12 @@ def _check_enforceable_(schema, path: str) -> None:
             continue
         if key in _SCHEMA_MAPS and isinstance(value, dict):
             for name, sub in value.items():
-                _check_enforceable_(sub, f"{where}/{name}")
+                _check_enforceable(sub, f"{where}/{name}")
         elif isinstance(value, dict):
-            _check_enforceable_(value, where)
+            _check_enforceable(value, where)
         elif isinstance(value, list):
             for i, sub in enumerate(value):
-                _check_enforceable_(sub, f"{where}/{i}")
+                _check_enforceable(sub, f"{where}/{i}")
 
 
 def _is_permissive(key: str, value) -> bool:

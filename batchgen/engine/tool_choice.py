@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 
-from batchgen.request_checks import ToolChoiceError, forced_functions, forces_call  # noqa: F401
+from batchgen.request_checks import ToolChoiceError, forced_functions  # noqa: F401
 
 FORCING_PARSERS = ("hermes", "llama3_json", "deepseek_v3")
 

@@ -77,7 +77,7 @@ class InputFile:
 
 def file_version(path: str | Path) -> tuple[int, ...]:
     """What changes when a file is edited or replaced: size, mtime, inode, device (() when it
-    cannot be read)."""
+    cannot be read; reading it then fails with the reader's own error)."""
     try:
         st = os.stat(path)
     except OSError:

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import orjson
 
-from batchgen.atomic import atomic_file, open_job_file
+from batchgen.atomic import atomic_file, is_named, open_job_file
 from batchgen.io.jobfiles import errors_path_for
 from batchgen.io.reader import digest64, iter_keys
 from batchgen.io.results import is_success
@@ -203,23 +203,9 @@ class IncrementalWriter:
                 "before are safe; fix the disk (free space) and run the same command again to "
                 "resume") from e
         self._size += len(data)
-        if self._unnamed():  # written to a file no one will read
+        if not is_named(self._fd, self.path):  # written to a file no one will read
             raise self._removed()
         self._broken = False
-
-    def _unnamed(self) -> bool:
-        """Whether the file's name no longer reaches it: unlinked, or the name now another file
-        or none (NFS keeps a file unlinked while open as a linked `.nfsXXXX`)."""
-        try:
-            mine = os.fstat(self._fd)
-            if mine.st_nlink == 0:
-                return True
-            named = os.stat(self.path)
-        except OSError as err:
-            if err.errno in (errno.ENOENT, errno.ESTALE):
-                return True
-            raise
-        return (named.st_dev, named.st_ino) != (mine.st_dev, mine.st_ino)
 
     def _removed(self) -> ResultsFileRemoved:
         return ResultsFileRemoved(

@@ -109,8 +109,8 @@ def load_tokenizer(folder: Path):
 
 def _converted_from_gguf(folder: Path) -> bool:
     try:
-        source = json.loads((folder / MANIFEST).read_text()).get("source", "")
-    except (OSError, ValueError, AttributeError):
+        source = read_manifest(folder).get("source", "")
+    except CheckpointError:  # no manifest: a model folder as published
         return False
     return isinstance(source, str) and source.lower().endswith(".gguf")
 

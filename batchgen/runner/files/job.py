@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +14,8 @@ import orjson
 from batchgen.atomic import atomic_file
 from batchgen.config import JobConfig, StorageConfig
 from batchgen.io.jobfiles import FingerprintMismatch, JobPaths, make_fingerprint
-from batchgen.io.reader import DEFAULT_MAX_LINE_BYTES, InputFileError, identify_input
+from batchgen.io.reader import (DEFAULT_MAX_LINE_BYTES, InputFileError, file_version,
+                               identify_input)
 
 
 
@@ -126,16 +126,6 @@ def resolved_dtypes(dtype: str, kv_dtype: str, device_type: str) -> dict[str, st
 
 def now() -> int:
     return int(time.time())
-
-
-def file_version(path: Path) -> tuple[int, ...]:
-    """What changes when a file is edited or replaced: size, mtime, inode, device (() when
-    it cannot be read; reading it then fails with the reader's own error)."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return ()
-    return st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev
 
 
 def check_input_unchanged(spec: JobSpec, version: tuple[int, ...]) -> None:

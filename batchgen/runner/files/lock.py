@@ -16,7 +16,7 @@ import socket
 import time
 from pathlib import Path
 
-from batchgen.atomic import open_job_file
+from batchgen.atomic import is_named, open_job_file
 from batchgen.io.jobfiles import FOLDER_MODE
 
 log = logging.getLogger("batchgen.lock")
@@ -49,7 +49,7 @@ class JobLock:
             except BaseException:  # refused, or a stop signal while waiting
                 os.close(fd)
                 raise
-            if _is_current(fd, self.path):
+            if is_named(fd, self.path):
                 break
             os.close(fd)  # its holder removed it while we waited: lock the new one
         os.ftruncate(fd, 0)
@@ -83,7 +83,7 @@ class JobLock:
             with contextlib.suppress(OSError):
                 os.ftruncate(self._fd, 0)  # no stale holder name for the next run to report
                 if self.remove_on_release:
-                    self.path.unlink()  # still locked: a waiter sees it is gone (_is_current)
+                    self.path.unlink()  # still locked: a waiter sees it is gone (is_named)
             os.close(self._fd)  # closing drops the flock
             self._fd = None
 
@@ -93,15 +93,6 @@ def member_lock(batch_file: Path, kind: str, member: int) -> JobLock:
     batch_file = Path(batch_file)
     return JobLock(batch_file.with_name(f"{batch_file.name.split('.')[0]}.{kind}{member}.lock"))
 
-
-def _is_current(fd: int, path: Path) -> bool:
-    """Whether `fd` is still the file at `path` (not removed or replaced by its last holder)."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return False
-    mine = os.fstat(fd)
-    return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
 
 
 def _holder(fd: int) -> str:

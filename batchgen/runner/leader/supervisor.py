@@ -34,7 +34,7 @@ from batchgen.models.loader import MANIFEST
 from batchgen.runner.exits import ExitCode, Preempted, StopSignals
 from batchgen.runner.files.errors import (EXIT_CODES, DiskError, PreflightFailed, disk_errors,
                                          exit_code_of)
-from batchgen.runner.files.job import JobSpec, check_input_unchanged, file_version
+from batchgen.runner.files.job import JobSpec, check_input_unchanged
 from batchgen.runner.files.lock import JobLock
 from batchgen.runner.leader.group import Group, GroupError, MemberEnd, PlanRefused
 from batchgen.runner.leader.launch import WorkerFailure, is_stop_signal, release_exit_barrier
@@ -81,8 +81,7 @@ def _run(config: JobConfig, stops: StopSignals, member: Member) -> int:
 
     group = member.group
     with _abort_followers(group):
-        input_version = file_version(Path(config.storage.input))  # before it is read
-        source, paths = identify(config)
+        source, paths = identify(config)  # source.version: taken before the input is read
         lock = member.lock(paths.batch_file)
         # before anything is written: a second live run changes nothing
         lock.acquire(config.storage.wait_for_lock)
@@ -114,7 +113,7 @@ def _run(config: JobConfig, stops: StopSignals, member: Member) -> int:
             if not (folder / MANIFEST).is_file():  # ours (converted) are checked when written
                 check_model_folder(folder, *machine_memory())
         return _run_locked(spec, batch_file, already, stops, member,
-                           {"input_bytes": summary.size_bytes, "left": left}, input_version)
+                           {"input_bytes": summary.size_bytes, "left": left}, source.version)
     except FileNotFoundError:  # a write of the supervisor's own (parse, batch file, merge)
         removed = paths.removed_while_running()
         if removed is None:

@@ -14,8 +14,7 @@ from batchgen.io.intake import PendingRequest
 from batchgen.io.parsers import (THINK_CLOSE, THINK_OPEN, count_reasoning_tokens, parse_output,
                                  reasoning_style_for, tool_parser_for)
 from batchgen.io.results import ParsedChoice, item_id, success_line
-from batchgen.engine.tool_choice import forces_call
-from batchgen.request_checks import grammar_constrained
+from batchgen.request_checks import forces_call, grammar_constrained
 
 
 class OutputFormatter:
