@@ -37,7 +37,7 @@ def answer(tokenizer, model_type, text, extra=None, prompt="<|im_start|>assistan
     loaded = SimpleNamespace(tokenizer=tokenizer, name="m",
                              hf_config=SimpleNamespace(model_type=model_type))
     spec = SimpleNamespace(config=SimpleNamespace(output=OutputConfig(**out)), batch_id="b",
-                           created=1)
+                           created=1, system_fingerprint=None)
     prompt_ids = tokenizer.encode("Hi" + prompt, add_special_tokens=False)
     pending = PendingRequest("c1", 1, "chat", USER, None, SamplingParams(max_tokens=64),
                              extra or {}, prompt_ids)

@@ -100,7 +100,7 @@ def test_logprobs_and_reasoning_decode_through_the_formatters_detokenizer(tok):
 
     loaded = SimpleNamespace(tokenizer=tok, name="m", hf_config=tiny_config("qwen3"))
     spec = SimpleNamespace(config=SimpleNamespace(output=OutputConfig(parse_thinking=True)),
-                           batch_id="b", created=1)
+                           batch_id="b", created=1, system_fingerprint=None)
     formatter = OutputFormatter(spec, loaded)
     spy = Spy(tok, formatter.detokenizer.skip_special)
     formatter.detokenizer = spy

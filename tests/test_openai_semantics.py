@@ -86,7 +86,7 @@ def formatter():
     loaded = SimpleNamespace(tokenizer=embedded_tokenizer(), name="m",
                              hf_config=tiny_config("qwen2"))  # hermes tool calls
     spec = SimpleNamespace(config=SimpleNamespace(output=OutputConfig(parse_tool_call=True)),
-                           batch_id="b", created=1)
+                           batch_id="b", created=1, system_fingerprint=None)
     return OutputFormatter(spec, loaded)
 
 

@@ -187,7 +187,8 @@ def test_tokens_holding_part_of_a_character_are_named_by_their_bytes():
     tok = embedded_tokenizer()
     loaded = SimpleNamespace(tokenizer=tok, name="m", hf_config=tiny_config("llama"))
     formatter = OutputFormatter(SimpleNamespace(config=SimpleNamespace(output=OutputConfig()),
-                                                batch_id="b", created=1), loaded)
+                                                batch_id="b", created=1,
+                                                system_fingerprint=None), loaded)
     ids = tok.encode("😀 日本", add_special_tokens=False)
     labels = [formatter.detokenizer.label(i) for i in ids]
     assert any(label.startswith("bytes:\\x") for label in labels)

@@ -22,8 +22,9 @@ from batchgen.io.embeddings import (EMBEDDINGS_URL, MAX_CHARS_PER_TOKEN, MODEL_C
                                     raise_flag, tokenize_embedding)
 from batchgen.io.grammar_limits import GrammarTooComplex, check_grammar_limits
 from batchgen.io.reader import RawRecord, custom_id_of, record_key
+from batchgen.io.refused_fields import refuse_unimplemented
 from batchgen.io.sampling_fields import (MODEL_DEFAULT_FIELDS, BadLine, gives_max_tokens,
-                                         is_int, parse_sampling, token_ids, whole)
+                                         parse_sampling, token_ids)
 from batchgen.io.templates import TemplateError, render_chat
 from batchgen.request_checks import (StructuredOutputError, ToolChoiceError,
                                      check_parameters_schema, check_tools, forced_functions,
@@ -34,9 +35,11 @@ log = logging.getLogger(__name__)
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
 EXTRA_FIELDS = ("tools", "tool_choice", "response_format", "parallel_tool_calls",
-                "chat_template_kwargs")
+                "chat_template_kwargs", "reasoning_effort")
 """Body fields carried to the chat template, the output parsers and, for response_format
 (json_object, json_schema), the grammar that constrains sampling."""
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
+"""OpenAI's reasoning_effort values: handed to the chat template, which reads it or not."""
 
 
 @dataclass(frozen=True)
@@ -163,6 +166,7 @@ def _parse(data: dict, key: str, line: int,
         except EmbeddingLineError as bad:
             raise BadLine(bad.code, str(bad), bad.param) from None
     _check_structured(extra)
+    _check_reasoning_effort(extra, kind)
     messages = _messages(body.get("messages")) if kind == "chat" else None
     prompt = _prompt(body.get("prompt")) if kind == "completion" else None
     sampling = parse_sampling(body, kind, default_max_tokens)
@@ -172,7 +176,7 @@ def _parse(data: dict, key: str, line: int,
         sampling = replace(sampling, stop=(), stop_token_ids=())
     if _echo(body, kind, sampling):
         extra["echo"] = True
-    _refuse_unimplemented(body, sampling.n)
+    refuse_unimplemented(body, sampling.n)
     unset = frozenset(k for k in MODEL_DEFAULT_FIELDS if body.get(k) is None)
     return ParsedRequest(key, line, kind, messages, prompt, sampling, extra, unset=unset)
 
@@ -210,17 +214,18 @@ def _echo(body: dict, kind: str, sampling: SamplingParams) -> bool:
     return True
 
 
-def _refuse_unimplemented(body: dict, n: int) -> None:
-    """OpenAI fields whose non-default values change the answer in ways batchgen does not
-    implement: such a line is refused, never answered as if the field were absent."""
-    if body.get("suffix") not in (None, ""):
-        raise BadLine("invalid_request", "suffix (the text after the completion: insertion) "
-                                          "is not supported: drop it", "suffix")
-    best_of = whole(body.get("best_of"))
-    if best_of is not None and (not is_int(best_of) or best_of != n):
-        raise BadLine("invalid_request", f"best_of {best_of!r} is not supported (only best_of "
-                                          "equal to n, or none): ask for n choices and pick "
-                                          "among them", "best_of")
+def _check_reasoning_effort(extra: dict, kind: str) -> None:
+    effort = extra.get("reasoning_effort")
+    if effort is None:
+        return
+    if effort not in REASONING_EFFORTS:
+        raise BadLine("invalid_request", f"reasoning_effort must be one of "
+                                          f"{', '.join(REASONING_EFFORTS)}, got {effort!r}",
+                       "reasoning_effort")
+    if kind != "chat":
+        raise BadLine("invalid_request", "reasoning_effort applies to /v1/chat/completions "
+                                          "lines (the chat template reads it): drop it",
+                       "reasoning_effort")
 
 
 def takes_default_max_tokens(parsed: ParsedRequest | EmbeddingRequest | IntakeError,

@@ -9,6 +9,7 @@ JOB_DIR/outputs/{batch_id}.jsonl      final results in input order (+ .errors.js
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import stat
@@ -199,6 +200,15 @@ def make_fingerprint(parts: dict[str, Any]) -> dict[str, Any]:
     defaults, input sha256, parse flags...): tuples become lists, dataclasses dicts, so a
     fingerprint compares equal to itself after a trip through the batch file."""
     return orjson.loads(orjson.dumps(parts, default=str, option=orjson.OPT_NON_STR_KEYS))
+
+
+def system_fingerprint(fingerprint: dict[str, Any]) -> str:
+    """OpenAI's `system_fingerprint` of a job's answers: "fp_" and 10 hex digits of its
+    fingerprint without the input's sha256, so every job run with the same model, weights,
+    dtypes, seed and settings shows the same one, and a change to any of them another."""
+    parts = {k: v for k, v in make_fingerprint(fingerprint).items() if k != "input_sha256"}
+    digest = hashlib.sha256(orjson.dumps(parts, option=orjson.OPT_SORT_KEYS)).hexdigest()
+    return "fp_" + digest[:10]
 
 
 def check_fingerprint(old: dict, new: dict) -> None:

@@ -103,7 +103,8 @@ def success_line(pending: PendingRequest, finished: FinishedRequest, *, batch_id
                  decode_text: Callable[[Sequence[int]], str],
                  texts: Sequence[str] | None = None,
                  parsed: Sequence[ParsedChoice | None] | None = None,
-                 reasoning_field: str = "reasoning_content") -> dict:
+                 reasoning_field: str = "reasoning_content",
+                 system_fingerprint: str | None = None) -> dict:
     """The 200 result of a finished request.
 
     texts: detokenized text per choice (default: each Completion.text). parsed: parser output
@@ -127,8 +128,8 @@ def success_line(pending: PendingRequest, finished: FinishedRequest, *, batch_id
                    for c, t in zip(completions, texts)]
         obj = "text_completion"
     body = {"id": completion_id(batch_id, pending.custom_id, pending.kind), "object": obj,
-            "created": created, "model": model, "choices": choices,
-            "usage": _usage(finished, parsed)}
+            "created": created, "model": model, "system_fingerprint": system_fingerprint,
+            "choices": choices, "usage": _usage(finished, parsed)}
     response = {"status_code": 200, "request_id": request_id(batch_id, pending.custom_id),
                 "body": body}
     return _envelope(batch_id, pending.custom_id, response, None)

@@ -72,6 +72,14 @@ def render_chat(messages: list[dict], extra: dict, tokenizer: Any) -> str:
                             "this model's chat template does not render tools, so the model "
                             "would never see them: drop \"tools\" or use a model whose template "
                             "supports tool use", "tools")
+    effort = extra.get("reasoning_effort")
+    if effort is not None and text == _render(
+            messages, {**extra, "reasoning_effort": "low" if effort != "low" else "high"},
+            tokenizer, tools):
+        raise TemplateError("invalid_request",
+                            f"this model's chat template does not read reasoning_effort, so "
+                            f"{effort!r} would change nothing: drop it or use a reasoning model "
+                            "whose template reads it (gpt-oss)", "reasoning_effort")
     return text
 
 
@@ -128,6 +136,8 @@ def _render(messages: list[dict], extra: dict, tokenizer: Any, tools) -> str:
                             "/v1/completions lines", "messages")
     kwargs = {k: v for k, v in (extra.get("chat_template_kwargs") or {}).items()
               if k not in _RESERVED_TEMPLATE_KWARGS}
+    if extra.get("reasoning_effort") is not None:  # OpenAI's field, as vLLM hands it over
+        kwargs["reasoning_effort"] = extra["reasoning_effort"]
     try:
         with _time_limit(TEMPLATE_TIMEOUT_S):
             text = tokenizer.apply_chat_template(messages, tokenize=False,

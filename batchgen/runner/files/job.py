@@ -34,6 +34,9 @@ class JobSpec:
     chat_template: str | None = None
     """--chat-template's text, read once by the supervisor (and fingerprinted): the workers
     render chat lines with it, never reading the file again."""
+    system_fingerprint: str | None = None
+    """OpenAI's `system_fingerprint` of every answer (jobfiles.system_fingerprint of the job's
+    recorded fingerprint: the same on a resume)."""
 
     @property
     def paths(self) -> JobPaths:

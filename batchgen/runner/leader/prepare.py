@@ -9,7 +9,7 @@ from pathlib import Path
 
 from batchgen.config import JobConfig, read_chat_template
 from batchgen.io.jobfiles import (BatchFile, FingerprintMismatch, JobPaths, check_fingerprint,
-                                  derive_batch_id, record_upload)
+                                  derive_batch_id, record_upload, system_fingerprint)
 from batchgen.io.parsed_input import parse_input, remove_parsed
 from batchgen.io.reader import InputFile, InputFileError, InputSummary, identify_input
 from batchgen.io.sampling_fields import BadLine, model_defaults
@@ -176,8 +176,9 @@ def prepare(config: JobConfig, summary: InputSummary, paths: JobPaths) -> tuple[
     claim_incremental(paths, fp, job_recorded=state is not None,
                       as_recorded=lambda old, new: _as_recorded_then(old, new, config, summary))
     created = int(state.timings.get("created_at", now())) if state else now()
+    recorded = state.fingerprint if state is not None and state.fingerprint and not retake else fp
     spec = JobSpec(config, batch_id, summary.sha256, summary.records, created, defaults,
-                   template)
+                   template, system_fingerprint(recorded))
     if state is None or not state.fingerprint:  # no fingerprint: a stub, the end of a run
         # recorded into a job folder deleted while it ran (nothing of the job is left)
         record_upload(paths, Path(s.input), summary.sha256, summary.size_bytes, summary.records,

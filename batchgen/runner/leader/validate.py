@@ -15,6 +15,7 @@ from batchgen.io.intake import (EXTRA_FIELDS, IntakeError, ParsedRequest, parse_
                                 plain_kind)
 from batchgen.io.sampling_fields import BadLine
 from batchgen.io.reader import DEFAULT_MAX_LINE_BYTES, RawRecord, scan_input
+from batchgen.io.refused_fields import REFUSED
 from batchgen.request_checks import forced_functions, forces_call
 from batchgen.runner.exits import ExitCode
 
@@ -25,15 +26,19 @@ REQUEST_FIELDS = frozenset({"messages", "prompt", "max_completion_tokens", "echo
                             *(f.name for f in fields(SamplingParams))})
 """Request fields batchgen reads (the body of an OpenAI batch line, or a plain line)."""
 IGNORED_FIELDS = frozenset({"model", "user", "stream", "stream_options", "metadata", "store",
-                            "service_tier", "suffix", "best_of"})
-"""OpenAI request fields that change nothing in a batch job here: accepted silently (stream,
-suffix and best_of only at values that change nothing; intake refuses the others)."""
+                            "service_tier", "prediction", "prompt_cache_key",
+                            "safety_identifier"})
+"""OpenAI request fields that change nothing in a batch job here: accepted silently (stream
+only as false; intake refuses the others)."""
+GENERATION_FIELDS = REQUEST_FIELDS | frozenset({*REFUSED, "best_of"})
+"""What a chat or completions line may name: the fields read, and those refused at values that
+change the answer (accepted silently at their defaults)."""
 
 
 def unknown_fields(data: dict) -> list[str]:
     """One message per field batchgen does not read (a typo runs with the default), with the
     closest field it does read."""
-    known = sorted(REQUEST_FIELDS | IGNORED_FIELDS)
+    known = sorted(GENERATION_FIELDS | IGNORED_FIELDS)
     envelope = any(k in data for k in ENVELOPE_FIELDS[1:])  # an OpenAI batch line
     embedding = (data.get("url") == EMBEDDINGS_URL if envelope
                  else _plain_kind_of(data) == "embedding")

@@ -48,7 +48,9 @@ class OutputFormatter:
                 parsed = [replace(p, tool_calls=p.tool_calls[:1]) if p.tool_calls else p
                           for p in parsed]
         return success_line(pending, finished, batch_id=self.spec.batch_id, model=self.model_name,
-                            created=self.spec.created, decode_token=self.detokenizer.label,
+                            created=self.spec.created,
+                            system_fingerprint=self.spec.system_fingerprint,
+                            decode_token=self.detokenizer.label,
                             decode_text=self.detokenizer.text,
                             parsed=parsed, reasoning_field=self.reasoning_field)
 

@@ -1,0 +1,74 @@
+"""Request fields of OpenAI's and vLLM's APIs that batchgen does not implement and whose
+non-default values change the answer: a chat or completions line that sets one is refused
+(`invalid_request`, naming the field and what to do instead), never answered as if the field
+were absent. Its default values pass silently."""
+
+from __future__ import annotations
+
+import reprlib
+from typing import Any
+
+from batchgen.io.sampling_fields import BadLine, is_int, whole
+
+_RESPONSE_FORMAT = ("give response_format {\"type\": \"json_schema\", \"json_schema\": "
+                    "{\"name\", \"schema\"}} instead")
+
+REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
+    # field: (values that change nothing, what the line should do instead)
+    "suffix": ((None, ""), "suffix (the text after the completion: insertion) is not "
+                           "supported: drop it"),
+    "functions": ((None, []), "functions (OpenAI's deprecated form of tools) is not "
+                              "supported: give each as tools: [{\"type\": \"function\", "
+                              "\"function\": {...}}]"),
+    "function_call": ((None, "none"), "function_call (OpenAI's deprecated form of tool_choice) "
+                                      "is not supported: give tool_choice instead"),
+    "modalities": ((None, ["text"]), "only text answers are generated: drop modalities or "
+                                     "set it to [\"text\"]"),
+    "audio": ((None,), "audio output is not supported: drop audio"),
+    "web_search_options": ((None,), "web search is not supported: drop web_search_options"),
+    "verbosity": ((None, "medium"), "verbosity is not supported (the model answers at its "
+                                    "own length): drop it"),
+    "use_beam_search": ((None, False), "beam search is not supported: drop use_beam_search"),
+    "prompt_logprobs": ((None,), "prompt_logprobs (log probabilities of the prompt's tokens) "
+                                 "is not supported: drop it"),
+    "include_stop_str_in_output": ((None, False), "the stop string is always cut from the "
+                                                  "text: drop include_stop_str_in_output"),
+    "bad_words": ((None, []), "bad_words is not supported: give their token ids in "
+                              "logit_bias with -100"),
+    "allowed_token_ids": ((None,), "allowed_token_ids is not supported: drop it"),
+    "truncate_prompt_tokens": ((None,), "prompts are never truncated: shorten the prompt and "
+                                        "drop truncate_prompt_tokens"),
+    "add_generation_prompt": ((None, True), "the chat template always ends with the "
+                                            "assistant's turn opened: drop "
+                                            "add_generation_prompt"),
+    "continue_final_message": ((None, False), "continuing the last message is not supported: "
+                                              "drop continue_final_message"),
+    "guided_json": ((None,), f"guided_json is not supported: {_RESPONSE_FORMAT}"),
+    "guided_regex": ((None,), "guided_regex is not supported: give response_format "
+                              "{\"type\": \"json_schema\"} with a string schema's "
+                              "\"pattern\" instead"),
+    "guided_choice": ((None,), "guided_choice is not supported: give response_format "
+                               "{\"type\": \"json_schema\"} with an \"enum\" instead"),
+    "guided_grammar": ((None,), "guided_grammar is not supported: drop it"),
+    "structured_outputs": ((None,), f"structured_outputs is not supported: {_RESPONSE_FORMAT}"),
+}
+"""Checked on chat and completions lines (embeddings lines take only their own fields)."""
+
+
+def refuse_unimplemented(body: dict, n: int) -> None:
+    """BadLine for the first REFUSED field `body` sets to a value that changes the answer, or
+    a `best_of` other than `n` (the best of several samples: answered as n choices)."""
+    for name, (defaults, fix) in REFUSED.items():
+        value = body.get(name)
+        if not any(_same(value, d) for d in defaults):
+            raise BadLine("invalid_request", f"{fix} (got {reprlib.repr(value)})", name)
+    best_of = whole(body.get("best_of"))
+    if best_of is not None and (not is_int(best_of) or best_of != n):
+        raise BadLine("invalid_request", f"best_of {best_of!r} is not supported (only best_of "
+                                          "equal to n, or none): ask for n choices and pick "
+                                          "among them", "best_of")
+
+
+def _same(value: Any, default: Any) -> bool:
+    """`value` is `default` in JSON's sense: no bool passes for 0 or 1, nor 0 for false."""
+    return type(value) is type(default) and value == default
