@@ -9,10 +9,11 @@ import torch
 from batchgen.config import ModelConfig
 from batchgen.core import Request, SamplingParams
 from batchgen.models.factory import eos_token_ids, load_model
+from batchgen.models.folder_checks import check_model_folder
 from batchgen.models.loader import CheckpointError, ModelNotFoundError, resolve_model
 from batchgen.models.registry import UnsupportedModelError
 from engine_utils import assert_last_logits_match, hf_greedy, make_engine
-from tiny_models import save_tiny_model
+from tiny_models import embedded_tokenizer, save_tiny_model
 
 
 def test_missing_model_lists_every_place_searched(tmp_path):
@@ -44,6 +45,57 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path):
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(UnsupportedModelError, match="LlamaForCausalLM"):
         load_model(ModelConfig(model=str(folder)), torch.device("cpu"))
+
+
+@pytest.mark.parametrize("family", ["qwen3", "mistral"])
+def test_a_config_without_architectures_loads_by_its_model_type(tmp_path, family):
+    """A config saved on its own (`LlamaConfig(...).save_pretrained`) lists no architectures:
+    transformers' AutoModelForCausalLM picks the class by model_type, and so does batchgen."""
+    from transformers import AutoModelForCausalLM
+
+    folder = save_tiny_model(family, tmp_path / "m")
+    embedded_tokenizer().save_pretrained(str(folder))
+    config = json.loads((folder / "config.json").read_text())
+    del config["architectures"]
+    (folder / "config.json").write_text(json.dumps(config))
+    check_model_folder(folder, 1 << 40, 1 << 40)
+    loaded = load_model(ModelConfig(model=str(folder), dtype="float32"), torch.device("cpu"))
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    assert type(loaded.model).__name__ == type(hf).__name__
+    assert_last_logits_match(loaded.model, hf, list(range(3, 40)))
+
+
+def test_a_config_without_architectures_of_another_model_type_says_what_to_add(tmp_path):
+    folder = save_tiny_model("llama", tmp_path / "m")
+    embedded_tokenizer().save_pretrained(str(folder))
+    config = json.loads((folder / "config.json").read_text())
+    del config["architectures"]
+    config["model_type"] = "gpt2"
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError,
+                       match=r"no architectures.*model_type 'gpt2'.*LlamaForCausalLM"):
+        check_model_folder(folder, 1 << 40, 1 << 40)
+
+
+def test_a_quantization_batchgen_does_not_read_is_refused_by_name_at_load(tmp_path):
+    """Also where no folder check ran first (a worker, `batchgen convert`): not a tensor
+    "without a place" blamed on config.json."""
+    folder = save_tiny_model("llama", tmp_path / "m")
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match="quant_method 'gptq'"):
+        load_model(ModelConfig(model=str(folder)), torch.device("cpu"))
+
+
+def test_an_unreadable_tokenizer_is_a_checkpoint_error_naming_the_folder(tmp_path):
+    """Not a worker crash (which a rerun would repeat): exit 5 with the folder and the fix."""
+    from batchgen.models.factory import load_tokenizer
+
+    folder = save_tiny_model("llama", tmp_path / "m")
+    (folder / "tokenizer.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match=f"tokenizer of {folder}.*tokenizer files"):
+        load_tokenizer(folder)
 
 
 def test_corrupt_safetensors_is_a_clear_error(tmp_path):

@@ -136,6 +136,23 @@ def test_longrope_runs_exactly_up_to_its_original_length(tmp_path):
     assert result[0].completions[0].token_ids == hf_greedy(hf, longest[:60], 40)
 
 
+def test_dynamic_rope_runs_exactly_up_to_max_position_embeddings(tmp_path, caplog):
+    """HF's dynamic NTK scaling starts once a sequence passes max_position_embeddings (and
+    rescales every key then); up to there it is the unscaled rope. Ours stops the context there,
+    exact up to it, and says so: the factor does not lengthen it."""
+    from transformers import AutoModelForCausalLM
+
+    folder = save_tiny_model("llama", tmp_path, max_position_embeddings=64, rope_parameters={
+        "rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0})
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    with caplog.at_level("WARNING", logger="batchgen.models"):
+        ours = load_ours(folder)
+    assert ours.max_context == 64
+    assert "dynamic" in caplog.text and "64 tokens" in caplog.text
+    longest = torch.randint(3, VOCAB, (63,), generator=torch.Generator().manual_seed(6)).tolist()
+    assert_last_logits_match(ours, hf, longest)
+
+
 WINDOWED = {
     # A sliding layer below max_window_layers: layer_types, when listed, is what HF applies.
     "qwen2_layer_types": ("qwen2", dict(use_sliding_window=True, sliding_window=16,

@@ -9,6 +9,7 @@ import struct
 import pytest
 
 from attacks import config_bombs
+from batchgen.models import folder_checks
 from batchgen.models.folder_checks import check_model_folder, read_header
 from batchgen.models.loader import CheckpointError
 from job_utils import batchgen, chat_rows, write_jsonl
@@ -54,6 +55,21 @@ def _no_tokenizer(folder):
     return "has no tokenizer"
 
 
+def _quantized(method):
+    def quantize(folder):
+        config = json.loads((folder / "config.json").read_text())
+        config["quantization_config"] = {"quant_method": method, "bits": 4, "group_size": 128}
+        (folder / "config.json").write_text(json.dumps(config))
+        return f"quant_method {method!r}"
+    return quantize
+
+
+def _sentencepiece_only(folder):
+    (folder / "tokenizer.json").unlink()
+    (folder / "tokenizer.model").write_bytes(b"a sentencepiece model")
+    return "sentencepiece"
+
+
 def _config_bomb(field):
     def bomb(folder):
         config = json.loads((folder / "config.json").read_text())
@@ -66,7 +82,8 @@ def _config_bomb(field):
 BROKEN = {"no_weights": _no_weights, "truncated_file": _truncated_file,
           "truncated_header": _truncated_header, "shape_mismatch": _shape_mismatch,
           "no_tokenizer": _no_tokenizer, "layers_bomb": _config_bomb("num_hidden_layers"),
-          "hidden_bomb": _config_bomb("hidden_size")}
+          "hidden_bomb": _config_bomb("hidden_size"), "awq": _quantized("awq"),
+          "bitsandbytes": _quantized("bitsandbytes"), "sentencepiece": _sentencepiece_only}
 
 
 @pytest.mark.parametrize("damage", sorted(BROKEN))
@@ -85,6 +102,23 @@ def test_an_unusable_model_folder_exits_5_naming_what_is_wrong(tmp_path, tiny_ch
 
 def test_the_intact_model_passes_the_checks(tiny_chat_model):
     check_model_folder(tiny_chat_model, *ROOMY)
+
+
+def test_a_sentencepiece_tokenizer_passes_where_sentencepiece_is_installed(
+        tiny_chat_model, tmp_path, monkeypatch):
+    folder = _copy(tiny_chat_model, tmp_path)
+    _sentencepiece_only(folder)
+    monkeypatch.setattr(folder_checks, "sentencepiece_installed", lambda: True)
+    check_model_folder(folder, *ROOMY)
+
+
+@pytest.mark.parametrize("method", ["fp8", "compressed-tensors", "mxfp4", "FP8"])
+def test_quantizations_batchgen_reads_pass_the_checks(tiny_chat_model, tmp_path, method):
+    folder = _copy(tiny_chat_model, tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": method}
+    (folder / "config.json").write_text(json.dumps(config))
+    check_model_folder(folder, *ROOMY)
 
 
 def test_a_truncated_file_names_the_tensor_cut_off(tiny_chat_model, tmp_path):

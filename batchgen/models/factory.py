@@ -98,13 +98,19 @@ def load_tokenizer(folder: Path):
     names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
     if not any((folder / f).is_file() for f in names):
         return None
-    if (folder / "tokenizer.json").is_file() and _converted_from_gguf(folder):
-        # tokenizer.json holds the vocabulary, merges and pre-tokenizer the GGUF defined.
-        # AutoTokenizer would pick the model type's class (Qwen2Tokenizer for a qwen2 file),
-        # which rebuilds its own text splitting: wrong for a file made with another one.
-        return PreTrainedTokenizerFast.from_pretrained(str(folder), local_files_only=True)
-    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True,
-                                         trust_remote_code=False)
+    try:
+        if (folder / "tokenizer.json").is_file() and _converted_from_gguf(folder):
+            # tokenizer.json holds the vocabulary, merges and pre-tokenizer the GGUF defined.
+            # AutoTokenizer would pick the model type's class (Qwen2Tokenizer for a qwen2
+            # file), which rebuilds its own text splitting: wrong for a file made with another.
+            return PreTrainedTokenizerFast.from_pretrained(str(folder), local_files_only=True)
+        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True,
+                                             trust_remote_code=False)
+    except Exception as err:  # noqa: BLE001 - tokenizers and transformers raise many types
+        # A rerun reads the same files: a model error (exit 5), not a worker crash.
+        raise CheckpointError(f"cannot load the tokenizer of {folder} ({type(err).__name__}: "
+                              f"{err}); restore the model's tokenizer files (tokenizer.json, "
+                              "tokenizer_config.json)") from err
 
 
 def _converted_from_gguf(folder: Path) -> bool:

@@ -8,6 +8,7 @@ Only headers are read: a few KiB per safetensors file, whatever its size.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -16,7 +17,7 @@ import struct
 from pathlib import Path
 
 from batchgen.models.loader import CheckpointError, checkpoint_files
-from batchgen.models.registry import supported_architecture
+from batchgen.models.registry import check_quant_method, supported_architecture
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 MAX_HEADER_BYTES = 100 << 20
@@ -35,13 +36,16 @@ _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
 def check_model_folder(folder: Path, memory_bytes: int, host_bytes: int) -> None:
-    """Everything below, in order, after the architecture (UnsupportedModelError); raises
-    CheckpointError. `memory_bytes`: what the weights may use on this machine (host memory plus
-    every visible device's); `host_bytes`: host memory alone."""
+    """Everything below, in order, after the architecture and the quantization
+    (UnsupportedModelError); raises CheckpointError. `memory_bytes`: what the weights may use on
+    this machine (host memory plus every visible device's); `host_bytes`: host memory alone."""
     folder = Path(folder)
     top = _top_config(folder)
-    supported_architecture(list(top.get("architectures") or []))
+    supported_architecture(list(top.get("architectures") or []), top.get("model_type"))
     config = _text_part(top)
+    quant = config.get("quantization_config") or top.get("quantization_config")
+    if isinstance(quant, dict):
+        check_quant_method(str(quant.get("quant_method") or ""))
     check_tokenizer(folder)
     headers = read_headers(folder)
     check_config_bounds(config, headers, memory_bytes, host_bytes, folder)
@@ -68,6 +72,16 @@ def check_tokenizer(folder: Path) -> None:
     if not any((folder / name).is_file() for name in TOKENIZER_FILES):
         raise CheckpointError(f"{folder} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): "
                               "copy the model's tokenizer files into the folder")
+    if (not (folder / "tokenizer.json").is_file() and (folder / "tokenizer.model").is_file()
+            and not sentencepiece_installed()):
+        raise CheckpointError(f"{folder} has tokenizer.model but no tokenizer.json, and reading "
+                              "tokenizer.model takes the sentencepiece package, which is not "
+                              "installed: copy the model's tokenizer.json into the folder, or "
+                              "`pip install sentencepiece`")
+
+
+def sentencepiece_installed() -> bool:
+    return importlib.util.find_spec("sentencepiece") is not None
 
 
 def weight_files(folder: Path) -> list[Path]:

@@ -238,7 +238,9 @@ def default_max_positions(hf_config) -> int:
     HF switches a longrope model to its long factors in every forward whose sequence passes
     `original_max_position_embeddings` (keys cached earlier keep their rotation), which a
     static cos/sin table cannot follow; up to that length the short factors hold and results
-    are exact, so the context stops there: longer prompts become per-line errors naming it."""
+    are exact, so the context stops there: longer prompts become per-line errors naming it.
+    Dynamic NTK scaling likewise begins only past `max_position_embeddings`: below it the rope
+    is unscaled, and the context stops there too (with a warning, as for longrope)."""
     limit = int(getattr(hf_config, "max_position_embeddings", 0) or 32768)
     params = rope_parameters(hf_config)
     original = params.get("original_max_position_embeddings") or getattr(
@@ -247,6 +249,10 @@ def default_max_positions(hf_config) -> int:
         log.warning("longrope: context limited to original_max_position_embeddings = %d "
                     "tokens (of %d); its long factors are not implemented", original, limit)
         limit = int(original)
+    if params["rope_type"] == "dynamic":
+        log.warning("dynamic rope scaling: context limited to max_position_embeddings = %d "
+                    "tokens, where its scaling would begin (the factor does not lengthen it)",
+                    limit)
     return limit
 
 

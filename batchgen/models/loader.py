@@ -20,7 +20,7 @@ import torch
 from batchgen.models import hub
 from batchgen.models.errors import CheckpointError, ModelNotFoundError  # noqa: F401 (re-exported)
 from batchgen.models.hf_text import text_only
-from batchgen.models.registry import model_class
+from batchgen.models.registry import check_quant_method, model_class
 from batchgen.models.weight_stream import StreamedWeights, stream_to_device
 from batchgen.parallel import TensorParallel
 
@@ -308,7 +308,10 @@ def materialize(model: torch.nn.Module, device: torch.device) -> torch.nn.Module
 
 def meta_model(hf_config, options=None, tp: TensorParallel | None = None) -> torch.nn.Module:
     """The model's modules with shapes but no storage (free: sizes it before loading)."""
+    from batchgen.models.fp8 import quant_method  # loaded with the model classes, not at start
+
     cls = model_class(hf_config)
+    check_quant_method(quant_method(hf_config))
     extra = {}
     if tp is not None and tp.size > 1:
         if not getattr(cls, "supports_tensor_parallel", False):

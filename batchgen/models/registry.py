@@ -19,6 +19,15 @@ ARCHITECTURES = {
     "Qwen3Model": "batchgen.models.llama:Qwen3ForCausalLM",
 }
 
+MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+               "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+               "deepseek_v3": "DeepseekV3ForCausalLM", "gpt_oss": "GptOssForCausalLM"}
+"""config.json's model_type -> the class transformers' AutoModelForCausalLM builds for it: the
+architecture of a config that lists none (one a config's own save_pretrained wrote)."""
+QUANT_METHODS = ("fp8", "compressed-tensors", "mxfp4")
+"""quantization_config.quant_method values batchgen reads (FP8 checkpoints, gpt-oss's MXFP4
+experts); another (awq, gptq, bitsandbytes, ...) has weights no model class has a place for."""
+
 
 class UnsupportedModelError(ValueError):
     pass
@@ -26,15 +35,35 @@ class UnsupportedModelError(ValueError):
 
 def model_class(hf_config):
     archs = list(getattr(hf_config, "architectures", None) or [])
-    module, _, name = ARCHITECTURES[supported_architecture(archs)].partition(":")
+    arch = supported_architecture(archs, getattr(hf_config, "model_type", None))
+    module, _, name = ARCHITECTURES[arch].partition(":")
     return getattr(importlib.import_module(module), name)
 
 
-def supported_architecture(archs: list[str]) -> str:
-    """The first of a config's `architectures` batchgen runs; UnsupportedModelError if none."""
+def supported_architecture(archs: list[str], model_type: str | None = None) -> str:
+    """The first of a config's `architectures` batchgen runs, or without any, the class of its
+    `model_type` (as transformers picks it); UnsupportedModelError if none."""
     for arch in archs:
         if arch in ARCHITECTURES:
             return arch
+    supported = ", ".join(sorted(ARCHITECTURES))
+    if archs:
+        raise UnsupportedModelError(f"unsupported architecture {archs}; batchgen supports "
+                                    + supported)
+    if isinstance(model_type, str) and model_type in MODEL_TYPES:
+        return MODEL_TYPES[model_type]
     raise UnsupportedModelError(
-        f"unsupported architecture {archs or '(none in config.json)'}; batchgen supports "
-        + ", ".join(sorted(ARCHITECTURES)))
+        f"config.json lists no architectures and its model_type {model_type!r} is not one "
+        f"batchgen runs ({', '.join(sorted(MODEL_TYPES))}); if the weights are one of those "
+        f"models, add its class to config.json, e.g. \"architectures\": [\"LlamaForCausalLM\"]. "
+        f"batchgen supports {supported}")
+
+
+def check_quant_method(method: str) -> None:
+    """UnsupportedModelError for a quantization_config.quant_method batchgen cannot read
+    ("" = unquantized)."""
+    if method and method.lower() not in QUANT_METHODS:
+        raise UnsupportedModelError(
+            f"config.json's quantization_config has quant_method {method!r}, which batchgen "
+            f"does not read (it reads {', '.join(QUANT_METHODS)} checkpoints and unquantized "
+            "bfloat16/float16/float32 ones): use the model's unquantized or FP8 release")
