@@ -165,3 +165,61 @@ def test_logit_bias_keys_are_decimal_token_ids(key):
     assert isinstance(err, IntakeError) and err.param == "logit_bias", err
     ok = parse({"custom_id": "t", "messages": USER, "logit_bias": {"42": 5}})
     assert isinstance(ok, ParsedRequest) and ok.sampling.logit_bias == ((42, 5.0),)
+
+
+def _nested(depth: int) -> str:
+    """JSON text of objects nested `depth` levels (json.dumps itself recurses per level)."""
+    return '{"a": ' * depth + "1" + "}" * depth
+
+
+DEEP_FIELDS = {  # fields no check recurses into, carried to the worker as they are
+    "chat_template_kwargs": lambda deep: {"messages": USER, "chat_template_kwargs": {"x": deep}},
+    "messages[0].extra": lambda deep: {"messages": [{**USER[0], "extra": deep}]},
+    "messages[1].tool_calls": lambda deep: {"messages": [*USER, {
+        "role": "assistant", "content": None,
+        "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": deep}}]}]},
+    "tools": lambda deep: {"messages": USER, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {"a": deep}}}}]},
+}
+
+
+def test_a_field_nested_past_the_limit_is_an_error_line_not_a_crash_of_the_job(tmp_path):
+    """Valid JSON 1,000 levels deep in a field no check walks passed intake, then stopped the
+    job with a RecursionError (a traceback) when the supervisor pickled the parsed line."""
+    from batchgen.io.field_values import MAX_FIELD_DEPTH
+    from batchgen.io.parsed_input import parse_input, read_parsed
+    from batchgen.io.reader import identify_input
+
+    rows = [{"custom_id": name, **line("DEEP")} for name, line in DEEP_FIELDS.items()]
+    rows.append({"custom_id": "stop", "messages": USER, "stop": "DEEP"})
+    lines = [json.dumps(r).replace('"DEEP"', _nested(1000)) for r in rows]
+    lines += [json.dumps({"custom_id": f"ok-{name}", **line("DEEP")}).replace(
+        '"DEEP"', _nested(MAX_FIELD_DEPTH - 10)) for name, line in DEEP_FIELDS.items()]
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(line + "\n" for line in lines))
+    store = tmp_path / "job.requests"
+    parse_input(identify_input(path), store, 1 << 20, 16)
+    items = {r.key: r.item for r in read_parsed(store)}
+    for name in [*DEEP_FIELDS, "stop"]:
+        err = items[name]
+        assert isinstance(err, IntakeError) and err.code == "invalid_request", err
+        assert err.param == name and name in err.message and "flatten" in err.message
+    assert all(isinstance(items[f"ok-{name}"], ParsedRequest) for name in DEEP_FIELDS)
+    result = CliRunner().invoke(app, ["validate", "-i", str(path)])
+    assert f"{len(lines)} requests: {len(DEEP_FIELDS)} valid" in result.output, result.output
+
+
+@pytest.mark.parametrize("body, said", [
+    ("{'messages': [{'role': 'user', 'content': 'Hi'}]}", "single quotes"),
+    ('{"messages": [}', "does not parse as JSON")])
+def test_a_body_cell_that_is_not_json_says_why(tmp_path, body, said):
+    """A body column written with str(dict) (Python's quotes) was refused as "body must be a
+    JSON object", which it looked like."""
+    path = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"custom_id": ["a"], "method": ["POST"],
+                             "url": ["/v1/chat/completions"], "body": [body]}), path)
+    [record] = read_records(path)
+    err = parse_record(record)
+    assert isinstance(err, IntakeError) and err.param == "body" and said in err.message
+    messages = parse({"custom_id": "m", "messages": "[{'role': 'user', 'content': 'Hi'}]"})
+    assert isinstance(messages, IntakeError) and "single quotes" in messages.message

@@ -3,6 +3,7 @@
 import gzip
 import hashlib
 import os
+import re
 import tracemalloc
 from pathlib import Path
 
@@ -47,6 +48,17 @@ def test_bom_and_missing_final_newline(tmp_path):
     path.write_bytes(b'\xef\xbb\xbf{"prompt": "a"}\n\n{"prompt": "b"}')
     records = list(read_records(path))
     assert [(r.line, r.data) for r in records] == [(1, {"prompt": "a"}), (3, {"prompt": "b"})]
+
+
+def test_files_joined_with_their_byte_order_marks_read_as_one(tmp_path):
+    """`cat a.jsonl b.jsonl` of files a Windows editor saved: each line starting with a BOM was
+    an invalid_json error line, a BOM-only line too (a request that was none)."""
+    bom = b"\xef\xbb\xbf"
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(bom + b'{"prompt": "a"}\r\n' + bom + b'{"prompt": "b"}\r\n' + bom + b"\r\n")
+    records = list(read_records(path))
+    assert [(r.line, r.data, r.error) for r in records] == [
+        (1, {"prompt": "a"}, None), (2, {"prompt": "b"}, None)]
 
 
 def test_parquet_rows_structs_json_strings_and_nulls(tmp_path):
@@ -226,3 +238,65 @@ def test_100k_lines_scanned_and_read_with_bounded_memory(tmp_path):
         tracemalloc.stop()
     assert summary.records == count == 100_000
     assert peak < 8_000_000, f"peak {peak} bytes: the reader must stream"
+
+
+@pytest.mark.parametrize("value, fix", [
+    ("NaN", "write null"), ("-Infinity", "write null"), ("1e400", "finite number"),
+    ('"\\ud83d cut"', "surrogate pair"), ("[" * 1100 + "]" * 1100, "flatten")])
+def test_invalid_json_names_the_column_not_line_1_and_the_fix(tmp_path, value, fix):
+    """What Python's json.dumps writes (NaN, lone surrogates) and JSON does not allow: the
+    message said `line 3 ... line 1 column 43` and no fix."""
+    path = tmp_path / "in.jsonl"
+    path.write_text('{"prompt": "a"}\n\n{"custom_id": "é", "prompt": "x", "temperature": '
+                    f"{value}}}\n")
+    [_, bad] = read_records(path)
+    assert bad.error.code == "invalid_json" and bad.line == 3
+    assert re.match(r"line 3 is not valid JSON at column \d+: ", bad.error.message)
+    assert "line 1" not in bad.error.message and fix in bad.error.message
+
+
+def test_parquet_decimal_and_binary_cells_are_numbers_and_text(tmp_path):
+    """SQL engines type `0.7 AS temperature` as DECIMAL(1,1), Hive-era writers store strings as
+    BINARY without the UTF8 annotation: both were refused as "must be a number" / "must be a
+    string" though they hold exactly that."""
+    from decimal import Decimal
+
+    from batchgen.io.intake import ParsedRequest, parse_record
+
+    path = tmp_path / "in.parquet"
+    pq.write_table(pa.table({
+        "custom_id": pa.array([Decimal(7), Decimal(8), Decimal(9)], pa.decimal128(20, 0)),
+        "prompt": pa.array([b"Once", "caf\u00e9".encode(), b"\xff"], pa.binary()),
+        "temperature": pa.array([Decimal("0.7"), None, None], pa.decimal128(1, 1)),
+        "max_tokens": pa.array([Decimal(4), None, None], pa.decimal128(10, 0))}), path)
+    first, second, third = read_records(path)
+    parsed = parse_record(first)
+    assert isinstance(parsed, ParsedRequest), parsed
+    assert (parsed.custom_id, parsed.prompt) == ("7", "Once")
+    assert parsed.sampling.temperature == 0.7 and parsed.sampling.max_tokens == 4
+    assert parse_record(second).prompt == "caf\u00e9"
+    assert third.error.code == "invalid_utf8" and "'prompt'" in third.error.message
+    assert record_key(third) == "line-3"
+
+
+def test_a_parquet_file_with_two_columns_of_one_name_is_refused(tmp_path):
+    """pyarrow writes them; a row read as a dict silently kept the last one."""
+    path = tmp_path / "in.parquet"
+    pq.write_table(pa.Table.from_arrays([pa.array(["a"]), pa.array(["x"]), pa.array(["y"])],
+                                        names=["custom_id", "prompt", "prompt"]), path)
+    with pytest.raises(InputFileError, match="more than one column named 'prompt'"):
+        list(read_records(path))
+
+
+def test_a_duplicate_with_a_generated_line_id_says_where_that_id_came_from(tmp_path):
+    """`custom_id 'line-1' appears on line 1` read as nonsense where line 1 holds no custom_id
+    (or is not JSON at all): its result is named line-1."""
+    path = tmp_path / "in.jsonl"
+    path.write_text('{not json\n{"custom_id": "line-1", "prompt": "y"}\n')
+    with pytest.raises(InputFileError) as refused:
+        scan_input(path)
+    said = str(refused.value)
+    assert "on line 1 and line 2 (line 1 has no usable custom_id of its own" in said
+    write_jsonl(path, [{"custom_id": "a", "prompt": "x"}, {"custom_id": "a", "prompt": "y"}])
+    with pytest.raises(InputFileError, match=r"line 1 and line 2; custom_ids must be unique"):
+        scan_input(path)

@@ -182,3 +182,23 @@ def test_the_output_lock_leaves_no_file_and_stays_exclusive(tmp_path):
         JobLock(path, "busy").acquire()
     waiter.release()
     assert not path.exists()
+
+
+@pytest.mark.parametrize("linked", ["output", "errors_output"])
+def test_an_output_that_is_a_link_is_refused_with_the_path_to_give_instead(tmp_path, linked):
+    """The final merge renames a new file onto --output: a link there would be replaced, its
+    target never written. The message gave a storage folder's fix (--storage-path), which
+    changes nothing for an output path."""
+    from batchgen.io.jobfiles import refuse_planted_links
+
+    paths = JobPaths.for_job(tmp_path / ".batchgen", "batch_x", output=tmp_path / "out.jsonl")
+    real = tmp_path / "real.jsonl"
+    getattr(paths, linked).symlink_to(real)
+    with pytest.raises(UnsafeJobPath) as refused:
+        refuse_planted_links(paths)
+    said = str(refused.value)
+    assert "symbolic link" in said and "--storage-path" not in said
+    if linked == "output":
+        assert f"--output {real}" in said
+    else:
+        assert "out.errors.jsonl (the errors file beside --output)" in said

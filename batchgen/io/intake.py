@@ -14,12 +14,12 @@ import logging
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-import orjson
-
 from batchgen.core import CompactPickle, Request, SamplingParams
 from batchgen.io.embeddings import (EMBEDDINGS_URL, MAX_CHARS_PER_TOKEN, MODEL_CONTEXT,
                                     EmbeddingLineError, EmbeddingRequest, parse_embedding,
                                     raise_flag, tokenize_embedding)
+from batchgen.io.field_values import (MAX_FIELD_DEPTH, maybe_json, request_fields, text_problem,
+                                      too_deep)
 from batchgen.io.grammar_limits import GrammarTooComplex, check_grammar_limits
 from batchgen.io.reader import RawRecord, custom_id_of, record_key
 from batchgen.io.refused_fields import refuse_unimplemented
@@ -131,8 +131,10 @@ def parse_record(record: RawRecord,
     except BadLine as bad:
         return IntakeError(key, record.line, bad.code, f"line {record.line}: {bad}", bad.param)
     except RecursionError:  # valid JSON nested past what repr() and the checks recurse into
-        return IntakeError(key, record.line, "invalid_request", f"line {record.line}: a field "
-                           "is nested too deeply to check: flatten it")
+        name = too_deep(request_fields(record.data))
+        return IntakeError(key, record.line, "invalid_request", f"line {record.line}: "
+                           f"{name or 'a field'} is nested too deeply to check (more than "
+                           f"{MAX_FIELD_DEPTH} levels of objects and lists): flatten it", name)
     except Exception as err:  # noqa: BLE001 - a check nobody foresaw failing costs this line
         log.warning("line %d could not be checked", record.line, exc_info=True)
         return IntakeError(key, record.line, "invalid_request", f"line {record.line}: batchgen "
@@ -152,7 +154,7 @@ def _parse(data: dict, key: str, line: int,
         kind, body = _openai_envelope(data)
     else:
         kind, body = plain_kind(data), data
-    extra = {k: _maybe_json(body[k]) for k in EXTRA_FIELDS if body.get(k) is not None}
+    extra = {k: maybe_json(body[k]) for k in EXTRA_FIELDS if body.get(k) is not None}
     if "chat_template_kwargs" in extra and not isinstance(extra["chat_template_kwargs"], dict):
         raise BadLine("invalid_messages", "chat_template_kwargs must be an object",
                        "chat_template_kwargs")
@@ -177,8 +179,20 @@ def _parse(data: dict, key: str, line: int,
     if _echo(body, kind, sampling):
         extra["echo"] = True
     refuse_unimplemented(body, sampling.n)
+    _refuse_deep(messages, extra)
     unset = frozenset(k for k in MODEL_DEFAULT_FIELDS if body.get(k) is None)
     return ParsedRequest(key, line, kind, messages, prompt, sampling, extra, unset=unset)
+
+
+def _refuse_deep(messages: list[dict] | None, extra: dict) -> None:
+    """What the line carries to its worker (messages, tools, chat_template_kwargs, ...) is
+    pickled and walked by the chat template, both recursing per level: refuse deep nesting
+    here, by name, rather than fail the job's intake or the template."""
+    kept = [(f"messages[{i}].{k}", v) for i, m in enumerate(messages or ()) for k, v in m.items()]
+    name = too_deep([*kept, *extra.items()])
+    if name is not None:
+        raise BadLine("invalid_request", f"{name} is nested more than {MAX_FIELD_DEPTH} levels "
+                                          "deep (objects and lists): flatten it", name)
 
 
 def with_model_defaults(parsed: ParsedRequest, defaults: dict[str, Any]
@@ -243,7 +257,7 @@ def _is_envelope(data: dict) -> bool:
 
 
 def _envelope_body(data: dict) -> Any:
-    return _maybe_json(data.get("body"))  # Parquet may hold the body as JSON text
+    return maybe_json(data.get("body"))  # Parquet may hold the body as JSON text
 
 
 def _openai_envelope(data: dict) -> tuple[str, dict]:
@@ -263,7 +277,8 @@ def _openai_envelope(data: dict) -> tuple[str, dict]:
                                           f"\"{EMBEDDINGS_URL}\"", "url")
     body = _envelope_body(data)
     if not isinstance(body, dict):
-        raise BadLine("not_an_object", "body must be a JSON object holding the request", "body")
+        raise BadLine("not_an_object", "body must be a JSON object holding the request"
+                                        + text_problem(body), "body")
     if body.get("messages") is not None and body.get("prompt") is not None:
         raise BadLine("invalid_messages", "give either messages (chat) or prompt (completion), "
                                            "not both", "messages")
@@ -292,16 +307,6 @@ def plain_kind(data: dict) -> str:
     raise BadLine("invalid_messages", "a line needs messages (chat) or prompt (completion), or "
                                        "input (embeddings)",
                    "messages")
-
-
-def _maybe_json(value: Any) -> Any:
-    """Parquet often stores nested fields (messages, tools) as JSON text; decode it."""
-    if isinstance(value, str) and value[:1] in ("[", "{"):
-        try:
-            return orjson.loads(value)
-        except orjson.JSONDecodeError:
-            return value
-    return value
 
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function", "ipython"})
@@ -339,10 +344,11 @@ def _check_structured(extra: dict) -> None:
 
 
 def _messages(value: Any) -> list[dict]:
-    value = _maybe_json(value)
+    value = maybe_json(value)
     if not isinstance(value, list) or not value:
         raise BadLine("invalid_messages", "messages must be a non-empty list of "
-                                           "{\"role\", \"content\"} objects", "messages")
+                                           "{\"role\", \"content\"} objects"
+                                           + text_problem(value), "messages")
     return [_message(m, i) for i, m in enumerate(value)]
 
 

@@ -146,8 +146,21 @@ class JobPaths:
 def refuse_planted_links(paths: JobPaths) -> None:
     """Refuse a job whose files are links (checked before anything is written)."""
     for path in paths.job_files():
+        if path.is_symlink() and path in (paths.output, paths.errors_output):
+            raise UnsafeJobPath(_output_link_message(path, path == paths.output))
         if path.is_symlink():
             raise UnsafeJobPath(link_message(path))
+
+
+def _output_link_message(path: Path, is_output: bool) -> str:
+    """A final output that is a link: the merge renames a new file onto the name, which would
+    replace the link, never write where it points."""
+    what = f"--output {path}" if is_output else f"{path} (the errors file beside --output)"
+    fix = (f"give the path it points to (--output {path.resolve()})" if is_output
+           else "remove the link")
+    return (f"{what} is a symbolic link (to {os.readlink(path)!r}): results are "
+            "written as a new file renamed onto that name, which would replace the link, not "
+            f"write where it points; {fix}")
 
 
 def check_folder_is_safe(folder: Path, flag: str) -> None:

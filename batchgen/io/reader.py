@@ -21,6 +21,7 @@ import stat
 from array import array
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from decimal import Decimal
 from pathlib import Path
 
 import numpy as np
@@ -174,8 +175,7 @@ def parse_line(raw: bytes, line: int) -> RawRecord:
             return RawRecord(line, None, LineError(
                 "invalid_utf8", f"line {line} is not valid UTF-8 (byte {u.start}): "
                                 "re-encode the file as UTF-8"))
-        return RawRecord(line, None,
-                         LineError("invalid_json", f"line {line} is not valid JSON: {e}"))
+        return RawRecord(line, None, LineError("invalid_json", _json_problem(raw, line, e)))
     if not isinstance(data, dict):
         kind = type(data).__name__
         return RawRecord(line, None, LineError(
@@ -184,16 +184,36 @@ def parse_line(raw: bytes, line: int) -> RawRecord:
     return RawRecord(line, data)
 
 
+def _json_problem(raw: bytes, line: int, err: orjson.JSONDecodeError) -> str:
+    """The invalid_json message: where in the line (orjson counts the line itself as line 1,
+    so only its column is named) and, for what Python and JavaScript write that JSON does not
+    allow, the fix."""
+    at = raw.decode("utf-8")[err.pos:]  # pos counts characters (past the sign of -Infinity)
+    if at.startswith(("NaN", "Infinity")):
+        hint = ("; NaN and Infinity are not JSON (Python's json.dumps writes them unless "
+                "allow_nan=False): write null for \"not given\", or a finite number")
+    elif "infinity" in err.msg:
+        hint = "; a number past the float range (about 1.8e308): write a finite number"
+    elif "surrogate" in err.msg:
+        hint = ("; a \\ud800-\\udfff escape that is not half of a surrogate pair is no "
+                "character (a string cut inside an emoji?): replace it, e.g. with \\ufffd")
+    elif "depth" in err.msg:
+        hint = "; objects and lists nested more than 1,024 levels: flatten them"
+    else:
+        hint = ""
+    return f"line {line} is not valid JSON at column {err.colno}: {err.msg}{hint}"
+
+
 def _jsonl_lines(path: Path, max_line_bytes: int) -> Iterator[tuple[int, bytes | int]]:
     """(line number, bytes) of each non-blank line, read line by line in binary; a line longer
     than `max_line_bytes` (its newline not counted) is never held in memory: (number, its
-    length) instead."""
+    length) instead. A UTF-8 byte order mark starting a line is dropped: Windows editors write
+    one at the start of each file, and files joined with `cat` keep them mid-file."""
     with open(path, "rb") as f:
         number = 0
         while raw := f.readline(max_line_bytes + 1):
             number += 1
-            if number == 1:
-                raw = raw.removeprefix(_BOM)
+            raw = raw.removeprefix(_BOM)
             if len(raw) > max_line_bytes and not raw.endswith(b"\n"):
                 yield number, len(raw) + _skip_line(f)
             elif raw.strip():
@@ -225,10 +245,26 @@ def _clean_value(value: object) -> object:
     if isinstance(value, dict):
         cleaned = {k: _clean_value(v) for k, v in value.items()}
         return {k: v for k, v in cleaned.items() if v is not None}
+    if isinstance(value, Decimal):  # SQL engines type a literal such as 0.7 as DECIMAL(1,1)
+        return int(value) if value == value.to_integral_value() else float(value)
+    if isinstance(value, bytes):  # text written as BINARY without the UTF8 annotation (Hive)
+        return value.decode("utf-8")
     return value
 
 
-def _parquet_rows(path: Path) -> Iterator[tuple[int, dict]]:
+def _parquet_record(row: int, item: dict) -> RawRecord:
+    """One row as a record; a binary cell that is not UTF-8 makes it an invalid_utf8 line."""
+    for name, value in item.items():
+        try:
+            item[name] = _clean_value(value)
+        except UnicodeDecodeError as e:
+            return RawRecord(row, None, LineError(
+                "invalid_utf8", f"line {row}: column {name!r} holds bytes that are not UTF-8 "
+                                f"text (byte {e.start}): write it as UTF-8 strings"))
+    return RawRecord(row, {k: v for k, v in item.items() if v is not None})
+
+
+def _parquet_rows(path: Path) -> Iterator[RawRecord]:
     import pyarrow as pa  # only Parquet inputs pay for importing it
     import pyarrow.parquet as pq
 
@@ -238,6 +274,11 @@ def _parquet_rows(path: Path) -> Iterator[tuple[int, dict]]:
         raise InputFileError(f"cannot open Parquet file {path}: {e}; check it was written "
                              "completely (pyarrow.parquet.read_metadata)") from None
     columns = pf.schema_arrow.names
+    twice = sorted({name for name in columns if columns.count(name) > 1})
+    if twice:
+        raise InputFileError(f"Parquet file {path} has more than one column named "
+                             f"{', '.join(map(repr, twice))}: which one a row means is unclear; "
+                             "rename or drop the others")
     if not set(columns) & REQUEST_COLUMNS:
         raise InputFileError(f"Parquet file {path} has none of the columns "
                              f"{', '.join(sorted(REQUEST_COLUMNS))} (it has {', '.join(columns)}): "
@@ -256,7 +297,7 @@ def _parquet_rows(path: Path) -> Iterator[tuple[int, dict]]:
         # not a list of (key, value) tuples; of repeated keys the last wins, as in JSON.
         for item in batch.to_pylist(maps_as_pydicts="lossy"):
             row += 1
-            yield row, _clean_value(item)
+            yield _parquet_record(row, item)
 
 
 def read_records(path: str | Path,
@@ -265,8 +306,7 @@ def read_records(path: str | Path,
     over `max_line_bytes` is a line_too_long error (its custom_id unread: `line-N`)."""
     p = Path(path)
     if detect_format(p) == "parquet":
-        for row, data in _parquet_rows(p):
-            yield RawRecord(row, data)
+        yield from _parquet_rows(p)
         return
     for number, raw in _jsonl_lines(p, max_line_bytes):
         if isinstance(raw, int):
@@ -357,11 +397,17 @@ def _refuse_duplicates(path: Path, digests: array, max_line_bytes: int) -> None:
         return
     suspects = {int(v) for v in np.unique(repeated)}
     first_line: dict[str, int] = {}
-    for line, key in iter_keys(path, max_line_bytes):
+    named: set[int] = set()  # lines whose key is generated (line-<N>), not their own
+    for record in read_records(path, max_line_bytes):
+        key, line = record_key(record), record.line
         if digest64(key) not in suspects:
             continue
+        if record.data is None or custom_id_of(record.data) is None:
+            named.add(line)
         if key in first_line:
+            why = "".join(f" (line {n} has no usable custom_id of its own, so its result is "
+                          f"named {key!r})" for n in (first_line[key], line) if n in named)
             raise InputFileError(
-                f"{path}: custom_id {key!r} appears on line {first_line[key]} and line {line}; "
-                "custom_ids must be unique: rename or remove the duplicate")
+                f"{path}: custom_id {key!r} appears on line {first_line[key]} and line {line}"
+                f"{why}; custom_ids must be unique: rename or remove the duplicate")
         first_line[key] = line
