@@ -19,7 +19,7 @@ def main() -> None:
     command = sys.argv[1] if len(sys.argv) > 1 else None
     run = command == "run"
     if run:
-        requeue_on_stop_signals()
+        requeue_on_stop_signals(announce=True)
     if command in ("run", "bench"):
         start_bytecode_compile()
         start_driver_init()

@@ -12,7 +12,7 @@ from typing import Optional
 import typer
 
 from batchgen.cli_help import PanelCommand, given_on_command_line, run_app, version_callback, warn
-from batchgen.cli_options import (SIMULATE_RENAMES, apply_renames, build_config,
+from batchgen.cli_options import (SIMULATE_RENAMES, VLLM_NOT_TAKEN, apply_renames, build_config,
                                   build_dataclass, deprecated_given, with_config_options)
 from batchgen.config import MIN_LINE_BYTES, ConfigError, StorageConfig, default_storage_path
 from batchgen.runner.exits import ExitCode, requeue_on_stop_signals
@@ -52,7 +52,7 @@ def _config(values: dict):
 def run(ctx: typer.Context, **flags) -> None:
     """Run a job: every request of --input through the model, results fsynced as they finish.
     Re-running the same command resumes: finished requests are never recomputed."""
-    requeue_on_stop_signals()  # already done by the entry point, not under `-m batchgen.cli`
+    requeue_on_stop_signals(announce=True)  # as the entry point does (not under -m batchgen.cli)
     from batchgen.io.locations import refuse_storage_urls
 
     run_job = _import_run_job()
@@ -253,7 +253,7 @@ def _user_errors():
 
 
 def main() -> None:
-    sys.exit(run_app(app))
+    sys.exit(run_app(app, foreign_flags=VLLM_NOT_TAKEN))
 
 
 if __name__ == "__main__":

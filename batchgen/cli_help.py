@@ -65,15 +65,20 @@ def version_callback(value: bool) -> None:
         raise typer.Exit()
 
 
-def run_app(app: typer.Typer, args: list[str] | None = None) -> int:
+def run_app(app: typer.Typer, args: list[str] | None = None,
+            foreign_flags: dict[str, str] | None = None) -> int:
     """Run the app; a usage mistake (unknown flag, missing value) is one `error:` line naming
-    the fix, with click's did-you-mean when a flag is a near miss."""
+    the fix, with click's did-you-mean when a flag is a near miss. `foreign_flags`: flags of
+    another tool (vLLM) that are not taken -> what to do instead."""
     click = _click()
     try:
         code = app(args=args, standalone_mode=False)
     except click.exceptions.UsageError as err:
         command = err.ctx.command_path if err.ctx is not None else "batchgen"
         message = err.format_message().replace("\n", " ")
+        instead = (foreign_flags or {}).get(getattr(err, "option_name", None) or "")
+        if isinstance(err, click.exceptions.NoSuchOption) and instead is not None:
+            message = f"{err.option_name} is vLLM's flag, not taken here: {instead}"
         typer.secho(f"error: {message} (see `{command} --help`)", fg=typer.colors.RED, err=True)
         return ExitCode.INPUT
     except click.exceptions.ClickException as err:

@@ -25,12 +25,42 @@ VLLM_ALIASES = {
     "kv_dtype": ["--kv-cache-dtype"],
     "disable_cuda_graphs": ["--enforce-eager"],
     "cache_dir": ["--download-dir"],
+    "tensor_parallel_size": ["-tp"],
 }
 """vLLM engine-argument names accepted as our flags where the meaning is the same (the ones
 spelled as ours are VLLM_SAME_NAMES; --swap-space, GiB not GB, is converted: SWAP_SPACE)."""
 VLLM_SAME_NAMES = ("model", "dtype", "seed", "max_model_len", "tensor_parallel_size",
                    "enable_prefix_caching", "generation_config", "chat_template")
 """vLLM engine arguments spelled as ours already."""
+_QUANTIZATION = ("the quantization is read from the checkpoint's config.json (FP8 and MXFP4 "
+                 "run as they ship; AWQ, GPTQ and bitsandbytes are refused): remove the flag")
+VLLM_NOT_TAKEN = {
+    "--trust-remote-code": "batchgen never runs code shipped with a model; it runs its own "
+                           "code for the architectures it supports (README.md, Models): "
+                           "remove the flag",
+    "--served-model-name": "every answer's `model` is the loaded model's own name: remove the "
+                           "flag",
+    "--quantization": _QUANTIZATION,
+    "-q": "(--quantization) " + _QUANTIZATION,
+    "--tokenizer": "the model folder's own tokenizer is used (tokenizer.json): copy the "
+                   "tokenizer files into the model folder, or fix chat prompts with "
+                   "--chat-template",
+    "--tokenizer-mode": "the model folder's own tokenizer is used as it ships: remove the "
+                        "flag",
+    "--load-format": "weights are read from safetensors, a .gguf file or a `batchgen convert` "
+                     "folder, whichever --model names: remove the flag",
+    "--pipeline-parallel-size": "there is no pipeline parallelism: split a model over GPUs "
+                                "with --tensor-parallel-size (several nodes: docs/slurm.md)",
+    "--data-parallel-size": "data parallelism is --world-size / --tensor-parallel-size: give "
+                            "--world-size (all GPUs of the job)",
+    "--enable-chunked-prefill": "prefill is always chunked, --max-prefill-tokens "
+                                "(--max-num-batched-tokens) per step: remove the flag",
+    "--block-size": "KV pages are always 64 tokens: remove the flag",
+    "--output-tmp-dir": "results are written to a temporary file beside --output and renamed "
+                        "into place: remove the flag",
+}
+"""vLLM flags `batchgen run` does not take, and what to do instead: a command line copied
+from vLLM gets this line instead of a bare "no such option"."""
 SHORT = {"input": ["-i"], "output": ["-o"]}
 REQUIRED = ("input",)
 """Shown as required in --help (an empty value is refused by validation with the fix)."""
@@ -168,7 +198,19 @@ def build_dataclass(cls: type, values: dict[str, Any]):
 
 
 def build_config(values: dict[str, Any]) -> JobConfig:
-    """Regroup flat flag values into a validated JobConfig (raises ConfigError)."""
+    """Regroup flat flag values into a validated JobConfig (raises ConfigError, naming a flag
+    that has a vLLM alias by both names: the user may have typed either)."""
+    try:
+        return _build_config(values)
+    except ConfigError as err:
+        aliases = VLLM_ALIASES.get(err.name)
+        if not aliases:
+            raise
+        raise ConfigError(err.name, err.value, err.allowed,
+                          " / ".join([err.flag, *aliases])) from None
+
+
+def _build_config(values: dict[str, Any]) -> JobConfig:
     values = dict(values)
     if values.get("kv_dtype") is not None:
         values["kv_dtype"] = canonical_kv_dtype(values["kv_dtype"])
@@ -179,6 +221,9 @@ def build_config(values: dict[str, Any]) -> JobConfig:
         if values.get("host_kv_cache_size") is not None:
             raise ConfigError(SWAP_SPACE, swap, "give --swap-space (GiB) or "
                               "--host-kv-cache-size (GB), not both")
+        if not swap > 0:
+            raise ConfigError(SWAP_SPACE, swap, "a size in GiB > 0 (it sets "
+                              "--host-kv-cache-size, in GB)")
         values["host_kv_cache_size"] = swap * 2**30 / 1e9
     return _build(JobConfig, values).validate()
 
@@ -243,6 +288,9 @@ def _vllm_table() -> list[str]:
         lines.append(f"| `{flag_name(name)}` | `{flag_name(name)}` | same name |")
     lines.append("| `--swap-space` | `--host-kv-cache-size` | GiB converted to GB; batchgen's "
                  "host pool is per node, vLLM's swap space per GPU |")
+    lines += ["", "vLLM flags that are not taken are refused with what to do instead:", "",
+              "| vLLM flag | instead |", "|---|---|"]
+    lines += [f"| `{flag}` | {why} |" for flag, why in VLLM_NOT_TAKEN.items()]
     lines += ["", "A near miss of any flag (`--max-num-seq`) is answered with the closest "
               "flags.", ""]
     return lines

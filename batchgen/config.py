@@ -35,8 +35,9 @@ REASONING_FIELD_CHOICES = ("reasoning_content", "reasoning", "both")
 class ConfigError(ValueError):
     """A flag has a value we refuse; the message names the flag, the value and what is allowed."""
 
-    def __init__(self, name: str, value: object, allowed: str):
-        self.flag = "--" + name.replace("_", "-")
+    def __init__(self, name: str, value: object, allowed: str, flag: str | None = None):
+        self.name, self.value, self.allowed = name, value, allowed
+        self.flag = flag or "--" + name.replace("_", "-")
         super().__init__(f"{self.flag}={value!r} is not allowed: {allowed}")
 
 
@@ -404,6 +405,10 @@ class StorageConfig:
         _require(self.output is None or (self.output.strip() not in ("", "-")), "output",
                  self.output, "a path to the results file (they are written and fsynced to a "
                  "file: standard output is not supported)")
+        # As typed: a Path would drop the trailing "/" (or "/.") that says "this folder".
+        _require(self.output is None or os.path.basename(self.output) not in ("", ".", ".."),
+                 "output", self.output, "that names a folder; give the results file's path, "
+                 f"e.g. {os.path.join(self.output or '', 'results.jsonl')}")
         _require(self.max_line_bytes >= MIN_LINE_BYTES, "max_line_bytes", self.max_line_bytes,
                  f"bytes >= {MIN_LINE_BYTES}")
         _require(bool(self.storage_path), "storage_path", self.storage_path, "a folder path")
@@ -465,7 +470,9 @@ class DistConfig:
                  self.dist_init_addr, "host:port, e.g. 10.0.0.1:12355")
         tp = self.tensor_parallel_size
         _require(tp is None or (tp >= 1 and self.world_size % tp == 0), "tensor_parallel_size",
-                 tp, f"a divisor of --world-size ({self.world_size})")
+                 tp, f"a divisor of --world-size ({self.world_size}), the job's GPUs in all"
+                 + (f": for {tp} GPUs give --world-size {tp} too (data parallel is --world-size"
+                    " / --tensor-parallel-size)" if tp and tp > self.world_size else ""))
         _require(self.max_restarts >= 0, "max_restarts", self.max_restarts, "an integer >= 0")
 
 

@@ -162,3 +162,41 @@ def test_the_supervisor_and_torch_are_imported_with_the_collector_off(monkeypatc
     assert gc.isenabled()
     assert callable(cli._import_run_job())
     assert seen == [False] and gc.isenabled()
+
+
+def test_vllm_flags_that_are_not_taken_say_what_to_do_instead(capsys):
+    from batchgen.cli_help import run_app
+    from batchgen.cli_options import VLLM_NOT_TAKEN
+
+    for flag, instead in VLLM_NOT_TAKEN.items():
+        assert run_app(app, ["run", "-i", "x.jsonl", flag, "1"], VLLM_NOT_TAKEN) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"error: {flag} is vLLM's flag"), lines
+        assert instead in lines[0]
+    proc = cli("run", "-i", "x.jsonl", "--trust-remote-code")  # the console entry point
+    assert proc.returncode == 2 and "never runs code shipped with a model" in proc.stderr
+    assert "flags that are not taken" in open(os.path.join(
+        os.path.dirname(__file__), "..", "docs", "flags.md")).read()
+
+
+@pytest.mark.parametrize("args,named", [
+    (["--max-num-seqs", "0"], "--max-decode-batch / --max-num-seqs=0 is not allowed"),
+    (["--gpu-memory-utilization", "1.5"], "--gpu-memory-frac / --gpu-memory-utilization=1.5"),
+    (["--kv-cache-dtype", "fp8_e5m2"], "--kv-dtype / --kv-cache-dtype='fp8_e5m2'"),
+    (["--swap-space", "-1"], "--swap-space=-1.0 is not allowed: a size in GiB > 0"),
+])
+def test_a_bad_value_under_a_vllm_name_is_refused_under_that_name(args, named):
+    from batchgen.config import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        parsed(*args)
+    assert str(err.value).startswith(named), str(err.value)
+
+
+def test_tensor_parallel_size_alone_names_the_world_size_it_needs():
+    """vLLM's `--tensor-parallel-size 8` alone uses 8 GPUs; here the GPUs are --world-size."""
+    from batchgen.config import ConfigError
+
+    with pytest.raises(ConfigError, match="for 8 GPUs give --world-size 8 too"):
+        parsed("--tensor-parallel-size", "8")
+    assert parsed("--tensor-parallel-size", "8", "--world-size", "8").dist.world_size == 8

@@ -30,6 +30,9 @@ def one_error_line(proc) -> str:
     (lambda t, inp: ["-o", inp], ["--output", "is the input file"]),
     (lambda t, inp: ["--storage-path", "/proc/no/such"], ["--storage-path", "writable"]),
     (lambda t, inp: ["--dtype", "bf17"], ["--dtype", "bf16"]),
+    (lambda t, inp: ["-o", "."], ["--output", "names a folder", "./results.jsonl"]),
+    (lambda t, inp: ["-o", f"{t}/new/"], ["--output", "names a folder", "new/results.jsonl"]),
+    (lambda t, inp: ["-o", f"{t}/."], ["--output", "names a folder"]),
 ])
 def test_user_errors_are_one_error_line_with_the_fix(tmp_path, make_args, needles):
     inp = write_jsonl(tmp_path / "in.jsonl", chat_rows(1))

@@ -68,7 +68,7 @@ def test_run_and_bench_start_the_driver_and_bytecode_first(monkeypatch, command,
     monkeypatch.setattr(entry, "start_driver_init", lambda: calls.append(command))
     monkeypatch.setattr(entry, "start_bytecode_compile", lambda: calls.append("bytecode"))
     for handlers in ("requeue_on_stop_signals", "ignore_stop_signals"):  # keep pytest's own
-        monkeypatch.setattr(entry, handlers, lambda: None)
+        monkeypatch.setattr(entry, handlers, lambda *args, **kwargs: None)
     monkeypatch.setattr(sys, "argv", ["batchgen", command, "--help"])
     with pytest.raises(SystemExit):
         entry.main()

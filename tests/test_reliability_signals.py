@@ -135,6 +135,21 @@ def test_stop_signal_before_the_supervisor_loads_requeues(sig):
     assert done.returncode == 75
 
 
+@pytest.mark.parametrize("announce", [True, False])
+def test_an_early_stop_says_so_where_a_person_started_the_run(announce):
+    """Ctrl-C while `batchgen run` still loads: one line says nothing was run and what to do,
+    not a silent exit; a worker (announce False) leaves the words to its supervisor."""
+    code = ("import os, signal, time\n"
+            "from batchgen.runner.exits import requeue_on_stop_signals\n"
+            f"requeue_on_stop_signals(announce={announce})\n"
+            "os.kill(os.getpid(), signal.SIGINT)\n"
+            "time.sleep(30)\n")
+    done = _python(code, timeout=60)
+    assert done.returncode == 75
+    said = "stopped by SIGINT before the job started: nothing was run; re-run the same command"
+    assert (said in done.stderr) == announce and (done.stderr == "") != announce, done.stderr
+
+
 def test_entry_point_catches_stop_signals_before_loading_the_command_line():
     """The `batchgen` entry point installs the early handlers for `run` before it imports the
     command line (~0.5 s of imports), and only for `run`."""

@@ -202,3 +202,21 @@ def test_status_and_the_error_reporting_import_no_torch():
             "batchgen.runner.files.errors; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_a_failed_job_shows_its_whole_log_path_and_when_it_failed(tmp_path, monkeypatch):
+    import re
+    import time
+
+    monkeypatch.setenv("COLUMNS", "80")
+    log = tmp_path / ("a-long-folder-name-" * 4) / "attempt_0" / "0" / "stderr.log"
+    root = tmp_path / "jobs"
+    (root / "batches").mkdir(parents=True)
+    (root / "batches" / "batch_bad.json").write_text(json.dumps({
+        "batch_id": "batch_bad", "status": "failed",
+        "health": {"last_failure": "worker rank 0 crashed", "worker_log": str(log),
+                   "last_failure_at": int(time.time()) - 120}}))
+    code, out = status(str(root))
+    assert code == 0 and "batch_bad: failed" in out
+    assert str(log) in re.sub(r"[\s│]", "", out)  # folded over lines, never cut
+    assert "…" not in out and "2 min ago (" in out

@@ -44,12 +44,14 @@ STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1")
 """Signals that stop a job (SIGUSR1: Slurm --signal, spot notices)."""
 
 
-def requeue_on_stop_signals() -> None:
+def requeue_on_stop_signals(announce: bool = False) -> None:
     """Until the supervisor installs its handlers (importing it takes seconds: torch), a stop
     signal exits 75 at once: nothing has started, so nothing is lost, and a wrapper that
-    requeues on 75 sees the code docs/reliability.md promises instead of a signal death."""
+    requeues on 75 sees the code docs/reliability.md promises instead of a signal death.
+    `announce`: say so on stderr (the command a person started; a worker leaves it to its
+    supervisor)."""
     for name in STOP_SIGNALS:
-        signal.signal(getattr(signal, name), _requeue)
+        signal.signal(getattr(signal, name), _requeue_announced if announce else _requeue)
 
 
 def ignore_stop_signals() -> None:
@@ -59,6 +61,12 @@ def ignore_stop_signals() -> None:
 
 
 def _requeue(signum, frame) -> None:
+    os._exit(ExitCode.REQUEUE)
+
+
+def _requeue_announced(signum, frame) -> None:
+    os.write(2, f"batchgen: stopped by {signal.Signals(signum).name} before the job started: "
+                "nothing was run; re-run the same command (exit 75: requeue)\n".encode())
     os._exit(ExitCode.REQUEUE)
 
 

@@ -21,6 +21,10 @@ from batchgen.runner.leader.progress import human_seconds, prefix_hits, read_wor
 from batchgen.runner.leader.records import batch_files, jobs_writing
 
 
+TIMESTAMPS = ("last_heartbeat", "last_failure_at")
+"""Health keys holding Unix times, shown as an age and a local date."""
+
+
 def show_status(storage: Path, target: str | None) -> int:
     """Print each job's table. target: a job's results file (finished or not), a batch id
     under `storage`, or a job folder (a storage path: every job in it); None: every job under
@@ -164,6 +168,8 @@ def _speed(state: dict) -> str:
 
 def _table(state: dict, workers: list[dict]) -> Table:
     table = Table(title=f"{state['batch_id']}: {state['status']}", show_header=False)
+    table.add_column(no_wrap=True)
+    table.add_column(overflow="fold")  # a path is shown whole, folded over lines, never cut
     counts = state.get("request_counts", {})
     table.add_row("requests", f"{counts.get('completed', 0)} completed, {counts.get('failed', 0)} "
                   f"failed, {counts.get('total', 0)} total"
@@ -177,7 +183,7 @@ def _table(state: dict, workers: list[dict]) -> Table:
     table.add_row("errors", state.get("errors_file", ""))
     now = time.time()
     for key, value in state.get("health", {}).items():
-        if key == "last_heartbeat" and isinstance(value, (int, float)) and value > 0:
+        if key in TIMESTAMPS and isinstance(value, (int, float)) and value > 0:
             when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(value))
             value = f"{age(now - value)} ({when})"
         table.add_row(f"health.{key}", str(value))
