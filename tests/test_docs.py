@@ -45,3 +45,37 @@ def test_help_shows_every_flag_name_whole(columns):
         missing = [opt for opt in names if opt.startswith("--")
                    and re.search(re.escape(opt) + r"(?![\w-])", shown) is None]
         assert not missing, f"`batchgen {name} --help` at {columns} columns cuts {missing}"
+
+
+ROOT = DOCS.parent
+
+
+def _module_files() -> list[Path]:
+    """Every module of batchgen and of its kernels package (package __init__ files aside)."""
+    return [path.relative_to(ROOT) for folder in ("batchgen", "kernels/batchgen_kernels")
+            for path in sorted((ROOT / folder).rglob("*.py")) if path.name != "__init__.py"]
+
+
+def test_every_module_sits_on_a_floor_of_the_import_layers():
+    """docs/architecture.md, "Layers": a module imports only from the floors below its own. A
+    module that pyproject.toml's layers contract does not name is checked by no floor."""
+    tomllib = pytest.importorskip("tomllib")
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    layers = config["tool"]["importlinter"]["contracts"][0]["layers"]
+    named = {name.strip(" ()") for layer in layers for name in layer.split("|")}
+    missing = []
+    for path in _module_files():
+        if path.parts[0] != "batchgen":
+            continue
+        dotted = ".".join(path.with_suffix("").parts)
+        if not any(dotted == name or dotted.startswith(name + ".") for name in named):
+            missing.append(dotted)
+    assert not missing, f"on no floor of pyproject.toml's layers contract: {missing}"
+
+
+def test_the_architecture_map_names_every_module():
+    """A newcomer finds every module in docs/architecture.md."""
+    text = (DOCS / "architecture.md").read_text()
+    missing = [str(path) for path in _module_files()
+               if re.search(r"(?<![\w.])" + re.escape(path.name) + r"(?!\w)", text) is None]
+    assert not missing, f"docs/architecture.md does not name {missing}"
