@@ -114,18 +114,17 @@ def roofline_seconds(stats: dict, layout, work: Workload, outputs: list[int], ba
     return prefill + (steps * stats["device_bytes"] + kv_read) / bandwidth
 
 
-def run_ours(model, tokenizer, engine_cfg: EngineConfig, work: Workload,
+def run_ours(model, engine_cfg: EngineConfig, work: Workload,
              tp: TensorParallel = TensorParallel(), compile_workers=None) -> dict:
     prompts, outputs = work.prompts(model.config.vocab_size), work.lengths()
     ids = [f"b{i}" for i in range(work.requests)]
     # Every choice of every request holds its whole context at once, at worst.
     demand = work.n * sum(work.input_len + out for out in outputs)
     if work.max_tokens_mode == "cap":
-        engine = LengthStopEngine(model, engine_cfg, tokenizer, (), tp=tp,
-                                  stop_after=dict(zip(ids, outputs)), demand_tokens=demand,
-                                  compile_workers=compile_workers)
+        engine = LengthStopEngine(model, engine_cfg, tp=tp, stop_after=dict(zip(ids, outputs)),
+                                  demand_tokens=demand, compile_workers=compile_workers)
     else:
-        engine = Engine(model, engine_cfg, tokenizer, (), tp=tp, demand_tokens=demand,
+        engine = Engine(model, engine_cfg, tp=tp, demand_tokens=demand,
                         compile_workers=compile_workers)
     startup = dict(engine.runner.startup)
     with triton_variants_first_used() as warm_variants:
@@ -288,7 +287,7 @@ def bench(cfg: BenchConfig, work: Workload, tp: TensorParallel | None = None) ->
     model = random_model(hf_config, dtype, device, engine_cfg.model, tp=tp)
     stats = weight_stats(model)
     clock.mark("weights")
-    ours = run_ours(model, None, engine_cfg, work, tp, compile_workers)
+    ours = run_ours(model, engine_cfg, work, tp, compile_workers)
     timed_end = clock.since_origin()
     bandwidth = measure_hbm_bandwidth(device)
     bound = roofline_seconds(stats, ours["layout"], work, ours["outputs"], cfg.max_decode_batch,
@@ -335,8 +334,8 @@ def _compare(cfg: BenchConfig, work: Workload, tp: TensorParallel, model,
     device = next(model.parameters()).device
     if cfg.compare_host_tier:
         free_kv_memory(device)
-        off = run_ours(model, None, host_tier_off(engine_cfg, ours["stats"]["device_pages"],
-                                                  ours["layout"]), work, tp)
+        off = run_ours(model, host_tier_off(engine_cfg, ours["stats"]["device_pages"],
+                                            ours["layout"]), work, tp)
         rows["host_tier_off"] = _row(off, work, bound)
         report["host_tier"] = {
             "ratio": rows["batchgen"]["output_tok_s"] / rows["host_tier_off"]["output_tok_s"],
@@ -347,7 +346,7 @@ def _compare(cfg: BenchConfig, work: Workload, tp: TensorParallel, model,
         from batchgen.bench_prefix import caching_off, comparison
 
         free_kv_memory(device)
-        off = run_ours(model, None, caching_off(engine_cfg), work, tp)
+        off = run_ours(model, caching_off(engine_cfg), work, tp)
         rows["prefix_caching_off"] = _row(off, work, bound)
         report["prefix_caching"] = comparison(ours, off, rows["batchgen"],
                                               rows["prefix_caching_off"])

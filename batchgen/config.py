@@ -11,7 +11,7 @@ import ast
 import functools
 import inspect
 import os
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 KV_DTYPE_ALIASES = {
@@ -338,11 +338,6 @@ class EngineConfig:
         for part in (self.model, self.memory, self.scheduler, self.runtime):
             part.validate()
         return self
-
-
-def sub_configs(cls: type) -> list[tuple[str, type]]:
-    """(attribute, dataclass) pairs of a composite config, in declaration order."""
-    return [(f.name, f.default_factory) for f in fields(cls)]  # type: ignore[misc]
 
 
 def cache_root() -> Path:

@@ -15,11 +15,11 @@ _IMPORTED_AT = time.time()
 """Fallback process start where /proc is not readable (the moment this module loaded)."""
 
 
-def process_start_time(pid: int | str = "self") -> float:
-    """Wall time at which the process started, from /proc (Linux); else when this module
+def process_start_time() -> float:
+    """Wall time at which this process started, from /proc (Linux); else when this module
     was imported."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
+        with open("/proc/self/stat", "rb") as f:
             stat = f.read()
         # Field 22 (starttime, clock ticks after boot); fields after the parenthesised name.
         start_ticks = int(stat.rsplit(b")", 1)[1].split()[19])
@@ -50,8 +50,9 @@ class StartupClock:
             last = max(last, at)
         return out
 
-    def since_origin(self, at: float | None = None) -> float:
-        return (time.time() if at is None else at) - self.origin
+    def since_origin(self) -> float:
+        """Seconds from `origin` to now."""
+        return time.time() - self.origin
 
 
 def format_phases(durations: dict[str, float]) -> str:

@@ -65,9 +65,9 @@ def test_token_digest_follows_the_tokens_and_cap_mode_stops_at_the_drawn_length(
     roomy = EngineConfig(memory=MemoryConfig(gpu_kv_cache_size=gb(200.5),
                                              host_kv_cache_size=gb(200.5))).validate()
     small = dict(TINY_WORK, requests=4)
-    exact = run_ours(model, None, roomy, Workload(**small, max_tokens_mode="exact"))
-    cap = run_ours(model, None, roomy, Workload(**small, max_tokens_mode="cap"))
-    other = run_ours(model, None, roomy, Workload(**small, max_tokens_mode="exact", seed=1))
+    exact = run_ours(model, roomy, Workload(**small, max_tokens_mode="exact"))
+    cap = run_ours(model, roomy, Workload(**small, max_tokens_mode="cap"))
+    other = run_ours(model, roomy, Workload(**small, max_tokens_mode="exact", seed=1))
     assert cap["output_tokens"] == exact["output_tokens"] == sum(exact["outputs"])
     assert cap["tokens_sha256"] == exact["tokens_sha256"]
     assert other["tokens_sha256"] != exact["tokens_sha256"]

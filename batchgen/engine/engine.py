@@ -38,6 +38,7 @@ BURST_SHARE_OF_LENGTH = 16
 that stops inside a burst computes half a burst for nothing on average, so at most ~3% of its
 steps are wasted (short answers get short bursts)."""
 
+
 def choice_seed(seed: int, choice: int) -> int:
     """The seed of a request's choice: choice 0 draws with the request's seed itself, the
     others with a hash of it, so that n choices of seed s never repeat the answers of seeds
@@ -208,7 +209,7 @@ class Engine:
 
     @property
     def num_requests(self) -> int:
-        """Requests added and not yet returned by step()."""
+        """Requests added and not yet returned by step() or settle()."""
         return len(self._groups)
 
     def step(self) -> list[FinishedRequest]:

@@ -220,18 +220,18 @@ def v_logical(stored: torch.Tensor) -> torch.Tensor:
 
 
 def copy_pages(src: KVPool, dst: KVPool, runs: list[tuple[int, int, int]]) -> None:
-    """Copy whole pages between tiers, one slice copy per run of consecutive pages
-    (`page_runs`: first source page, first destination page, count).
+    """Copy whole pages between tiers (or within the device pool: forks), one slice copy per
+    run of consecutive pages (`page_runs`: first source page, first destination page, count).
 
     A page is one contiguous block of every layer (8.4 MB for Llama-3-8B in bf16), so each run
-    is one large DMA between the device and the pinned (cudaHostRegister'd) host pool at full
-    PCIe speed, with no gather/scatter through pageable temporaries (6 GB/s at best). On CUDA
-    the copies are asynchronous on the compute stream, which orders them after the kernels
-    that wrote their source pages and before any kernel that reads or overwrites their
-    destination pages (a page freed by an unload may be refilled in the same step). Nothing on
-    the host reads the host pool, and every step that runs a forward ends by reading its
-    sampled tokens, which waits for the stream; `ModelRunner.close` synchronises before the
-    segment is unregistered."""
+    is one large DMA between the device and the host pool, at full PCIe speed where its chunk
+    is pinned (engine/host_pin.py; a chunk not pinned yet copies pageable, ~6 GB/s), with no
+    gather/scatter through temporaries. On CUDA the copies are asynchronous on the compute
+    stream, which orders them after the kernels that wrote their source pages and before any
+    kernel that reads or overwrites their destination pages (a page freed by an unload may be
+    refilled in the same step). Nothing on the host reads the host pool, and every step that
+    runs a forward ends by reading its sampled tokens, which waits for the stream;
+    `ModelRunner.close` synchronises before the segment is unregistered."""
     asynchronous = src.device.type == "cuda" or dst.device.type == "cuda"
     for src_first, dst_first, count in runs:
         source, target = slice(src_first, src_first + count), slice(dst_first, dst_first + count)

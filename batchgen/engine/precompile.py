@@ -4,7 +4,8 @@ Triton compiles a kernel variant (one specialisation of a kernel's arguments: dt
 which ints are 1 or multiples of 16) the first time a process launches it: ~0.5-1 s each on a
 machine whose Triton cache is empty, one after another. A model's CUDA-graph capture and first
 prefill steps meet 10-20 variants, so a fresh machine (a new spot node, a Slurm job on a new host)
-paid ~10 s of serial compiling at every start. Threads do not help: the compiler holds the GIL.
+would pay ~10 s of serial compiling at every start. Threads do not help: the compiler holds the
+GIL.
 
 `precompile(forwards)` runs the given forwards once with Triton's cache hook set to note every
 variant not compiled yet and skip it (the kernel is neither compiled nor launched: that pass's
@@ -15,8 +16,8 @@ milliseconds. `precompile_ahead` does the same on a stand-in of the model before
 load, so the compile overlaps the load (engine/runner.py `precompile_stand_in`).
 
 Nothing depends on it for correctness: a variant the pass does not meet, or that a worker fails
-to compile, compiles in-process on first launch as before. It needs Triton's runtime hooks
-(`triton.knobs`, 3.4+) and a CUDA device; elsewhere it does nothing.
+to compile, compiles in-process on first launch (Triton's own path). It needs Triton's runtime
+hooks (`triton.knobs`, 3.4+) and a CUDA device; elsewhere it does nothing.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """ModelRunner: turns a ScheduleOutput into tensors, runs the model, samples.
 
 The only engine piece that touches tensors besides the models. Order inside a step:
-unloads (device -> host), loads (host -> device), forward over the packed batch, sampling.
+unloads (device -> host), forks (device -> device), loads (host -> device), forward over the
+packed batch, sampling.
 Decode bursts are queued whole and their samples collected step by step (`queue_burst`,
 `collect`).
 """

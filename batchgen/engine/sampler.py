@@ -39,7 +39,8 @@ def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch
 
 @dataclass
 class SamplingRows:
-    """Per-row sampling settings for one step; built by the runner from the sequences."""
+    """Per-row sampling settings for one step; built by the engine from the sequences
+    (Engine._sampling_rows)."""
 
     params: list[SamplingParams]
     seeds: list[int]
@@ -71,18 +72,16 @@ class DeviceSample:
     top_logprobs: torch.Tensor | None = None
 
 
-def sample(logits: torch.Tensor, rows: SamplingRows,
-           allowed: torch.Tensor | None = None) -> SampleResult:
-    """logits `[S, V]` -> one token per row. `allowed` is an optional bool `[S, V]` mask
-    (structured outputs)."""
-    return HostSample(sample_on_device(logits, rows, allowed)).result(rows)
+def sample(logits: torch.Tensor, rows: SamplingRows) -> SampleResult:
+    """logits `[S, V]` -> one token per row (grammar masks, where rows have them, are applied
+    to `logits` before: ModelRunner.execute's logits_processor)."""
+    return HostSample(sample_on_device(logits, rows)).result(rows)
 
 
-def sample_on_device(logits: torch.Tensor, rows: SamplingRows,
-                     allowed: torch.Tensor | None = None) -> DeviceSample:
+def sample_on_device(logits: torch.Tensor, rows: SamplingRows) -> DeviceSample:
     """Sample without waiting for the device: every branch is decided from host values."""
     want_logprobs = any(p.logprobs for p in rows.params)
-    if (allowed is None and not want_logprobs and not any(rows.banned)
+    if (not want_logprobs and not any(rows.banned)
             and rows.penalties is None and all(p.greedy for p in rows.params)):
         # A float32 copy of bf16 logits would be exact, so its argmax is this one.
         return DeviceSample(logits.argmax(dim=-1))
@@ -90,7 +89,7 @@ def sample_on_device(logits: torch.Tensor, rows: SamplingRows,
     raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
     if rows.penalties is not None:
         logits = rows.penalties.apply(logits)  # before temperature and truncation, as vLLM
-    logits = _apply_bans(logits, rows.banned, allowed)
+    logits = _apply_bans(logits, rows.banned)
     chosen = logits.argmax(dim=-1)
     if not all(p.greedy for p in rows.params):
         greedy = _upload([p.greedy for p in rows.params], torch.bool, logits.device)
@@ -142,11 +141,11 @@ def _upload(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
-def _apply_bans(logits, banned, allowed):
-    if allowed is not None:
-        logits = logits.masked_fill(~allowed, float("-inf"))
+def _apply_bans(logits, banned):
+    """`logits` with each row's `banned` ids at -inf (a copy; the same tensor when no row
+    bans any)."""
     if any(banned):
-        logits = logits.clone() if allowed is None else logits
+        logits = logits.clone()
         # One indexed write for every (row, token) pair: a write per row is a kernel launch
         # per sequence on the GPU.
         rows = [row for row, ids in enumerate(banned) for _ in ids]

@@ -34,9 +34,10 @@ class StopChecker:
         sequence's last) completed, if any; of several, the one that starts first in the text
         (as OpenAI and vLLM cut).
 
-        Only a tail is decoded each step, so the check stays O(L) per token instead of
-        O(length): a stop string of B UTF-8 bytes spans at most B tokens (an emoji is one
-        character but up to 4 byte tokens).
+        Only a tail is decoded each step (the longest stop string's UTF-8 bytes in tokens,
+        plus TAIL_SLACK), so the check costs the same per token however long the answer: a
+        stop string of B UTF-8 bytes spans at most B tokens (an emoji is one character but up
+        to 4 byte tokens).
         """
         if self.detokenizer is None:
             raise ValueError("stop strings need a tokenizer; pass one to Engine")

@@ -20,10 +20,11 @@ grammar cannot enforce (not, if/then/else, uniqueItems, contains, dependent*, mu
 Unknown ``format`` values are ignored, as JSON Schema treats ``format`` as an annotation.
 
 Engine contract: one ``GrammarCompiler`` per tokenizer (xgrammar caches compiled schemas),
-one ``GrammarMatcher`` per sequence. Each decode step the sampler calls
-``apply_masks(logits[S, V], matchers)`` (None for unconstrained rows) and then
-``matcher.accept(token)`` for the sampled token. The stop tokens are allowed exactly when the
-JSON value is complete; a finished matcher allows only stop tokens.
+one ``GrammarMatcher`` per sequence. In a step with a constrained row the engine hands the
+runner a logits processor that calls ``apply_masks(logits[S, V], matchers)`` (None for
+unconstrained rows) before sampling, and then calls ``matcher.accept(token)`` for the sampled
+token. The stop tokens are allowed exactly when the JSON value is complete; a finished matcher
+allows only stop tokens.
 
 Library choice: xgrammar 0.2.9 vs llguidance 1.9.1, measured on SmolLM2-135M's tokenizer (49152
 tokens), 2-core AMD EPYC, replaying the same 65-token document through a 6-field nested schema
@@ -199,12 +200,9 @@ def _bit(position: int) -> int:
     return (1 << position) - (1 << 32 if position == 31 else 0)
 
 
-def allocate_bitmask(rows: int, vocab_size: int, *, pin: bool = False) -> torch.Tensor:
-    """int32 CPU tensor [rows, ceil(vocab/32)], all tokens allowed (-1 = every bit set).
-
-    ``pin=True`` (CUDA machines) makes the per-step host-to-device copy asynchronous.
-    """
-    return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32, pin_memory=pin)
+def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
+    """int32 CPU tensor [rows, ceil(vocab/32)], all tokens allowed (-1 = every bit set)."""
+    return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -230,9 +228,9 @@ def apply_masks(
 
     One bitmask fill per constrained row (in xgrammar's C++ loop) and one masking kernel for the
     whole batch; rows whose matcher is None are untouched. ``bitmask`` is an optional reusable
-    buffer from ``allocate_bitmask(max_rows, V, pin=True)`` that makes the copy to the GPU
-    asynchronous. Its rows are rewritten every call; the caller must not call again before the
-    previous step's tokens were read back to the CPU (which accept() needs anyway).
+    buffer from ``allocate_bitmask(max_rows, V)`` (without one, each call makes its own). Its
+    rows are rewritten every call; the caller must not call again before the previous step's
+    tokens were read back to the CPU (which accept() needs anyway).
     """
     rows = [i for i, m in enumerate(matchers) if m is not None]
     if not rows:

@@ -82,14 +82,13 @@ class PendingRequest(ParsedRequest):
 
 
 def intake(record: RawRecord, tokenizer: Any, max_context: int,
-           default_max_tokens: int = 256,
-           max_model_len: int | None = None) -> PendingRequest | EmbeddingRequest | IntakeError:
-    """Parse and tokenize one record (see module docstring). `max_model_len`: the context cap
-    the user set (--max-model-len): a prompt + max_tokens above it is refused, not shortened."""
+           default_max_tokens: int = 256) -> PendingRequest | EmbeddingRequest | IntakeError:
+    """Parse and tokenize one record (see module docstring): parse_record, then
+    tokenize_parsed with no --max-model-len cap."""
     parsed = parse_record(record, default_max_tokens)
     if isinstance(parsed, IntakeError):
         return parsed
-    return tokenize_parsed(parsed, tokenizer, max_context, max_model_len)
+    return tokenize_parsed(parsed, tokenizer, max_context)
 
 
 def tokenize_parsed(parsed: ParsedRequest | EmbeddingRequest, tokenizer: Any, max_context: int,

@@ -21,7 +21,7 @@ class ChunkSizer:
         return max(self.cfg.adaptive_chunk_min, min(self.cfg.adaptive_chunk_max, estimate))
 
     def observe(self, decode_len: int) -> None:
-        """Record the decode length of a sequence that finished normally."""
+        """Record the decode length of a sequence that finished."""
         self._finished += 1
         alpha = self.cfg.adaptive_chunk_ema_alpha
         before = self.chunk_tokens

@@ -49,7 +49,6 @@ def group_rows(chunks: list[SeqChunk], shares: list[PrefixShare],
     return row_group, [pages for _, _, pages in kept]
 
 
-
 def saved_page_reads(chunks: list[SeqChunk], shares: list[PrefixShare]) -> int:
     """Page reads a decode step of `chunks` saves by reading its groups' prefixes once."""
     found = group_rows(chunks, shares)

@@ -71,9 +71,6 @@ class PrefixCache:
         self._key_of[page] = key
         return True
 
-    def is_cached(self, page: int) -> bool:
-        return page in self._key_of
-
     def forget(self, page: int) -> None:
         """Unregister a held page whose content will not be kept."""
         key = self._key_of.pop(page, None)

@@ -78,16 +78,15 @@ class Scheduler:
         if self.prefix is not None:
             self.prefix.added(seq)
 
-    def finish(self, seq: Sequence, natural: bool = True) -> None:
-        """Release a finished sequence's pages; `natural` endings feed the adaptive chunk."""
+    def finish(self, seq: Sequence) -> None:
+        """Release a finished sequence's pages; its decode length feeds the adaptive chunk."""
         self._release(seq)
         self.running.remove(seq)
         seq.state = SeqState.FINISHED
         if self.prefix is not None:
             self.prefix.finished(seq)
         self.counters.finished += 1
-        if natural:
-            self.chunk.observe(seq.num_decoded)
+        self.chunk.observe(seq.num_decoded)
 
     def reset_counters(self) -> None:
         """Counters, peaks and the learned decode length start over (after a warm-up)."""
@@ -160,7 +159,7 @@ class Scheduler:
                     seq.logprobs = []
                 seq.logprobs.extend(result.logprobs)
             if result.finished:
-                self.finish(seq, natural=True)
+                self.finish(seq)
 
     def _steps_covered(self) -> int:
         """Decode steps the running set may take from the one just scheduled on, before the
@@ -384,7 +383,7 @@ class Scheduler:
         first: the first that does not fit waits for room, and only sequences mapping pages
         cached on the device (which would leave the cache before the blocked one is in) that
         fit without unloading anyone pass it (prefix caching on; the next PASS_LOOKAHEAD are
-        looked at), at most max_decode_batch times in all."""
+        looked at), and no sequence is passed more than max_decode_batch times."""
         budget = self.cfg.max_prefill_tokens
         admitted: list[Sequence] = []
         self._deferred = False

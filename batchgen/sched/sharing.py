@@ -16,6 +16,7 @@ allocators'.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from itertools import islice
 
@@ -101,7 +102,7 @@ class PrefixSharing:
                 del self._siblings[seq.request_id]
 
     # -- admission ------------------------------------------------------------------------
-    def order(self, waiting, limit: int) -> object:
+    def order(self, waiting, limit: int) -> Iterator[Sequence]:
         """Waiting sequences in admission order (module docstring), at most `limit` of them:
         an admission takes no more than the decode batch, and the scan stays short however
         many wait."""

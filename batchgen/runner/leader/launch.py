@@ -185,9 +185,9 @@ def _log_of(log_dir: Path, rank: int) -> Path | None:
     return logs[-1] if logs else None
 
 
-def tail(log: Path | None, lines: int = 20) -> str:
-    """The last lines of a worker's log, for the failure report."""
+def tail(log: Path | None) -> str:
+    """The last 20 lines of a worker's log, for the failure report."""
     if log is None:
         return "(no worker log found)"
-    text = log.read_text(errors="replace").splitlines()[-lines:]
+    text = log.read_text(errors="replace").splitlines()[-20:]
     return f"last lines of {log}:\n" + "\n".join("  " + line for line in text)

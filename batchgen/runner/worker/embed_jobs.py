@@ -16,9 +16,9 @@ RUN_STEPS = 8
 
 
 class EmbeddingJobs:
-    """The embeddings lines admitted since the last step. The Embedder (and its pooling,
-    read from the model folder) is built on the first line, so generation-only jobs never
-    read sentence-transformers files."""
+    """The embeddings lines queued at intake and not embedded yet. The Embedder (and its
+    pooling, read from the model folder) is built on the first line, so generation-only jobs
+    never read sentence-transformers files."""
 
     def __init__(self, loaded, batch_id: str, max_step_tokens: int):
         self.loaded, self.batch_id, self.max_step_tokens = loaded, batch_id, max_step_tokens

@@ -402,8 +402,9 @@ class Worker:
 
 
 def cpu_threads() -> int:
-    """An explicit OMP_NUM_THREADS wins (its first level): OpenMP threads spin-wait, so more
-    threads than idle cores makes CPU decoding many times slower."""
+    """Torch's intra-op threads for this worker: every core, unless OMP_NUM_THREADS is set (its
+    first level wins: OpenMP threads spin-wait, so more threads than idle cores makes CPU
+    decoding many times slower)."""
     first = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
     return int(first) if first.isdigit() and int(first) > 0 else max(1, os.cpu_count() or 1)
 
