@@ -122,43 +122,66 @@ class Worker:
         self.spec, self.rank, self.stop, self.watchdog = spec, rank, stop, watchdog
         self.clock = StartupClock(origin=launched_at() or None)
         self.clock.mark("process")
-        cfg = spec.config
-        paths = spec.paths
         self.stats = WorkerStats()
-        device = pick_device(cfg.engine.runtime.device)
+        device, compile_workers = self._open_device()
+        self.place = placement(spec, rank, device)
+        self.tp = init_tensor_parallel(self.place, device)
+        self._open_job_files()
+        self.clock.mark("config")
+        sequences = job_sequences(self._records(), self.done,
+                                  spec.config.engine.runtime.cuda_graph_max_bucket_size)
+        self._start_engine(device, compile_workers, sequences)
+        self.formatter = OutputFormatter(spec, self.loaded)
+        self.grammars = Grammars(self.loaded.tokenizer, self.loaded.hf_config.vocab_size,
+                                 self.loaded.eos_token_ids, self.formatter.tool_format)
+        self.embeddings = EmbeddingJobs(self.loaded, spec.batch_id,
+                                        step_tokens(spec.config.engine.scheduler.max_prefill_tokens))
+        self.handled: set[str] = set()
+        """Suspects served (or quarantined) before the main pass, which must skip them."""
+        self._last_stats = 0.0
+
+    def _open_device(self) -> tuple[torch.device, CompileWorkers | None]:
+        """This rank's device and, on CUDA, Triton's compile processes: forks taken before
+        this process touches the GPU, which compile while the weights load
+        (engine/precompile.py)."""
+        device = pick_device(self.spec.config.engine.runtime.device)
         if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", rank.local_rank)
-        # Triton's compile processes: forks taken before this process touches the GPU, which
-        # compile while the weights load (engine/precompile.py).
+            device = torch.device("cuda", self.rank.local_rank)
         compile_workers = None
         if device.type == "cuda":
             compile_workers = CompileWorkers(device=device)
             self.clock.mark("workers")
             torch.cuda.set_device(device)  # creates CUDA's context
             self.clock.mark("device")
-        self.place = placement(spec, rank, device)
-        self.tp = init_tensor_parallel(self.place, device)
-        self.quarantine = Quarantine(paths.batch_file.parent, spec.batch_id, self.place.dp_rank,
+        return device, compile_workers
+
+    def _open_job_files(self) -> None:
+        """The quarantine, and on the rank that writes results the results file, the crash
+        journal and the in-flight checkpoints; what is done and what can resume mid-answer,
+        the same on every rank of a TP group (which must admit the same requests the same
+        way)."""
+        cfg, paths, place = self.spec.config, self.spec.paths, self.place
+        self.quarantine = Quarantine(paths.batch_file.parent, self.spec.batch_id, place.dp_rank,
                                      cfg.watchdog.quarantine_after)
-        self.writer = None
-        if self.place.writes_results:
+        self.writer = self.checkpoints = None
+        self.done = None
+        if place.writes_results:
             with disk_errors("open the results file and the crash journal"):
-                self.writer, self.done = open_results(paths, self.place.dp_rank,
-                                                      self.place.dp_size)
-                self.quarantine.recover(self.done, rank.restarted)
-        self.checkpoints = None
-        if self.place.writes_results:
+                self.writer, self.done = open_results(paths, place.dp_rank, place.dp_size)
+                self.quarantine.recover(self.done, self.rank.restarted)
             with disk_errors("open the in-flight checkpoint"):
                 self.checkpoints = InflightCheckpoints(
-                    paths, spec.batch_id, self.place.dp_rank, self.place.dp_size,
+                    paths, self.spec.batch_id, place.dp_rank, place.dp_size,
                     cfg.watchdog.inflight_checkpoint_interval, self.done)
         self.done = self.tp.broadcast(self.done if self.writer else None)
-        # A TP group's ranks must admit the same requests the same way.
         self.resumable = self.tp.broadcast(self.checkpoints.resumable if self.checkpoints
                                            else None)
-        self.clock.mark("config")
-        sequences = job_sequences(self._records(), self.done,
-                                  cfg.engine.runtime.cuda_graph_max_bucket_size)
+
+    def _start_engine(self, device: torch.device, compile_workers: CompileWorkers | None,
+                      sequences: int) -> None:
+        """Load the model (kernels compiled meanwhile) and start the engine, its KV pools sized
+        for what this replica's share of the job can hold at once."""
+        spec, rank, cfg = self.spec, self.rank, self.spec.config
         self.loaded = load_model(cfg.engine.model, device, rank.world, self.tp,
                                  before_weights=precompile_hook(
                                      compile_workers, device, cfg.engine, sequences, self.tp,
@@ -187,15 +210,7 @@ class Worker:
                              job_sequences=sequences,
                              compile_workers=compile_workers)
         self._mark_engine_phases()
-        guard_decode_steps(self.engine, watchdog, faults.stuck_seconds())
-        self.formatter = OutputFormatter(spec, self.loaded)
-        self.grammars = Grammars(self.loaded.tokenizer, self.loaded.hf_config.vocab_size,
-                                 self.loaded.eos_token_ids, self.formatter.tool_format)
-        self.embeddings = EmbeddingJobs(self.loaded, spec.batch_id,
-                                        step_tokens(cfg.engine.scheduler.max_prefill_tokens))
-        self.handled: set[str] = set()
-        """Suspects served (or quarantined) before the main pass, which must skip them."""
-        self._last_stats = 0.0
+        guard_decode_steps(self.engine, self.watchdog, faults.stuck_seconds())
 
     def _mark_engine_phases(self) -> None:
         """The engine's start-up (pools, then CUDA graphs) as phases of this worker."""
