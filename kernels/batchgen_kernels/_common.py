@@ -90,6 +90,54 @@ def check_output(name: str, out: torch.Tensor, shape: tuple[int, ...],
         raise ValueError(f"{name}: last dim must be contiguous")
 
 
+def check_kv_scales(kv: torch.Tensor, kv_scales: torch.Tensor | None,
+                    shape: tuple[int, ...]) -> bool:
+    """fp8 KV comes with float32 scales of `shape`, any other KV with none; whether it is
+    fp8."""
+    fp8 = kv.dtype == FP8_DTYPE
+    if fp8 != (kv_scales is not None):
+        raise ValueError("kv_scales must be given exactly for fp8 KV")
+    if fp8:
+        check_shape("kv_scales", kv_scales, shape)
+        check_dtype("kv_scales", kv_scales, (torch.float32,))
+    return fp8
+
+
+def check_paged_kv(q: torch.Tensor, kv: torch.Tensor, kv_scales: torch.Tensor | None) -> bool:
+    """Queries `q` [..., H, D] against one layer's K/V pages `kv` [num_pages, PAGE_SIZE, 2,
+    KVH, D] (and fp8 scales [num_pages, PAGE_SIZE, 2, KVH]): dtypes, shapes, H a multiple of
+    KVH, last dims contiguous. Whether the KV is fp8."""
+    check_dtype("q", q, FLOAT_DTYPES)
+    check_dtype("kv", kv, FLOAT_DTYPES + (FP8_DTYPE,))
+    heads, head_dim = q.shape[-2:]
+    num_pages, page, two, kv_heads, kv_dim = kv.shape
+    if (page, two, kv_dim) != (PAGE_SIZE, 2, head_dim):
+        raise ValueError(f"kv shape {tuple(kv.shape)}")
+    if heads % kv_heads != 0:
+        raise ValueError(f"{heads} query heads over {kv_heads} KV heads")
+    check_last_dim_contiguous("q", q)
+    check_last_dim_contiguous("kv", kv)
+    return check_kv_scales(kv, kv_scales, (num_pages, PAGE_SIZE, 2, kv_heads))
+
+
+def check_page_table(page_table: torch.Tensor, batch: int) -> None:
+    """[batch, max_pages] int32 page ids, rows contiguous."""
+    if not (page_table.dim() == 2 and page_table.shape[0] == batch):
+        raise ValueError("page_table is [B, max_pages]")
+    check_dtype("page_table", page_table, (torch.int32,))
+    if page_table.shape[1] > 1 and page_table.stride(1) != 1:
+        raise ValueError("page_table rows must be contiguous")
+
+
+def check_sinks_and_window(sinks: torch.Tensor | None, heads: int, window: int | None) -> None:
+    """Per-head sink logits [heads] of a float dtype (or none), a window >= 1 (or none)."""
+    if sinks is not None:
+        check_shape("sinks", sinks, (heads,))
+        check_dtype("sinks", sinks, FLOAT_DTYPES)
+    if not (window is None or window >= 1):
+        raise ValueError("window must be >= 1")
+
+
 def use_f32_dot(dtype: torch.dtype) -> bool:
     """Whether attention dots must run on float32 operands (see the module docstring)."""
     return dtype == torch.float32 or interpreting()

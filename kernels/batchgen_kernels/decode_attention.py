@@ -23,15 +23,15 @@ import triton
 import triton.language as tl
 
 from ._common import (
-    FLOAT_DTYPES,
-    FP8_DTYPE,
     LOG2E,
     PAGE_SIZE,
     check_device,
     check_dtype,
-    check_last_dim_contiguous,
     check_output,
+    check_page_table,
+    check_paged_kv,
     check_shape,
+    check_sinks_and_window,
     dot,
     finish_softmax,
     load_page_kv,
@@ -263,32 +263,11 @@ def paged_decode_attention(q: torch.Tensor, kv: torch.Tensor, kv_scales: torch.T
     batch, heads, head_dim = q.shape
     num_pages, page, two, kv_heads, kv_dim = kv.shape
     device = check_device(q, kv, kv_scales, page_table, context_lens, sinks, out)
-    check_dtype("q", q, FLOAT_DTYPES)
-    check_dtype("kv", kv, FLOAT_DTYPES + (FP8_DTYPE,))
-    if (page, two, kv_dim) != (PAGE_SIZE, 2, head_dim):
-        raise ValueError(f"kv shape {tuple(kv.shape)}")
-    if heads % kv_heads != 0:
-        raise ValueError(f"{heads} query heads over {kv_heads} KV heads")
-    for name, t in (("q", q), ("kv", kv)):
-        check_last_dim_contiguous(name, t)
-    fp8 = kv.dtype == FP8_DTYPE
-    if fp8 != (kv_scales is not None):
-        raise ValueError("kv_scales must be given exactly for fp8 KV")
-    if fp8:
-        check_shape("kv_scales", kv_scales, (num_pages, page, 2, kv_heads))
-        check_dtype("kv_scales", kv_scales, (torch.float32,))
+    fp8 = check_paged_kv(q, kv, kv_scales)
     check_shape("context_lens", context_lens, (batch,))
     check_dtype("context_lens", context_lens, (torch.int32,))
-    if not (page_table.dim() == 2 and page_table.shape[0] == batch):
-        raise ValueError("page_table is [B, max_pages]")
-    check_dtype("page_table", page_table, (torch.int32,))
-    if page_table.stride(1) != 1:
-        raise ValueError("page_table rows must be contiguous")
-    if sinks is not None:
-        check_shape("sinks", sinks, (heads,))
-        check_dtype("sinks", sinks, FLOAT_DTYPES)
-    if not (window is None or window >= 1):
-        raise ValueError("window must be >= 1")
+    check_page_table(page_table, batch)
+    check_sinks_and_window(sinks, heads, window)
     if out is None:
         out = torch.empty_like(q)
     check_output("out", out, tuple(q.shape), q.dtype)

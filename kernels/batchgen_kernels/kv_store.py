@@ -25,6 +25,7 @@ from ._common import (
     PAGE_SIZE,
     check_device,
     check_dtype,
+    check_kv_scales,
     check_last_dim_contiguous,
     check_shape,
     hardware_fp8_cast,
@@ -81,13 +82,8 @@ def pool_layer_args(kv: torch.Tensor, kv_scales: torch.Tensor | None,
     check_last_dim_contiguous("kv", kv)
     check_shape("slot_mapping", slot_mapping, (tokens,))
     check_dtype("slot_mapping", slot_mapping, (torch.int64, torch.int32))
-    fp8 = kv.dtype == FP8_DTYPE
-    if fp8 != (kv_scales is not None):
-        raise ValueError("kv_scales must be given exactly for fp8 KV")
-    if not fp8:
+    if not check_kv_scales(kv, kv_scales, (num_pages, PAGE_SIZE, 2, kv_heads)):
         return False, kv.new_empty(0, dtype=torch.float32), (0, 0, 0, 0)
-    check_shape("kv_scales", kv_scales, (num_pages, PAGE_SIZE, 2, kv_heads))
-    check_dtype("kv_scales", kv_scales, (torch.float32,))
     return True, kv_scales, kv_scales.stride()
 
 

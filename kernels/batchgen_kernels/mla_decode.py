@@ -31,8 +31,10 @@ from ._common import (
     PAGE_SIZE,
     check_device,
     check_dtype,
+    check_kv_scales,
     check_last_dim_contiguous,
     check_output,
+    check_page_table,
     check_shape,
     dot,
     finish_softmax,
@@ -176,19 +178,10 @@ def mla_decode_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, kv: torch.Ten
                          f"[pages, {PAGE_SIZE}, 1, {latent} + {rope}]")
     for name, t in (("q_nope", q_nope), ("q_pe", q_pe), ("kv", kv)):
         check_last_dim_contiguous(name, t)
-    fp8 = kv.dtype == FP8_DTYPE
-    if fp8 != (kv_scales is not None):
-        raise ValueError("kv_scales must be given exactly for fp8 KV")
-    if fp8:
-        check_shape("kv_scales", kv_scales, (num_pages, page, 1))
-        check_dtype("kv_scales", kv_scales, (torch.float32,))
+    fp8 = check_kv_scales(kv, kv_scales, (num_pages, page, 1))
     check_shape("context_lens", context_lens, (batch,))
     check_dtype("context_lens", context_lens, (torch.int32,))
-    if not (page_table.dim() == 2 and page_table.shape[0] == batch):
-        raise ValueError("page_table is [B, max_pages]")
-    check_dtype("page_table", page_table, (torch.int32,))
-    if page_table.stride(1) != 1:
-        raise ValueError("page_table rows must be contiguous")
+    check_page_table(page_table, batch)
     if not (block_n >= 16 and PAGE_SIZE % block_n == 0 and block_n & (block_n - 1) == 0):
         raise ValueError(f"block_n {block_n} must be a power of two in [16, {PAGE_SIZE}]")
     if not (block_h >= 16 and block_h & (block_h - 1) == 0):

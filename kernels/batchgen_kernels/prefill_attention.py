@@ -26,15 +26,16 @@ import triton
 import triton.language as tl
 
 from ._common import (
-    FLOAT_DTYPES,
-    FP8_DTYPE,
     LOG2E,
     PAGE_SIZE,
     check_device,
     check_dtype,
     check_last_dim_contiguous,
     check_output,
+    check_page_table,
+    check_paged_kv,
     check_shape,
+    check_sinks_and_window,
     dot,
     finish_softmax,
     load_page_kv,
@@ -193,33 +194,13 @@ def paged_prefill_attention(q: torch.Tensor, kv: torch.Tensor, kv_scales: torch.
     num_pages, page, two, kv_heads, kv_dim = kv.shape
     batch = context_lens.shape[0]
     check_device(q, kv, kv_scales, cu_seqlens_q, context_lens, page_table, sinks, out)
-    check_dtype("q", q, FLOAT_DTYPES)
-    check_dtype("kv", kv, FLOAT_DTYPES + (FP8_DTYPE,))
-    if (page, two, kv_dim) != (PAGE_SIZE, 2, head_dim):
-        raise ValueError(f"kv shape {tuple(kv.shape)}")
-    if heads % kv_heads != 0:
-        raise ValueError(f"{heads} query heads over {kv_heads} KV heads")
-    check_last_dim_contiguous("q", q)
-    check_last_dim_contiguous("kv", kv)
-    fp8 = kv.dtype == FP8_DTYPE
-    if fp8 != (kv_scales is not None):
-        raise ValueError("kv_scales must be given exactly for fp8 KV")
-    if fp8:
-        check_shape("kv_scales", kv_scales, (num_pages, page, 2, kv_heads))
-        check_dtype("kv_scales", kv_scales, (torch.float32,))
+    fp8 = check_paged_kv(q, kv, kv_scales)
     check_shape("cu_seqlens_q", cu_seqlens_q, (batch + 1,))
-    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("context_lens", context_lens),
-                    ("page_table", page_table)):
+    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("context_lens", context_lens)):
         check_dtype(name, t, (torch.int32,))
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name}: last dim must be contiguous")
-    if not (page_table.dim() == 2 and page_table.shape[0] == batch):
-        raise ValueError("page_table is [B, max_pages]")
-    if sinks is not None:
-        check_shape("sinks", sinks, (heads,))
-        check_dtype("sinks", sinks, FLOAT_DTYPES)
-    if not (window is None or window >= 1):
-        raise ValueError("window must be >= 1")
+        check_last_dim_contiguous(name, t)
+    check_page_table(page_table, batch)
+    check_sinks_and_window(sinks, heads, window)
     launch = dict(LAUNCH["fp8" if fp8 else "float"])
     default_block_m, group_heads = launch.pop("block_m"), launch.pop("group_heads")
     block_m = block_m or default_block_m
