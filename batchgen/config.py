@@ -242,7 +242,9 @@ class SchedulerConfig:
     max_pool_size: int = 10240
     """Most live (admitted, unfinished) sequences."""
     max_intake_capacity: int = 1_000_000
-    """Most requests read ahead of the scheduler (bounds memory on huge inputs)."""
+    """Most requests read ahead of the scheduler (bounds memory on huge inputs): a worker
+    holds at most the smaller of this and --max-pool-size, so a value above
+    --max-pool-size changes nothing."""
 
     def with_decode_batch(self, graph_batch: int | None) -> SchedulerConfig:
         """This config with --max-decode-batch settled: as given, else `graph_batch` (the

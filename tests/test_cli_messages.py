@@ -136,6 +136,24 @@ def test_run_summary_names_time_counts_tokens_speed_and_places(tmp_path):
     assert "batchgen status" in text
 
 
+def test_run_summary_of_a_resume_says_what_this_run_did(tmp_path):
+    """A resumed run's time and speed are its own; its counts and tokens are the job's: the
+    summary says how many requests this run answered, so 19,990 requests "in 1 min 16 s" at
+    213 tok/s does not read as the whole job's pace."""
+    text = run_summary(76.0, 19955, 35, 1897493, 29978, 16188, tmp_path / "o.jsonl",
+                       tmp_path / "o.errors.jsonl", tmp_path / ".batchgen", run_answered=10705)
+    assert ("done: 19,955 results, 35 errors (19,990 requests: 10,705 answered by this run in "
+            "1 min 16 s, 9,285 saved by earlier runs)") in text
+    assert "29,978 out (all runs; this run 16,188 out, 213.0 out tok/s)" in text
+    whole = run_summary(76.0, 19955, 35, 1, 2, 2, tmp_path / "o.jsonl",
+                        tmp_path / "o.errors.jsonl", tmp_path / ".batchgen", run_answered=19990)
+    assert "(19,990 requests) in 1 min 16 s" in whole and "earlier" not in whole
+    merged = run_summary(0.5, 3, 0, 30, 6, 0, tmp_path / "o.jsonl",
+                         tmp_path / "o.errors.jsonl", tmp_path / ".batchgen", run_answered=0)
+    assert "(3 requests, all saved by earlier runs: this run merged them in 0.5 s)" in merged
+    assert "30 in, 6 out (all runs)" in merged
+
+
 def test_age_reads_as_a_person_says_it():
     assert age(3.2) == "3 s ago" and age(600) == "10 min ago" and age(7200) == "2.0 h ago"
 

@@ -279,9 +279,12 @@ def test_input_edited_during_the_run_is_not_published(tmp_path, tiny_chat_model)
     assert proc.returncode == 3, err[-2000:]
     assert "changed while job" in err and "Nothing was published" in err
     assert not list((storage / "outputs").glob("*.jsonl"))
+    spec = JobSpec.from_bytes(next((storage / "batches").glob("*.spec.json")).read_bytes())
+    # As that message says, the edited file starts over: a new job, not a refused resume.
+    proc = batchgen(*run_args(inp, storage, tiny_chat_model), check=True)
+    assert "0 already done" in proc.stderr
 
     # The version check alone: a touched but identical input passes, an edited one does not.
-    spec = JobSpec.from_bytes(next((storage / "batches").glob("*.spec.json")).read_bytes())
     original = tmp_path / "original.jsonl"
     write_jsonl(original, rows)
     inp.write_bytes(original.read_bytes())
@@ -373,3 +376,31 @@ def test_a_refused_rerun_of_a_completed_job_leaves_no_parsed_input(tmp_path, tin
                     tiny_chat_model, "--seed", "5")
     assert proc.returncode == 3, proc.stderr[-2000:]
     assert not list((storage / "batches").glob("*.requests*"))
+
+
+def test_an_unfinished_jobs_input_changed_between_runs_is_refused(tmp_path, tiny_chat_model):
+    """Lines appended to the input of a job that has not finished (killed, stopped) make the
+    same command another job (its batch id comes from the content): it would answer every line
+    again while the saved results wait unused. Refused (exit 3) naming both ways on: put back,
+    the job resumes; a finished job's changed input is another job, as documented."""
+    rows = chat_rows(3, max_tokens=4)
+    inp = write_jsonl(tmp_path / "in.jsonl", rows)
+    storage = tmp_path / "s"
+    batchgen(*run_args(inp, storage, tiny_chat_model), check=True)
+    batch_id = next((storage / "uploads").glob("*.json")).stem
+    reopen(storage, batch_id)  # as a SIGKILL mid-run leaves it
+    appended = rows + [{"custom_id": "late", "prompt": "appended", "max_tokens": 2}]
+    write_jsonl(inp, appended)
+    proc = batchgen(*run_args(inp, storage, tiny_chat_model))
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert f"changed since job {batch_id}" in proc.stderr
+    assert "3 of its 3 results are saved" in proc.stderr and "--batch-id" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert len(list((storage / "uploads").glob("*.json"))) == 1  # no new job recorded
+    write_jsonl(inp, rows)
+    proc = batchgen(*run_args(inp, storage, tiny_chat_model), check=True)
+    assert "3 already done" in proc.stderr
+    assert "all saved by earlier runs: this run merged them" in proc.stderr
+    write_jsonl(inp, appended)
+    proc = batchgen(*run_args(inp, storage, tiny_chat_model), check=True)
+    assert "0 already done" in proc.stderr

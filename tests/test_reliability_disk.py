@@ -84,6 +84,8 @@ def test_output_disk_full_at_finalize_then_resume(tmp_path, tiny_chat_model, tmp
     proc = run(inp, storage, tiny_chat_model, *extra)
     assert proc.returncode == 6, proc.stderr[-3000:]
     assert "could not write the final outputs" in proc.stderr and "Traceback" not in proc.stderr
+    assert "the final files need about" in proc.stderr, proc.stderr[-2000:]  # how much to free
+    assert f"under {out_dir}, " in proc.stderr and " free there)" in proc.stderr
     assert not list(out_dir.iterdir()), "a failed finalize must leave no partial or temp file"
     assert "could not write the final outputs" in batch_state(storage)["health"]["last_failure"]
     _grow(out_dir)

@@ -95,6 +95,24 @@ def test_a_stop_during_a_step_runs_no_further_step():
     assert saved[-1] is True  # and the stop checkpoint written
 
 
+def test_a_stop_says_how_many_in_flight_have_tokens_to_continue(caplog):
+    """A stop's log line counts the requests in flight and those whose drawn tokens the
+    checkpoint holds: a job of 1-token answers stopped with 10,239 requests read, 3 of them
+    with a token drawn, must not say that all 10,239 continue from their checkpoint."""
+
+    def signal_during_first_step(w, n):
+        if n == 1:
+            w.stop.requested = True
+
+    w, _ = _worker(signal_during_first_step)
+    w.engine.num_requests = 10239
+    w.checkpoints = type("Checkpoints", (), {"stats": {"requests": 3}})()
+    with caplog.at_level("WARNING", logger="batchgen.worker"):
+        assert w._serve(iter(()), limit=1) is True
+    assert "10239 in flight, 3 of them with tokens drawn, which the resume continues" in \
+        caplog.text
+
+
 def test_a_retaken_batch_id_records_the_new_input(tmp_path):
     """A run that stopped before its first result "decided nothing: this run's settings become
     the job's" (prepare.py). With --batch-id and another input file, the batch file must then

@@ -158,6 +158,20 @@ def check_disk(paths: JobPaths, input_bytes: int, records: int, left: int) -> li
     return findings
 
 
+def merge_space(paths: JobPaths) -> str:
+    """For a final merge the disk refused: what the final files need (about the incremental
+    files' size: the merge copies each result line once) and what is free where they go."""
+    need = 0
+    for path in paths.incremental_files():
+        try:
+            need += path.stat().st_size
+        except OSError:
+            continue
+    folder = paths.output.parent
+    return (f"the final files need about {_human(need)} under {folder}, "
+            f"{_human(disk_free(folder))} free there")
+
+
 def check_writable(paths: JobPaths) -> list[Finding]:
     """The folders results go to take a new file now: a read-only output folder (a read-only
     mount, missing permission) would otherwise fail only at the final merge, after all the

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import orjson
 
-from batchgen.io.jobfiles import BatchFile, JobPaths
+from batchgen.config import JobConfig
+from batchgen.io.jobfiles import BatchFile, CorruptBatchFile, FingerprintMismatch, JobPaths
 from batchgen.phases import format_phases, process_start_time
 from batchgen.runner.files.job import JobSpec
 from batchgen.runner.leader.progress import read_worker_stats
@@ -131,6 +132,57 @@ def warn_if_replacing(spec: JobSpec, storage: Path) -> None:
                 output, f" (input {input_file})" if input_file else "",
                 "Those results stay in the job folder: " if how else "",
                 how + ". " if how else "")
+
+
+def refuse_a_changed_input(config: JobConfig, paths: JobPaths, size_bytes: int) -> None:
+    """Lines appended to an unfinished job's input, or the file replaced, between its runs: the
+    same command derives another batch id from the new content, a new job that would answer
+    every line again while the saved results wait under the old id, unused. Refused (exit 3)
+    naming both ways on; --batch-id or another --output says that a new job is meant."""
+    s = config.storage
+    if s.batch_id is not None or BatchFile(paths.batch_file).load() is not None:
+        return  # a job named by hand, or this job's own resume
+    here = str(Path(s.input).resolve())
+    for path in batch_files(paths.storage_path):
+        try:
+            state = BatchFile(path).load()
+        except CorruptBatchFile:
+            continue
+        if (state is None or state.status == "completed" or state.input_file != here
+                or state.health.get("input_changed")):  # edited mid-run: told to start over
+            continue
+        old = JobPaths.for_job(paths.storage_path, state.batch_id, s.incremental_output_dir,
+                               s.output)
+        saved = _lines(old.incremental_files())
+        if Path(state.output_file) != old.output.absolute() or not saved:
+            continue  # it wrote another output, or decided nothing yet
+        raise FingerprintMismatch(
+            f"input {s.input} changed since job {state.batch_id} started from it "
+            f"({_size_then(old)} bytes then, {size_bytes:,} now) and that job is unfinished: "
+            f"{saved:,} of its {state.request_counts.get('total', 0):,} results are saved. "
+            "This command would start a new job that answers every line again. To finish "
+            "that job, put back the input it read and run the same command; to answer this "
+            "file as a new job, run it with --batch-id NAME (or another --output).")
+
+
+def _lines(files: list[Path]) -> int:
+    """Result lines in `files` (one unreadable counts none: this only decides a refusal)."""
+    count = 0
+    for path in files:
+        try:
+            with open(path, "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    count += block.count(b"\n")
+        except OSError:
+            continue
+    return count
+
+
+def _size_then(paths: JobPaths) -> str:
+    try:
+        return f"{int(orjson.loads(paths.upload_file.read_bytes())['size_bytes']):,}"
+    except (OSError, orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+        return "?"
 
 
 def _all_runs(batch_file: BatchFile, elapsed: float) -> dict:

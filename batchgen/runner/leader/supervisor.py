@@ -39,11 +39,12 @@ from batchgen.runner.files.lock import JobLock
 from batchgen.runner.leader.group import Group, GroupError, MemberEnd, PlanRefused
 from batchgen.runner.leader.launch import WorkerFailure, is_stop_signal, release_exit_barrier
 from batchgen.runner.leader.members import Member, check_plan, member_failure, member_for
-from batchgen.runner.leader.preflight import preflight, refuse_unwritable
+from batchgen.runner.leader.preflight import merge_space, preflight, refuse_unwritable
 from batchgen.runner.leader.prepare import (completed_already, final_files_whole, identify,
                                             parse, prepare)
 from batchgen.runner.leader.progress import ProgressReporter, read_worker_stats, run_summary
-from batchgen.runner.leader.records import (record_end, record_killed_run, result_files,
+from batchgen.runner.leader.records import (record_end, record_killed_run,
+                                            refuse_a_changed_input, result_files,
                                             try_record_end, usage_total, warn_if_replacing)
 from batchgen.runner.worker.quarantine import mark_crashed
 
@@ -92,6 +93,7 @@ def _run(config: JobConfig, stops: StopSignals, member: Member) -> int:
             _lock_output(output_lock, paths, config.storage.wait_for_lock)
             if completed_already(config, source, paths):  # nothing to parse or run
                 return _completed(config, paths, stops, group)
+            refuse_a_changed_input(config, paths, source.size_bytes)
             summary = parse(config, source, paths)
             try:
                 spec, batch_file = prepare(config, summary, paths)
@@ -238,7 +240,12 @@ def _run_locked(spec: JobSpec, batch_file: BatchFile, already: int, stops: StopS
     finally:
         stops.install()  # the launcher (or the in-process worker) replaced our handlers
         progress.stop()
-    check_input_unchanged(spec, input_version)
+    try:
+        check_input_unchanged(spec, input_version)
+    except FingerprintMismatch as err:  # the job is to start over: no rerun may resume it
+        try_record_end(spec, batch_file, started, "failed",
+                       {"last_failure": str(err), "input_changed": True})
+        raise
     try:
         return _finish(spec, batch_file, started, stops, patient=group is not None)
     except Preempted as stop:  # recorded as a stop while the workers run is; a rerun merges
@@ -432,7 +439,9 @@ def _finish(spec: JobSpec, batch_file: BatchFile, started: float, stops: StopSig
         except BaseException as err:
             paths.remove_output_temps()  # a temp file whose close failed on a full disk stays
             if isinstance(err, DiskError):  # status says why it stopped (a rerun only merges)
+                err = DiskError(f"{err} ({merge_space(paths)})")
                 try_record_end(spec, batch_file, started, "failed", {"last_failure": str(err)})
+                raise err from None
             raise
     s = spec.config.storage
     if s.save_result and s.output:
@@ -457,7 +466,9 @@ def _finish(spec: JobSpec, batch_file: BatchFile, started: float, stops: StopSig
     print(run_summary(time.time() - started, report.completed, report.failed,
                       report.prompt_tokens, report.completion_tokens,
                       sum(s.get("completion_tokens", 0) for s in stats), paths.output,
-                      paths.errors_output, paths.storage_path), file=sys.stderr, flush=True)
+                      paths.errors_output, paths.storage_path,
+                      sum(s.get("completed", 0) + s.get("failed", 0) for s in stats)),
+          file=sys.stderr, flush=True)
     return ExitCode.OK
 
 

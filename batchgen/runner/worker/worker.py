@@ -296,14 +296,21 @@ class Worker:
             self.watchdog.started()
             self._report()
             if stopping:
-                log.warning("rank %d: stop requested; finished results are on disk, %d in flight "
-                            "continue from their checkpoint on resume", self.rank.rank,
-                            self.engine.num_requests)
+                log.warning("rank %d: stop requested; finished results are on disk; %s",
+                            self.rank.rank, self._in_flight_words())
                 self._report(force=True)
                 return True
             if exhausted and not self.engine.has_unfinished() and not len(self.embeddings):
                 self._report(force=True)
                 return False
+
+    def _in_flight_words(self) -> str:
+        """What a stop leaves in flight: the requests read, and those of them whose drawn
+        tokens the checkpoint holds (the rest have none to continue: they start on resume)."""
+        read = self.engine.num_requests
+        held = self.checkpoints.stats["requests"] if self.checkpoints else 0
+        return (f"{read} in flight, {min(held, read)} of them with tokens drawn, which the "
+                "resume continues from the checkpoint")
 
     def _checkpoint(self, stopping: bool) -> None:
         """Save the progress of the requests in flight, after the results they depend on are
