@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import re
 import types
 import typing
 from typing import Any, Callable, Optional
@@ -109,6 +110,24 @@ def leaf_sections(cls: type = JobConfig, prefix: str = "") -> list[tuple[str, ty
     return out
 
 
+HUMAN_SIZED = ("max_model_len", "max_prefill_tokens")
+"""Token counts also taken as vLLM writes them: 8k = 8,000, 8K = 8,192, 25.6k = 25,600."""
+_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
+
+
+def human_int(value: Any) -> int:
+    """An integer flag value, or one with a k/m/g (powers of 1,000) or K/M/G (of 1,024)
+    suffix; typer.BadParameter naming the forms otherwise."""
+    if isinstance(value, int):
+        return value
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgKMG]?)", str(value).strip())
+    number = float(match[1]) * _UNITS[match[2]] if match else None
+    if number is None or number != int(number):
+        raise typer.BadParameter(f"{value!r} is not a whole number of tokens: give e.g. "
+                                 "8192, 8k (8,000) or 8K (8,192)")
+    return int(number)
+
+
 def _option_type(hint: Any) -> Any:
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
         args = [a for a in typing.get_args(hint) if a is not type(None)]
@@ -129,7 +148,8 @@ def _parameter(section: str, cls: type, f: dataclasses.Field,
     default = ... if f.name in REQUIRED else f.default
     option = typer.Option(default, *decls, help=field_docs(cls).get(f.name, ""),
                           rich_help_panel=panel, show_default=f.default is not None,
-                          hidden=f.name in DEPRECATED)
+                          hidden=f.name in DEPRECATED,
+                          parser=human_int if f.name in HUMAN_SIZED else None)
     return inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=option,
                              annotation=hint)
 

@@ -117,7 +117,7 @@ class ModelConfig:
     max_model_len: int | None = None
     """Longest context (prompt + max_tokens) of a request, at most the model's own; a longer
     request becomes an error line naming both numbers. Memory is planned for this length.
-    Default: the model's context."""
+    Default: the model's context. Also as 32k (32,000) or 32K (32,768)."""
     generation_config: str = "auto"
     """Sampling defaults of lines that leave a field out: auto (the temperature, top_p, top_k,
     min_p and repetition_penalty the model folder's generation_config.json recommends, as
@@ -231,7 +231,8 @@ class SchedulerConfig:
     max_prefill_tokens: int = 8192
     """Token budget of one packed prefill step; longer prompts are prefilled in chunks.
     Larger steps are faster on big GPUs (fewer steps, fewer host gaps): 16384 / 32768 ran
-    Llama-3-8B FP8 1.5% / 2.2% faster on an H200, for ~1 / ~2 GB more activations."""
+    Llama-3-8B FP8 1.5% / 2.2% faster on an H200, for ~1 / ~2 GB more activations. Also
+    as 16k (16,000) or 16K (16,384)."""
     max_decode_batch: int | None = None
     """Most sequences decoded together in one step. Default: on CUDA, the largest batch
     captured in a CUDA graph (--cuda-graph-max-bucket-size), because a bigger batch runs

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import typer
 import typer.main
 
 from batchgen.cli import app
@@ -200,3 +201,18 @@ def test_tensor_parallel_size_alone_names_the_world_size_it_needs():
     with pytest.raises(ConfigError, match="for 8 GPUs give --world-size 8 too"):
         parsed("--tensor-parallel-size", "8")
     assert parsed("--tensor-parallel-size", "8", "--world-size", "8").dist.world_size == 8
+
+
+@pytest.mark.parametrize("given,tokens", [("8k", 8000), ("8K", 8192), ("25.6k", 25600),
+                                          ("1M", 1 << 20), ("4096", 4096)])
+def test_token_counts_take_vllms_human_readable_sizes(given, tokens):
+    """vLLM writes `--max-model-len 32k`: k/m/g are powers of 1,000, K/M/G of 1,024."""
+    config = parsed("--max-model-len", given, "--max-num-batched-tokens", given)
+    assert config.engine.model.max_model_len == tokens
+    assert config.engine.scheduler.max_prefill_tokens == tokens
+
+
+@pytest.mark.parametrize("given", ["1.2345k", "8 kb", "abc", "-8k"])
+def test_a_token_count_that_is_not_whole_names_the_forms(given):
+    with pytest.raises(typer.BadParameter, match="whole number of tokens: give e.g. 8192, 8k"):
+        parsed("--max-model-len", given)
