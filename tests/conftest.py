@@ -30,3 +30,14 @@ def tiny_chat_model(tmp_path_factory):
     from tiny_models import save_tiny_chat_model
 
     return save_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"))
+
+
+@pytest.fixture
+def template_tokenizer():
+    """The embedded model's tokenizer, its chat template put back after the test."""
+    from tiny_models import embedded_tokenizer
+
+    tokenizer = embedded_tokenizer()
+    original = tokenizer.chat_template
+    yield tokenizer
+    tokenizer.chat_template = original

@@ -67,36 +67,26 @@ IGNORES_EFFORT = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{
                   "assistant:")
 
 
-@pytest.fixture
-def tokenizer():
-    from tiny_models import embedded_tokenizer
-
-    tok = embedded_tokenizer()
-    original = tok.chat_template
-    yield tok
-    tok.chat_template = original
-
-
-def test_reasoning_effort_reaches_the_chat_template(tokenizer):
+def test_reasoning_effort_reaches_the_chat_template(template_tokenizer):
     """gpt-oss's template reads `reasoning_effort` (default "medium"): the line's value is
     rendered into the prompt, the default value included."""
-    tokenizer.chat_template = READS_EFFORT
+    template_tokenizer.chat_template = READS_EFFORT
     prompts = {}
     for effort in ("low", "medium", "high"):
-        req = intake(chat(reasoning_effort=effort), tokenizer, 2048)
+        req = intake(chat(reasoning_effort=effort), template_tokenizer, 2048)
         assert isinstance(req, PendingRequest), req
-        prompts[effort] = tokenizer.decode(req.prompt_token_ids)
+        prompts[effort] = template_tokenizer.decode(req.prompt_token_ids)
         assert f"Reasoning: {effort}\n" in prompts[effort]
     assert len(set(prompts.values())) == 3
 
 
-def test_reasoning_effort_a_template_ignores_is_refused(tokenizer):
+def test_reasoning_effort_a_template_ignores_is_refused(template_tokenizer):
     """Answering as if the field were absent would silently change what was asked for."""
-    tokenizer.chat_template = IGNORES_EFFORT
-    err = intake(chat(reasoning_effort="high"), tokenizer, 2048)
+    template_tokenizer.chat_template = IGNORES_EFFORT
+    err = intake(chat(reasoning_effort="high"), template_tokenizer, 2048)
     assert isinstance(err, IntakeError) and err.param == "reasoning_effort", err
     assert "does not read reasoning_effort" in err.message
-    assert isinstance(intake(chat(), tokenizer, 2048), PendingRequest)
+    assert isinstance(intake(chat(), template_tokenizer, 2048), PendingRequest)
 
 
 @pytest.mark.parametrize("record, message", [

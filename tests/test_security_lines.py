@@ -148,16 +148,6 @@ def _chat(content: str = "hi") -> ParsedRequest:
                          SamplingParams(max_tokens=4), {})
 
 
-@pytest.fixture
-def template_tokenizer():
-    from tiny_models import embedded_tokenizer
-
-    tokenizer = embedded_tokenizer()
-    original = tokenizer.chat_template
-    yield tokenizer
-    tokenizer.chat_template = original
-
-
 def test_a_template_looping_without_end_is_a_line_error(template_tokenizer, monkeypatch):
     monkeypatch.setattr(templates_module, "TEMPLATE_TIMEOUT_S", 0.5)
     template_tokenizer.chat_template = fixture("loop_template.jinja").read_text()

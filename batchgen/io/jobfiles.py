@@ -146,10 +146,11 @@ class JobPaths:
 def refuse_planted_links(paths: JobPaths) -> None:
     """Refuse a job whose files are links (checked before anything is written)."""
     for path in paths.job_files():
-        if path.is_symlink() and path in (paths.output, paths.errors_output):
+        if not path.is_symlink():
+            continue
+        if path in (paths.output, paths.errors_output):
             raise UnsafeJobPath(_output_link_message(path, path == paths.output))
-        if path.is_symlink():
-            raise UnsafeJobPath(link_message(path))
+        raise UnsafeJobPath(link_message(path))
 
 
 def _output_link_message(path: Path, is_output: bool) -> str:

@@ -369,18 +369,22 @@ def salvage(path: Path) -> tuple[int, int]:
     return kept, dropped
 
 
+def count_lines(path: Path) -> int:
+    """Newline-ended lines in `path`, read in 1 MiB blocks (raises OSError)."""
+    lines = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            lines += chunk.count(b"\n")
+    return lines
+
+
 def final_files_complete(output: Path, errors: Path, records: int) -> bool:
     """Whether a finished job's final files are both there with one line per input record
     (a file deleted or cut by hand afterwards makes the next run merge them again)."""
-    lines = 0
-    for path in (output, errors):
-        try:
-            with open(path, "rb") as f:
-                while chunk := f.read(1 << 20):
-                    lines += chunk.count(b"\n")
-        except FileNotFoundError:
-            return False
-    return lines == records
+    try:
+        return count_lines(output) + count_lines(errors) == records
+    except FileNotFoundError:
+        return False
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ from batchgen.io.reader import (DEFAULT_MAX_LINE_BYTES, InputFileError, file_ver
                                identify_input)
 
 
-
 @dataclass(frozen=True)
 class JobSpec:
     config: JobConfig

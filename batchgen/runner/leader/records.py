@@ -12,6 +12,7 @@ import orjson
 
 from batchgen.config import JobConfig
 from batchgen.io.jobfiles import BatchFile, CorruptBatchFile, FingerprintMismatch, JobPaths
+from batchgen.io.writer import count_lines
 from batchgen.phases import format_phases, process_start_time
 from batchgen.runner.files.job import JobSpec
 from batchgen.runner.leader.progress import read_worker_stats
@@ -170,9 +171,7 @@ def _lines(files: list[Path]) -> int:
     count = 0
     for path in files:
         try:
-            with open(path, "rb") as f:
-                for block in iter(lambda: f.read(1 << 20), b""):
-                    count += block.count(b"\n")
+            count += count_lines(path)
         except OSError:
             continue
     return count
