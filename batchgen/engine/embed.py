@@ -15,6 +15,7 @@ without padding, K/V stored into a scratch pool that the next step overwrites.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,6 +99,56 @@ def read_pooling(folder: Path | None, hf_config) -> Pooling:
     return Pooling(mode, "Normalize" in kinds, dimensions)
 
 
+def max_seq_length(folder: Path | None) -> int | None:
+    """sentence-transformers' input bound (`max_seq_length` in sentence_bert_config.json):
+    longer texts were never seen in training (sentence-transformers truncates them; vLLM takes
+    it as the model's length and refuses them). None when the folder sets none."""
+    path = folder / "sentence_bert_config.json" if folder is not None else None
+    if path is None or not path.is_file():
+        return None
+    config = _read_json(path)
+    limit = config.get("max_seq_length") if isinstance(config, dict) else None
+    return limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else None
+
+
+def pooling_summary(folder: Path | None, pooling: Pooling) -> str:
+    """How `pooling` pools, and where it was read (for the job's log)."""
+    how = {"last": "last-token", "mean": "mean", "cls": "first-token (cls)", "max": "max"}
+    said = f"{how[pooling.mode]} pooling, " + ("L2-normalised" if pooling.normalize
+                                               else "not normalised")
+    if folder is None or not (folder / "modules.json").is_file():
+        return said + " (no modules.json: the default of decoder embedding models)"
+    return said + f" (from {folder / 'modules.json'})"
+
+
+def prompt_note(folder: Path | None) -> tuple[int, str] | None:
+    """(log level, message): what a user of sentence-transformers should know about the
+    folder's prompts (config_sentence_transformers.json): none is added to inputs, a default
+    prompt (which sentence-transformers adds to every text: a warning) included; None when the
+    folder names none."""
+    path = folder / "config_sentence_transformers.json" if folder is not None else None
+    if path is None or not path.is_file():
+        return None
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None  # sentence-transformers' own file; nothing batchgen runs reads it
+    prompts = config.get("prompts") if isinstance(config, dict) else None
+    prompts = {k: v for k, v in prompts.items() if v} if isinstance(prompts, dict) else {}
+    default = config.get("default_prompt_name") if isinstance(config, dict) else None
+    if default in prompts:
+        return logging.WARNING, (
+            f"{path} names the default prompt {default!r} ({prompts[default]!r}), which "
+            "sentence-transformers puts before every text it encodes: batchgen does not (nor "
+            "does vLLM); write it at the start of each input to get those vectors")
+    if prompts:
+        return logging.INFO, (
+            f"{path} lists prompts ({', '.join(map(repr, prompts))}): batchgen adds none to "
+            "inputs; write the one a text needs (e.g. a query's instruction) at the start of "
+            "its input")
+    return None
+
+
 def _read_json(path: Path):
     """A sentence-transformers file's JSON; EmbeddingModelError naming it if it is missing or
     unreadable (the model folder is at fault, not the request)."""
@@ -127,11 +178,12 @@ class Embedder:
         self.width = model.config.hidden_size
         self._pool: KVPool | None = None
 
-    def embed(self, inputs: list[tuple[int, ...]],
-              dimensions: list[int | None] | None = None) -> list[torch.Tensor]:
+    def embed(self, inputs: list[tuple[int, ...]], dimensions: list[int | None] | None = None,
+              normalize: list[bool | None] | None = None) -> list[torch.Tensor]:
         """One float32 vector (on the CPU) per input, in the order of `inputs`;
-        `dimensions[i]` cuts vector i."""
+        `dimensions[i]` cuts vector i, `normalize[i]` (None: the pooling's) L2-normalises it."""
         dimensions = dimensions or [None] * len(inputs)
+        normalize = normalize or [None] * len(inputs)
         out: list[torch.Tensor | None] = [None] * len(inputs)
         step = self._dense_step if self.dense else self._paged_step
         # Each step's pooled rows are copied out without waiting (into pinned memory on CUDA),
@@ -142,7 +194,7 @@ class Embedder:
             torch.cuda.synchronize(self.device)
         for group, pooled in pending:
             for i, row in zip(group, pooled):
-                out[i] = self._finish(row, dimensions[i])
+                out[i] = self._finish(row, dimensions[i], normalize[i])
         return out
 
     def _steps(self, inputs) -> list[list[int]]:
@@ -226,9 +278,10 @@ class Embedder:
             return sums / torch.tensor(lengths, device=hidden.device)[:, None]
         return torch.stack([hidden[s:e].amax(0) for s, e in zip(starts.tolist(), ends.tolist())])
 
-    def _finish(self, vector: torch.Tensor, dims: int | None) -> torch.Tensor:
+    def _finish(self, vector: torch.Tensor, dims: int | None,
+                normalize: bool | None) -> torch.Tensor:
         if dims is not None:
             vector = vector[:dims]
-        if self.pooling.normalize:
+        if self.pooling.normalize if normalize is None else normalize:
             vector = torch.nn.functional.normalize(vector, dim=0)
         return vector

@@ -2,14 +2,15 @@
 
 Body: `input` (a string, a list of strings, a list of token ids, or a list of token-id lists),
 `encoding_format` ("float", default, or "base64": little-endian float32 bytes), `dimensions`
-(keep the first N values, then re-normalise: Matryoshka models). A line with several inputs is
+(keep the first N values, then re-normalise: Matryoshka models), vLLM's `normalize` (L2-normalise
+or not, whatever the model folder says). A line with several inputs is
 one request with one vector per input, `data[i].index` = its position in `input`.
 """
 
 from __future__ import annotations
 
 import base64
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -19,7 +20,7 @@ from batchgen.core import CompactPickle
 MODEL_CONTEXT = "the model context"
 """What bounds an input's length unless --max-model-len does (errors name it)."""
 EMBEDDINGS_URL = "/v1/embeddings"
-EMBEDDING_FIELDS = ("input", "encoding_format", "dimensions")
+EMBEDDING_FIELDS = ("input", "encoding_format", "dimensions", "normalize")
 """The body fields of an embeddings line batchgen reads."""
 MAX_INPUTS = 2048
 """OpenAI's limit of inputs per embeddings request."""
@@ -49,6 +50,8 @@ class EmbeddingRequest(CompactPickle):
     """Keep this many leading values (None: all)."""
     token_ids: tuple[tuple[int, ...], ...] = ()
     """One token-id tuple per input, after tokenization."""
+    normalize: bool | None = None
+    """L2-normalise the vectors (None: as the model folder says)."""
     kind: str = "embedding"
 
     @property
@@ -116,7 +119,12 @@ def parse_embedding(body: dict, custom_id: str, line: int) -> EmbeddingRequest:
                                    or dimensions < 1):
         raise EmbeddingLineError("invalid_request", "dimensions must be an integer >= 1, got "
                                  f"{dimensions!r}", "dimensions")
-    return EmbeddingRequest(custom_id, line, _inputs(body["input"]), encoding, dimensions)
+    normalize = body.get("normalize")
+    if normalize is not None and not isinstance(normalize, bool):
+        raise EmbeddingLineError("invalid_request", "normalize must be true or false, got "
+                                 f"{normalize!r}", "normalize")
+    return EmbeddingRequest(custom_id, line, _inputs(body["input"]), encoding, dimensions,
+                            normalize=normalize)
 
 
 def raise_flag(context: str) -> str:
@@ -153,8 +161,7 @@ def tokenize_embedding(parsed: EmbeddingRequest, tokenizer: Any, max_context: in
                                      f"tokens but {context} is {max_context} tokens; shorten "
                                      "it: it is never truncated" + raise_flag(context), where)
         ids.append(tokens)
-    return EmbeddingRequest(parsed.custom_id, parsed.line, parsed.inputs,
-                            parsed.encoding_format, parsed.dimensions, tuple(ids))
+    return replace(parsed, token_ids=tuple(ids))
 
 
 def check_dimensions(request: EmbeddingRequest, width: int, allowed=None) -> None:
@@ -165,6 +172,17 @@ def check_dimensions(request: EmbeddingRequest, width: int, allowed=None) -> Non
         sizes = f"one of {sorted(allowed)}" if allowed else f"at most {width}"
         raise EmbeddingLineError("invalid_request", f"dimensions must be {sizes} for this "
                                  f"model, got {d}", "dimensions")
+
+
+def check_length(request: EmbeddingRequest, limit: int | None, source: str) -> None:
+    """Raise EmbeddingLineError (context_length_exceeded) when an input is longer than the
+    `limit` tokens the model folder's `source` sets (None: no bound but the context's)."""
+    for i, ids in enumerate(request.token_ids):
+        if limit is not None and len(ids) > limit:
+            where = "input" if len(request.token_ids) == 1 else f"input[{i}]"
+            raise EmbeddingLineError("context_length_exceeded", f"{where} is {len(ids)} tokens "
+                                     f"but the model's max_seq_length ({source}) is {limit} "
+                                     "tokens; shorten it: it is never truncated", where)
 
 
 def encode_vector(vector: np.ndarray, encoding_format: str) -> list[float] | str:

@@ -22,7 +22,7 @@ from batchgen.io.field_values import (MAX_FIELD_DEPTH, maybe_json, request_field
                                       too_deep)
 from batchgen.io.grammar_limits import GrammarTooComplex, check_grammar_limits
 from batchgen.io.reader import RawRecord, custom_id_of, record_key
-from batchgen.io.refused_fields import refuse_unimplemented
+from batchgen.io.refused_fields import EMBEDDING_REFUSED, refuse_fields, refuse_unimplemented
 from batchgen.io.sampling_fields import (MODEL_DEFAULT_FIELDS, BadLine, gives_max_tokens,
                                          parse_sampling, token_ids)
 from batchgen.io.templates import TemplateError, render_chat
@@ -163,9 +163,11 @@ def _parse(data: dict, key: str, line: int,
                                           "to false", "stream")
     if kind == "embedding":
         try:
-            return parse_embedding(body, key, line)
+            parsed_embedding = parse_embedding(body, key, line)
         except EmbeddingLineError as bad:
             raise BadLine(bad.code, str(bad), bad.param) from None
+        refuse_fields(body, EMBEDDING_REFUSED)
+        return parsed_embedding
     _check_structured(extra)
     _check_reasoning_effort(extra, kind)
     messages = _messages(body.get("messages")) if kind == "chat" else None

@@ -1,5 +1,5 @@
 """Request fields of OpenAI's and vLLM's APIs that batchgen does not implement and whose
-non-default values change the answer: a chat or completions line that sets one is refused
+non-default values change the answer: a line that sets one is refused
 (`invalid_request`, naming the field and what to do instead), never answered as if the field
 were absent. Its default values pass silently."""
 
@@ -52,21 +52,42 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "guided_grammar": ((None,), "guided_grammar is not supported: drop it"),
     "structured_outputs": ((None,), f"structured_outputs is not supported: {_RESPONSE_FORMAT}"),
 }
-"""Checked on chat and completions lines (embeddings lines take only their own fields)."""
+"""Checked on chat and completions lines (embeddings lines: EMBEDDING_REFUSED)."""
+
+EMBEDDING_REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "truncate_prompt_tokens": ((None,), "inputs are never truncated (one longer than the "
+                                        "context is the error context_length_exceeded): "
+                                        "shorten it and drop truncate_prompt_tokens"),
+    "add_special_tokens": ((None, True), "strings are tokenized with the tokenizer's special "
+                                         "tokens (the EOS that last-token pooling reads): give "
+                                         "input as token ids to embed other tokens, and drop "
+                                         "add_special_tokens"),
+    "embed_dtype": ((None, "float32"), "vectors are float32: drop embed_dtype"),
+    "endianness": ((None, "native", "little"), "base64 vectors are little-endian float32: "
+                                               "drop endianness"),
+}
+"""vLLM's embeddings fields that change the vector or its bytes, checked on embeddings lines
+(`normalize` is read: io/embeddings.py)."""
 
 
 def refuse_unimplemented(body: dict, n: int) -> None:
     """BadLine for the first REFUSED field `body` sets to a value that changes the answer, or
     a `best_of` other than `n` (the best of several samples: answered as n choices)."""
-    for name, (defaults, fix) in REFUSED.items():
-        value = body.get(name)
-        if not any(_same(value, d) for d in defaults):
-            raise BadLine("invalid_request", f"{fix} (got {reprlib.repr(value)})", name)
+    refuse_fields(body, REFUSED)
     best_of = whole(body.get("best_of"))
     if best_of is not None and (not is_int(best_of) or best_of != n):
         raise BadLine("invalid_request", f"best_of {best_of!r} is not supported (only best_of "
                                           "equal to n, or none): ask for n choices and pick "
                                           "among them", "best_of")
+
+
+def refuse_fields(body: dict, refused: dict[str, tuple[tuple[Any, ...], str]]) -> None:
+    """BadLine for the first field of `refused` that `body` sets to a value that changes the
+    answer."""
+    for name, (defaults, fix) in refused.items():
+        value = body.get(name)
+        if not any(_same(value, d) for d in defaults):
+            raise BadLine("invalid_request", f"{fix} (got {reprlib.repr(value)})", name)
 
 
 def _same(value: Any, default: Any) -> bool:

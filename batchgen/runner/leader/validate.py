@@ -15,7 +15,7 @@ from batchgen.io.intake import (EXTRA_FIELDS, IntakeError, ParsedRequest, parse_
                                 plain_kind)
 from batchgen.io.sampling_fields import BadLine
 from batchgen.io.reader import DEFAULT_MAX_LINE_BYTES, RawRecord, scan_input
-from batchgen.io.refused_fields import REFUSED
+from batchgen.io.refused_fields import EMBEDDING_REFUSED, REFUSED
 from batchgen.request_checks import forced_functions, forces_call
 from batchgen.runner.exits import ExitCode
 
@@ -43,7 +43,7 @@ def unknown_fields(data: dict) -> list[str]:
     embedding = (data.get("url") == EMBEDDINGS_URL if envelope
                  else _plain_kind_of(data) == "embedding")
     if embedding:
-        known = sorted({*EMBEDDING_FIELDS, *IGNORED_FIELDS})
+        known = sorted({*EMBEDDING_FIELDS, *EMBEDDING_REFUSED, *IGNORED_FIELDS})
     if envelope:
         body = data.get("body")
         checks = [(k, "", ENVELOPE_FIELDS) for k in data if k not in ENVELOPE_FIELDS]

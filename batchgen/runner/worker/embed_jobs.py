@@ -5,11 +5,17 @@ its own custom_id, and a stop or a kill loses at most one share."""
 
 from __future__ import annotations
 
-from batchgen.engine.embed import Embedder, read_pooling
-from batchgen.io.embeddings import EmbeddingLineError, EmbeddingRequest, check_dimensions
+import logging
+
+from batchgen.engine.embed import (Embedder, max_seq_length, pooling_summary, prompt_note,
+                                   read_pooling)
+from batchgen.io.embeddings import (EmbeddingLineError, EmbeddingRequest, check_dimensions,
+                                    check_length)
 from batchgen.io.intake import IntakeError
 from batchgen.io.results import embedding_line
 
+
+log = logging.getLogger("batchgen.worker")
 
 RUN_STEPS = 8
 """Embedder steps' worth of tokens embedded per worker step (the rest stays queued)."""
@@ -24,14 +30,22 @@ class EmbeddingJobs:
         self.loaded, self.batch_id, self.max_step_tokens = loaded, batch_id, max_step_tokens
         self.queue: list[EmbeddingRequest] = []
         self._embedder: Embedder | None = None
+        self._max_tokens: int | None = None
+        """sentence_bert_config.json's max_seq_length, read with the pooling."""
 
     def __len__(self) -> int:
         return len(self.queue)
 
     def embedder(self) -> Embedder:
         if self._embedder is None:
-            pooling = read_pooling(self.loaded.folder, self.loaded.hf_config)
+            folder = self.loaded.folder
+            pooling = read_pooling(folder, self.loaded.hf_config)
+            self._max_tokens = max_seq_length(folder)
             self._embedder = Embedder(self.loaded.model, pooling, self.max_step_tokens)
+            log.info("embeddings: %s", pooling_summary(folder, pooling))
+            note = prompt_note(folder)
+            if note:
+                log.log(note[0], "embeddings: %s", note[1])
         return self._embedder
 
     def add(self, item: EmbeddingRequest) -> IntakeError | None:
@@ -39,6 +53,7 @@ class EmbeddingJobs:
         try:
             embedder = self.embedder()
             check_dimensions(item, embedder.width, embedder.pooling.dimensions)
+            check_length(item, self._max_tokens, "sentence_bert_config.json")
         except EmbeddingLineError as bad:
             return IntakeError(item.custom_id, item.line, bad.code, f"line {item.line}: {bad}",
                                bad.param)
@@ -62,7 +77,8 @@ class EmbeddingJobs:
         queue, self.queue = self.queue[:taken], self.queue[taken:]
         inputs = [ids for item in queue for ids in item.token_ids]
         dims = [item.dimensions for item in queue for _ in item.token_ids]
-        vectors = iter(v.numpy() for v in self.embedder().embed(inputs, dims))
+        norms = [item.normalize for item in queue for _ in item.token_ids]
+        vectors = iter(v.numpy() for v in self.embedder().embed(inputs, dims, norms))
         return [(embedding_line(self.batch_id, item,
                                 [next(vectors) for _ in item.token_ids], self.loaded.name),
                  item.prompt_tokens) for item in queue]
