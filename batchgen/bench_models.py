@@ -48,6 +48,19 @@ GPT_OSS_20B = dict(
         "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
         "lm_head"]},
     tie_word_embeddings=False, eos_token_id=200002, pad_token_id=199999)
+QWEN3_30B_A3B = dict(
+    architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=151936,
+    hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+    num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+    num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+    max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
+    tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151645)
+MIXTRAL_8X7B = dict(
+    architectures=["MixtralForCausalLM"], model_type="mixtral", vocab_size=32000,
+    hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+    num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
+    max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-5, sliding_window=None,
+    tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
 SHAPES = {
     "smollm2-135m": dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=49152,
                          hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -64,6 +77,8 @@ SHAPES = {
                      tie_word_embeddings=False),
     "deepseek-v3-4l": DEEPSEEK_V3_4L,
     "gpt-oss-20b": GPT_OSS_20B,
+    "qwen3-30b-a3b": QWEN3_30B_A3B,
+    "mixtral-8x7b": MIXTRAL_8X7B,
 }
 TINY = {
     "deepseek-v3-4l": dict(vocab_size=512, hidden_size=64, intermediate_size=128,
@@ -76,6 +91,14 @@ TINY = {
                         num_local_experts=8, num_experts_per_tok=2, sliding_window=16,
                         layer_types=["sliding_attention", "full_attention"] * 2,
                         max_position_embeddings=4096, eos_token_id=2, pad_token_id=0),
+    "qwen3-30b-a3b": dict(vocab_size=512, hidden_size=64, intermediate_size=128,
+                          moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=16, num_experts=8,
+                          num_experts_per_tok=2, eos_token_id=2),
+    "mixtral-8x7b": dict(vocab_size=512, hidden_size=64, intermediate_size=32,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                         eos_token_id=2),
 }
 """Per-shape overrides of `--tiny`: the same layer pattern and options at toy widths."""
 FP8_BLOCK = {False: (128, 128), True: (32, 32)}

@@ -26,6 +26,10 @@ PROMPT = [5, 17, 99, 3, 250, 41, 7, 300, 12, 64, 77, 8]
 @pytest.mark.parametrize("shape,params,active,gib", [
     ("deepseek-v3-4l", 36.96e9, 3.27e9, 68.8),  # the issue's "37 B params, 69 GiB bf16"
     ("gpt-oss-20b", 20.91e9, 3.61e9, 12.8),  # OpenAI's 21 B / 3.6 B active; MXFP4 experts
+    # Qwen's 30.5 B / 3.3 B activated and Mistral's 46.7 B / 12.9 B active count the embedding
+    # lookup (0.31 B, 0.13 B) among the active parameters; weight_stats does not.
+    ("qwen3-30b-a3b", 30.53e9, 3.04e9, 56.9),
+    ("mixtral-8x7b", 46.70e9, 12.75e9, 87.0),
 ])
 def test_full_shapes_have_the_published_sizes(shape, params, active, gib):
     stats = weight_stats(meta_model(hf_config_for(shape)).to(torch.bfloat16))
@@ -51,7 +55,8 @@ def prefill_logits(model, prompt=PROMPT) -> torch.Tensor:
         return model(batch)[0]
 
 
-@pytest.mark.parametrize("shape", ["deepseek-v3-4l", "gpt-oss-20b", "smollm2-135m"])
+@pytest.mark.parametrize("shape", ["deepseek-v3-4l", "gpt-oss-20b", "smollm2-135m",
+                                   "qwen3-30b-a3b", "mixtral-8x7b"])
 def test_hf_twin_shares_our_weights_and_matches_our_logits(shape):
     cfg = hf_config_for(shape, tiny=True)
     ours = random_model(cfg, torch.float32, CPU)
@@ -104,6 +109,9 @@ def test_deepseek_fp8_weights_load_as_block_quantized():
     ("deepseek-v3-4l", dict(fp8_weights=True, enable_ep_with_offloading=True,
                             ep_offloading_ratio=0.3)),
     ("gpt-oss-20b", dict(peer="hf")),
+    ("qwen3-30b-a3b", dict(fp8_weights=True, enable_ep_with_offloading=True,
+                           ep_offloading_ratio=0.5)),
+    ("mixtral-8x7b", dict(peer="hf")),
 ])
 def test_tiny_shapes_run_through_bench(shape, extra):
     cfg = BenchConfig(shape=shape, tiny=True, device="cpu", peer_batch=3,
@@ -213,6 +221,7 @@ def test_bench_reports_offloaded_expert_copies():
     ("deepseek-v3-4l", {}),  # attention heads split, routed experts 8 + 8 (EP)
     ("deepseek-v3-4l", dict(enable_ep_with_offloading=True, ep_offloading_ratio=0.5)),
     ("qwen3-8b", {}),  # fused q/k/v and gate/up pieces sliced per rank
+    ("qwen3-30b-a3b", {}),  # heads split, routed experts 4 + 4 (EP)
 ])
 def test_tensor_parallel_bench_gives_the_one_rank_tokens(shape, extra):
     """Two CPU ranks over gloo, each drawing the whole checkpoint and keeping its slice: in

@@ -73,6 +73,18 @@ def test_deepseek_tp2_shards_give_the_unconverted_tokens(tmp_path):
     assert ranks[0] == ranks[1] == single
 
 
+def test_qwen3_moe_tp2_shards_give_the_unconverted_tokens(tmp_path):
+    """Qwen3-MoE's experts are written per rank as grouped tensors (4 of 8 each) beside the
+    dense layer's column / row slices."""
+    source = save_tiny_model("qwen3_moe", tmp_path / "src")
+    out = convert_model(ModelConfig(model=str(source)), tmp_path / "conv", world_size=2,
+                        tensor_parallel_size=2)
+    assert_sharded(out)
+    single = generate(TensorParallel(), ModelConfig(model=str(source)), 1, 12)
+    ranks = run_tensor_parallel(2, generate, ModelConfig(converted_ckpt_dir=str(out)), 2, 12)
+    assert ranks[0] == ranks[1] == single
+
+
 def test_rank_reads_only_its_shard_and_matches_slicing(tmp_path):
     """Rank 1 loads with rank 0's file gone, and holds what slicing the full weights gives."""
     source = save_tiny_model("qwen3", tmp_path / "src")

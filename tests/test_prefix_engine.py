@@ -133,9 +133,10 @@ def test_sliding_window_layers_share(tmp_path):
     assert on == off and stats["cached_prompt_tokens"] > 0 and stats["forks"] > 0
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral"])
 def test_other_gqa_families_share(family, tmp_path):
-    """Qwen2 (QKV biases), Qwen3 (per-head q/k norms) and Mistral share pages like Llama."""
+    """Qwen2 (QKV biases), Qwen3 (per-head q/k norms), Mistral and the MoE families on their
+    attention share pages like Llama."""
     model = load_ours(save_tiny_model(family, tmp_path / family))
     prompts = _family_prompts(VOCAB)
     off, _, _ = answers(make_engine(model, enable_prefix_caching=False), prompts, 12, n=2)

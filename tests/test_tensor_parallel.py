@@ -48,6 +48,16 @@ def test_tp2_equals_one_process(tmp_path, family):
     assert_same_as_single(run_tensor_parallel(2, generate, folder, 24), single)
 
 
+@pytest.mark.parametrize(("family", "ratio"), [("qwen3_moe", 0.0), ("mixtral", 0.5)])
+def test_softmax_moe_tp2_with_expert_parallel_equals_one_process(tmp_path, family, ratio):
+    """Attention split by heads, routed experts as 2 x E/2 (expert parallel); with
+    --ep-offloading-ratio, half of each rank's experts stream in from host memory."""
+    folder = save_tiny_model(family, tmp_path / family)
+    options = ModelConfig(enable_ep_with_offloading=ratio > 0, ep_offloading_ratio=ratio)
+    single = generate(TensorParallel(), folder, 16)
+    assert_same_as_single(run_tensor_parallel(2, generate, folder, 16, options), single)
+
+
 @pytest.mark.parametrize("ratio", [0.0, 0.5])
 def test_deepseek_tp2_with_expert_parallel_equals_one_process(tmp_path, ratio):
     """MLA split by heads, 16 experts as 2 x 8 (expert parallel), shared experts by columns;

@@ -10,7 +10,8 @@ VOCAB = 512
 
 
 def tiny_config(family: str):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import (LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen3Config,
+                              Qwen3MoeConfig)
 
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
@@ -28,6 +29,13 @@ def tiny_config(family: str):
         return Qwen3Config(**common, head_dim=32, tie_word_embeddings=False)
     if family == "mistral":
         return MistralConfig(**common, sliding_window=None, tie_word_embeddings=False)
+    if family == "qwen3_moe":  # 8 experts of 32, top 2 (renormalised); layer 1 dense
+        return Qwen3MoeConfig(**common, head_dim=32, num_experts=8, num_experts_per_tok=2,
+                              moe_intermediate_size=32, norm_topk_prob=True,
+                              mlp_only_layers=[1], tie_word_embeddings=False)
+    if family == "mixtral":  # 4 experts of intermediate_size (128), top 2
+        return MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2,
+                             sliding_window=None, tie_word_embeddings=False)
     raise ValueError(family)
 
 

@@ -32,7 +32,7 @@ from batchgen.models.fp8 import (
 from batchgen.models.layers import (SINGLE, GatedMLP, RMSNorm, RowParallelLinear,
                                     default_max_positions, token_embedding)
 from batchgen.models.mla import MlaRope, MLAttention
-from batchgen.models.moe import DeepseekMoE, ExpertStager, RoutedExperts
+from batchgen.models.moe import DeepseekMoE, ExpertStager, RoutedExperts, offloaded_share
 from batchgen.models.tp_slices import local_part
 from batchgen.parallel import TensorParallel
 
@@ -82,12 +82,7 @@ class DeepseekV3Model(DecoderStack):
 def offloaded_experts(hf_config, options, tp: TensorParallel = SINGLE) -> int:
     """Routed experts per layer this rank keeps in host memory under --ep-offloading-ratio
     (the ratio applies to each rank's share of the experts)."""
-    if options is None or not getattr(options, "enable_ep_with_offloading", False):
-        return 0
-    ratio = float(getattr(options, "ep_offloading_ratio", 0.0))
-    if not 0.0 <= ratio <= 1.0:
-        raise ValueError(f"ep_offloading_ratio={ratio} is not in [0, 1]")
-    return round(ratio * tp.split(hf_config.n_routed_experts or 0, "n_routed_experts"))
+    return offloaded_share(hf_config.n_routed_experts or 0, options, tp, "n_routed_experts")
 
 
 class DeepseekV3ForCausalLM(PagedCausalLM):

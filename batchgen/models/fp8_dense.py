@@ -104,10 +104,12 @@ class Fp8Projections:
 def feed_quantized_rows(layers) -> None:
     """Have each decoder layer's norms hand a row-scaled FP8 q|k|v and gate|up their input as
     QuantizedRows (one fused kernel instead of a norm and a quantizer): each norm's output
-    feeds only that projection. FusedGatedMLP does the same for its down_proj by itself."""
+    feeds only that projection. FusedGatedMLP does the same for its down_proj by itself. A
+    mixture-of-experts layer's norm also feeds its router: it keeps its plain output."""
     for layer in layers:
         layer.input_layernorm.fp8_rows = _row_scaled(layer.self_attn.qkv_proj)
-        layer.post_attention_layernorm.fp8_rows = _row_scaled(layer.mlp.gate_up_proj)
+        gate_up = getattr(layer.mlp, "gate_up_proj", None)
+        layer.post_attention_layernorm.fp8_rows = _row_scaled(gate_up)
 
 
 def _row_scaled(module: nn.Module) -> bool:

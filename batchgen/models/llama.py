@@ -1,10 +1,11 @@
 """Llama family on the paged KV cache: Llama 2/3 (llama3 rope scaling), SmolLM2, Mistral,
 Qwen2/2.5 (qkv bias) and Qwen3 (q/k RMSNorm). Parameter names follow the HF checkpoints so
-weights load by name."""
+weights load by name. Qwen3-MoE and Mixtral (softmax_moe.py) are these stacks with routed
+experts in place of the dense MLP (`_mlp_for`, `_load_other`)."""
 
 from __future__ import annotations
 
-from typing import Iterable, NamedTuple
+from typing import Callable, Iterable, NamedTuple
 
 import torch
 from torch import nn
@@ -93,42 +94,51 @@ def _sliding_window(cfg, layer: int) -> int | None:
     """`layer`'s attention window as HF applies it: on the layers layer_types marks sliding, on
     all of them without layer_types. Qwen2/Qwen3 configs derive layer_types (sliding from
     max_window_layers on) only when a checkpoint lists none, and use_sliding_window off
-    disables the window altogether. HF's Llama has no window: a `sliding_window` left in a
-    Llama config.json (a converted Mistral or Qwen) changes nothing there, nor here."""
+    disables the window altogether (Qwen3-MoE has no layer_types: it windows every layer, as
+    Mixtral does). HF's Llama has no window: a `sliding_window` left in a Llama config.json (a
+    converted Mistral or Qwen) changes nothing there, nor here."""
     window = getattr(cfg, "sliding_window", None)
     if not window or getattr(cfg, "model_type", "") == "llama":
         return None
     layer_types = getattr(cfg, "layer_types", None)
-    if getattr(cfg, "model_type", "") in ("qwen2", "qwen3"):
-        if not getattr(cfg, "use_sliding_window", False):
-            return None
-        if not layer_types:
-            return int(window) if layer >= getattr(cfg, "max_window_layers", 0) else None
+    model_type = getattr(cfg, "model_type", "")
+    if model_type in ("qwen2", "qwen3", "qwen3_moe") and not getattr(cfg, "use_sliding_window",
+                                                                      False):
+        return None
+    if model_type in ("qwen2", "qwen3") and not layer_types:
+        return int(window) if layer >= getattr(cfg, "max_window_layers", 0) else None
     if layer_types and layer_types[layer] != "sliding_attention":
         return None
     return int(window)
 
 
+MlpFor = Callable[[int], nn.Module | None]
+"""Layer index -> the MLP a family puts there instead of the dense one (its MoE), or None."""
+
+
 class DecoderLayer(PreNormDecoderLayer):
     def __init__(self, cfg, layer: int, rope: RotaryEmbedding, biases: Biases, qk_norm: bool,
-                 tp: TensorParallel):
+                 tp: TensorParallel, mlp_for: MlpFor | None = None):
         super().__init__()
         self.self_attn = LlamaAttention(cfg, layer, rope, biases, qk_norm, tp)
-        self.mlp = FusedGatedMLP(cfg.hidden_size, cfg.intermediate_size, bias=biases.mlp, tp=tp,
-                                 hidden_act=getattr(cfg, "hidden_act", None))
+        self.mlp = mlp_for(layer) if mlp_for is not None else None
+        if self.mlp is None:
+            self.mlp = FusedGatedMLP(cfg.hidden_size, cfg.intermediate_size, bias=biases.mlp,
+                                     tp=tp, hidden_act=getattr(cfg, "hidden_act", None))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class LlamaModel(DecoderStack):
-    def __init__(self, cfg, biases: Biases, qk_norm: bool, tp: TensorParallel):
+    def __init__(self, cfg, biases: Biases, qk_norm: bool, tp: TensorParallel,
+                 mlp_for: MlpFor | None = None):
         super().__init__()
         heads = cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         inv_freq, scaling = rope_inv_freq(cfg, head_dim)
         rope = RotaryEmbedding(inv_freq, default_max_positions(cfg), scaling)
         self.embed_tokens = token_embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rope, biases, qk_norm, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rope, biases, qk_norm, tp, mlp_for)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -153,12 +163,17 @@ class LlamaForCausalLM(PagedCausalLM):
         self.config = hf_config
         self.options = options
         self.tp = tp
-        self.model = LlamaModel(hf_config, self.biases(hf_config), self.qk_norm, tp)
+        self.model = LlamaModel(hf_config, self.biases(hf_config), self.qk_norm, tp,
+                                self._mlp_for(hf_config, tp))
         self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
         self.tie_weights()
         attn = self.model.layers[0].self_attn
         self.kv_token_shape = (2, attn.kv_heads, attn.head_dim)
         self.max_context = default_max_positions(hf_config)
+
+    def _mlp_for(self, hf_config, tp: TensorParallel) -> MlpFor | None:
+        """Which layers get another MLP than the dense one (none here; MoE subclasses)."""
+        return None
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
                      presharded: bool = False) -> None:
@@ -168,7 +183,8 @@ class LlamaForCausalLM(PagedCausalLM):
         weights, fp8 = self._fp8_reader(weights)
         seen: set[tuple[str, int]] = set()
         for name, tensor in weights:
-            if name.endswith("rotary_emb.inv_freq"):
+            if name.endswith("rotary_emb.inv_freq") or self._load_other(name, tensor,
+                                                                       presharded):
                 continue
             target, slot = _fused_target(name)
             if target not in params and "model." + target in params:  # a bare decoder stack
@@ -187,6 +203,11 @@ class LlamaForCausalLM(PagedCausalLM):
             fp8.check_done()
             feed_quantized_rows(self.model.layers)
         self._check_complete(params, seen)
+
+    def _load_other(self, name: str, tensor, presharded: bool) -> bool:
+        """Place a tensor the dense layers have no place for (a subclass's MoE); True if
+        placed. `tensor` may be a QuantizedWeight (FP8 kept as FP8)."""
+        return False
 
     def _fp8_reader(self, weights):
         """(weights with FP8 scales paired, the FP8 installer or None)."""
@@ -224,7 +245,8 @@ class LlamaForCausalLM(PagedCausalLM):
     def _piece_sizes(self, target: str, local: bool) -> list[int]:
         """Rows of each checkpoint piece inside fused qkv_proj / gate_up_proj."""
         if ".qkv_proj." not in target:
-            inter = self.model.layers[0].mlp.local_intermediate * (1 if local else self.tp.size)
+            mlp = self.get_submodule(target[: target.index(".gate_up_proj.")])
+            inter = mlp.local_intermediate * (1 if local else self.tp.size)
             return [inter, inter]
         attn = self.model.layers[0].self_attn
         if local:

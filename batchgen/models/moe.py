@@ -1,4 +1,5 @@
-"""DeepSeek-V3 mixture of experts: grouped sigmoid routing, shared experts, expert offloading.
+"""DeepSeek-V3 mixture of experts: grouped sigmoid routing, shared experts, expert offloading
+(RoutedExperts also runs Qwen3-MoE's and Mixtral's experts: softmax_moe.py).
 
 Shapes: T tokens, H hidden, E routed experts, k experts per token, I moe_intermediate_size.
 Routed expert weights are stacked like HF's grouped layout: gate_up [E, 2I, H] (gate rows
@@ -49,6 +50,17 @@ GROUPED_GEMM_BACKEND = "torch"
 verified on an H200; switch when benchmarks/moe_kernels_bench.py shows Triton ahead."""
 ROUTING_KERNEL = True
 """Route on CUDA with the fused Triton kernel (False: the torch ops of TopkRouter)."""
+
+
+def offloaded_share(num_experts: int, options, tp: TensorParallel = SINGLE,
+                    what: str = "the number of routed experts") -> int:
+    """Routed experts per layer this rank keeps in host memory (--ep-offloading-ratio)."""
+    if options is None or not getattr(options, "enable_ep_with_offloading", False):
+        return 0
+    ratio = float(getattr(options, "ep_offloading_ratio", 0.0))
+    if not 0.0 <= ratio <= 1.0:
+        raise ValueError(f"ep_offloading_ratio={ratio} is not in [0, 1]")
+    return round(ratio * tp.split(num_experts, what))
 
 
 class TopkRouter(nn.Module):

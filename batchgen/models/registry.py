@@ -11,6 +11,8 @@ ARCHITECTURES = {
     "Qwen3ForCausalLM": "batchgen.models.llama:Qwen3ForCausalLM",
     "DeepseekV3ForCausalLM": "batchgen.models.deepseek_v3:DeepseekV3ForCausalLM",
     "GptOssForCausalLM": "batchgen.models.gpt_oss:GptOssForCausalLM",
+    "Qwen3MoeForCausalLM": "batchgen.models.softmax_moe:Qwen3MoeForCausalLM",
+    "MixtralForCausalLM": "batchgen.models.softmax_moe:MixtralForCausalLM",
     # The bare decoder stacks, as embedding models ship them (no LM head; their tensors named
     # without the "model." prefix): the same classes, answering /v1/embeddings lines only.
     "LlamaModel": "batchgen.models.llama:LlamaForCausalLM",
@@ -21,7 +23,8 @@ ARCHITECTURES = {
 
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-               "deepseek_v3": "DeepseekV3ForCausalLM", "gpt_oss": "GptOssForCausalLM"}
+               "deepseek_v3": "DeepseekV3ForCausalLM", "gpt_oss": "GptOssForCausalLM",
+               "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
 """config.json's model_type -> the class transformers' AutoModelForCausalLM builds for it: the
 architecture of a config that lists none (one a config's own save_pretrained wrote)."""
 QUANT_METHODS = ("fp8", "compressed-tensors", "mxfp4")
