@@ -62,7 +62,8 @@ class SamplingParams(CompactPickle):
     """0 disables top-k."""
     min_p: float = 0.0
     seed: int | None = None
-    """Same seed => same tokens, whatever else shares the batch."""
+    """Same seed => same tokens, whatever else shares the batch. Any 64-bit signed integer
+    (OpenAI's and vLLM's range): a negative seed is another seed, not "random"."""
     stop: tuple[str, ...] = ()
     """Stop strings; the matched string is not part of the output."""
     stop_token_ids: tuple[int, ...] = ()
@@ -105,7 +106,7 @@ class SamplingParams(CompactPickle):
             (1 <= self.n <= 128, "n must be in [1, 128]"),
             (0 <= self.top_logprobs <= 20, "top_logprobs must be in [0, 20]"),
             (len(self.stop) <= 16, "stop holds at most 16 strings"),
-            (self.seed is None or 0 <= self.seed < 2**63, "seed must be in [0, 2^63)"),
+            (self.seed is None or -2**63 <= self.seed < 2**63, "seed must be in [-2^63, 2^63)"),
             (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]"),
             (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]"),
             (0.0 < self.repetition_penalty <= 10.0, "repetition_penalty must be in (0, 10]"),

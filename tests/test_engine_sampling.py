@@ -61,3 +61,16 @@ def test_min_tokens_suppresses_eos(tiny):
         max_tokens=12, min_tokens=12, temperature=1.0, seed=3))])[0]
     assert len(result.completions[0].token_ids) == 12
     assert eos not in result.completions[0].token_ids
+
+
+def test_negative_seeds_are_seeds_like_any_other(tiny):
+    """OpenAI and vLLM take any 64-bit signed seed: a negative one reproduces its answer and
+    draws apart from the positive seed of the same low bits."""
+    model, _ = tiny
+
+    def answer(seed):
+        params = SamplingParams(max_tokens=16, temperature=1.0, seed=seed, ignore_eos=True)
+        return choices(make_engine(model), [Request("s", list(range(5, 30)), params)], "s")
+
+    assert answer(-1) == answer(-1)
+    assert len({tuple(answer(s)[0]) for s in (-1, 2**32 - 1, -2**63, 2**63 - 1)}) == 4

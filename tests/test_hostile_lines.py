@@ -167,6 +167,23 @@ def test_logit_bias_keys_are_decimal_token_ids(key):
     assert isinstance(ok, ParsedRequest) and ok.sampling.logit_bias == ((42, 5.0),)
 
 
+@pytest.mark.parametrize("field, value, names", [
+    ("stop", ["x" * 100] * 5000, "stop holds at most 16 strings, got 5000 strings"),
+    ("stop", ["y" * 100] * 3000 + [7], "stop[3000] must be a non-empty string, got int 7"),
+    ("stop_token_ids", list(range(9000)) + [-1], "stop_token_ids[9000] must be a token id"),
+    ("logit_bias", {**{str(i): 1 for i in range(9000)}, "77": 250}, "got {'77': 250}"),
+    ("logit_bias", {**{str(i): 1 for i in range(9000)}, "77": "x"},
+     "logit_bias['77'] must be a number in [-100, 100], got str 'x'"),
+    ("temperature", "hot" * 10000, "temperature must be a number in [0, 100], got str 'hot"),
+])
+def test_a_huge_refused_value_is_named_not_echoed(field, value, names):
+    """The error line names the entry at fault and quotes a bounded part of the value: a
+    refused list of thousands of stop strings is not copied into the error message."""
+    err = parse({"custom_id": "t", "messages": USER, field: value})
+    assert isinstance(err, IntakeError) and err.param == field, err
+    assert names in err.message and len(err.message) < 200, err.message
+
+
 def _nested(depth: int) -> str:
     """JSON text of objects nested `depth` levels (json.dumps itself recurses per level)."""
     return '{"a": ' * depth + "1" + "}" * depth
@@ -200,10 +217,13 @@ def test_a_field_nested_past_the_limit_is_an_error_line_not_a_crash_of_the_job(t
     store = tmp_path / "job.requests"
     parse_input(identify_input(path), store, 1 << 20, 16)
     items = {r.key: r.item for r in read_parsed(store)}
-    for name in [*DEEP_FIELDS, "stop"]:
+    for name in DEEP_FIELDS:
         err = items[name]
         assert isinstance(err, IntakeError) and err.code == "invalid_request", err
         assert err.param == name and name in err.message and "flatten" in err.message
+    err = items["stop"]  # refused for its type, quoted a few levels deep
+    assert err.code == "invalid_sampling_param" and err.param == "stop", err
+    assert "stop must be a string or a list" in err.message and len(err.message) < 200
     assert all(isinstance(items[f"ok-{name}"], ParsedRequest) for name in DEEP_FIELDS)
     result = CliRunner().invoke(app, ["validate", "-i", str(path)])
     assert f"{len(lines)} requests: {len(DEEP_FIELDS)} valid" in result.output, result.output

@@ -263,10 +263,11 @@ BAD_SAMPLING = [
     ("top_k", 2.5, "integer"), ("min_p", 2, "[0, 1]"), ("max_tokens", 0, ">= 1"),
     ("max_tokens", "10", "integer"), ("max_completion_tokens", True, "integer"),
     ("max_completion_tokens", -3, "max_completion_tokens must be >= 1, got -3"),
-    ("min_tokens", -1, ">= 0"), ("seed", -5, "2^63"), ("seed", 1.5, "integer"),
+    ("min_tokens", -1, ">= 0"), ("seed", -2**63 - 1, "[-2^63, 2^63)"), ("seed", 1.5, "integer"),
     ("n", 0, "[1, 128]"), ("n", 500, "[1, 128]"), ("stop", 5, "list of up to 16"),
     ("stop", ["ok", ""], "non-empty"), ("stop", ["s"] * 17, "16"),
-    ("stop_token_ids", [-1], "token ids"), ("ignore_eos", "yes", "true or false"),
+    ("stop_token_ids", [-1], "stop_token_ids[0] must be a token id"),
+    ("ignore_eos", "yes", "true or false"),
     ("top_logprobs", 50, "[0, 20]"), ("logprobs", "yes", "logprobs"),
     ("temperature", float("inf"), "number"),
 ]
@@ -399,3 +400,9 @@ def test_a_prompt_over_max_model_len_names_the_flag(tok):
     embedding = parse_record(RawRecord(4, {"input": [[5, 6] * 23]}))
     err = tokenize_parsed(embedding, tok, 40, max_model_len=40)
     assert isinstance(err, IntakeError) and "--max-model-len is 40 tokens" in err.message
+
+
+@pytest.mark.parametrize("seed", [-1, -2**63, 2**63 - 1])
+def test_any_64_bit_signed_seed_is_accepted(tok, seed):
+    """OpenAI's and vLLM's range for seed."""
+    assert run(tok, {"messages": USER, "seed": seed}).sampling.seed == seed

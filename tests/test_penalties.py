@@ -163,9 +163,10 @@ def test_logit_bias_forces_and_forbids_tokens_through_bursts(tiny):
 @pytest.mark.parametrize("value,message", [
     ({"7": 5, "12": -100}, None),
     ({"7": 101}, "logit_bias must map token ids"),
-    ({"x": 1}, "logit_bias must be an object"),
+    ({"x": 1}, "logit_bias key 'x' is not a token id"),
     ([7, 1], "logit_bias must be an object"),
-    ({"7": "high"}, "logit_bias must be an object"),
+    ({"7": "high"}, "logit_bias['7'] must be a number in [-100, 100], got str 'high'"),
+    ({"7": 1, "07": 2}, "logit_bias names token 7 twice"),
     ({"-3": 1}, "logit_bias must map token ids")])
 def test_intake_reads_logit_bias_as_openai_writes_it(value, message):
     from batchgen.io.intake import IntakeError, parse_record

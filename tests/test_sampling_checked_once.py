@@ -16,7 +16,8 @@ from batchgen.io.reader import RawRecord
     ({"max_tokens": 0}, "max_tokens must be >= 1"),
     ({"min_tokens": 9, "max_tokens": 3}, "min_tokens must be <= max_tokens"),
     ({"stop": tuple("abcdefghijklmnopq")}, "stop holds at most 16 strings"),
-    ({"seed": -1}, "seed must be in [0, 2^63)"),
+    ({"seed": 2**63}, "seed must be in [-2^63, 2^63)"),
+    ({"seed": -2**63 - 1}, "seed must be in [-2^63, 2^63)"),
 ])
 def test_invalid_params_cannot_be_made(fields, message):
     with pytest.raises(ValueError) as err:

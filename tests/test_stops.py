@@ -125,3 +125,17 @@ def test_an_unfinished_character_is_no_stop_match(tok):
     text = "Emoji time: 😀😀😀 and 日本."
     assert run(tok, text, ["\ufffd"]) == (text, None)
     assert run(tok, text, ["😀 and"]) == ("Emoji time: 😀😀", "😀 and")
+
+
+@pytest.mark.parametrize("text", [TEXTS[1], TEXTS[2]])
+def test_an_answer_cut_inside_a_character_ends_before_it(tok, text):
+    """max_tokens can end an answer between the byte tokens of one character: its text ends
+    before that character (as vLLM's), not with the U+FFFD a whole decode shows."""
+    ids = tok.encode(text, add_special_tokens=False)
+    cuts = [n for n in range(1, len(ids)) if tok.decode(ids[:n]).endswith("\ufffd")]
+    assert cuts  # the texts hold characters spread over several tokens
+    checker = StopChecker(tok)
+    for n in cuts:
+        seq = Sequence(0, "r", 0, [1, 2, 3] + ids[:n], 3, SamplingParams(max_tokens=n), 0)
+        final = checker.final_text(seq, None)
+        assert final == tok.decode(ids[:n]).rstrip("\ufffd") and text.startswith(final)

@@ -68,15 +68,17 @@ class StopChecker:
                    ended_by_token: bool = False) -> str | None:
         """The answer's text, cut before the stop string `stop`; `ended_by_token`: the last
         token (EOS or a stop token id) ended the answer, and its text is no part of it (as
-        vLLM: otherwise `<|im_end|>` with special tokens kept, or a stop id's "." stays)."""
+        vLLM: otherwise `<|im_end|>` with special tokens kept, or a stop id's "." stays).
+        A character whose bytes were not all generated (max_tokens cut an emoji or a CJK
+        character spread over byte tokens) is no text, as in the stop checks: the text ends
+        before it rather than with U+FFFD (as vLLM's); logprobs keep its bytes."""
         if self.detokenizer is None:
             return None
         text = self.detokenizer.text(
             seq.token_ids[seq.prompt_len:len(seq.token_ids) - int(ended_by_token)])
-        if stop is not None:
-            cut = len(text) - stop.from_end
-            if text[cut:cut + len(stop.stop)] != stop.stop:
-                cut = text.rfind(stop.stop)  # the tail decoded apart from the whole text
-            if cut >= 0:
-                text = text[:cut]
-        return text
+        if stop is None:
+            return text.rstrip(REPLACEMENT)
+        cut = len(text) - stop.from_end
+        if text[cut:cut + len(stop.stop)] != stop.stop:
+            cut = text.rfind(stop.stop)  # the tail decoded apart from the whole text
+        return text[:cut] if cut >= 0 else text

@@ -5,6 +5,7 @@ error naming the field (`BadLine`: code, message, param)."""
 from __future__ import annotations
 
 import math
+import reprlib
 from dataclasses import fields
 from typing import Any
 
@@ -14,7 +15,7 @@ ALLOWED = {
     "max_tokens": "an integer >= 1", "max_completion_tokens": "an integer >= 1",
     "min_tokens": "an integer >= 0", "temperature": "a number in [0, 100]",
     "top_p": "a number in (0, 1]", "top_k": "an integer >= 0 (0 or -1 disable it)",
-    "min_p": "a number in [0, 1]", "seed": "an integer in [0, 2^63)",
+    "min_p": "a number in [0, 1]", "seed": "an integer in [-2^63, 2^63)",
     "n": "an integer in [1, 128]", "top_logprobs": "an integer in [0, 20]",
     "stop": "a string or a list of up to 16 non-empty strings",
     "stop_token_ids": "a list of token ids (integers >= 0)", "ignore_eos": "true or false",
@@ -50,9 +51,21 @@ def token_ids(value: Any) -> list[int] | None:
     return ids if all(is_int(t) and t >= 0 for t in ids) else None
 
 
+def _shown(value: Any) -> str:
+    """A value as an error message quotes it: its type and a bounded repr (a list of thousands
+    of stop strings, or a long one, is not echoed whole into the error line)."""
+    return f"{type(value).__name__} {reprlib.repr(value)}"
+
+
 def _bad_type(name: str, value: Any) -> BadLine:
-    return BadLine("invalid_sampling_param",
-                    f"{name} must be {ALLOWED[name]}, got {type(value).__name__} {value!r}", name)
+    return BadLine("invalid_sampling_param", f"{name} must be {ALLOWED[name]}, got {_shown(value)}",
+                   name)
+
+
+def _bad_item(name: str, at: str, what: str, value: Any) -> BadLine:
+    """The refusal of one entry of a list or object field, named as `name[at]`."""
+    return BadLine("invalid_sampling_param", f"{name}[{at}] must be {what}, got {_shown(value)}",
+                   name)
 
 
 def _get_int(body: dict, name: str) -> int | None:
@@ -75,10 +88,14 @@ def _get_stop(body: dict) -> tuple[str, ...]:
     value = body.get("stop")  # a string is one stop string, even one that looks like JSON
     if value is None:
         return ()
-    items = [value] if isinstance(value, str) else value
-    if not isinstance(items, list) or not all(isinstance(s, str) and s for s in items):
+    if isinstance(value, str) and value:
+        return (value,)
+    if not isinstance(value, list):
         raise _bad_type("stop", value)
-    return tuple(items)
+    for i, item in enumerate(value):
+        if not isinstance(item, str) or not item:
+            raise _bad_item("stop", str(i), "a non-empty string", item)
+    return tuple(value)
 
 
 def _gettoken_ids(body: dict) -> tuple[int, ...]:
@@ -86,6 +103,9 @@ def _gettoken_ids(body: dict) -> tuple[int, ...]:
     if value is None:
         return ()
     ids = token_ids(value)
+    if ids is None and isinstance(value, list):
+        i = next(i for i, t in enumerate(value) if token_ids([t]) is None)
+        raise _bad_item("stop_token_ids", str(i), "a token id (an integer >= 0)", value[i])
     if ids is None:
         raise _bad_type("stop_token_ids", value)
     return tuple(ids)
@@ -96,13 +116,23 @@ def _get_logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
     value = body.get("logit_bias")
     if value is None:
         return ()
-    try:
-        pairs = sorted((_token_key(k), v) for k, v in value.items())
-    except (AttributeError, TypeError, ValueError):
-        raise _bad_type("logit_bias", value) from None
-    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for _, v in pairs):
+    if not isinstance(value, dict):
         raise _bad_type("logit_bias", value)
-    return tuple((t, float(v)) for t, v in pairs)
+    pairs = {}
+    for key, bias in value.items():
+        try:
+            token = _token_key(key)
+        except ValueError:
+            raise BadLine("invalid_sampling_param", f"logit_bias key {reprlib.repr(key)} is not "
+                                                     "a token id (decimal digits)",
+                          "logit_bias") from None
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)):
+            raise _bad_item("logit_bias", reprlib.repr(key), "a number in [-100, 100]", bias)
+        if token in pairs:  # "5" and "05": which bias would win?
+            raise BadLine("invalid_sampling_param", f"logit_bias names token {token} twice",
+                          "logit_bias")
+        pairs[token] = float(bias)
+    return tuple(sorted(pairs.items()))
 
 
 def _token_key(key) -> int:
@@ -197,9 +227,20 @@ def parse_sampling(body: dict, kind: str, default_max_tokens: int = 256) -> Samp
             # As the line wrote it: `given` holds it converted (logit_bias, stop as tuples).
             value = body.get(name)
             value = given.get(name, _SAMPLING_DEFAULTS.get(name)) if value is None else value
-            got = f", got {value!r}"
+            got = f", got {_at_fault(name, value)}"
         raise BadLine("invalid_sampling_param", f"{name} {rest}{got}".strip(),
                        name if name in _SAMPLING_FIELDS or name in ALLOWED else None) from None
+
+
+def _at_fault(name: str, value: Any) -> str:
+    """What the refusal of field `name` quotes of its `value`: the logit_bias entries out of
+    range, a stop list's length, else the value (bounded: reprlib)."""
+    if name == "logit_bias" and isinstance(value, dict):
+        value = {k: v for k, v in value.items()
+                 if _token_key(k) < 0 or not -100.0 <= v <= 100.0}
+    elif name == "stop" and isinstance(value, list):
+        return f"{len(value)} strings"
+    return reprlib.repr(value)
 
 
 _SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
