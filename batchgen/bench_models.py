@@ -143,7 +143,8 @@ def random_model(hf_config, dtype: torch.dtype, device: torch.device, options=No
     keeps its slice, so the group holds exactly the one-device model's weights."""
     from batchgen.models.loader import materialize, meta_model
 
-    model = materialize(meta_model(hf_config, options, tp).to(dtype), device)
+    model = materialize(meta_model(hf_config, options, tp).to(dtype), device, hf_config,
+                        options)
     whole = model if tp is None or tp.size == 1 else meta_model(hf_config)
     model.load_weights(random_checkpoint(checkpoint_specs(whole), dtype, device,
                                          fp8_checkpoint_scales(hf_config), seed))

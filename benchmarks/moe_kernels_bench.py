@@ -6,7 +6,7 @@ Usage: python benchmarks/moe_kernels_bench.py [--only bf16,fp8,route] [--tokens 
 Shapes: hidden 7168, moe_intermediate 2048, 256 routed experts, 8 per token (8 groups, 4
 kept), routing drawn from random logits, so T tokens give M = 8T expert rows. Rows:
 - bf16 gate_up / down: torch._grouped_mm (+ SiLU-and-mul for gate_up) vs the Triton
-  grouped_gemm (SiLU fused). Decides moe.GROUPED_GEMM_BACKEND.
+  grouped_gemm (SiLU fused). Decides expert_bank.GROUPED_GEMM_BACKEND.
 - fp8 gate_up / down: Triton activation quantization + grouped_gemm_fp8 vs dequantizing the
   whole bank to bf16 then torch._grouped_mm (what FP8 experts cost without the kernel); the
   "bf16 ms" column repeats the bf16 torch time, i.e. with weights pre-dequantized at load.

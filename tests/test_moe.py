@@ -9,7 +9,8 @@ import torch
 from test_deepseek import tiny_config
 
 from batchgen.models.fp8 import QuantizedWeight, dequantize_blocks, quantize_blocks
-from batchgen.models.moe import DeepseekMoE, ExpertStager, RoutedExperts, TopkRouter
+from batchgen.models.expert_bank import ExpertStager
+from batchgen.models.moe import DeepseekMoE, RoutedExperts, TopkRouter
 
 CFG = tiny_config()
 E, I, H = CFG.n_routed_experts, CFG.moe_intermediate_size, CFG.hidden_size
@@ -199,3 +200,47 @@ def test_row_scaled_experts_load_on_a_block_grid_or_dense(per_tensor):
                                          routed.block) if per_tensor else routed.down_proj[expert])
                 torch.testing.assert_close(got.float(), want)
     assert routed.block == ((32, 32) if per_tensor else None)
+
+
+def test_experts_expected_fp8_hold_e4m3_and_quantize_a_dense_matrix():
+    """A bank told up front that its checkpoint is FP8 (expect_fp8, on the meta model) holds
+    e4m3 + block scales before any weight arrives; a dense matrix loaded into it anyway is
+    quantized onto its grid, never cast into e4m3 without a scale."""
+    hf = hf_moe()
+    block = (16, 16)
+    moe = DeepseekMoE(CFG, 0, None).requires_grad_(False)
+    moe.experts.expect_fp8(block)
+    assert moe.experts.gate_up_proj.dtype == torch.float8_e4m3fn
+    assert moe.experts.down_scale.shape == (E, H // 16, I // 16)
+    for e in range(E):
+        gate, up = hf.experts.gate_up_proj[e].detach().chunk(2, dim=0)
+        for proj, w in (("gate_proj", gate), ("up_proj", up),
+                        ("down_proj", hf.experts.down_proj[e].detach())):
+            moe.experts.load(e, proj, w if e % 2 else QuantizedWeight(*quantize_blocks(w, block),
+                                                                        block))
+    want = hf.experts.down_proj[1].detach()
+    got = dequantize_blocks(moe.experts.down_proj[1], moe.experts.down_scale[1], block)
+    torch.testing.assert_close(got, dequantize_blocks(*quantize_blocks(want, block), block))
+
+
+def test_fp8_checkpoint_experts_are_e4m3_before_materialising_on_cuda():
+    """The model of a block-scaled FP8 MoE checkpoint kept FP8 (CUDA) gets e4m3 expert stacks
+    on the meta device, so the device never holds them in bf16 (twice the FP8 bytes); on CPU,
+    or with --pre-dequantize-weights, they stay in the model dtype (dequantized at load)."""
+    from types import SimpleNamespace
+
+    from batchgen.models.loader import fp8_experts_up_front, meta_model
+
+    cfg = tiny_config()
+    cfg.quantization_config = {"quant_method": "fp8", "weight_block_size": [16, 16]}
+
+    def expert_dtypes(device, **options):
+        model = meta_model(cfg).to(torch.bfloat16)
+        fp8_experts_up_front(model, cfg, torch.device(device), SimpleNamespace(**options))
+        return {m.gate_up_proj.dtype for m in model.modules() if isinstance(m, RoutedExperts)}
+
+    assert expert_dtypes("cuda") == {torch.float8_e4m3fn}
+    assert expert_dtypes("cpu") == {torch.bfloat16}
+    assert expert_dtypes("cuda", pre_dequantize_weights=True) == {torch.bfloat16}
+    del cfg.quantization_config["weight_block_size"]  # per-tensor: switched as weights arrive
+    assert expert_dtypes("cuda") == {torch.bfloat16}

@@ -32,7 +32,8 @@ from batchgen.models.fp8 import (
 from batchgen.models.layers import (SINGLE, GatedMLP, RMSNorm, RowParallelLinear,
                                     default_max_positions, token_embedding)
 from batchgen.models.mla import MlaRope, MLAttention
-from batchgen.models.moe import DeepseekMoE, ExpertStager, RoutedExperts, offloaded_share
+from batchgen.models.expert_bank import ExpertStager
+from batchgen.models.moe import DeepseekMoE, RoutedExperts, offloaded_share
 from batchgen.models.tp_slices import local_part
 from batchgen.parallel import TensorParallel
 

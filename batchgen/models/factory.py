@@ -14,9 +14,9 @@ import torch
 from batchgen.config import ModelConfig
 from batchgen.models.convert import (EMBEDDED_NAME, check_manifest, converted_for_gguf,
                                      embedded_gguf, rank_shard, read_manifest)
-from batchgen.models.loader import (MANIFEST, CheckpointError, build_model, load_hf_config,
-                                    meta_model, read_safetensors, resolve_dtype,
-                                    resolve_model)
+from batchgen.models.loader import (MANIFEST, CheckpointError, build_model,
+                                    fp8_experts_up_front, load_hf_config, meta_model,
+                                    read_safetensors, resolve_dtype, resolve_model)
 from batchgen.models.hf_text import text_only
 from batchgen.models.weight_stream import stream_to_device
 from batchgen.parallel import TensorParallel
@@ -170,5 +170,6 @@ def weight_bytes(cfg: ModelConfig, device: torch.device, world_size: int = 1) ->
     hf_config = load_hf_config(folder)
     size = resolve_dtype(cfg.dtype, device).itemsize
     model = meta_model(hf_config, cfg)
+    fp8_experts_up_front(model, hf_config, device, cfg)
     return sum(p.numel() * (p.element_size() if p.element_size() == 1 else size)
                for p in model.parameters())

@@ -274,7 +274,7 @@ def build_model(hf_config, weights, dtype: torch.dtype, device: torch.device,
     `presharded`: `weights` are already this rank's slice (`batchgen convert
     --tensor-parallel-size`), so the model copies them as they are. `weights` already streamed
     (stream_to_device, started before the config was read) are taken as they come."""
-    model = materialize(meta_model(hf_config, options, tp).to(dtype), device)
+    model = materialize(meta_model(hf_config, options, tp).to(dtype), device, hf_config, options)
     if not isinstance(weights, StreamedWeights):
         weights = stream_to_device(weights, device)
     try:
@@ -294,9 +294,13 @@ def build_model(hf_config, weights, dtype: torch.dtype, device: torch.device,
     return model.eval()
 
 
-def materialize(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+def materialize(model: torch.nn.Module, device: torch.device, hf_config=None,
+                options=None) -> torch.nn.Module:
     """Give a meta model uninitialised storage on `device`, in the dtypes it already has (cast
-    on meta first: allocating float32 and casting after would need twice the memory)."""
+    on meta first: allocating float32 and casting after would need twice the memory). With
+    the model's `hf_config`, a block-scaled FP8 checkpoint's experts get FP8 storage."""
+    if hf_config is not None:
+        fp8_experts_up_front(model, hf_config, device, options)
     model = model.to_empty(device=device).requires_grad_(False)
     if hasattr(model, "tie_weights"):
         model.tie_weights()  # to_empty gives every parameter its own storage
@@ -304,6 +308,26 @@ def materialize(model: torch.nn.Module, device: torch.device) -> torch.nn.Module
         if hasattr(module, "reset_buffers"):
             module.reset_buffers()
     return model
+
+
+def fp8_experts_up_front(model: torch.nn.Module, hf_config, device: torch.device,
+                         options=None) -> None:
+    """On a meta model: where a block-scaled FP8 checkpoint stays FP8 (CUDA, no
+    --pre-dequantize-weights), its routed experts are held as e4m3 from the start
+    (`RoutedExperts.expect_fp8`). Materialised in the model dtype and switched as the weights
+    arrive, they would need twice the FP8 experts' memory first: DeepSeek-V3's 671 B parameters
+    are ~160 GB a GPU at TP 8 in bf16, more than an H200 holds."""
+    from batchgen.models.fp8 import quantization_config
+    from batchgen.models.fp8_dense import is_fp8_checkpoint
+    from batchgen.models.moe import RoutedExperts
+
+    block = quantization_config(hf_config).get("weight_block_size")
+    if (device.type != "cuda" or not block or getattr(options, "pre_dequantize_weights", False)
+            or not is_fp8_checkpoint(hf_config)):
+        return
+    for module in model.modules():
+        if isinstance(module, RoutedExperts):
+            module.expect_fp8((int(block[0]), int(block[1])))
 
 
 def meta_model(hf_config, options=None, tp: TensorParallel | None = None) -> torch.nn.Module:

@@ -33,7 +33,8 @@ from torch import nn
 from batchgen.models.fp8 import QuantizedWeight, dequantize_blocks
 from batchgen.models.layers import SINGLE
 from batchgen.models.llama import Biases, LlamaForCausalLM, MlpFor
-from batchgen.models.moe import ExpertStager, RoutedExperts, offloaded_share
+from batchgen.models.expert_bank import ExpertStager
+from batchgen.models.moe import RoutedExperts, offloaded_share
 from batchgen.models.registry import UnsupportedModelError
 from batchgen.parallel import TensorParallel
 

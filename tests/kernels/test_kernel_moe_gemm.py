@@ -182,7 +182,7 @@ def test_expert_bank_kernel_paths_match_the_loop(device, fp8):
     """ExpertBank's CUDA paths (called directly, so the interpreter runs them on CPU) against
     its per-expert loop; on CUDA bf16 also against torch._grouped_mm."""
     from batchgen.models.fp8 import quantize_blocks
-    from batchgen.models.moe import ExpertBank
+    from batchgen.models.expert_bank import ExpertBank
 
     experts, hidden, inter, block = 4, 256, 128, (128, 128)
     sizes = [5, 0, 9, 3]
