@@ -4,6 +4,7 @@ quarantined as an error line and the job completes; kills of the whole job count
 import orjson
 import pytest
 from test_reliability_support import (
+    ROWS,
     batch_state,
     check_against_clean,
     job_input,
@@ -131,3 +132,34 @@ def test_poison_request_is_quarantined_and_the_job_completes(tmp_path, tiny_chat
     assert errors[0]["error"]["code"] == "quarantined" and errors[0]["error"]["line"] == 6
     assert batch_state(storage)["health"]["quarantined"] == 1
     record_figures("quarantine", crashes=3, commands=2, quarantined=1, **figures)
+
+
+@pytest.mark.slow
+def test_suspects_answered_in_isolation_leave_the_count(tmp_path, tiny_chat_model):
+    """One crash, then a clean run: the suspects are answered in isolation, so the completed
+    job's health counts no crash suspect and the book keeps no strike."""
+    inp = job_input(tmp_path)
+    storage = tmp_path / "s"
+    first = run(inp, storage, tiny_chat_model, env={CRASH_ON_ADMIT_ENV: "req-5"})
+    assert first.returncode == 1, first.stderr[-3000:]
+    second = run(inp, storage, tiny_chat_model)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "isolated groups" in second.stderr
+    assert batch_state(storage)["health"]["crash_suspects"] == 0
+    books = list((storage / "batches").glob("*.suspects.rank0.json"))
+    assert books and orjson.loads(books[0].read_bytes())["strikes"] == {}
+    check_against_clean(storage, tiny_chat_model)
+
+
+def test_completion_removes_the_journal_of_a_rank_no_longer_run(tmp_path, tiny_chat_model):
+    """A run of two replicas killed, then finished with one: rank 1's journal (no worker of
+    the second run clears it) is gone once the job completes, never to strike a later run."""
+    inp = job_input(tmp_path, ROWS[:4])
+    storage = tmp_path / "s"
+    batches = storage / "batches"
+    batches.mkdir(parents=True, mode=0o750)
+    stale = batches / "b1.inflight.rank1"
+    stale.write_bytes(b'{"run": "0123456789abcdef"}\n"req-1"\n')
+    done = run(inp, storage, tiny_chat_model, "--batch-id", "b1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert journal_paths(batches, "b1") == []

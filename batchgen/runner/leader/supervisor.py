@@ -46,7 +46,7 @@ from batchgen.runner.leader.progress import ProgressReporter, read_worker_stats,
 from batchgen.runner.leader.records import (record_end, record_killed_run,
                                             refuse_a_changed_input, result_files,
                                             try_record_end, usage_total, warn_if_replacing)
-from batchgen.runner.worker.quarantine import mark_crashed
+from batchgen.runner.worker.quarantine import journal_paths, mark_crashed
 
 log = logging.getLogger("batchgen")
 SHARED_FS_RETRY_S = (2, 5, 10, 20, 30)
@@ -458,8 +458,12 @@ def _finish(spec: JobSpec, batch_file: BatchFile, started: float, stops: StopSig
     if s.no_incremental_save:  # only once "completed" is on record: a rerun skips the job
         paths.remove_incremental()
     # Every request has its result: no checkpoint holds anything a rerun would resume (a stop
-    # after the last result was saved leaves one behind, and no worker runs again to drop it).
-    for leftover in checkpoint_files(paths.batch_file, spec.batch_id):
+    # after the last result was saved leaves one behind, and no worker runs again to drop it),
+    # and no crash journal anything to strike (a rank of an earlier, larger --world-size left
+    # its own, which no worker of this run cleared).
+    batch_dir = paths.batch_file.parent
+    for leftover in (*checkpoint_files(paths.batch_file, spec.batch_id),
+                     *journal_paths(batch_dir, spec.batch_id)):
         leftover.unlink(missing_ok=True)
     remove_parsed(paths.parsed_input)
     stats = read_worker_stats(paths.batch_file.parent, spec.batch_id)

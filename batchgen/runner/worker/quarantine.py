@@ -181,6 +181,13 @@ class Quarantine:
             self.book.quarantined.append(cid)
         self._save()
 
+    def suspects_served(self) -> None:
+        """Every suspect of this replica's shard was answered in isolation (or quarantined):
+        none is left in a streak of crashes. Strikes of requests outside the shard (another
+        --world-size) are forgotten with them."""
+        self.book.strikes = {}
+        self._save()
+
     def isolation_groups(self, records: Iterable[ParsedRecord]) -> list[list[ParsedRecord]]:
         """The suspects' records in at most ISOLATION_GROUPS groups, most strikes first."""
         suspects = sorted(records, key=lambda r: -self.book.strikes[r.key])

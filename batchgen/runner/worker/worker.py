@@ -237,6 +237,9 @@ class Worker:
             self.handled.update(r.key for r in group)
             if self._serve(iter(group), limit=len(group)):
                 return ExitCode.REQUEUE
+        if self.writer and self.quarantine.book.strikes:
+            self.quarantine.suspects_served()  # answered, or no longer this replica's
+            self._report(force=True)
         sched = self.spec.config.engine.scheduler
         rest = (r for r in self._records() if r.key not in self.handled)
         if self._serve(rest, min(sched.max_intake_capacity, sched.max_pool_size)):
