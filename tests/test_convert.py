@@ -13,7 +13,7 @@ from engine_utils import greedy_requests, make_engine
 from tiny_models import save_tiny_model
 
 
-@pytest.mark.parametrize("family", ["llama_tied", "qwen3", "mixtral"])
+@pytest.mark.parametrize("family", ["llama_tied", "qwen3", "mixtral", "phi3", "granite"])
 def test_convert_roundtrip_same_tokens(tmp_path, family):
     source = save_tiny_model(family, tmp_path / "src")
     out = convert_model(ModelConfig(model=str(source)), tmp_path / "conv")

@@ -79,7 +79,7 @@ def tokens(model, n=24):
             for d in done]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "phi3"])
 @pytest.mark.parametrize("scales", ["block", "tensor", "channel"])
 @pytest.mark.parametrize("keep_fp8", [False, True], ids=["dequantized", "fp8-modules"])
 def test_fp8_checkpoint_equals_its_dequantized_weights(tmp_path, monkeypatch, family,

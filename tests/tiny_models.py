@@ -10,8 +10,8 @@ VOCAB = 512
 
 
 def tiny_config(family: str):
-    from transformers import (LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen3Config,
-                              Qwen3MoeConfig)
+    from transformers import (GraniteConfig, LlamaConfig, MistralConfig, MixtralConfig, Phi3Config,
+                              Qwen2Config, Qwen3Config, Qwen3MoeConfig)
 
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
@@ -36,6 +36,12 @@ def tiny_config(family: str):
     if family == "mixtral":  # 4 experts of intermediate_size (128), top 2
         return MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2,
                              sliding_window=None, tie_word_embeddings=False)
+    if family == "phi3":  # checkpoints hold fused qkv_proj / gate_up_proj
+        return Phi3Config(**common, sliding_window=None, tie_word_embeddings=False)
+    if family == "granite":  # Granite 3.x's four multipliers, none of them 1
+        return GraniteConfig(**common, embedding_multiplier=12.0, residual_multiplier=0.22,
+                             attention_multiplier=0.0625, logits_scaling=8.0,
+                             tie_word_embeddings=True)
     raise ValueError(family)
 
 

@@ -45,29 +45,43 @@ def add_then_norm(norm: nn.Module, x: Stream) -> tuple[torch.Tensor, torch.Tenso
 
 
 class PreNormDecoderLayer(nn.Module):
+    """x + attn(norm(x)), then + mlp(norm(...)); each branch's output times
+    `residual_multiplier` before it is added (Granite's; 1 elsewhere)."""
+
     self_attn: nn.Module
     mlp: nn.Module
     input_layernorm: nn.Module
     post_attention_layernorm: nn.Module
+    residual_multiplier = 1.0
 
     def forward(self, x: Stream, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """x + attn(norm(x)), then that + mlp(norm(that)); the last add is left pending:
         -> (residual, mlp output) for the next layer's input norm or the final norm."""
         normed, residual = add_then_norm(self.input_layernorm, x)
-        attn = self.self_attn(normed, batch)
+        attn = self._scaled(self.self_attn(normed, batch))
         normed, residual = add_then_norm(self.post_attention_layernorm, (residual, attn))
-        return residual, self.mlp(normed)
+        return residual, self._scaled(self.mlp(normed))
+
+    def _scaled(self, branch: torch.Tensor) -> torch.Tensor:
+        multiplier = self.residual_multiplier
+        return branch if multiplier == 1.0 else branch * multiplier
 
 
 class DecoderStack(nn.Module):
+    """embed_tokens (times `embedding_multiplier`: Granite's; 1 elsewhere) -> layers -> norm."""
+
     embed_tokens: nn.Embedding
     layers: nn.ModuleList
     norm: nn.Module
+    embedding_multiplier = 1.0
 
     def segments(self) -> list[Segment]:
         """The embedding, each decoder layer, the final norm."""
-        return [lambda _, batch: self.embed_tokens(batch.input_ids), *self.layers,
-                lambda x, _: add_then_norm(self.norm, x)[0]]
+        return [self._embed, *self.layers, lambda x, _: add_then_norm(self.norm, x)[0]]
+
+    def _embed(self, _, batch: ForwardBatch) -> torch.Tensor:
+        x = self.embed_tokens(batch.input_ids)
+        return x if self.embedding_multiplier == 1.0 else x * self.embedding_multiplier
 
 
 class PagedCausalLM(nn.Module):
@@ -77,6 +91,8 @@ class PagedCausalLM(nn.Module):
     shared_prefix_decode = True
     """Whether decode attention reads a group's shared prefix pages once
     (`ForwardBatch.prefix_groups`); False where attention keeps another cache layout."""
+    logits_scaling = 1.0
+    """The LM head's output is divided by it (Granite's `logits_scaling`; 1 elsewhere)."""
     generates = True
     """False for a checkpoint with no LM head (a bare decoder stack, as embedding models ship):
     it answers /v1/embeddings lines only."""
@@ -105,8 +121,11 @@ class PagedCausalLM(nn.Module):
 
     def segments(self) -> list[Segment]:
         """The stack's segments, then the LM head."""
-        return [*self.model.segments(),
-                lambda hidden, batch: self.lm_head(hidden[batch.logits_indices])]
+        return [*self.model.segments(), self._logits]
+
+    def _logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        logits = self.lm_head(hidden[batch.logits_indices])
+        return logits if self.logits_scaling == 1.0 else logits / self.logits_scaling
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits `[S, vocab]` of the rows in `batch.logits_indices` only, in the model's

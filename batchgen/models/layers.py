@@ -82,7 +82,9 @@ def rope_inv_freq(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
     kind = params["rope_type"]
     if kind == "default":
         base = params["rope_theta"]
-        rotary_dim = int(head_dim * getattr(hf_config, "partial_rotary_factor", 1.0))
+        share = params.get("partial_rotary_factor",
+                           getattr(hf_config, "partial_rotary_factor", 1.0))
+        rotary_dim = int(head_dim * share)  # Phi-4-mini rotates 3/4 of each head
         even = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device="cpu").float()
         inv = 1.0 / (base ** (even / rotary_dim))
         return inv, 1.0

@@ -1,6 +1,7 @@
 """Llama family on the paged KV cache: Llama 2/3 (llama3 rope scaling), SmolLM2, Mistral,
-Qwen2/2.5 (qkv bias) and Qwen3 (q/k RMSNorm). Parameter names follow the HF checkpoints so
-weights load by name. Qwen3-MoE and Mixtral (softmax_moe.py) are these stacks with routed
+Qwen2/2.5 (qkv bias), Qwen3 (q/k RMSNorm), Phi-3/3.5/4 (fused checkpoint projections, partial
+rotary, longrope) and Granite 3.x (four multipliers). Parameter names follow the HF checkpoints
+so weights load by name. Qwen3-MoE and Mixtral (softmax_moe.py) are these stacks with routed
 experts in place of the dense MLP (`_mlp_for`, `_load_other`)."""
 
 from __future__ import annotations
@@ -95,10 +96,10 @@ def _sliding_window(cfg, layer: int) -> int | None:
     all of them without layer_types. Qwen2/Qwen3 configs derive layer_types (sliding from
     max_window_layers on) only when a checkpoint lists none, and use_sliding_window off
     disables the window altogether (Qwen3-MoE has no layer_types: it windows every layer, as
-    Mixtral does). HF's Llama has no window: a `sliding_window` left in a Llama config.json (a
-    converted Mistral or Qwen) changes nothing there, nor here."""
+    Mixtral does; Phi-3 too). HF's Llama and Granite have no window: a `sliding_window` left in
+    their config.json (a converted Mistral or Qwen) changes nothing there, nor here."""
     window = getattr(cfg, "sliding_window", None)
-    if not window or getattr(cfg, "model_type", "") == "llama":
+    if not window or getattr(cfg, "model_type", "") in ("llama", "granite"):
         return None
     layer_types = getattr(cfg, "layer_types", None)
     model_type = getattr(cfg, "model_type", "")
@@ -332,3 +333,34 @@ class MistralForCausalLM(LlamaForCausalLM):
     def biases(hf_config) -> Biases:
         """None: HF's Mistral ignores `attention_bias` and `mlp_bias`."""
         return Biases(False, False, False)
+
+
+class Phi3ForCausalLM(LlamaForCausalLM):
+    """Phi-3, Phi-3.5 and Phi-4 (the dense ones): Llama's stack without biases. Their
+    checkpoints hold q|k|v and gate|up already fused, in our row order: each loads whole into
+    ours. A `sliding_window` applies to every layer (as HF's Phi-3); `partial_rotary_factor`
+    (Phi-4-mini) rotates that share of each head; longrope's context stops at its
+    original_max_position_embeddings (layers.default_max_positions)."""
+
+    @staticmethod
+    def biases(hf_config) -> Biases:
+        """None: HF's Phi-3 has no bias anywhere."""
+        return Biases(False, False, False)
+
+
+class GraniteForCausalLM(LlamaForCausalLM):
+    """Granite 3.x: Llama (its bias flags too) with HF's four multipliers: the embedding times
+    `embedding_multiplier`, each attention and MLP output times `residual_multiplier` before
+    its residual add, `attention_multiplier` as the softmax scale (in place of
+    1/sqrt(head_dim)) and the logits divided by `logits_scaling`. Each defaults to 1, as in
+    HF's GraniteConfig."""
+
+    def __init__(self, hf_config, options=None, tp: TensorParallel = SINGLE):
+        super().__init__(hf_config, options, tp)
+        multiplier = float(getattr(hf_config, "residual_multiplier", 1.0))
+        scale = float(getattr(hf_config, "attention_multiplier", 1.0))
+        self.model.embedding_multiplier = float(getattr(hf_config, "embedding_multiplier", 1.0))
+        self.logits_scaling = float(getattr(hf_config, "logits_scaling", 1.0))
+        for layer in self.model.layers:
+            layer.residual_multiplier = multiplier
+            layer.self_attn.scale = scale

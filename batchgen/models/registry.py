@@ -9,6 +9,8 @@ ARCHITECTURES = {
     "MistralForCausalLM": "batchgen.models.llama:MistralForCausalLM",
     "Qwen2ForCausalLM": "batchgen.models.llama:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "batchgen.models.llama:Qwen3ForCausalLM",
+    "Phi3ForCausalLM": "batchgen.models.llama:Phi3ForCausalLM",
+    "GraniteForCausalLM": "batchgen.models.llama:GraniteForCausalLM",
     "DeepseekV3ForCausalLM": "batchgen.models.deepseek_v3:DeepseekV3ForCausalLM",
     "GptOssForCausalLM": "batchgen.models.gpt_oss:GptOssForCausalLM",
     "Qwen3MoeForCausalLM": "batchgen.models.softmax_moe:Qwen3MoeForCausalLM",
@@ -24,7 +26,8 @@ ARCHITECTURES = {
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                "deepseek_v3": "DeepseekV3ForCausalLM", "gpt_oss": "GptOssForCausalLM",
-               "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+               "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
+               "phi3": "Phi3ForCausalLM", "granite": "GraniteForCausalLM"}
 """config.json's model_type -> the class transformers' AutoModelForCausalLM builds for it: the
 architecture of a config that lists none (one a config's own save_pretrained wrote)."""
 QUANT_METHODS = ("fp8", "compressed-tensors", "mxfp4")
