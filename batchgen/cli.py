@@ -32,9 +32,16 @@ def _root(version: bool = typer.Option(False, "--version", callback=version_call
     """Offline batch LLM inference: a file of requests in, a file of results out."""
 
 
+QUIET_LOGGERS = ("httpx", "httpx2", "httpcore")
+"""HTTP clients (huggingface_hub's) that log every request at INFO: a Hub download's progress
+is batchgen.hub's, and a probe the Hub (or a mirror) answers 404 would read as a fault."""
+
+
 def _setup_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s",
                         stream=sys.stderr)
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def _fail(message: str, code: int = ExitCode.INPUT) -> None:

@@ -88,8 +88,8 @@ def _require(ok: bool, name: str, value: object, allowed: str) -> None:
 class ModelConfig:
     model: str | None = None
     """Model name (org/name, looked up under --cache-dir and the HF cache, downloaded from the
-    Hub when absent: safetensors only) or a local folder or .gguf file. Default: the embedded
-    SmolLM2-135M-Instruct."""
+    Hub when absent: safetensors only) or a local folder or .gguf file (`./org/name` for a
+    folder spelled like a Hub id). Default: the embedded SmolLM2-135M-Instruct."""
     revision: str | None = None
     """Branch, tag or commit of a Hub --model (default: main). The job's resume fingerprint
     records the commit it resolved to."""

@@ -1,4 +1,5 @@
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -41,3 +42,31 @@ def template_tokenizer():
     original = tokenizer.chat_template
     yield tokenizer
     tokenizer.chat_template = original
+
+
+@pytest.fixture
+def repo_folder(tiny_chat_model, tmp_path):
+    """The tiny chat model as a Hub repo holds it, pickled files beside its safetensors."""
+    folder = tmp_path / "repo"
+    shutil.copytree(tiny_chat_model, folder)
+    (folder / "pytorch_model.bin").write_bytes(b"pickle, never fetched")
+    (folder / "training_args.pt").write_bytes(b"pickle")
+    return folder
+
+
+@pytest.fixture
+def fake_hub(repo_folder, monkeypatch):
+    """A Hub on loopback (fake_hub.py) serving `repo_folder` as org/tiny, HF_ENDPOINT at it."""
+    import huggingface_hub.constants
+    from fake_hub import FakeHub
+
+    server = FakeHub()
+    server.add("org/tiny", repo_folder)
+    monkeypatch.setenv("HF_ENDPOINT", server.url)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "0")
+    # huggingface_hub reads HF_HUB_OFFLINE once, at import (set above for every test).
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    yield server
+    server.close()

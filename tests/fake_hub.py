@@ -11,7 +11,8 @@ token not granted access; X-Error-Code: GatedRepo). Unknown repos are 404 (X-Err
 RepoNotFound). A repo may hold several revisions (`revisions`: name -> folder), each its own
 commit; an unknown revision is 404 (X-Error-Code: RevisionNotFound). `stall_after` makes GETs
 of one file stop after that many bytes until `release()`, so a test can kill a download
-mid-file.
+mid-file; `cut_after` makes the next GET of one file end after that many bytes (the server
+closes the connection, as a proxy dropping a long download does).
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ class FakeHub:
     """file name -> bytes sent before GETs of it stall (until release())."""
     sent: dict[str, int] = field(default_factory=dict)
     """file name -> bytes sent by the last GET of it."""
+    cut_after: dict[str, int] = field(default_factory=dict)
+    """file name -> bytes the next GET of it sends before the connection is closed (once)."""
 
     def __post_init__(self):
         self._release = threading.Event()
@@ -198,6 +201,9 @@ def _handler(hub: FakeHub):
                 return
             stall = hub.stall_after.get(name)
             chunk = data[start:] if stall is None else data[start:max(start, stall)]
+            cut = hub.cut_after.pop(name, None)
+            if cut is not None:
+                chunk, self.close_connection = data[start:max(start, cut)], True
             self.wfile.write(chunk)
             self.wfile.flush()
             hub.sent[name] = len(chunk)

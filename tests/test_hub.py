@@ -11,7 +11,6 @@ import sys
 import time
 from pathlib import Path
 
-import huggingface_hub.constants
 import pytest
 
 from batchgen.models import hub
@@ -20,29 +19,6 @@ from fake_hub import FakeHub
 from job_utils import batchgen, read_jsonl, write_jsonl
 
 WEIGHTS = "model.safetensors"
-
-
-@pytest.fixture
-def repo_folder(tiny_chat_model, tmp_path):
-    folder = tmp_path / "repo"
-    shutil.copytree(tiny_chat_model, folder)
-    (folder / "pytorch_model.bin").write_bytes(b"pickle, never fetched")
-    (folder / "training_args.pt").write_bytes(b"pickle")
-    return folder
-
-
-@pytest.fixture
-def fake_hub(repo_folder, monkeypatch):
-    server = FakeHub()
-    server.add("org/tiny", repo_folder)
-    monkeypatch.setenv("HF_ENDPOINT", server.url)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
-    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "0")
-    # huggingface_hub reads HF_HUB_OFFLINE once, at import (conftest sets it for every test).
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.delenv("HF_TOKEN", raising=False)
-    yield server
-    server.close()
 
 
 def _fetched(server: FakeHub) -> list[str]:
@@ -70,9 +46,10 @@ def test_run_downloads_answers_and_a_second_run_makes_no_request(fake_hub, tmp_p
     rows = [{"custom_id": f"r{i}", "prompt": f"count {i}", "max_tokens": 3} for i in range(2)]
     args = ["--model", "org/tiny", "--cache-dir", tmp_path / "cache", "--device", "cpu"]
     first = write_jsonl(tmp_path / "a.jsonl", rows)
-    batchgen("run", "--input", first, "--storage-path", tmp_path / "s1",
-             "--output", tmp_path / "a.out.jsonl", *args, env=env, check=True)
+    proc = batchgen("run", "--input", first, "--storage-path", tmp_path / "s1",
+                    "--output", tmp_path / "a.out.jsonl", *args, env=env, check=True)
     assert len(read_jsonl(tmp_path / "a.out.jsonl")) == 2
+    assert "HTTP Request:" not in proc.stderr  # the HTTP client's lines stay out of the log
     assert _fetched(fake_hub)
     batch = next((tmp_path / "s1" / "batches").glob("*.json"))
     sha = fake_hub.repos["org/tiny"].sha

@@ -225,6 +225,19 @@ def system_fingerprint(fingerprint: dict[str, Any]) -> str:
     return "fp_" + digest[:10]
 
 
+def _moved_commit_hint(before: Any, after: Any) -> str:
+    """Where the weights come from another Hub commit than the job's ("signature@sha"): the
+    branch --model (or --revision) names has moved since the job started, and --revision with
+    the job's commit finishes it with the weights it started with."""
+    if not (isinstance(before, str) and isinstance(after, str) and "@" in before
+            and "@" in after and before != after):
+        return ""
+    commit = before.rsplit("@", 1)[1]
+    return (f" (`model_weights`: --model now names Hub commit {after.rsplit('@', 1)[1]} (its "
+            f"branch moved, or another --revision), this job started with {commit}: add "
+            f"--revision {commit} to finish it with the weights it started with)")
+
+
 def check_fingerprint(old: dict, new: dict) -> None:
     """Raise FingerprintMismatch naming every key (dotted for nested dicts) whose value differs."""
     a, b = _flatten(make_fingerprint(old)), _flatten(make_fingerprint(new))
@@ -239,6 +252,7 @@ def check_fingerprint(old: dict, new: dict) -> None:
         hint = (" (`sampling_defaults`: the model's generation_config.json; "
                 "--generation-config none leaves them out)"
                 if any(d.startswith("sampling_defaults") for d in diffs) else "")
+        hint += _moved_commit_hint(a.get("model_weights"), b.get("model_weights"))
         raise FingerprintMismatch(
             "refusing to resume: this job was started with settings that decide the answers "
             "differently (" + "; ".join(diffs) + f"){hint}. Re-run with the original settings, "

@@ -7,12 +7,14 @@ the files are written as `{cache}/models--org--name/snapshots/{commit}/{file}` a
 names the commit, so the loader and transformers find them like any cached model.
 
 Files are fetched with HTTP Range requests: a download killed mid-file continues where it
-stopped (the bytes so far sit in `{file}.incomplete`). A snapshot folder holding INCOMPLETE is
-being downloaded and is never loaded. One process per cache folder downloads (a file lock);
-the others wait for it and then find the files on disk.
+stopped (the bytes so far sit in `{file}.incomplete`), and a connection cut mid-file is taken up
+again with a Range request (RETRIES times) before the run gives up. A snapshot folder holding
+INCOMPLETE is being downloaded and is never loaded. One process per cache folder downloads (a
+file lock under `{cache}/.locks/`, where huggingface_hub keeps its own, so a repo the Hub refuses
+leaves no folder behind); the others wait for it and then find the files on disk.
 
 Progress: a tqdm bar on a terminal; where stderr is a file or a pipe (Slurm, nohup), a log line
-every 30 s and at the end (bytes so far, share, rate).
+every 30 s and at the end (bytes so far, share, rate): hub_progress.py.
 
 Environment: HF_ENDPOINT (the Hub's address), HF_TOKEN (or a saved `hf auth login`),
 HF_HUB_OFFLINE=1 (nothing is downloaded; `offline()`).
@@ -34,6 +36,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from batchgen.models.hub_progress import LoggedProgress, progress  # noqa: F401
+
 log = logging.getLogger("batchgen.hub")
 ALLOWED = ("*.safetensors", "*.safetensors.index.json", "config.json", "generation_config.json",
            "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
@@ -46,11 +50,16 @@ PICKLED = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt", ".h5", ".msgpack",
 INCOMPLETE = ".batchgen-incomplete"
 """Marker file inside a snapshot folder while its download is unfinished."""
 CHUNK = 1 << 20
+RETRIES, RETRY_WAIT_S = 3, 2.0
+"""A file whose connection is cut is taken up again this many times (after RETRY_WAIT_S, then
+twice that, ...), each continuing where the last stopped."""
 HUB_ID = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_."
 CACHE_ERRNOS = {errno.ENOSPC: "free space there", errno.EDQUOT: "free space there",
                 errno.EROFS: "it is mounted read-only: remount it",
                 errno.EACCES: "this user may not write there",
-                errno.EPERM: "this user may not write there"}
+                errno.EPERM: "this user may not write there",
+                errno.ENOTDIR: "a file stands where a folder of it should be",
+                errno.EEXIST: "a file stands where a folder of it should be"}
 """OSErrors that mean the cache folder cannot take a download, with the fix each asks for."""
 NETWORK_ERRORS = (ssl.SSLError, ConnectionError, TimeoutError, urllib.error.URLError)
 """OSErrors of the connection, whose errno says nothing about the cache folder."""
@@ -107,10 +116,24 @@ def cached_snapshot(root: Path, repo: str, revision: str | None) -> Path | None:
     under the HF cache `root`, or None. Without a revision and without refs (a cache filled by
     commit), the only snapshot. Complete: config.json and safetensors weights, none still
     downloading (a snapshot where another tool fetched only the config is not one)."""
+    return next((p for p in _snapshot_candidates(root, repo, revision) if _complete(p)), None)
+
+
+def unfinished_snapshot(root: Path, repo: str,
+                        revision: str | None) -> tuple[Path, list[str]] | None:
+    """(the snapshot `cached_snapshot` would take, the files it lacks) where that snapshot is
+    there but not complete (a download stopped part way); else None."""
+    for path in _snapshot_candidates(root, repo, revision):
+        if path.is_dir() and not _complete(path):
+            return path, lacking(path)
+    return None
+
+
+def _snapshot_candidates(root: Path, repo: str, revision: str | None) -> list[Path]:
     folder = repo_folder(root, repo)
     snapshots = folder / "snapshots"
     if not snapshots.is_dir():
-        return None
+        return []
     rev = revision or "main"
     ref = folder / "refs" / rev
     candidates = [snapshots / ref.read_text().strip()] if ref.is_file() else []
@@ -119,7 +142,22 @@ def cached_snapshot(root: Path, repo: str, revision: str | None) -> Path | None:
     if revision is None and not (refs.is_dir() and any(refs.iterdir())):
         found = [p for p in snapshots.iterdir() if p.is_dir()]
         candidates += found if len(found) == 1 else []
-    return next((path for path in candidates if _complete(path)), None)
+    return candidates
+
+
+def lacking(snapshot: Path) -> list[str]:
+    """The files an incomplete snapshot still needs (`_complete`), the partly fetched ones
+    among them."""
+    names = ["config.json"]
+    if (snapshot / INDEX).is_file():
+        try:
+            names += index_shards(snapshot / INDEX)
+        except INDEX_ERRORS:
+            pass
+    elif not any(snapshot.glob("*.safetensors")):
+        names.append("*.safetensors")
+    names += [p.name.removesuffix(".incomplete") for p in snapshot.glob("*.incomplete")]
+    return [n for n in dict.fromkeys(names) if not (snapshot / n).is_file()]
 
 
 def _complete(snapshot: Path) -> bool:
@@ -188,8 +226,9 @@ def _download(repo: str, revision: str | None, root: Path) -> Path:
     from filelock import FileLock, Timeout
 
     folder = repo_folder(root, repo)
-    folder.mkdir(parents=True, exist_ok=True)
-    lock = FileLock(str(folder / ".batchgen-download.lock"))
+    locks = root / ".locks" / folder.name
+    locks.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(locks / "batchgen-download.lock"))
     try:
         lock.acquire(timeout=0)
     except Timeout:  # another process (another rank of this node) is downloading
@@ -216,12 +255,13 @@ def _download_locked(repo: str, revision: str, root: Path, folder: Path) -> Path
     marker.touch()
     files = indexed_weights_only(repo, commit, files, snapshot)
     check_space(snapshot, files)
-    total = sum(f.size for f in files)
-    log.info("downloading %s@%s (commit %s): %d files, %.2f GB into %s", repo, revision, commit,
-             len(files), total / 1e9, snapshot)
-    with _progress(total, sum(_have(snapshot, f) for f in files)) as bar:
+    total, have = sum(f.size for f in files), sum(_have(snapshot, f) for f in files)
+    log.info("downloading %s@%s (commit %s): %d files, %.2f GB into %s%s", repo, revision,
+             commit, len(files), total / 1e9, snapshot,
+             f" ({have / 1e9:.2f} GB of it already there: continued)" if have else "")
+    with progress(total, have) as bar:
         for f in files:
-            fetch_file(repo, commit, f, snapshot, bar)
+            fetch_retrying(repo, commit, f, snapshot, bar)
     _write_ref(folder, revision, commit)
     marker.unlink()
     return snapshot
@@ -249,7 +289,7 @@ def indexed_weights_only(repo: str, commit: str, files: list[RepoFile],
         return files
     from tqdm.auto import tqdm
 
-    fetch_file(repo, commit, index, snapshot, tqdm(total=index.size, disable=True))
+    fetch_retrying(repo, commit, index, snapshot, tqdm(total=index.size, disable=True))
     try:
         shards = set(index_shards(snapshot / INDEX))
     except INDEX_ERRORS:
@@ -327,8 +367,28 @@ def check_space(snapshot: Path, files: list[RepoFile]) -> None:
                        "space or point --cache-dir (or HF_HUB_CACHE) at a larger disk")
 
 
+class CutDownload(HubError):
+    """The connection ended before the whole file came; its bytes so far are kept."""
+
+
+def fetch_retrying(repo: str, commit: str, f: RepoFile, snapshot: Path, bar) -> None:
+    """`fetch_file`, taken up again where it stopped when its connection is cut (RETRIES
+    times): a proxy or a flaky link dropping a long download does not stop the job."""
+    for attempt in range(RETRIES + 1):
+        try:
+            return fetch_file(repo, commit, f, snapshot, bar)
+        except CutDownload as err:
+            if attempt == RETRIES:
+                raise
+            wait_s = RETRY_WAIT_S * 2 ** attempt
+            log.warning("%s; continuing in %.0f s (retry %d of %d)", err, wait_s, attempt + 1,
+                        RETRIES)
+            time.sleep(wait_s)
+
+
 def fetch_file(repo: str, commit: str, f: RepoFile, snapshot: Path, bar) -> None:
-    """Fetch one file, continuing a partial `.incomplete` with a Range request."""
+    """Fetch one file, continuing a partial `.incomplete` with a Range request. CutDownload
+    when the connection ends early (the bytes so far stay for the next try)."""
     dest = snapshot / f.path
     if dest.is_file():
         return
@@ -358,9 +418,12 @@ def fetch_file(repo: str, commit: str, f: RepoFile, snapshot: Path, bar) -> None
     except OSError as err:
         if cache_fault(err):  # our write failed: the cache folder's fault (download)
             raise
-        raise HubError(f"download of {f.path} of {repo} was cut ({err}); run again to "
-                       "continue where it stopped") from None
+        raise CutDownload(f"download of {f.path} of {repo} was cut ({err}); run again to "
+                          "continue where it stopped") from None
     size = partial.stat().st_size
+    if f.size and size < f.size:  # the server closed the connection early: resumable
+        raise CutDownload(f"download of {f.path} of {repo} was cut at {size} of {f.size} "
+                          "bytes; run again to continue where it stopped")
     if f.size and size != f.size:
         partial.unlink()
         raise HubError(f"{f.path} of {repo} arrived with {size} bytes, the Hub lists {f.size}: "
@@ -407,45 +470,3 @@ def _write_ref(folder: Path, revision: str, commit: str) -> None:
     tmp = ref.with_name(ref.name + ".tmp")
     tmp.write_text(commit)
     os.replace(tmp, ref)
-
-
-def _progress(total: int, initial: int):
-    """A tqdm bar on a terminal; where stderr is a file or a pipe (a Slurm log, a job under
-    nohup), `LoggedProgress` lines instead, which a log can hold."""
-    import sys
-
-    from tqdm.auto import tqdm
-
-    if os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS") is not None:
-        return tqdm(total=total, initial=initial, disable=True)
-    if not sys.stderr.isatty():
-        return LoggedProgress(total, initial)
-    return tqdm(total=total, initial=initial, unit="B", unit_scale=True, desc="download")
-
-
-class LoggedProgress:
-    """Download progress as a log line every `every_s` seconds (and at the end): bytes so far,
-    share, rate since the start."""
-
-    def __init__(self, total: int, initial: int, every_s: float = 30.0):
-        self.total, self.done, self.start_done = total, initial, initial
-        self.every_s = every_s
-        self.started = self.last = time.monotonic()
-
-    def __enter__(self) -> "LoggedProgress":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if exc[0] is None:
-            self._say()
-
-    def update(self, n: int) -> None:
-        self.done += n
-        if time.monotonic() - self.last >= self.every_s:
-            self._say()
-
-    def _say(self) -> None:
-        self.last = time.monotonic()
-        rate = (self.done - self.start_done) / max(1e-9, self.last - self.started)
-        log.info("download: %.2f of %.2f GB (%.0f%%), %.0f MB/s", self.done / 1e9,
-                 self.total / 1e9, 100 * self.done / max(1, self.total), rate / 1e6)

@@ -3,8 +3,9 @@
 Sources, in the order tried: a local folder or .gguf file; under --cache-dir (the folder itself,
 `models--org--name/snapshots/REV/`, `org/name`, `name`); the default HF hub cache; then, for a
 Hub id (org/name) unless HF_HUB_OFFLINE is set, a download into --cache-dir or the HF cache
-(hub.py). Weights are read with safetensors only (never pickle) and `trust_remote_code` is
-never set.
+(hub.py). A folder `org/name` under the working directory that holds no model (a job's output
+folder named after its model) does not stop a download; `./org/name` is never a Hub id.
+Weights are read with safetensors only (never pickle) and `trust_remote_code` is never set.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
+import urllib.parse
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -93,10 +95,45 @@ def model_not_found_message(model: str, places: list[Path], revision: str | None
     why = ("HF_HUB_OFFLINE is set, so nothing is downloaded" if hub.offline()
            else "not a Hub id (org/name), so nothing is downloaded")
     what = f"model {model!r}" + (f" at revision {revision!r}" if revision else "")
+    if Path(model).expanduser().exists():
+        what += f" (./{model} is a folder without config.json)"
+    unfinished = _unfinished(model, places, revision)
+    if unfinished and hub.offline():
+        return (f"{what}: the download in {unfinished[0]} is unfinished (it lacks "
+                f"{', '.join(unfinished[1][:3]) or 'nothing but its end'}) and HF_HUB_OFFLINE "
+                "is set, so nothing is downloaded: unset HF_HUB_OFFLINE to finish it, or point "
+                "--model at a complete local folder")
     return (f"{what} not found on disk ({why}). Searched:\n  {searched}\n"
             f"Point --model at a local folder or .gguf file, or --cache-dir at a folder holding "
             f"{model.split('/')[-1]}/ or {hub_name}/snapshots/<rev>/"
             + (", or unset HF_HUB_OFFLINE to download it." if hub.offline() else "."))
+
+
+def _unfinished(model: str, places: list[Path],
+                revision: str | None) -> tuple[Path, list[str]] | None:
+    """A download of Hub id `model` that stopped part way in one of the HF caches searched
+    (`hub.unfinished_snapshot`), or None."""
+    if not hub.is_hub_id(model):
+        return None
+    roots = [p.parent.parent for p in places if p.name == "snapshots"]
+    found = (hub.unfinished_snapshot(root, model, revision) for root in roots)
+    return next((f for f in found if f is not None), None)
+
+
+def hub_id_meant(model: str) -> tuple[str, str | None] | None:
+    """(repo id, revision or None) that a --model not spelled as a Hub id means: a repo page's
+    address (`https://huggingface.co/org/name`, `.../tree/REV`), `hf://org/name`, `org/name/`
+    or ` org/name`. None when it means none (a plain id, a path)."""
+    text = model.strip()
+    url = urllib.parse.urlsplit(text)
+    path = {"http": url.path, "https": url.path, "hf": url.netloc + url.path}.get(url.scheme, text)
+    parts = [p for p in path.split("/") if p]
+    parts = parts[1:] if parts[:1] == ["models"] else parts
+    revision = parts[3] if len(parts) > 3 and parts[2] in ("tree", "blob", "commit") else None
+    repo = "/".join(parts[:2])
+    if repo == model or not hub.is_hub_id(repo) or (len(parts) > 2 and revision is None):
+        return None
+    return repo, revision
 
 
 def resolve_model(model: str, cache_dir: str | None = None,
@@ -117,19 +154,38 @@ def resolve_model(model: str, cache_dir: str | None = None,
         if found is not None:
             return replace(found, revision_ignored=bool(revision) and path not in snapshots)
     given = Path(model).expanduser()
-    if given.exists():  # a path, but to something else than a model
+    if given.exists() and (is_path_like(model) or not hub.is_hub_id(model)):
         kind = "a folder without config.json" if given.is_dir() else "a file that is not .gguf"
         raise ModelNotFoundError(
             f"--model {model!r} is {kind}: give a folder holding config.json and "
             "*.safetensors, a folder made by `batchgen convert`, or a .gguf file")
     if hub.is_hub_id(model) and not hub.offline():
-        root = Path(cache_dir).expanduser() if cache_dir else hub.default_cache()
-        try:
-            return ModelSource(hub.download(model, revision, root), "hf", model)
-        except hub.HubError as err:
-            raise ModelNotFoundError(str(err)) from None
+        return _download(model, cache_dir, revision)
+    meant = None if is_path_like(model) else hub_id_meant(model)
+    if meant is not None:
+        raise ModelNotFoundError(
+            f"--model {model!r} is not a Hub repo id: give --model {meant[0]}"
+            + (f" --revision {meant[1]}" if meant[1] else "") + " (org/name, as the repo's "
+            "page names it), or the path of a local folder")
     raise ModelNotFoundError(model_not_found_message(model, search_places(model, cache_dir),
                                                      revision))
+
+
+def _download(model: str, cache_dir: str | None, revision: str | None) -> ModelSource:
+    """Hub id `model` downloaded into --cache-dir (default: the HF cache). A folder of that
+    name in the working directory holding no model is named, not taken."""
+    root = Path(cache_dir).expanduser() if cache_dir else hub.default_cache()
+    shadow = Path(model).is_dir()
+    try:
+        path = hub.download(model, revision, root)
+    except hub.HubError as err:
+        note = (f" (./{model} here is a folder without config.json, so the Hub was asked)"
+                if shadow else "")
+        raise ModelNotFoundError(str(err) + note) from None
+    if shadow:
+        log.warning("./%s is a folder without config.json, not a model: %s is the Hub's %s "
+                    "(give ./%s to mean a local folder)", model, path, model, model)
+    return ModelSource(path, "hf", model)
 
 
 SIGNED_SUFFIXES = (".safetensors", ".gguf", ".bin", ".json", ".jinja")

@@ -1,0 +1,146 @@
+"""Hub downloads as a user meets them when something is off: a connection cut mid-file, a
+repo the Hub refuses, a cache folder that is a file, a folder named like the repo in the
+working directory, a repo page's address given as --model, an offline run over a download
+that stopped part way, a resume after the branch moved. Against the loopback Hub
+(fake_hub.py); no test touches the network."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+
+import pytest
+
+from batchgen.io.jobfiles import FingerprintMismatch, check_fingerprint
+from batchgen.models import hub
+from batchgen.models.loader import ModelNotFoundError, hub_id_meant, resolve_model
+from test_hub import WEIGHTS, _sharded_repo
+
+
+def _ranges(server, name: str) -> list[str | None]:
+    return [r for m, p, r in server.requests if m == "GET" and p.endswith("/" + name)]
+
+
+def test_a_connection_cut_mid_file_continues_in_the_same_run(fake_hub, repo_folder, tmp_path,
+                                                             monkeypatch):
+    """A proxy closing a long download early: the bytes so far are kept and the file is taken
+    up again where it stopped, not deleted and fetched afresh on the next run."""
+    monkeypatch.setattr(hub, "RETRY_WAIT_S", 0.0)
+    size = (repo_folder / WEIGHTS).stat().st_size
+    cut = size // 3
+    fake_hub.cut_after[WEIGHTS] = cut
+    path = resolve_model("org/tiny", cache_dir=str(tmp_path / "cache")).path
+    assert (path / WEIGHTS).read_bytes() == (repo_folder / WEIGHTS).read_bytes()
+    assert _ranges(fake_hub, WEIGHTS) == [None, f"bytes={cut}-"]
+
+
+def test_a_download_cut_past_its_retries_is_continued_by_the_next_run(fake_hub, repo_folder,
+                                                                      tmp_path, monkeypatch,
+                                                                      caplog):
+    monkeypatch.setattr(hub, "RETRIES", 0)
+    cut = (repo_folder / WEIGHTS).stat().st_size // 2
+    fake_hub.cut_after[WEIGHTS] = cut
+    cache = str(tmp_path / "cache")
+    with pytest.raises(ModelNotFoundError) as err:
+        resolve_model("org/tiny", cache_dir=cache)
+    assert f"was cut at {cut} of" in str(err.value) and "run again" in str(err.value)
+    with caplog.at_level(logging.INFO, logger="batchgen.hub"):
+        path = resolve_model("org/tiny", cache_dir=cache).path
+    assert "already there: continued" in caplog.text
+    assert (path / WEIGHTS).read_bytes() == (repo_folder / WEIGHTS).read_bytes()
+    assert _ranges(fake_hub, WEIGHTS) == [None, f"bytes={cut}-"]
+
+
+def test_a_repo_the_hub_refuses_leaves_no_folder_in_the_cache(fake_hub, repo_folder, tmp_path):
+    """A typo (404) or a private repo (401) leaves no `models--org--name` folder without
+    snapshots behind (`hf cache` calls such a folder corrupted)."""
+    fake_hub.add("org/private", repo_folder, private_token="secret")
+    cache = tmp_path / "cache"
+    for model in ("org/absent", "org/private"):
+        with pytest.raises(ModelNotFoundError):
+            resolve_model(model, cache_dir=str(cache))
+        assert not hub.repo_folder(cache, model).exists()
+
+
+def test_a_cache_dir_that_is_a_file_is_named_with_its_fix(fake_hub, tmp_path):
+    """Not a traceback (exit 1): the cache folder's fault, named with the fix (exit 5)."""
+    cache = tmp_path / "cache"
+    cache.write_text("not a folder")
+    with pytest.raises(ModelNotFoundError) as err:
+        resolve_model("org/tiny", cache_dir=str(cache))
+    message = str(err.value)
+    assert f"cannot download org/tiny into the model cache {cache}: Not a directory" in message
+    assert "a file stands where a folder of it should be" in message and "--cache-dir" in message
+
+
+def test_a_folder_named_like_the_repo_holding_no_model_does_not_stop_the_download(
+        fake_hub, tmp_path, monkeypatch, caplog):
+    """`-o org/tiny/out.jsonl --model org/tiny`: the job's own output folder is not taken for
+    the model (the rerun used to be refused as "a folder without config.json"); `./org/tiny`
+    still means the local folder."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "org" / "tiny").mkdir(parents=True)
+    (tmp_path / "org" / "absent").mkdir()
+    cache = str(tmp_path / "cache")
+    with caplog.at_level(logging.WARNING, logger="batchgen.loader"):
+        path = resolve_model("org/tiny", cache_dir=cache).path
+    assert path.name == fake_hub.repos["org/tiny"].sha and (path / WEIGHTS).is_file()
+    assert "./org/tiny is a folder without config.json, not a model" in caplog.text
+    with pytest.raises(ModelNotFoundError, match="is a folder without config.json"):
+        resolve_model("./org/tiny", cache_dir=cache)
+    with pytest.raises(ModelNotFoundError) as err:
+        resolve_model("org/absent", cache_dir=cache)
+    assert "(404)" in str(err.value) and "./org/absent here is a folder" in str(err.value)
+
+
+@pytest.mark.parametrize("given, fix", [
+    ("org/tiny/", "--model org/tiny ("),
+    (" org/tiny", "--model org/tiny ("),
+    ("https://huggingface.co/org/tiny", "--model org/tiny ("),
+    ("https://huggingface.co/org/tiny/tree/v2", "--model org/tiny --revision v2 ("),
+    ("https://huggingface.co/models/org/tiny/", "--model org/tiny ("),
+    ("hf://org/tiny", "--model org/tiny ("),
+])
+def test_a_repo_page_address_or_a_trailing_slash_names_the_repo_id(fake_hub, tmp_path, given,
+                                                                   fix):
+    with pytest.raises(ModelNotFoundError) as err:
+        resolve_model(given, cache_dir=str(tmp_path / "cache"))
+    assert f"--model {given!r} is not a Hub repo id: give {fix}" in str(err.value)
+    assert "\n" not in str(err.value) and not fake_hub.requests
+
+
+def test_what_is_not_a_repo_address_is_left_alone():
+    for model in ("org/tiny", "a/b/c", "./org/tiny/", "name", "https://example.com/x"):
+        assert hub_id_meant(model) is None, model
+
+
+def test_offline_over_a_download_stopped_part_way_says_what_it_lacks(fake_hub, tiny_chat_model,
+                                                                     tmp_path, monkeypatch):
+    """Not "not found on disk" beside a listing of the folder that holds it: the snapshot is
+    named, with the shard it lacks, and the fix."""
+    halves = _sharded_repo(tiny_chat_model, tmp_path / "sharded")
+    fake_hub.add("org/sharded", tmp_path / "sharded")
+    cache = str(tmp_path / "cache")
+    path = resolve_model("org/sharded", cache_dir=cache).path
+    second = sorted(halves)[1]
+    (path / second).unlink()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelNotFoundError) as err:
+        resolve_model("org/sharded", cache_dir=cache)
+    message = str(err.value)
+    assert f"the download in {path} is unfinished (it lacks {second})" in message
+    assert "unset HF_HUB_OFFLINE to finish it" in message and "\n" not in message
+    shutil.rmtree(path)  # no snapshot at all: every place searched, as before
+    with pytest.raises(ModelNotFoundError, match="not found on disk.*Searched"):
+        resolve_model("org/sharded", cache_dir=cache)
+
+
+def test_a_resume_after_the_branch_moved_names_the_revision_that_finishes_it():
+    old, new = {"model_weights": "aa@" + "1" * 40}, {"model_weights": "bb@" + "2" * 40}
+    with pytest.raises(FingerprintMismatch) as err:
+        check_fingerprint(old, new)
+    assert f"now names Hub commit {'2' * 40}" in str(err.value)
+    assert f"add --revision {'1' * 40} to finish it" in str(err.value)
+    with pytest.raises(FingerprintMismatch) as err:  # a local folder's weights: no commit
+        check_fingerprint({"model_weights": "aa"}, {"model_weights": "bb"})
+    assert "--revision" not in str(err.value)
