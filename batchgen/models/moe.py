@@ -15,8 +15,9 @@ the staging slots of offloaded experts):
 - routing: `deepseek_route`, one launch after the float32 router matmul (ROUTING_KERNEL);
 - FP8 experts: always the Triton block-scaled grouped GEMM (`grouped_gemm_fp8`, activations
   quantized per token and 128 columns, SiLU-and-mul fused into gate_up), never a dequantize;
-- bf16/fp16 experts: expert_bank.GROUPED_GEMM_BACKEND, torch._grouped_mm by default (the path verified on
-  an H200); float32, or a torch without _grouped_mm, takes the Triton `grouped_gemm`.
+- bf16/fp16 experts: expert_bank.GROUPED_GEMM_BACKEND, torch._grouped_mm by default (the path
+  verified on an H200); float32, or a torch without _grouped_mm, takes the Triton
+  `grouped_gemm`.
 benchmarks/moe_kernels_bench.py times both at DeepSeek-V3 shapes to settle the default.
 
 Offloading (--enable-ep-with-offloading, --ep-offloading-ratio r): the last round(r * E)
