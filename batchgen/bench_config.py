@@ -92,8 +92,8 @@ class BenchConfig:
     """One benchmark's model shape, engine settings and comparisons (the requests: Workload)."""
 
     shape: str = "smollm2-135m"
-    """Model shape (bench_models.SHAPES): smollm2-135m, llama3-8b, qwen3-8b, deepseek-v3-4l
-    (37 B), gpt-oss-20b (MXFP4), qwen3-30b-a3b, mixtral-8x7b."""
+    """Model shape (bench_models.SHAPES): smollm2-135m, llama3-8b, llama3-70b, qwen3-8b,
+    deepseek-v3-4l (37 B), gpt-oss-20b (MXFP4), qwen3-30b-a3b, mixtral-8x7b."""
     dtype: str = "auto"
     """Weights and activations: auto (bfloat16 on CUDA, float32 on the CPU), bfloat16,
     float16 or float32 (as `run`'s --dtype)."""

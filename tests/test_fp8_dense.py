@@ -65,11 +65,25 @@ def compressed_tensors_config(kind: str, bits: int) -> dict:
                                       "dynamic": True}}}}
 
 
-def load(folder, keep_fp8=False, monkeypatch=None):
+def load(folder, keep_fp8=False, monkeypatch=None, deferred=False):
+    """`deferred`: the projections' weights left on meta until loaded, as on CUDA
+    (fp8_dense.deferred_projections), here on the CPU; asserts some were."""
     if keep_fp8:
         monkeypatch.setattr(LlamaForCausalLM, "_keep_fp8", lambda self: True)
-    return build_model(load_hf_config(folder), read_safetensors(folder), torch.float32,
-                       torch.device("cpu"))
+    left = []
+    if deferred:
+        import batchgen.models.fp8_dense as fp8_dense
+
+        as_on_cuda = fp8_dense.deferred_projections
+
+        def deferring(model, hf_config, device, options=None):
+            left.extend(as_on_cuda(model, hf_config, torch.device("cuda"), options))
+            return left
+        monkeypatch.setattr(fp8_dense, "deferred_projections", deferring)
+    model = build_model(load_hf_config(folder), read_safetensors(folder), torch.float32,
+                        torch.device("cpu"))
+    assert bool(left) == deferred
+    return model
 
 
 def tokens(model, n=24):
@@ -82,11 +96,15 @@ def tokens(model, n=24):
 @pytest.mark.parametrize("family", ["llama", "qwen3", "phi3"])
 @pytest.mark.parametrize("scales", ["block", "tensor", "channel"])
 @pytest.mark.parametrize("keep_fp8", [False, True], ids=["dequantized", "fp8-modules"])
+@pytest.mark.parametrize("deferred", [False, True], ids=["materialised", "deferred"])
 def test_fp8_checkpoint_equals_its_dequantized_weights(tmp_path, monkeypatch, family,
-                                                       scales, keep_fp8):
+                                                       scales, keep_fp8, deferred):
+    """`deferred`: the projections' weights stay on meta until the checkpoint's arrive (as
+    on CUDA): FP8 ones replace the modules, dense ones (dequantized here) get storage then."""
     src = save_tiny_model(family, tmp_path / "src")
     write_fp8(src, tmp_path / "fp8", scales)
-    ours = load(tmp_path / "fp8", keep_fp8, monkeypatch)
+    ours = load(tmp_path / "fp8", keep_fp8, monkeypatch, deferred)
+    assert not any(p.is_meta for p in ours.parameters())
     reference = load(tmp_path / "fp8" / "dequant")
     fp8_modules = [m for m in ours.modules() if isinstance(m, Fp8Linear)]
     # q|k|v and gate|up fused: 4 FP8 projections per layer when kept
@@ -102,7 +120,7 @@ def test_qwen2_biased_qkv_stays_dense(tmp_path, monkeypatch):
     """Fp8Linear has no bias: q/k/v with a bias are dequantized, the rest stays FP8."""
     src = save_tiny_model("qwen2", tmp_path / "src")
     write_fp8(src, tmp_path / "fp8", "block")
-    ours = load(tmp_path / "fp8", True, monkeypatch)
+    ours = load(tmp_path / "fp8", True, monkeypatch, deferred=True)  # o_proj etc. deferred
     layer = ours.model.layers[0]
     assert not isinstance(layer.self_attn.qkv_proj, Fp8Linear)
     assert isinstance(layer.self_attn.o_proj, Fp8Linear)
@@ -136,3 +154,29 @@ def test_compressed_tensors_schemes_other_than_fp8_are_refused(tmp_path):
     (tmp_path / "fp8" / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="compressed-tensors checkpoint with int4 weights"):
         load(tmp_path / "fp8")
+
+
+def test_only_unbiased_projections_of_an_fp8_checkpoint_kept_fp8_are_deferred(tmp_path):
+    """On CUDA (FP8 kept) the four projections of every layer wait on meta for their FP8
+    tensors; a biased one (Qwen2's q|k|v), the CPU, --pre-dequantize-weights or a checkpoint
+    that is not FP8 defer nothing."""
+    from types import SimpleNamespace
+
+    from batchgen.models.fp8_dense import deferred_projections
+    from batchgen.models.loader import meta_model
+
+    src = save_tiny_model("qwen2", tmp_path / "src")
+    write_fp8(src, tmp_path / "fp8", "block")
+    config = load_hf_config(tmp_path / "fp8")
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+
+    def deferred(cfg, device, **options):
+        names = [n for n, _ in deferred_projections(meta_model(cfg), cfg, device,
+                                                    SimpleNamespace(**options))]
+        return sorted({n.rsplit(".", 1)[-1] for n in names}), len(names)
+
+    layers = config.num_hidden_layers
+    assert deferred(config, cuda) == (["down_proj", "gate_up_proj", "o_proj"], 3 * layers)
+    assert deferred(config, cpu) == ([], 0)
+    assert deferred(config, cuda, pre_dequantize_weights=True) == ([], 0)
+    assert deferred(load_hf_config(tmp_path / "fp8" / "dequant"), cuda) == ([], 0)

@@ -165,11 +165,15 @@ def capped_context(model_context: int, max_model_len: int | None) -> int:
 
 
 def weight_bytes(cfg: ModelConfig, device: torch.device, world_size: int = 1) -> int:
-    """Bytes of the whole model's weights at the dtype it would load in (sizes TP)."""
+    """Bytes of the whole model's weights at the dtype it would load in (sizes TP): an FP8
+    checkpoint's projections and experts kept FP8 at one byte a parameter."""
     folder, _ = model_folder(cfg, world_size)
     hf_config = load_hf_config(folder)
     size = resolve_dtype(cfg.dtype, device).itemsize
+    from batchgen.models.fp8_dense import deferred_projections  # with the model classes
+
     model = meta_model(hf_config, cfg)
     fp8_experts_up_front(model, hf_config, device, cfg)
-    return sum(p.numel() * (p.element_size() if p.element_size() == 1 else size)
+    fp8 = {id(m.weight) for _, m in deferred_projections(model, hf_config, device, cfg)}
+    return sum(p.numel() * (1 if id(p) in fp8 or p.element_size() == 1 else size)
                for p in model.parameters())

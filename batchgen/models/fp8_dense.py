@@ -95,10 +95,30 @@ class Fp8Projections:
             raise ValueError(f"{target}: FP8 checkpoint shape {tuple(weight.shape)} != model "
                              f"shape {tuple(old.weight.shape)}")
         reduce = (isinstance(old, RowParallelLinear) and old.reduce_output and old.tp.size > 1)
-        device = old.weight.device
+        device = weight.device if old.weight.is_meta else old.weight.device  # deferred: meta
         self.model.set_submodule(path, Fp8Linear(weight.to(device), scale.to(device),
                                                  ordered[0].block, old.tp if reduce else None,
                                                  self.dtype))
+
+
+FP8_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+"""The decoder projections an FP8 checkpoint of the Llama family replaces with Fp8Linear."""
+
+
+def deferred_projections(model: nn.Module, hf_config, device: torch.device,
+                         options=None) -> list[tuple[str, nn.Linear]]:
+    """(name, module) of the projections whose weights stay on the meta device until the
+    checkpoint's FP8 tensors replace them (Fp8Projections): those of a model that loads through
+    Fp8Projections (`fp8_projections` set), from an FP8 checkpoint kept FP8 (CUDA, no
+    --pre-dequantize-weights), without bias. Materialised in the model dtype they would need
+    twice the FP8 weights' memory first (a 70 B checkpoint: 140 GB before its 70 GB of FP8)."""
+    if (not getattr(model, "fp8_projections", False) or device.type != "cuda"
+            or getattr(options, "pre_dequantize_weights", False)
+            or not is_fp8_checkpoint(hf_config)):
+        return []
+    return [(name, module) for name, module in model.named_modules()
+            if name.rsplit(".", 1)[-1] in FP8_PROJECTIONS and isinstance(module, nn.Linear)
+            and module.bias is None]
 
 
 def feed_quantized_rows(layers) -> None:

@@ -152,6 +152,9 @@ class LlamaForCausalLM(PagedCausalLM):
 
     qk_norm = False
     supports_tensor_parallel = True
+    fp8_projections = True
+    """FP8 checkpoints' projections load through fp8_dense.Fp8Projections (their dense
+    weights deferred on CUDA: fp8_dense.deferred_projections)."""
 
     @staticmethod
     def biases(hf_config) -> Biases:
@@ -204,6 +207,9 @@ class LlamaForCausalLM(PagedCausalLM):
             fp8.check_done()
             feed_quantized_rows(self.model.layers)
         self._check_complete(params, seen)
+        left = [n for n, p in self.named_parameters() if p.is_meta]
+        if left:  # deferred for FP8 and never filled (checked above; a last guard)
+            raise ValueError(f"checkpoint lacks {len(left)} tensors, e.g. {left[:3]}")
 
     def _load_other(self, name: str, tensor, presharded: bool) -> bool:
         """Place a tensor the dense layers have no place for (a subclass's MoE); True if
@@ -227,6 +233,8 @@ class LlamaForCausalLM(PagedCausalLM):
         return 3 if ".qkv_proj." in target else 2 if ".gate_up_proj." in target else 1
 
     def _copy(self, params: dict, name: str, target: str, slot: int, tensor: torch.Tensor) -> None:
+        if params[target].is_meta:  # deferred for FP8, but this piece comes dense
+            params[target] = self._materialize_deferred(target, tensor.device)
         rows = self._rows(target, slot)
         param = params[target][rows] if rows is not None else params[target]
         if tuple(param.shape) != tuple(tensor.shape):
@@ -234,6 +242,15 @@ class LlamaForCausalLM(PagedCausalLM):
                              f"shape {tuple(param.shape)}")
         with torch.no_grad():
             param.copy_(tensor)
+
+    def _materialize_deferred(self, target: str, device: torch.device) -> nn.Parameter:
+        """Storage in the model dtype for a projection weight left on meta for an FP8 one
+        (fp8_dense.deferred_projections) that a dense tensor fills instead."""
+        module = self.get_submodule(target[: -len(".weight")])
+        dtype = self.model.embed_tokens.weight.dtype
+        module.weight = nn.Parameter(torch.empty(module.weight.shape, dtype=dtype, device=device),
+                                     requires_grad=False)
+        return module.weight
 
     def _rows(self, target: str, slot: int) -> slice | None:
         """Rows of a fused parameter that checkpoint piece `slot` fills (None: all of it)."""

@@ -354,10 +354,21 @@ def materialize(model: torch.nn.Module, device: torch.device, hf_config=None,
                 options=None) -> torch.nn.Module:
     """Give a meta model uninitialised storage on `device`, in the dtypes it already has (cast
     on meta first: allocating float32 and casting after would need twice the memory). With
-    the model's `hf_config`, a block-scaled FP8 checkpoint's experts get FP8 storage."""
+    the model's `hf_config`, a block-scaled FP8 checkpoint's experts get FP8 storage and the
+    projections an FP8 checkpoint replaces (fp8_dense.deferred_projections) none: their
+    weights stay on meta until the FP8 ones arrive (or a dense one: llama.py's `_copy`)."""
+    deferred = []
     if hf_config is not None:
+        from batchgen.models.fp8_dense import deferred_projections
+
         fp8_experts_up_front(model, hf_config, device, options)
+        deferred = [(module, module.weight) for _, module in
+                    deferred_projections(model, hf_config, device, options)]
+        for module, _ in deferred:
+            del module.weight  # kept on meta: to_empty would allocate it in the model dtype
     model = model.to_empty(device=device).requires_grad_(False)
+    for module, weight in deferred:
+        module.weight = torch.nn.Parameter(weight, requires_grad=False)
     if hasattr(model, "tie_weights"):
         model.tie_weights()  # to_empty gives every parameter its own storage
     for module in model.modules():  # buffers (rope tables) are computed, not loaded
