@@ -205,6 +205,7 @@ def test_batchgen_run_answers_chat_lines_like_transformers(name, tmp_path):
                                                add_generation_prompt=True, tokenize=False)
         ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
         want = hf_greedy(hf, ids, 8)
+        assert response["body"]["usage"]["completion_tokens"] == len(want)  # EOS counted
         if tokenizer.eos_token_id in want:
             want = want[: want.index(tokenizer.eos_token_id)]
         message = response["body"]["choices"][0]["message"]["content"]
