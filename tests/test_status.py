@@ -70,6 +70,7 @@ def test_an_unfinished_job_shows_saved_results_and_whether_a_run_holds_it(tmp_pa
     lock.write_text(f"pid {os.getpid()} on host {socket.gethostname()}\n")
     code, out = status(str(root))
     assert code == 0 and "3 of 9 results" in out and f"running (pid {os.getpid()}" in out
+    assert "none (a resume starts any unfinished request from its prompt)" in out
     dead = subprocess.Popen(["true"])
     dead.wait()
     lock.write_text(f"pid {dead.pid} on host {socket.gethostname()}\n")  # killed outright
@@ -188,7 +189,7 @@ def test_status_reads_the_saved_results_once(tmp_path, monkeypatch):
 
     monkeypatch.setattr(status_module, "read_done_ids", counting)
     code, out = status(str(root))
-    assert code == 0 and "2 of 5 results" in out and "0 requests in flight" in out
+    assert code == 0 and "2 of 5 results" in out and "none (a resume starts" in out
     assert len(passes) == 1
 
 
@@ -220,3 +221,16 @@ def test_a_failed_job_shows_its_whole_log_path_and_when_it_failed(tmp_path, monk
     assert code == 0 and "batch_bad: failed" in out
     assert str(log) in re.sub(r"[\s│]", "", out)  # folded over lines, never cut
     assert "…" not in out and "2 min ago (" in out
+
+
+def test_a_completed_job_shows_an_earlier_failure_as_history(tmp_path, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "300")  # each table row on one line
+    root = tmp_path / "jobs"
+    (root / "batches").mkdir(parents=True)
+    (root / "batches" / "batch_done.json").write_text(json.dumps({
+        "batch_id": "batch_done", "status": "completed",
+        "request_counts": {"total": 2, "completed": 2, "failed": 0},
+        "health": {"last_failure": "[rank 1] died: re-run the same command to resume"}}))
+    code, out = status(str(root))
+    assert code == 0 and "an earlier run's: the job completed since" in out
+    assert "[rank 1] died" in out  # shown as written, not read as a style

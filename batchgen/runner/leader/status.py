@@ -51,9 +51,10 @@ def show_status(storage: Path, target: str | None) -> int:
 
 def _show_files(files: list[Path], missing: str) -> int:
     if not files:
-        Console(stderr=True, soft_wrap=True).print(missing)
+        Console(stderr=True, soft_wrap=True, markup=False).print(missing)
         return ExitCode.FAILED
-    console, failed = Console(), ExitCode.OK
+    # No markup: paths and failure messages are shown as they are ("[rank 1]" is no style)
+    console, failed = Console(markup=False), ExitCode.OK
     for path in files:
         storage, batches = path.parent.parent, path.parent
         try:
@@ -67,7 +68,8 @@ def _show_files(files: list[Path], missing: str) -> int:
                 table.add_row("run", _liveness(batches / f"{batch_id}.lock", state["status"]))
             console.print(table)
         except (OSError, orjson.JSONDecodeError, KeyError, TypeError) as err:
-            Console(stderr=True, soft_wrap=True).print(f"cannot read {path}: {err!r}")
+            Console(stderr=True, soft_wrap=True, markup=False).print(
+                f"cannot read {path}: {err!r}")
             failed = ExitCode.FAILED
     return failed
 
@@ -100,6 +102,8 @@ def _checkpointed(storage: Path, batch_id: str, done: IdSet | CorruptIncremental
         _, report = load(path, None, done)
         requests += report.requests
         tokens += report.tokens
+    if not requests:
+        return "none (a resume starts any unfinished request from its prompt)"
     return f"{requests} requests in flight hold {tokens} generated tokens (resume continues them)"
 
 
@@ -186,6 +190,8 @@ def _table(state: dict, workers: list[dict]) -> Table:
         if key in TIMESTAMPS and isinstance(value, (int, float)) and value > 0:
             when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(value))
             value = f"{age(now - value)} ({when})"
+        if key == "last_failure" and state.get("status") == "completed":
+            value = f"{value} (an earlier run's: the job completed since)"
         table.add_row(f"health.{key}", str(value))
     for w in workers:  # stats files are rewritten as workers go: take what is there
         beat = w.get("heartbeat")
