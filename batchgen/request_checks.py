@@ -65,6 +65,12 @@ def grammar_constrained(extra: dict) -> bool:
                                   response_format.get("type") in ("json_object", "json_schema"))
 
 
+def no_parameters() -> dict:
+    """The parameters schema of a function that gives none (or `{}`): its arguments are `{}`
+    (OpenAI: "omitting parameters defines a function with an empty parameter list")."""
+    return {"type": "object", "properties": {}, "additionalProperties": False}
+
+
 def _functions(tools) -> list[dict]:
     if not isinstance(tools, list):
         return []
@@ -74,7 +80,7 @@ def _functions(tools) -> list[dict]:
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise ToolChoiceError(f"tools[{i}] must be {{\"type\": \"function\", \"function\": "
                                   "{\"name\", \"parameters\"}}")
-        params = fn.get("parameters") or {"type": "object"}
+        params = fn.get("parameters") or no_parameters()
         if not isinstance(params, dict):
             raise ToolChoiceError(f"tools[{i}].function.parameters must be a JSON schema object")
         out.append({"name": fn["name"], "parameters": params})

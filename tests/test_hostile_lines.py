@@ -75,6 +75,18 @@ def test_validate_refuses_the_schemas_the_grammar_compiler_refuses(tmp_path):
     assert f"{len(rows)} requests: 1 valid" in result.output
 
 
+def test_validate_names_tools_for_a_forced_parameters_schema_the_compiler_refuses():
+    """As the job's worker does: the schema at fault is in `tools`."""
+    from batchgen.runner.leader.validate import grammar_checked
+
+    bad = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "string", "pattern": "[a-"}}}}}
+    err = grammar_checked(parse({"custom_id": "t", "messages": USER, "tools": [bad],
+                                 "tool_choice": "required"}))
+    assert isinstance(err, IntakeError) and err.code == "invalid_tool_choice"
+    assert err.param == "tools" and "Unclosed '['" in err.message
+
+
 def test_the_worker_refuses_the_same_schemas_with_the_same_message():
     from transformers import AutoTokenizer  # noqa: F401  (the engine needs a tokenizer)
 

@@ -1,5 +1,6 @@
 """Intake: every accepted shape, every bad-line kind, sampling fields, templates, context."""
 
+import copy
 import dataclasses
 import importlib.util
 from pathlib import Path
@@ -17,7 +18,8 @@ DATA = Path(__file__).parent / "data"
 WORDS = "hello world how are you i am fine the a tool get_weather think".split()
 TEMPLATE = (
     "{% if tools %}<|system|> tool {% for t in tools %}{{ t['function']['name'] }} {% endfor %}"
-    "{% endif %}{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}"
+    "{% endif %}{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} "
+    "{% for c in m['tool_calls'] or [] %}{{ c['function']['name'] }} {% endfor %}{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% if think %} think{% endif %}{% endif %}")
 
 
@@ -152,7 +154,22 @@ def test_an_assistant_turn_of_tool_calls_with_null_content_renders(tok):
                                             "tool_call_id": "c"}]}))
     assert not isinstance(req, IntakeError), req
     assert req.prompt_token_ids == ids(
-        tok, "<|user|> hello world <|assistant|> <|tool|> hello <|assistant|>")
+        tok, "<|user|> hello world <|assistant|> f <|tool|> hello <|assistant|>")
+
+
+def test_earlier_tool_calls_a_template_does_not_render_are_refused(tok):
+    """An assistant turn's tool_calls that the template drops (SmolLM2's writes only content)
+    would leave the model an empty turn and a tool result answering nothing: error line."""
+    call = {"id": "c", "type": "function", "function": {"name": "get_weather",
+                                                        "arguments": "{}"}}
+    t = copy.deepcopy(tok)
+    t.chat_template = TEMPLATE.replace("{% for c in m['tool_calls'] or [] %}", "{% for c in [] %}")
+    body = {"messages": [*USER, {"role": "assistant", "content": None, "tool_calls": [call]},
+                         {"role": "tool", "content": "hello", "tool_call_id": "c"}]}
+    err = run(t, chat_line(body))
+    assert isinstance(err, IntakeError) and err.code == "unsupported_tools"
+    assert err.param == "messages[1].tool_calls" and "tool_calls of messages[1]" in err.message
+    assert isinstance(run(tok, chat_line(body)), PendingRequest)  # the same line, rendered
 
 
 def test_tools_and_template_kwargs_reach_the_template(tok):

@@ -156,6 +156,52 @@ def test_forced_tool_choice_yields_a_parsable_call(smol, tools_tokenizer, parser
         assert set(arguments) == expected
 
 
+ORDER = {"type": "function", "function": {"name": "add_item", "parameters": {  # pydantic's shape
+    "$defs": {"Item": {"type": "object", "properties": {
+        "sku": {"type": "string", "pattern": "^[A-Z]{3}$"},
+        "qty": {"type": "integer", "minimum": 1, "maximum": 5}},
+        "required": ["sku", "qty"], "additionalProperties": False}},
+    "type": "object", "properties": {"item": {"$ref": "#/$defs/Item"}}, "required": ["item"],
+    "additionalProperties": False}}}
+NOW = {"type": "function", "function": {"name": "now", "description": "The time"}}
+
+
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json"])
+def test_forced_calls_take_refs_and_functions_without_parameters(smol, tools_tokenizer, parser):
+    """A parameters schema with `$defs` and `$ref`s (as pydantic writes one) is enforced as
+    it reads, not against the call's wrapper; a function without parameters is called with
+    `{}`, OpenAI's empty parameter list."""
+    grammars = Grammars(smol.tokenizer, smol.hf_config.vocab_size, smol.eos_token_ids, parser)
+    engine = make_engine(smol.model, smol.tokenizer, smol.eos_token_ids, device_gb=0.3,
+                         host_gb=0.3)
+    requests = []
+    for i, tool in enumerate([ORDER, NOW, NOW]):
+        request = grammars.request(_pending(tools_tokenizer, "required", tools=[tool], seed=i))
+        assert not isinstance(request, IntakeError), request
+        request.request_id = f"r{i}"
+        requests.append(request)
+    results = [r.completions[0] for r in engine.generate(requests)]
+    _, calls = parse_tool_calls(results[0].text, parser)
+    item = json.loads(calls[0]["function"]["arguments"])["item"]
+    assert set(item) == {"sku", "qty"} and len(item["sku"]) == 3 and 1 <= item["qty"] <= 5
+    for result in results[1:]:
+        _, calls = parse_tool_calls(result.text, parser)
+        assert calls[0]["function"]["name"] == "now"
+        assert calls[0]["function"]["arguments"] == "{}", result.text
+
+
+def test_a_parameters_schema_the_compiler_refuses_names_tools(smol, tools_tokenizer):
+    """A schema error found only when compiling (a broken regex) is an error line naming
+    `tools`, with xgrammar's reason and none of its log prefix."""
+    bad = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "string", "pattern": "[a-"}}}}}
+    grammars = Grammars(smol.tokenizer, smol.hf_config.vocab_size, smol.eos_token_ids, "hermes")
+    err = grammars.request(_pending(tools_tokenizer, "required", tools=[bad]))
+    assert isinstance(err, IntakeError) and err.code == "invalid_tool_choice"
+    assert err.param == "tools" and ".cc:" not in err.message
+    assert err.message.startswith("line 1: tools: a parameters schema cannot be enforced: Regex")
+
+
 def test_free_text_without_a_forced_choice_and_conflicts_are_errors(smol, tools_tokenizer):
     grammars = Grammars(smol.tokenizer, smol.hf_config.vocab_size, smol.eos_token_ids, "hermes")
     assert grammars.request(_pending(tools_tokenizer, "auto")).grammar is None

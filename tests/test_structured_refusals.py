@@ -51,6 +51,7 @@ def test_response_format_keywords_the_grammar_would_drop_are_refused(name):
     parsed = parse(response_format=rf(DROPPED[name]))
     assert isinstance(parsed, IntakeError), name
     assert (parsed.code, parsed.param) == ("unsupported_response_format", "response_format")
+    assert parsed.message.startswith("line 1: response_format: "), parsed.message
 
 
 def test_keywords_the_grammar_would_drop_are_refused():

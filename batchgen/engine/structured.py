@@ -112,7 +112,7 @@ class GrammarCompiler:
                 max_whitespace_cnt=MAX_WHITESPACE,
             )
         except (RuntimeError, ValueError) as exc:
-            raise StructuredOutputError(f"invalid JSON schema: {_first_line(exc)}") from None
+            raise StructuredOutputError(f"invalid JSON schema: {xgrammar_reason(exc)}") from None
         return CompiledGrammar(grammar, self.vocab_size, tuple(self._info.stop_token_ids))
 
 
@@ -121,7 +121,7 @@ class GrammarCompiler:
         try:
             compiled = self._compiler.compile_grammar(grammar)
         except (RuntimeError, ValueError) as exc:
-            raise StructuredOutputError(f"invalid grammar: {_first_line(exc)}") from None
+            raise StructuredOutputError(f"invalid grammar: {xgrammar_reason(exc)}") from None
         return CompiledGrammar(compiled, self.vocab_size, tuple(self._info.stop_token_ids))
 
 
@@ -152,12 +152,12 @@ def _schema_problem(schema: str, strict: bool, any_whitespace: bool) -> str | No
         xgr.Grammar.from_json_schema(schema, strict_mode=strict, any_whitespace=any_whitespace,
                                      max_whitespace_cnt=MAX_WHITESPACE if any_whitespace else None)
     except (RuntimeError, ValueError) as exc:
-        return _first_line(exc)
+        return xgrammar_reason(exc)
     return None
 
 
-def _first_line(exc: Exception) -> str:
-    # xgrammar prefixes messages with "[time] file.cc:line: "; keep only the reason.
+def xgrammar_reason(exc: Exception) -> str:
+    """The first line of an xgrammar error without its "[time] file.cc:line: " prefix."""
     line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return line.split(": ", 1)[1] if line.startswith("[") and ": " in line else line
 

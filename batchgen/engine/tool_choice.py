@@ -32,28 +32,29 @@ def tool_call_grammar(functions: list[dict], parser: str | None):
         calls = [_call(xgr, fn, parser) for fn in functions]
         return calls[0] if len(calls) == 1 else xgr.Grammar.union(*calls)
     except (RuntimeError, ValueError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ToolChoiceError(f"tools: a parameters schema cannot be enforced: {first}") from None
+        from batchgen.engine.structured import xgrammar_reason
+
+        raise ToolChoiceError("tools: a parameters schema cannot be enforced: "
+                              f"{xgrammar_reason(err)}") from None
 
 
 def _literal(xgr, text: str):
-    return xgr.Grammar.from_ebnf("root ::= " + json.dumps(text))
+    return xgr.Grammar.from_ebnf("root ::= " + json.dumps(text, ensure_ascii=False))
 
 
 def _call(xgr, fn: dict, parser: str):
+    """One call: the format's fixed text around the arguments, whose grammar is built from
+    the parameters schema alone, so its `$ref`s (`#/$defs/...`, `#`) resolve against it as
+    a pydantic-written schema expects."""
+    arguments = xgr.Grammar.from_json_schema(json.dumps(fn["parameters"]), any_whitespace=False)
     if parser == "deepseek_v3":
         head = ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>"
                 f"{fn['name']}\n```json\n")
-        return xgr.Grammar.concat(_literal(xgr, head),
-                                  xgr.Grammar.from_json_schema(json.dumps(fn["parameters"]),
-                                                               any_whitespace=False),
-                                  _literal(xgr, "\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>"))
-    key = "arguments" if parser == "hermes" else "parameters"
-    schema = {"type": "object", "properties": {"name": {"const": fn["name"]},
-                                               key: fn["parameters"]},
-              "required": ["name", key], "additionalProperties": False}
-    body = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
-    if parser == "hermes":
-        return xgr.Grammar.concat(_literal(xgr, "<tool_call>\n"), body,
-                                  _literal(xgr, "\n</tool_call>"))
-    return body
+        tail = "\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>"
+    else:
+        key = "arguments" if parser == "hermes" else "parameters"
+        head = f'{{"name": {json.dumps(fn["name"], ensure_ascii=False)}, "{key}": '
+        tail = "}"
+        if parser == "hermes":
+            head, tail = "<tool_call>\n" + head, tail + "\n</tool_call>"
+    return xgr.Grammar.concat(_literal(xgr, head), arguments, _literal(xgr, tail))

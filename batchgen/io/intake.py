@@ -337,7 +337,9 @@ def _check_structured(extra: dict) -> None:
             check_grammar_limits(extra["response_format"])
             schema, _ = response_format_schema(extra["response_format"])
         except (GrammarTooComplex, StructuredOutputError) as err:
-            raise BadLine("unsupported_response_format", str(err), "response_format") from None
+            said = str(err) if str(err).startswith("response_format") \
+                else f"response_format: {err}"  # as the worker's compile errors read
+            raise BadLine("unsupported_response_format", said, "response_format") from None
         if forced is not None and schema is not None:  # the worker's rule (grammars.py)
             raise BadLine("invalid_tool_choice", "a tool_choice that forces a call cannot be "
                                                  "combined with response_format: drop one",

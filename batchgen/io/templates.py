@@ -72,6 +72,7 @@ def render_chat(messages: list[dict], extra: dict, tokenizer: Any) -> str:
                             "this model's chat template does not render tools, so the model "
                             "would never see them: drop \"tools\" or use a model whose template "
                             "supports tool use", "tools")
+    _check_tool_calls_rendered(text, messages, extra, tokenizer, tools)
     effort = extra.get("reasoning_effort")
     if effort is not None and text == _render(
             messages, {**extra, "reasoning_effort": "low" if effort != "low" else "high"},
@@ -81,6 +82,29 @@ def render_chat(messages: list[dict], extra: dict, tokenizer: Any) -> str:
                             f"{effort!r} would change nothing: drop it or use a reasoning model "
                             "whose template reads it (gpt-oss)", "reasoning_effort")
     return text
+
+
+def _check_tool_calls_rendered(text: str, messages: list[dict], extra: dict, tokenizer: Any,
+                               tools) -> None:
+    """Refuse earlier assistant `tool_calls` the template does not render (the prompt is the
+    same without them, as SmolLM2's, which writes only `content`): the model would read an
+    empty assistant turn and a tool result answering nothing, as it does tools it never saw."""
+    calls = [i for i, m in enumerate(messages)
+             if m.get("role") == "assistant" and m.get("tool_calls")]
+    if not calls:
+        return
+    bare = [{k: v for k, v in m.items() if k != "tool_calls"} if i in calls else m
+            for i, m in enumerate(messages)]
+    try:
+        same = text == _render(bare, extra, tokenizer, tools)
+    except TemplateError:  # a template that needs the calls reads them
+        return
+    if same:
+        raise TemplateError("unsupported_tools",
+                            f"this model's chat template does not render the tool_calls of "
+                            f"messages[{calls[0]}], so the model would never see them: write the "
+                            "calls into that message's content, or use a model whose template "
+                            "supports tool use", f"messages[{calls[0]}].tool_calls")
 
 
 DEVELOPER_ROLE = re.compile(r"""['"]developer['"]""")

@@ -81,7 +81,7 @@ def grammar_checked(parsed):
     problem = schema_problem(parsed.extra.get("response_format"), forced)
     if problem is None:
         return parsed
-    code, param = (("invalid_tool_choice", "tool_choice") if problem.startswith("tools:")
+    code, param = (("invalid_tool_choice", "tools") if problem.startswith("tools:")
                    else ("unsupported_response_format", "response_format"))
     return IntakeError(parsed.custom_id, parsed.line, code, f"line {parsed.line}: {problem}",
                        param)

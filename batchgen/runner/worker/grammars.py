@@ -58,8 +58,11 @@ class Grammars:
                 grammar = tool_call_grammar(functions, self.tool_parser)
                 self._cache[key] = self._compiler_().compile_grammar(grammar)
         except (ValueError, TypeError, RecursionError) as err:
+            # A schema in tools the grammar engine refuses names tools; a format that cannot
+            # be forced names tool_choice.
+            param = "tool_choice" if str(err).startswith("tool_choice") else "tools"
             return IntakeError(item.custom_id, item.line, "invalid_tool_choice",
-                               f"line {item.line}: {err}", "tool_choice")
+                               f"line {item.line}: {err}", param)
         request = item.to_request()
         request.grammar = self._cache[key]
         return request
