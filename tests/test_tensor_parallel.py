@@ -41,7 +41,7 @@ def assert_same_as_single(ranks, single):
     assert ranks[0] == ranks[1]  # the replicas are bitwise identical
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "phi3", "granite"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "phi3", "granite", "gemma3"])
 def test_tp2_equals_one_process(tmp_path, family):
     folder = save_tiny_model(family, tmp_path / family)
     single = generate(TensorParallel(), folder, 24)

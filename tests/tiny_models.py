@@ -10,8 +10,8 @@ VOCAB = 512
 
 
 def tiny_config(family: str):
-    from transformers import (GraniteConfig, LlamaConfig, MistralConfig, MixtralConfig, Phi3Config,
-                              Qwen2Config, Qwen3Config, Qwen3MoeConfig)
+    from transformers import (Gemma3TextConfig, GraniteConfig, LlamaConfig, MistralConfig,
+                              MixtralConfig, Phi3Config, Qwen2Config, Qwen3Config, Qwen3MoeConfig)
 
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
@@ -42,6 +42,13 @@ def tiny_config(family: str):
         return GraniteConfig(**common, embedding_multiplier=12.0, residual_multiplier=0.22,
                              attention_multiplier=0.0625, logits_scaling=8.0,
                              tie_word_embeddings=True)
+    if family == "gemma3":  # both layer kinds, a window shorter than the prompts, linear rope
+        # scaling on the full layers only, head_dim != hidden / heads, scale != 1/sqrt(head_dim)
+        return Gemma3TextConfig(
+            **common, head_dim=32, sliding_window=16, query_pre_attn_scalar=24,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_scaling={"rope_type": "linear", "factor": 8.0}, rope_theta=1e6,
+            rope_local_base_freq=10000.0, tie_word_embeddings=True)
     raise ValueError(family)
 
 
@@ -54,6 +61,11 @@ def save_tiny_model(family: str, folder: Path, seed: int = 0, **overrides) -> Pa
         setattr(config, key, value)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if family == "gemma3":  # HF starts Gemma's (1 + w) norms at w = 0: give them weight
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.normal_(0.0, 0.3)
     model.save_pretrained(str(folder), safe_serialization=True)
     return folder
 

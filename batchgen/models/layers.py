@@ -62,10 +62,16 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(dtype)
 
 
-def rope_parameters(hf_config) -> dict:
+def rope_parameters(hf_config, layer_type: str | None = None) -> dict:
     """Rope settings across transformers versions (`rope_parameters` in 5.x, else
-    `rope_theta` + `rope_scaling`)."""
+    `rope_theta` + `rope_scaling`). `layer_type`: the settings of that kind of layer, for a
+    config with one rope per kind (Gemma 3's "sliding_attention" / "full_attention": nested
+    in 5.x; in 4.x its sliding layers take `rope_local_base_freq` unscaled)."""
     params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    if layer_type is not None and isinstance(params.get(layer_type), dict):
+        params = dict(params[layer_type])
+    elif layer_type == "sliding_attention" and hasattr(hf_config, "rope_local_base_freq"):
+        params = {"rope_type": "default", "rope_theta": hf_config.rope_local_base_freq}
     if not params:
         params = dict(getattr(hf_config, "rope_scaling", None) or {})
         params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
@@ -73,12 +79,14 @@ def rope_parameters(hf_config) -> dict:
     return params
 
 
-def rope_inv_freq(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies and attention scaling, llama3/linear/yarn scaling included.
+def rope_inv_freq(hf_config, head_dim: int,
+                  layer_type: str | None = None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and attention scaling, llama3/linear/yarn scaling included; of
+    `layer_type`'s rope where a config has one per kind of layer (`rope_parameters`).
 
     Scaled variants come from transformers' own table so they match the reference exactly.
     """
-    params = rope_parameters(hf_config)
+    params = rope_parameters(hf_config, layer_type)
     kind = params["rope_type"]
     if kind == "default":
         base = params["rope_theta"]
@@ -94,8 +102,10 @@ def rope_inv_freq(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
         known = ", ".join(sorted(ROPE_INIT_FUNCTIONS))
         raise UnsupportedModelError(f"rope_type {kind!r} (config.json's rope scaling) is not "
                                     f"supported; batchgen takes {known}")
+    nested = isinstance((getattr(hf_config, "rope_parameters", None) or {}).get(layer_type), dict)
+    extra = {"layer_type": layer_type} if nested else {}
     with torch.device("cpu"):  # models are built under the meta device; this table is real
-        inv, scaling = ROPE_INIT_FUNCTIONS[kind](hf_config, "cpu")
+        inv, scaling = ROPE_INIT_FUNCTIONS[kind](hf_config, "cpu", **extra)
     return inv.float(), float(scaling)
 
 

@@ -15,6 +15,7 @@ ARCHITECTURES = {
     "GptOssForCausalLM": "batchgen.models.gpt_oss:GptOssForCausalLM",
     "Qwen3MoeForCausalLM": "batchgen.models.softmax_moe:Qwen3MoeForCausalLM",
     "MixtralForCausalLM": "batchgen.models.softmax_moe:MixtralForCausalLM",
+    "Gemma3ForCausalLM": "batchgen.models.gemma3:Gemma3ForCausalLM",
     # The bare decoder stacks, as embedding models ship them (no LM head; their tensors named
     # without the "model." prefix): the same classes, answering /v1/embeddings lines only.
     "LlamaModel": "batchgen.models.llama:LlamaForCausalLM",
@@ -27,9 +28,20 @@ MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                "deepseek_v3": "DeepseekV3ForCausalLM", "gpt_oss": "GptOssForCausalLM",
                "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
-               "phi3": "Phi3ForCausalLM", "granite": "GraniteForCausalLM"}
+               "phi3": "Phi3ForCausalLM", "granite": "GraniteForCausalLM",
+               "gemma3_text": "Gemma3ForCausalLM"}
 """config.json's model_type -> the class transformers' AutoModelForCausalLM builds for it: the
 architecture of a config that lists none (one a config's own save_pretrained wrote)."""
+REFUSED = {
+    "Gemma2ForCausalLM": "Gemma 2 caps its attention logits (attn_logit_softcapping), which "
+                         "batchgen's attention kernels do not compute",
+    "Gemma3ForConditionalGeneration": "batchgen runs Gemma 3's text-only checkpoints "
+                                      "(Gemma3ForCausalLM: gemma-3-270m, gemma-3-1b and their "
+                                      "-it releases), not its image-text ones",
+}
+"""Architectures batchgen knows and does not run, each with the reason a user is told."""
+REFUSED_TYPES = {"gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForConditionalGeneration"}
+"""model_type -> its REFUSED architecture, for a config that lists none."""
 QUANT_METHODS = ("fp8", "compressed-tensors", "mxfp4")
 """quantization_config.quant_method values batchgen reads (FP8 checkpoints, gpt-oss's MXFP4
 experts); another (awq, gptq, bitsandbytes, ...) has weights no model class has a place for."""
@@ -52,6 +64,10 @@ def supported_architecture(archs: list[str], model_type: str | None = None) -> s
     for arch in archs:
         if arch in ARCHITECTURES:
             return arch
+    refused = [a for a in archs if a in REFUSED] or (
+        [REFUSED_TYPES[model_type]] if not archs and model_type in REFUSED_TYPES else [])
+    if refused:
+        raise UnsupportedModelError(f"{refused[0]} is not supported: {REFUSED[refused[0]]}")
     supported = ", ".join(sorted(ARCHITECTURES))
     if archs:
         raise UnsupportedModelError(f"unsupported architecture {archs}; batchgen supports "
