@@ -37,11 +37,14 @@ def test_greedy_tokens_match_hf_batched(family_models):
 
 
 @pytest.mark.gpu
-def test_qwen3_greedy_tokens_match_hf_through_the_cuda_kernels(tmp_path):
-    """On CUDA the Triton kernels run: the per-head q/k norms read the fused QKV output."""
+@pytest.mark.parametrize("family", ["qwen3", "phi3", "granite", "gemma3"])
+def test_greedy_tokens_match_hf_through_the_cuda_kernels(family, tmp_path):
+    """On CUDA the Triton kernels run (float32 weights): Qwen3's per-head q/k norms read the
+    fused QKV output; Phi-3's fused checkpoint projections, Granite's multipliers and Gemma 3's
+    windows, two ropes and (1 + w) norms take the same kernels."""
     from transformers import AutoModelForCausalLM
 
-    folder = save_tiny_model("qwen3", tmp_path)
+    folder = save_tiny_model(family, tmp_path)
     hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
     ps = prompts()
     results = make_engine(load_ours(folder, device="cuda")).generate(
