@@ -390,7 +390,6 @@ def test_unpack_bitmask_bit_order():
 
 
 @pytest.mark.gpu
-@pytest.mark.gpu
 def test_apply_masks_on_cuda_matches_reference(compiler):
     compiled = compiler.compile(json_schema_format(NESTED, True))
     matchers = [compiled.matcher() if i % 3 else None for i in range(16)]
