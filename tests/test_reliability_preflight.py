@@ -169,7 +169,7 @@ def test_gpus_are_counted_without_initialising_cuda(monkeypatch):
 
 
 @pytest.mark.parametrize("edit, needle", [
-    (lambda c: c.update(architectures=["Qwen3MoeForCausalLM"]), "unsupported architecture"),
+    (lambda c: c.update(architectures=["JambaForCausalLM"]), "unsupported architecture"),
     (lambda c: c.update(rope_scaling={"rope_type": "no-such-rope", "factor": 2.0}),
      "rope_type 'no-such-rope'"),
 ])
