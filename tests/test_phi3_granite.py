@@ -7,30 +7,12 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
-from engine_utils import (assert_last_logits_match, greedy_requests, hf_greedy, load_ours,
-                          make_engine)
+from engine_utils import assert_last_logits_match, hf_greedy, load_ours
+from family_checks import NEW_TOKENS, greedy, hf_model, prompts
 from safetensors.torch import load_file
-from tiny_models import VOCAB, save_tiny_model
+from tiny_models import save_tiny_model
 
 FAMILIES = ["phi3", "granite"]
-NEW_TOKENS = 40
-
-
-def prompts(seed=0, lengths=(3, 17, 64, 65, 150)):
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in lengths]
-
-
-def greedy(model, ps, max_tokens=NEW_TOKENS):
-    results = make_engine(model).generate(greedy_requests(ps, max_tokens, ignore_eos=True))
-    return [r.completions[0].token_ids for r in results]
-
-
-def hf_model(folder):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
 
 
 def assert_matches_hf(folder, ps, max_tokens=24):

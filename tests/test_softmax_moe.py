@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_utils import (assert_last_logits_match, greedy_requests, hf_greedy, load_ours,
-                          make_engine)
+from engine_utils import assert_last_logits_match, hf_greedy, load_ours
+from family_checks import NEW_TOKENS, check_chat_run_matches_transformers, greedy, hf_model, prompts
 from safetensors.torch import load_file, save_file
-from tiny_models import VOCAB, save_tiny_model
+from tiny_models import save_tiny_model
 
 from batchgen.config import ModelConfig
 from batchgen.models.fp8 import dequantize_blocks, quantize_blocks
@@ -20,23 +20,6 @@ from batchgen.models.loader import build_model, load_hf_config, read_safetensors
 
 FAMILIES = ["qwen3_moe", "mixtral"]
 CPU = torch.device("cpu")
-NEW_TOKENS = 40
-
-
-def prompts(seed=0, lengths=(3, 17, 64, 65, 150)):
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in lengths]
-
-
-def greedy(model, ps, max_tokens=NEW_TOKENS):
-    results = make_engine(model).generate(greedy_requests(ps, max_tokens, ignore_eos=True))
-    return [r.completions[0].token_ids for r in results]
-
-
-def hf_model(folder: Path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -181,35 +164,7 @@ def test_fp8_checkpoint_loads_as_its_dequantized_weights(name, tmp_path):
 # -- a job ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", FAMILIES)
 def test_batchgen_run_answers_chat_lines_like_transformers(name, tmp_path):
-    from job_utils import batchgen, read_jsonl, write_jsonl
-    from tiny_models import embedded_tokenizer
-
-    tokenizer = embedded_tokenizer()
-    folder = save_tiny_model(name, tmp_path / "model", vocab_size=len(tokenizer),
-                             bos_token_id=tokenizer.bos_token_id,
-                             eos_token_id=tokenizer.eos_token_id)
-    tokenizer.save_pretrained(str(folder))
-    questions = ["Tell me about the sea.", "What is bread?"]
-    rows = [{"custom_id": f"q{i}", "method": "POST", "url": "/v1/chat/completions",
-             "body": {"messages": [{"role": "user", "content": q}], "max_tokens": 8,
-                      "temperature": 0}} for i, q in enumerate(questions)]
-    write_jsonl(tmp_path / "in.jsonl", rows)
-    batchgen("run", "-i", tmp_path / "in.jsonl", "-o", tmp_path / "out.jsonl", "--model", folder,
-             check=True)
-    results = {r["custom_id"]: r["response"] for r in read_jsonl(tmp_path / "out.jsonl")}
-    hf = hf_model(folder)
-    for i, question in enumerate(questions):
-        response = results[f"q{i}"]
-        assert response["status_code"] == 200
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}],
-                                               add_generation_prompt=True, tokenize=False)
-        ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        want = hf_greedy(hf, ids, 8)
-        assert response["body"]["usage"]["completion_tokens"] == len(want)  # EOS counted
-        if tokenizer.eos_token_id in want:
-            want = want[: want.index(tokenizer.eos_token_id)]
-        message = response["body"]["choices"][0]["message"]["content"]
-        assert message == tokenizer.decode(want, skip_special_tokens=True)
+    check_chat_run_matches_transformers(name, tmp_path)
 
 
 # -- CUDA (bf16 grouped GEMMs, streamed experts) -------------------------------------------------
