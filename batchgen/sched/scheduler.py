@@ -9,6 +9,11 @@ token and page counts, so every rank computes the same decisions without talking
 Invariants after each decision, for every RUNNING sequence s (window = frequency * PAGE_SIZE):
   device pages of s >= pages_for(s.tokens_after(window))   (no allocation between decisions)
   host pages of s   >= pages_for(s.tokens_after(window))   (an unload always has room)
+
+This module holds the step contract (schedule -> continue_plan -> update_from_output) and the
+decisions on running and swapped sequences; admission (admission.py), victim order
+(eviction.py), shared-prefix host backing (host_backing.py) and the reservation chunk
+(chunking.py) live in their own modules.
 """
 
 from __future__ import annotations
@@ -18,21 +23,19 @@ from typing import Callable
 
 from batchgen.config import SchedulerConfig
 from batchgen.core import PAGE_SIZE
+from batchgen.sched.admission import Admission, device_target
 from batchgen.sched.chunking import ChunkSizer
 from batchgen.sched.counters import Counters
 from batchgen.sched.eviction import victim_order
 from batchgen.sched.host_backing import DeferredBacking
 from batchgen.sched.pages import PageAllocator
-from batchgen.sched.sharing import NO_HIT, Hit, PrefixSharing
-from batchgen.sched.sequence import Sequence, SeqState, cached_prompt_tokens, pages_for
+from batchgen.sched.sharing import PrefixSharing
+from batchgen.sched.sequence import Sequence, SeqState, pages_for
 from batchgen.sched.step import (  # noqa: F401  (the step contract, importable from here)
     PageCopy, PrefixShare, ScheduleOutput, SeqChunk, SeqResult, StepOutput)
 
 DecodeSteps = Callable[[list[SeqChunk]], int]
 """How many decode steps a decode-only set of chunks should run back to back (a burst)."""
-PASS_LOOKAHEAD = 64
-"""Waiting sequences looked at past the oldest one that does not fit, for sharers of
-device-cached prefix pages to admit before those pages leave the cache (`_admit`)."""
 
 
 class RequestTooLarge(ValueError):
@@ -62,7 +65,8 @@ class Scheduler:
         self._steps_left = 0
         self._running_at_decision = 0
         self._wave = False
-        self._deferred = False
+        self.admission = Admission(self.cfg, self.window, self.device, self.host, self.backing,
+                                   self.prefix, self.running, self.swapped, self._free_device)
 
     # -- requests in and out ------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -199,7 +203,7 @@ class Scheduler:
             self._load_swapped(out)
             admitted = self._admit(out, preempt=False)
         # A sequence waiting for a prefix being computed is admitted at the next step.
-        self._wave = admitted > 0 or self._deferred
+        self._wave = admitted > 0 or self.admission.deferred
         if full or not self._wave:
             self._steps_left = self.window
         self._running_at_decision = len(self.running)
@@ -325,23 +329,6 @@ class Scheduler:
         self.swapped.append(seq)
         self.counters.unloads += 1
 
-    def _device_target(self, seq: Sequence) -> int:
-        """Device pages for `seq` when it is loaded or admitted: its context (at least until
-        the next decision) plus the initial buffer, or, with the adaptive buffer, only one
-        extension while other sequences wait (to be admitted, or on the host). Then the
-        device bounds the decode batch, and a 2,048-token buffer per sequence, mostly unused
-        by answers of ~2k tokens, keeps a large share of the pool from running sequences.
-        Measured on an H200 (W2-lite, host tier on/off): 1.07x with the buffer always 32
-        pages, 1.26x shrinking it only while sequences wait on the host, 1.31x with this
-        rule (1.33-1.34x with the buffer always 4 pages); W1 and DeepSeek-R1 long-tail
-        simulations unchanged."""
-        buffer = self.cfg.initial_gpu_page_buffer
-        others_wait = len(self.waiting) + len(self.swapped) > 1  # `seq` is one of them
-        if self.cfg.adaptive_gpu_page_buffer and others_wait:
-            buffer = min(buffer, self.cfg.extension_gpu_page_buffer)
-        tokens = max(seq.num_tokens + buffer * PAGE_SIZE, seq.tokens_after(self.window))
-        return pages_for(min(tokens, seq.budget_tokens))
-
     def _load_swapped(self, out: ScheduleOutput) -> None:
         for seq in list(self.swapped):
             if seq.state is not SeqState.SWAPPED:
@@ -350,7 +337,8 @@ class Scheduler:
                 return
             if self.device.num_free == 0 and self.running:
                 return  # nothing can load; skip the per-sequence arithmetic
-            need_dev = self._device_target(seq)
+            need_dev = device_target(seq, self.cfg, self.window,
+                                     len(self.waiting) + len(self.swapped))
             need_host = max(0, self._host_target(seq) - len(seq.host_pages))
             if need_host > self.host.num_free and not self.running:
                 # Nothing runs: make room even by eviction, or no one would ever progress.
@@ -375,122 +363,14 @@ class Scheduler:
             seq.state = SeqState.RUNNING
             self.counters.loads += 1
 
-    # -- admission ------------------------------------------------------------------------
+    # -- admission (admission.py) ---------------------------------------------------------
     def _admit(self, out: ScheduleOutput, preempt: bool) -> int:
-        """Admit waiting sequences up to the prefill token budget. With `preempt`, running
-        sequences are unloaded to make device room (prefill priority). With prefix caching,
-        sequences sharing a prefix come together and map what is cached (sharing.py). Oldest
-        first: the first that does not fit waits for room, and only sequences mapping pages
-        cached on the device (which would leave the cache before the blocked one is in) that
-        fit without unloading anyone pass it (prefix caching on; the next PASS_LOOKAHEAD are
-        looked at), and no sequence is passed more than max_decode_batch times."""
-        budget = self.cfg.max_prefill_tokens
-        admitted: list[Sequence] = []
-        self._deferred = False
-        order = (self.prefix.order(self.waiting, 4 * self.cfg.max_decode_batch + 64)
-                 if self.prefix is not None else self.waiting)
-        blocked: Sequence | None = None  # the oldest that did not fit: it waits for room
-        looked = 0  # sequences looked at past it
-        for seq in order:
-            if budget <= 0 and admitted:
-                break
-            if len(self.running) >= self.cfg.max_decode_batch:
-                break
-            if len(self.running) + len(self.swapped) >= self.cfg.max_pool_size:
-                break
-            hit = (self.prefix.match(seq, self.device, self.host) if self.prefix is not None
-                   else NO_HIT)
-            if hit is None:
-                self._deferred = True
-                continue  # what it would map is being computed: it waits for that
-            if blocked is not None:
-                looked += 1
-                if looked > PASS_LOOKAHEAD:
-                    break
-                if not hit.device_pages:
-                    continue  # only a sharer of device-cached pages passes the blocked one
-            if not self._place(seq, hit, out, preempt and blocked is None, admitted):
-                if (blocked is not None or self.prefix is None
-                        or seq.bypassed >= self.cfg.max_decode_batch):
-                    break
-                blocked = seq
-                continue
-            if blocked is not None:
-                blocked.bypassed += 1
-            self.running.append(seq)
-            admitted.append(seq)
-            budget -= seq.pending_tokens
-            self.counters.admitted += 1
+        """Admit waiting sequences (`Admission.admit`); those admitted leave the queue."""
+        admitted = self.admission.admit(self.waiting, out, preempt, self.counters,
+                                        self.chunk.chunk_tokens)
         if admitted:
             self.waiting = deque(s for s in self.waiting if s.state is SeqState.WAITING)
         return len(admitted)
-
-    def _place(self, seq: Sequence, hit: Hit, out: ScheduleOutput, preempt: bool,
-               admitted: list[Sequence]) -> bool:
-        """Give an admitted sequence its pages (mapping `hit`); False when they do not fit."""
-        if any(self.backing.is_pending(page) for page in hit.host_pages[len(hit.device_pages):]):
-            raise AssertionError(f"seq {seq.seq_id} would load host pages never written")
-        host_need = pages_for(min(seq.budget_tokens,
-                                  max(seq.tokens_after(self.window), self.chunk.chunk_tokens)))
-        self.host.share(hit.host_pages)
-        self.device.share(hit.device_pages)
-        dev_need = self._device_target(seq)
-        fresh = dev_need - len(hit.device_pages)
-        if not self._host_admits(host_need - len(hit.host_pages)) or (
-                fresh > self.device.num_free
-                and (not preempt or not self._free_device(fresh, None, out, tuple(admitted)))):
-            self.host.free(hit.host_pages)
-            self.device.free(hit.device_pages)
-            return False
-        seq.host_pages = hit.host_pages + self.host.allocate(host_need - len(hit.host_pages))
-        seq.device_pages = hit.device_pages + self.device.allocate(fresh)
-        seq.state = SeqState.RUNNING
-        on_device, on_host = len(hit.device_pages), len(hit.host_pages)
-        seq.host_registered, seq.device_registered = on_host, on_device
-        if on_host > on_device:  # cached on the host only: load those pages
-            out.swap_in.append(PageCopy(seq.seq_id, seq.host_pages[on_device:on_host],
-                                        seq.device_pages[on_device:on_host]))
-        elif on_device > on_host:
-            # Shared on the device with no host copy: these host pages back the prefix from
-            # now on (cached on the host, so the next sequence mapping it shares them instead
-            # of reserving a private copy); its KV is copied there if a holder is unloaded.
-            self.backing.defer(seq.host_pages[on_host:on_device],
-                               hit.device_pages[on_host:on_device])
-            on_host = on_device
-        seq.num_on_host = on_host * PAGE_SIZE
-        seq.num_computed = hit.pages * PAGE_SIZE
-        forked = False
-        if hit.donor is not None and hit.donor.state is SeqState.RUNNING and not any(
-                c.seq_id == hit.donor.seq_id for c in out.swap_in):
-            # fork: copy the sibling's partial last prompt page. Not from a sibling loaded in
-            # this plan: the step copies device pages before it loads (a load may reuse a
-            # page a copy reads), so its page would still hold what was there before.
-            page = hit.pages
-            out.device_copies.append(PageCopy(seq.seq_id, [hit.donor.device_pages[page]],
-                                              [seq.device_pages[page]]))
-            seq.num_computed = seq.num_tokens - 1
-            self.counters.forks += 1
-            forked = True
-        if self.prefix is not None:
-            self.prefix.admitted(seq, hit)
-            self.prefix.computed(seq)
-            self.prefix.on_host(seq)
-        if seq.cached_tokens is None:
-            seq.cached_tokens = cached_prompt_tokens(seq, forked)
-            self.counters.prompt_tokens += seq.prompt_len
-            self.counters.cached_prompt_tokens += seq.cached_tokens
-            self.counters.extra_choices += seq.choice > 0
-        return True
-
-    def _host_admits(self, pages: int) -> bool:
-        """New work keeps `host_kv_eviction_watermark` % of the host pool free for growth,
-        unless nothing else is admitted (then anything that fits may start)."""
-        if pages > self.host.num_free:
-            return False
-        if not self.running and not self.swapped:
-            return True
-        free_after = 100.0 * (self.host.num_free - pages) / max(1, self.host.num_pages)
-        return free_after >= self.cfg.host_kv_eviction_watermark
 
     # -- checks ---------------------------------------------------------------------------
     def check_integrity(self) -> None:

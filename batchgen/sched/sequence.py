@@ -53,7 +53,7 @@ class Sequence:
     host_registered: int = 0
     """Leading host pages offered to the prefix cache."""
     bypassed: int = 0
-    """Sequences admitted past this one while it waited for room (Scheduler._admit)."""
+    """Sequences admitted past this one while it waited for room (Admission.admit)."""
 
     @property
     def num_tokens(self) -> int:
