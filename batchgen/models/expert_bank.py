@@ -14,6 +14,7 @@ GROUPED_GEMM_BACKEND = "torch"
 (batchgen_kernels.grouped_gemm with SiLU-and-mul fused). The default is the path already
 verified on an H200; switch when benchmarks/moe_kernels_bench.py shows Triton ahead."""
 
+
 class ExpertBank:
     """Stacked weights of some experts: gate_up [n, 2I, H], down [n, H, I], plus e4m3 block
     scales when kept in FP8. Row i of the bank serves the i-th expert it was built for."""
