@@ -159,16 +159,8 @@ class DeepseekV3ForCausalLM(PagedCausalLM):
         match = GROUPED_EXPERT_NAME.match(name)
         if not match or match.group(1) not in experts:
             return False
-        module = experts[match.group(1)]
         assert not isinstance(value, QuantizedWeight), "grouped experts come dense"
-        first = module.first_expert if presharded else 0
-        for e in range(value.shape[0]):
-            if match.group(2) == "down_proj":
-                module.load(first + e, "down_proj", value[e])
-            else:
-                gate, up = value[e].chunk(2, dim=0)
-                module.load(first + e, "gate_proj", gate)
-                module.load(first + e, "up_proj", up)
+        experts[match.group(1)].load_stacked(match.group(2), value, presharded)
         return True
 
     def _install_fp8_linear(self, name: str, value: QuantizedWeight) -> None:

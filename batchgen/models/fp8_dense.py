@@ -101,6 +101,13 @@ class Fp8Projections:
                                                  self.dtype))
 
 
+def keeps_fp8(hf_config, device: torch.device, options=None) -> bool:
+    """An FP8 checkpoint whose weights stay FP8 on `device`: CUDA, without
+    --pre-dequantize-weights (elsewhere they are dequantized as they are read)."""
+    return (device.type == "cuda" and not getattr(options, "pre_dequantize_weights", False)
+            and is_fp8_checkpoint(hf_config))
+
+
 FP8_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 """The decoder projections an FP8 checkpoint of the Llama family replaces with Fp8Linear."""
 
@@ -112,9 +119,7 @@ def deferred_projections(model: nn.Module, hf_config, device: torch.device,
     Fp8Projections (`fp8_projections` set), from an FP8 checkpoint kept FP8 (CUDA, no
     --pre-dequantize-weights), without bias. Materialised in the model dtype they would need
     twice the FP8 weights' memory first (a 70 B checkpoint: 140 GB before its 70 GB of FP8)."""
-    if (not getattr(model, "fp8_projections", False) or device.type != "cuda"
-            or getattr(options, "pre_dequantize_weights", False)
-            or not is_fp8_checkpoint(hf_config)):
+    if not getattr(model, "fp8_projections", False) or not keeps_fp8(hf_config, device, options):
         return []
     return [(name, module) for name, module in model.named_modules()
             if name.rsplit(".", 1)[-1] in FP8_PROJECTIONS and isinstance(module, nn.Linear)

@@ -131,19 +131,13 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     parallel by heads and intermediate features; the norms replicated) over Gemma3Model."""
 
     def __init__(self, hf_config, options=None, tp: TensorParallel = SINGLE):
-        nn.Module.__init__(self)
         check_gemma_config(hf_config)
-        self.config = hf_config
-        self.options = options
-        self.tp = tp
-        self.model = Gemma3Model(hf_config, tp)
-        self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
-        self.tie_weights()
-        attn = self.model.layers[0].self_attn
-        self.kv_token_shape = (2, attn.kv_heads, attn.head_dim)
-        self.max_context = default_max_positions(hf_config)
+        super().__init__(hf_config, options, tp)
         cap = getattr(hf_config, "final_logit_softcapping", None)
         self.final_logit_softcapping = float(cap) if cap else None
+
+    def _stack(self, hf_config, tp: TensorParallel) -> DecoderStack:
+        return Gemma3Model(hf_config, tp)
 
     def _logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         logits = super()._logits(hidden, batch)

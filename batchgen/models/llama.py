@@ -167,13 +167,17 @@ class LlamaForCausalLM(PagedCausalLM):
         self.config = hf_config
         self.options = options
         self.tp = tp
-        self.model = LlamaModel(hf_config, self.biases(hf_config), self.qk_norm, tp,
-                                self._mlp_for(hf_config, tp))
+        self.model = self._stack(hf_config, tp)
         self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
         self.tie_weights()
         attn = self.model.layers[0].self_attn
         self.kv_token_shape = (2, attn.kv_heads, attn.head_dim)
         self.max_context = default_max_positions(hf_config)
+
+    def _stack(self, hf_config, tp: TensorParallel) -> DecoderStack:
+        """The decoder stack (a family with other layers builds its own: gemma3.py)."""
+        return LlamaModel(hf_config, self.biases(hf_config), self.qk_norm, tp,
+                          self._mlp_for(hf_config, tp))
 
     def _mlp_for(self, hf_config, tp: TensorParallel) -> MlpFor | None:
         """Which layers get another MLP than the dense one (none here; MoE subclasses)."""

@@ -385,12 +385,11 @@ def fp8_experts_up_front(model: torch.nn.Module, hf_config, device: torch.device
     arrive, they would need twice the FP8 experts' memory first: DeepSeek-V3's 671 B parameters
     are ~160 GB a GPU at TP 8 in bf16, more than an H200 holds."""
     from batchgen.models.fp8 import quantization_config
-    from batchgen.models.fp8_dense import is_fp8_checkpoint
+    from batchgen.models.fp8_dense import keeps_fp8
     from batchgen.models.moe import RoutedExperts
 
     block = quantization_config(hf_config).get("weight_block_size")
-    if (device.type != "cuda" or not block or getattr(options, "pre_dequantize_weights", False)
-            or not is_fp8_checkpoint(hf_config)):
+    if not block or not keeps_fp8(hf_config, device, options):
         return
     for module in model.modules():
         if isinstance(module, RoutedExperts):

@@ -180,6 +180,19 @@ class RoutedExperts(nn.Module):
         return dequantize_blocks(value.weight, value.scale_inv, value.block,
                                  self.gate_up_proj.dtype)
 
+    def load_stacked(self, proj: str, tensor: torch.Tensor, presharded: bool = False) -> None:
+        """Every expert's gate|up [E, 2I, H] (proj "gate_up_proj") or down [E, H, I], as
+        transformers holds them and converted folders store them; a converted TP shard's
+        experts (`presharded`) are numbered from this rank's first."""
+        first = self.first_expert if presharded else 0
+        for e in range(tensor.shape[0]):
+            if proj == "down_proj":
+                self.load(first + e, "down_proj", tensor[e])
+            else:
+                gate, up = tensor[e].chunk(2, dim=0)
+                self.load(first + e, "gate_proj", gate)
+                self.load(first + e, "up_proj", up)
+
     def missing(self) -> list[tuple[int, str]]:
         """(global expert, projection) of this rank's experts not loaded yet."""
         return [(e + self.first_expert, p) for e in range(self.num_experts) for p in PROJ_ROWS

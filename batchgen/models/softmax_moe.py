@@ -179,15 +179,7 @@ class SoftmaxMoeForCausalLM(LlamaForCausalLM):
         experts are numbered from this rank's first."""
         if isinstance(tensor, QuantizedWeight):
             raise ValueError(f"{match.group(0)}: grouped experts come dense, not FP8")
-        experts = block.experts
-        first = experts.first_expert if presharded else 0
-        for e in range(tensor.shape[0]):
-            if match.group(2) == "down_proj":
-                experts.load(first + e, "down_proj", tensor[e])
-            else:
-                gate, up = tensor[e].chunk(2, dim=0)
-                experts.load(first + e, "gate_proj", gate)
-                experts.load(first + e, "up_proj", up)
+        block.experts.load_stacked(match.group(2), tensor, presharded)
 
     def _load_router(self, block_name: str, block: SoftmaxMoE, match, tensor,
                      presharded: bool) -> None:
