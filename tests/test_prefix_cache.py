@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from batchgen.config import SchedulerConfig
 from batchgen.core import PAGE_SIZE, SamplingParams
 from batchgen.sched.pages import PageAllocator
-from batchgen.sched.prefix_cache import PrefixCache
+from batchgen.sched.prefix_cache import PrefixCache, common_tokens, token_bytes
 from batchgen.sched.scheduler import Scheduler
 from batchgen.sched.sequence import SeqState, Sequence, pages_for
 from batchgen.sched.step import SeqResult, StepOutput
@@ -316,6 +316,7 @@ def test_tight_pools_evict_unload_and_load_shared_sequences():
     run.run()
     counters = run.sched.counters
     assert counters.evictions and counters.unloads and counters.loads and counters.forks
+    assert counters.shared_tails
     assert counters.cached_prompt_tokens > 0
     assert len(run.finished) == len(run.seqs)
     run.sched.clear_prefix_cache()
@@ -335,10 +336,12 @@ def test_sequences_sharing_a_prefix_are_admitted_together_oldest_first():
         [SeqResult(c, [7], None, False) for c in first.chunks]))
     second = run.sched.schedule()
     # The oldest waiting (2, prefix A), the rest of its group (4), then group B (3, 5): each
-    # maps the two cached prefix pages.
+    # maps the two cached prefix pages and copies the start of the first one's third page
+    # (the 12 more tokens of the 140 they share).
     order = [c.seq.seq_id for c in second.chunks if c.seq.num_decoded == 0]
     assert order == [2, 4, 3, 5]
-    assert all(c.start == 128 for c in second.chunks if c.seq.num_decoded == 0)
+    assert all(c.start == 140 for c in second.chunks if c.seq.num_decoded == 0)
+    assert len(second.device_copies) == 4 and run.sched.counters.shared_tails == 4
 
 
 def test_a_group_of_new_requests_is_ordered_longest_shared_prefix_first():
@@ -384,3 +387,58 @@ def test_a_sharer_of_a_cached_prefix_passes_an_older_request_that_does_not_fit(d
         seq.bypassed = cfg.max_decode_batch
     worn.run()
     assert sum(s.cached_tokens for s in worn.seqs) < 3 * 192
+
+
+def test_longest_tail_finds_the_cached_page_sharing_most_tokens():
+    """The tail index: pages after the same parent that begin with the same token, the one
+    sharing the most tokens wins; a page leaves the index when it leaves the cache."""
+    cache = PrefixCache("device", tails=True)
+    page = [7, 8, 9, 10] + [1] * 60
+    cache.register(b"k1", 3, b"parent", token_bytes(page))
+    cache.register(b"k2", 4, b"parent", token_bytes([7, 8, 5] + [1] * 61))
+    cache.register(b"k3", 5, b"other", token_bytes(page))
+    assert cache.longest_tail(b"parent", token_bytes([7, 8, 9, 2])) == (3, 3)
+    assert cache.longest_tail(b"parent", token_bytes([7, 8, 5, 1, 1])) == (4, 5)
+    assert cache.longest_tail(b"parent", token_bytes([6, 8, 9])) == (None, 0)
+    assert cache.longest_tail(b"nobody", token_bytes([7])) == (None, 0)
+    assert common_tokens(token_bytes(page), token_bytes(page[:10] + [0])) == 10
+    cache.forget(3)
+    assert cache.longest_tail(b"parent", token_bytes([7, 8, 9, 2])) == (4, 2)
+    cache.release(4)
+    cache.release(5)
+    assert cache.reclaim() == 4 and cache.reclaim() == 5
+    assert cache.longest_tail(b"parent", token_bytes([7, 8])) == (None, 0)
+    assert cache.problems([0] * 8) == []
+    plain = PrefixCache("host")
+    plain.register(b"k1", 3, b"parent", token_bytes(page))
+    assert plain.longest_tail(b"parent", token_bytes(page)) == (None, 0)
+
+
+@pytest.mark.parametrize("batch", [1, 8], ids=["cached-page", "running-page"])
+def test_a_prefix_ending_mid_page_is_copied_not_computed(batch):
+    """Six requests whose 150-token prefix ends 22 tokens into its third page: each after the
+    first maps two pages and copies the start of the third, from the first's page while it
+    runs (batch 8) or from the cache once it ended and its page filled (batch 1); FakeRun
+    checks the KV each reads."""
+    prefixes = [[5 + j for j in range(150)]]
+    reqs = [Req(0, 150, 10, 1, 60, 60) for _ in range(6)]
+    run = FakeRun(reqs, 400, 800, SchedulerConfig(max_decode_batch=batch), prefixes)
+    run.run()
+    counters = run.sched.counters
+    assert counters.shared_tails == 5
+    assert [s.cached_tokens for s in run.seqs] == [0] + [150] * 5
+    assert counters.cached_prompt_tokens == 5 * 150
+
+
+def test_a_pool_with_room_for_one_sequence_still_admits_a_repeated_prompt():
+    """The second choice of a two-token prompt copies the start of the first's page, idle in
+    the cache, in a device pool with room for one sequence: it takes that page's room for
+    its own pages (the copy runs before anything writes them) instead of waiting forever."""
+    cfg = SchedulerConfig(initial_gpu_page_buffer=2, extension_gpu_page_buffer=1,
+                          decision_frequency_pages=1, host_kv_chunk_size=64,
+                          host_kv_eviction_watermark=0.0, adaptive_chunk_min=64,
+                          max_prefill_tokens=16, max_decode_batch=1, max_pool_size=3)
+    need = pages_for(2 + 96)
+    run = FakeRun([Req(0, 0, 2, 2, 96, 63)], need, need, cfg, [[]])
+    run.run()
+    assert run.finished == {0, 1}

@@ -43,10 +43,11 @@ def test_greedy_answers_equal_with_caching_on_and_off(tiny_llama, kv_dtype):
     assert on == off
     assert off_stats["cached_prompt_tokens"] == 0 and off_stats["prefix_hit_rate"] == 0
     # The prefill budget admits every prompt at once; the first of each prefix computes it
-    # (two full pages) and the others wait a step, then map it.
-    assert [r.cached_tokens for r in results] == [0, 0] + [128] * 6
-    assert stats["cached_prompt_tokens"] == 6 * 128
-    assert stats["prefix_hit_rate"] == pytest.approx(6 * 128 / sum(map(len, prompts)))
+    # and the others wait a step, then map its two full pages and copy the start of its
+    # third (the prefix's last 22 tokens, from the first one's page while it runs).
+    assert [r.cached_tokens for r in results] == [0, 0] + [150] * 6
+    assert stats["cached_prompt_tokens"] == 6 * 150 and stats["shared_tails"] == 6
+    assert stats["prefix_hit_rate"] == pytest.approx(6 * 150 / sum(map(len, prompts)))
     assert {r.request.request_id for r in results} == {f"r{i}" for i in range(8)}
 
 
@@ -144,11 +145,12 @@ def test_other_gqa_families_share(family, tmp_path):
     assert on == off and stats["cached_prompt_tokens"] > 0 and stats["forks"] > 0
 
 
-def test_a_continued_request_reports_whole_prompt_pages_as_cached(tiny_llama):
+def test_a_continued_request_never_reports_its_last_prompt_token_as_cached(tiny_llama):
     """Two requests with the same prompt, continued from a checkpoint with the same greedy
     answer so far: the second maps the first's pages past the end of its prompt, yet its
-    cached_tokens is whole prompt pages short of the last prompt token (job-files.md), as an
-    uninterrupted run reports, never the whole prompt."""
+    cached_tokens stops short of the last prompt token (job-files.md), as an uninterrupted
+    run reports (there the second copies the start of the first's partly filled page: every
+    prompt token but the last), never the whole prompt."""
     import dataclasses
 
     prompt = shared_prompts(count=1, prefix_len=100, seed=5)[0][:100]
@@ -167,5 +169,5 @@ def test_a_continued_request_reports_whole_prompt_pages_as_cached(tiny_llama):
         [dataclasses.replace(r, resume=state[r.request_id]) for r in requests])
     assert [r.completions[0].token_ids for r in resumed] == [
         r.completions[0].token_ids for r in whole]
-    assert [r.cached_tokens for r in whole] == [0, 64]
-    assert all(r.cached_tokens <= (len(prompt) - 1) // 64 * 64 for r in resumed)
+    assert [r.cached_tokens for r in whole] == [0, len(prompt) - 1]
+    assert all(r.cached_tokens <= len(prompt) - 1 for r in resumed)

@@ -133,6 +133,7 @@ class Admission:
         if any(self.backing.is_pending(page) for page in hit.host_pages[len(hit.device_pages):]):
             raise AssertionError(f"seq {seq.seq_id} would load host pages never written")
         host_need, dev_need = needs
+        tail = self._usable_tail(hit, out)
         self.host.share(hit.host_pages)
         self.device.share(hit.device_pages)
         fresh = dev_need - len(hit.device_pages)
@@ -159,7 +160,7 @@ class Admission:
             on_host = on_device
         seq.num_on_host = on_host * PAGE_SIZE
         seq.num_computed = hit.pages * PAGE_SIZE
-        forked = False
+        copied = False  # the start of the next page copied, not computed
         if hit.donor is not None and hit.donor.state is SeqState.RUNNING and not any(
                 c.seq_id == hit.donor.seq_id for c in out.swap_in):
             # fork: copy the sibling's partial last prompt page. Not from a sibling loaded in
@@ -170,17 +171,37 @@ class Admission:
                                               [seq.device_pages[page]]))
             seq.num_computed = seq.num_tokens - 1
             counters.forks += 1
-            forked = True
+            copied = True
+        elif tail:
+            # A page beginning with this sequence's next tokens: copy it, compute the rest.
+            # Copies run in plan order before any load or forward writes a page, so the page
+            # still holds its KV even if this or a later admission reclaimed it (idle and
+            # cached) for pages of its own.
+            out.device_copies.append(PageCopy(seq.seq_id, tail, [seq.device_pages[hit.pages]]))
+            seq.num_computed += hit.tail_tokens
+            counters.shared_tails += 1
+            copied = True
         if self.prefix is not None:
             self.prefix.admitted(seq, hit)
             self.prefix.computed(seq)
             self.prefix.on_host(seq)
         if seq.cached_tokens is None:
-            seq.cached_tokens = cached_prompt_tokens(seq, forked)
+            seq.cached_tokens = cached_prompt_tokens(seq, copied)
             counters.prompt_tokens += seq.prompt_len
             counters.cached_prompt_tokens += seq.cached_tokens
             counters.extra_choices += seq.choice > 0
         return True
+
+    @staticmethod
+    def _usable_tail(hit: Hit, out: ScheduleOutput) -> list[int]:
+        """[the hit's tail page] when it may be copied in this plan: not for a fork (its
+        sibling's page is copied) and not a page this plan loads (device copies run before
+        loads, so it would not hold its KV yet)."""
+        if hit.donor is not None or hit.tail_page is None:
+            return []
+        if any(hit.tail_page in copy.dst for copy in out.swap_in):
+            return []
+        return [hit.tail_page]
 
     def _host_admits(self, pages: int) -> bool:
         """New work keeps `host_kv_eviction_watermark` % of the host pool free for growth,

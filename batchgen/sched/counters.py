@@ -22,6 +22,8 @@ class Counters:
     """Of those, tokens whose KV came from the prefix cache (or a sibling's fork)."""
     forks: int = 0
     """n > 1 choices admitted by copying a sibling's partial last prompt page."""
+    shared_tails: int = 0
+    """Sequences admitted by copying a cached page that begins with their next tokens."""
     extra_choices: int = 0
     """n > 1 choices after the first, first admitted (forked or not): their prompts are in
     prompt_tokens too, which is then above the job's prompt tokens (each request's once)."""

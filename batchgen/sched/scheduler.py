@@ -389,3 +389,6 @@ class Scheduler:
             assert seq.num_on_host == seq.num_computed
         for seq in self.waiting:
             assert seq.state is SeqState.WAITING and not seq.host_pages and not seq.device_pages
+        if self.prefix is not None:
+            problems = self.prefix.open_pages.problems()
+            assert not problems, problems

@@ -78,10 +78,11 @@ class Sequence:
         return min(self.num_tokens + decode_steps, self.budget_tokens)
 
 
-def cached_prompt_tokens(seq: Sequence, forked: bool) -> int:
-    """The prompt tokens `seq` found computed when first admitted: whole prompt pages, never
-    the last prompt token (a fork: all but that token). A sequence continued from a checkpoint
-    holds its answer so far too, and may map pages past its prompt (another request's
-    identical prompt and answer): those do not make its last prompt token cached."""
+def cached_prompt_tokens(seq: Sequence, copied: bool) -> int:
+    """The prompt tokens `seq` found computed when first admitted: whole prompt pages, and
+    with `copied` the start of the next page copied from another (a fork or a shared page
+    start), never the last prompt token. A sequence continued from a checkpoint holds its
+    answer so far too, and may map pages past its prompt (another request's identical prompt
+    and answer): those do not make its last prompt token cached."""
     last = seq.prompt_len - 1
-    return min(seq.num_computed, last if forked else last // PAGE_SIZE * PAGE_SIZE)
+    return min(seq.num_computed, last if copied else last // PAGE_SIZE * PAGE_SIZE)

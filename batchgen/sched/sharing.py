@@ -5,7 +5,11 @@ allocators'.
 
 - A sequence maps the longest run of its full pages cached on the device, or on the host (then
   loaded, page by page, by host -> device copies), keeping at least its last token to compute
-  (its logits give the next token).
+  (its logits give the next token). When a device page follows the same pages and begins
+  with the same tokens as its next page (another request's page after a prefix that ends
+  mid-page, or a repeated prompt: a cached full page, or a running sequence's partly filled
+  one, open_pages.py), it copies that page (device -> device) and computes only from the
+  first token they differ in.
 - A choice of an n > 1 request forks from a sibling that computed the prompt: it maps the
   prompt's full pages, copies the sibling's partial last page (device -> device) and computes
   only the last prompt token. While a sibling or another sequence is still computing the pages
@@ -21,8 +25,9 @@ from dataclasses import dataclass, field
 from itertools import islice
 
 from batchgen.core import PAGE_SIZE
+from batchgen.sched.open_pages import OpenPages
 from batchgen.sched.pages import PageAllocator
-from batchgen.sched.prefix_cache import PrefixCache, extend_keys, root_key
+from batchgen.sched.prefix_cache import PrefixCache, extend_keys, root_key, token_bytes
 from batchgen.sched.sequence import Sequence, SeqState
 from batchgen.sched.step import PrefixShare
 
@@ -35,6 +40,10 @@ class Hit:
     host_pages: list[int] = field(default_factory=list)
     donor: Sequence | None = None
     """A sibling whose partial last prompt page is copied (n > 1 fork)."""
+    tail_page: int | None = None
+    """A device page whose first `tail_tokens` tokens are the sequence's next ones (cached,
+    or a running sequence's open page)."""
+    tail_tokens: int = 0
 
     @property
     def pages(self) -> int:
@@ -47,7 +56,7 @@ NO_HIT = Hit()
 class PrefixSharing:
     def __init__(self, salt: str):
         self.root = root_key(salt)
-        self.device_cache = PrefixCache("device")
+        self.device_cache = PrefixCache("device", tails=True)
         self.host_cache = PrefixCache("host")
         self._inflight: dict[bytes, Sequence] = {}
         """Keys of pages an admitted sequence is computing, and who computes them."""
@@ -55,6 +64,7 @@ class PrefixSharing:
         """Waiting sequences by the key of their first page."""
         self._siblings: dict[str, list[Sequence]] = {}
         """Live choices of n > 1 requests, by request id."""
+        self.open_pages = OpenPages()
 
     # -- sequences in and out -------------------------------------------------------------
     def keys(self, seq: Sequence, full_pages: int | None = None) -> list[bytes]:
@@ -90,6 +100,7 @@ class PrefixSharing:
         for key in seq.page_keys[seq.device_registered:]:
             if self._inflight.get(key) is seq:
                 del self._inflight[key]
+        self.open_pages.close(seq)
         seq.device_registered = 0
         if host:
             seq.host_registered = 0
@@ -136,18 +147,32 @@ class PrefixSharing:
             owner = self._inflight.get(usable[hit.pages])
             if owner is not None and owner.state is SeqState.RUNNING:
                 return None
-        if seq.num_decoded or seq.sampling.n < 2:
-            return hit
-        for sibling in self._siblings.get(seq.request_id, ()):
-            if sibling is seq or sibling.state is not SeqState.RUNNING or sibling.num_decoded:
-                continue
-            if sibling.num_computed < seq.num_tokens - 1:
-                return None  # it is computing the prompt: fork from it once it has
-        if hit.pages == len(usable) and (seq.num_tokens - 1) % PAGE_SIZE:
-            hit.donor = next((s for s in self._siblings.get(seq.request_id, ())
-                              if s is not seq and s.state is SeqState.RUNNING
-                              and s.num_computed >= seq.num_tokens - 1), None)
+        if not seq.num_decoded and seq.sampling.n > 1:
+            for sibling in self._siblings.get(seq.request_id, ()):
+                if sibling is seq or sibling.state is not SeqState.RUNNING or sibling.num_decoded:
+                    continue
+                if sibling.num_computed < seq.num_tokens - 1:
+                    return None  # it is computing the prompt: fork from it once it has
+            if hit.pages == len(usable) and (seq.num_tokens - 1) % PAGE_SIZE:
+                hit.donor = next((s for s in self._siblings.get(seq.request_id, ())
+                                  if s is not seq and s.state is SeqState.RUNNING
+                                  and s.num_computed >= seq.num_tokens - 1), None)
+        if hit.donor is None:
+            self._find_tail(seq, hit)
         return hit
+
+    def _find_tail(self, seq: Sequence, hit: Hit) -> None:
+        """The cached device page that begins with the most of the tokens after `hit`'s pages
+        (never the last token: it is computed for its logits)."""
+        first = hit.pages * PAGE_SIZE
+        count = min(PAGE_SIZE, seq.num_tokens - 1 - first)
+        if count <= 0:
+            return
+        parent = seq.page_keys[hit.pages - 1] if hit.pages else self.root
+        tokens = token_bytes(seq.token_ids[first:first + count])
+        cached = self.device_cache.longest_tail(parent, tokens)
+        running = self.open_pages.longest(parent, hit.pages, tokens)
+        hit.tail_page, hit.tail_tokens = max(cached, running, key=lambda found: found[1])
 
     def device_hits(self, seq: Sequence, pages: int) -> list[int]:
         """Cached device pages for the first `pages` pages of `seq` (a load maps them instead
@@ -163,6 +188,8 @@ class PrefixSharing:
             if self._inflight.get(key) is seq:
                 del self._inflight[key]
         seq.device_registered = max(seq.device_registered, full)
+        if seq.state is SeqState.RUNNING and full == seq.num_computed // PAGE_SIZE:
+            self.open_pages.update(seq, self.keys(seq, full)[full - 1] if full else self.root)
 
     def on_host(self, seq: Sequence) -> None:
         """Offer the sequence's full pages copied to the host to the host cache."""
@@ -175,10 +202,13 @@ class PrefixSharing:
         """Register `pages[done:full]` of `seq` in `cache`; the keys registered."""
         if full <= done:
             return []
-        keys = self.keys(seq, full)[done:full]
-        for key, page in zip(keys, pages[done:full]):
-            cache.register(key, page)
-        return keys
+        keys = self.keys(seq, full)
+        for index in range(done, full):
+            tokens = (token_bytes(seq.token_ids[index * PAGE_SIZE:(index + 1) * PAGE_SIZE])
+                      if cache is self.device_cache else b"")
+            cache.register(keys[index], pages[index], keys[index - 1] if index else self.root,
+                           tokens)
+        return keys[done:full]
 
     # -- groups for the decode kernel -----------------------------------------------------
     @staticmethod
