@@ -6,6 +6,7 @@ builders (engine/structured.py, engine/tool_choice.py) use the same functions.""
 from __future__ import annotations
 
 import re
+import reprlib
 
 
 class StructuredOutputError(ValueError):
@@ -234,6 +235,8 @@ def _check_node(schema: dict, path: str) -> None:
     if fmt and "pattern" in schema:
         raise StructuredOutputError(f"pattern beside format {fmt!r} at {path} is not "
                                     "supported: keep one of them")
+    if "enum" in schema or "const" in schema:
+        _check_listed_values(schema, path)
     required, properties = schema.get("required"), schema.get("properties")
     if isinstance(required, list):
         declared = properties if isinstance(properties, dict) else {}
@@ -242,6 +245,65 @@ def _check_node(schema: dict, path: str) -> None:
             raise StructuredOutputError(f"required {missing!r} at {path} not declared in "
                                         "properties is not supported: declare each required "
                                         "property")
+
+
+def _check_listed_values(schema: dict, path: str) -> None:
+    """`enum` / `const` beside other keywords: the grammar generates the listed values as they
+    are, so a value the keywords beside it refuse (a `maxLength`, a `pattern`, a `type`, a
+    bound) would be generated unchecked."""
+    listed = [("enum", v) for v in schema["enum"]] if isinstance(schema.get("enum"), list) else []
+    if "const" in schema:
+        listed.append(("const", schema["const"]))
+    for key, value in listed:
+        failed = _refusing_keyword(schema, value)
+        if failed is not None:
+            raise StructuredOutputError(
+                f"{key} value {reprlib.repr(value)} at {path} does not satisfy {failed} "
+                "beside it (the grammar generates the listed values as they are): drop the "
+                f"value or {failed}")
+
+
+_JSON_TYPES = {"string": str, "boolean": bool, "null": type(None), "object": dict, "array": list}
+
+
+def _is_type(value, name) -> bool:
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if name == "number":
+        return number
+    if name == "integer":
+        return number and (isinstance(value, int) or value.is_integer())
+    kind = _JSON_TYPES.get(name)
+    return kind is None or isinstance(value, kind)
+
+
+def _refusing_keyword(schema: dict, value) -> str | None:
+    """The first of the scalar keywords of `schema` (type, string lengths and pattern, number
+    bounds) that `value` does not satisfy, or None."""
+    types = schema.get("type")
+    types = [types] if isinstance(types, str) else types
+    if isinstance(types, list) and not any(_is_type(value, t) for t in types):
+        return "type"
+    if isinstance(value, str):
+        if isinstance(schema.get("minLength"), int) and len(value) < schema["minLength"]:
+            return "minLength"
+        if isinstance(schema.get("maxLength"), int) and len(value) > schema["maxLength"]:
+            return "maxLength"
+        try:
+            if isinstance(schema.get("pattern"), str) and not re.search(schema["pattern"], value):
+                return "pattern"
+        except re.error:
+            pass  # a dialect Python does not read: left to the grammar engine
+    elif _is_type(value, "number"):
+        bounds = {"minimum": lambda b: value >= b, "maximum": lambda b: value <= b,
+                  "exclusiveMinimum": lambda b: value > b, "exclusiveMaximum": lambda b: value < b}
+        for key, holds in bounds.items():
+            bound = schema.get(key)
+            if _is_type(bound, "number") and not holds(bound):
+                return key
+        step = schema.get("multipleOf")
+        if isinstance(step, int) and step > 0 and _is_type(value, "integer") and value % step:
+            return "multipleOf"
+    return None
 
 
 def _check_enforceable(schema, path: str) -> None:

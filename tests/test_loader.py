@@ -159,6 +159,27 @@ def test_an_adapter_beside_model_safetensors_is_not_read(tmp_path):
     assert loaded.model is not None
 
 
+def test_model_safetensors_is_read_before_a_stale_index(tmp_path):
+    """transformers reads `model.safetensors` when a folder holds it, whatever index lies
+    beside it: re-saving a sharded model in one file leaves the old index (and any old shards)
+    behind, and the folder must load the new weights, not refuse or load the old ones."""
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path / "m"
+    save_tiny_model("llama", folder, seed=0)
+    AutoModelForCausalLM.from_pretrained(str(folder)).save_pretrained(
+        str(folder), max_shard_size="200KB")  # the old weights, sharded, with an index
+    save_tiny_model("llama", tmp_path / "new", seed=1)
+    (tmp_path / "new" / "model.safetensors").replace(folder / "model.safetensors")
+    assert (folder / "model.safetensors.index.json").is_file()
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    ours = load_model(ModelConfig(model=str(folder), dtype="float32"), torch.device("cpu"))
+    assert_last_logits_match(ours.model, hf, list(range(3, 70)))
+    for shard in folder.glob("model-*.safetensors"):
+        shard.unlink()  # the index alone: its shards are gone, model.safetensors still loads
+    load_model(ModelConfig(model=str(folder), dtype="float32"), torch.device("cpu"))
+
+
 def test_pickle_checkpoints_are_not_loaded(tmp_path):
     folder = save_tiny_model("llama", tmp_path / "m")
     for f in folder.glob("*.safetensors"):

@@ -32,7 +32,9 @@ def chat(**fields):
     ("include_stop_str_in_output", True), ("use_beam_search", True),
     ("prompt_logprobs", 1), ("bad_words", ["x"]), ("allowed_token_ids", [1, 2]),
     ("truncate_prompt_tokens", 10), ("add_generation_prompt", False),
-    ("continue_final_message", True)])
+    ("continue_final_message", True), ("chat_template", "{{ messages[0]['content'] }}"),
+    ("skip_special_tokens", False), ("spaces_between_special_tokens", False),
+    ("return_tokens_as_token_ids", True), ("logits_processors", ["my.module:Processor"])])
 def test_fields_that_would_change_the_answer_are_refused(field, value):
     """A line migrated from OpenAI (deprecated functions, audio, web search) or vLLM's
     run-batch (guided decoding, beam search, ...) is refused naming the field and what to give
@@ -46,6 +48,8 @@ def test_fields_that_would_change_the_answer_are_refused(field, value):
     {"functions": []}, {"function_call": "none"}, {"modalities": ["text"]}, {"audio": None},
     {"verbosity": "medium"}, {"use_beam_search": False}, {"include_stop_str_in_output": False},
     {"add_generation_prompt": True}, {"continue_final_message": False},
+    {"skip_special_tokens": True, "spaces_between_special_tokens": True,
+     "return_tokens_as_token_ids": False, "logits_processors": []},
     {"prediction": {"type": "content", "content": "It is sunny"}},
     {"prompt_cache_key": "k", "safety_identifier": "s", "service_tier": "auto"}])
 def test_their_defaults_and_fields_that_change_nothing_pass_silently(fields):

@@ -3,6 +3,7 @@ render tools, stream mode, error objects' code/message/param, URLs refused as pa
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -200,6 +201,32 @@ def test_a_parameters_schema_the_compiler_refuses_names_tools(smol, tools_tokeni
     assert isinstance(err, IntakeError) and err.code == "invalid_tool_choice"
     assert err.param == "tools" and ".cc:" not in err.message
     assert err.message.startswith("line 1: tools: a parameters schema cannot be enforced: Regex")
+
+
+def _key_order_format(*names):
+    properties = {name: {"type": "boolean"} for name in names}
+    return {"type": "json_schema", "json_schema": {"name": "flags", "strict": True, "schema": {
+        "type": "object", "properties": properties, "required": sorted(names),
+        "additionalProperties": False}}}
+
+
+def _accepts(grammar, tokenizer, text: str) -> bool:
+    matcher = grammar.matcher()
+    return all(matcher.accept(t) for t in tokenizer.encode(text, add_special_tokens=False))
+
+
+def test_each_lines_schema_keeps_its_own_property_order(tools_tokenizer):
+    """Properties are generated in the order a schema lists them: a line listing them in
+    another order than an earlier line's identical schema gets its own order, whichever line
+    the worker compiled first (a resume may take them in another order)."""
+    grammars = Grammars(tools_tokenizer, len(tools_tokenizer), [tools_tokenizer.eos_token_id])
+    pending = intake(line({"messages": USER}), tools_tokenizer, 2048)
+    for first, second in [("alpha", "beta"), ("beta", "alpha")]:
+        item = dataclasses.replace(
+            pending, extra={"response_format": _key_order_format(first, second)})
+        grammar = grammars.request(item).grammar
+        assert _accepts(grammar, tools_tokenizer, f'{{"{first}": true, "{second}": false}}')
+        assert not _accepts(grammar, tools_tokenizer, f'{{"{second}": true, "{first}": false}}')
 
 
 def test_free_text_without_a_forced_choice_and_conflicts_are_errors(smol, tools_tokenizer):

@@ -70,6 +70,18 @@ def _sentencepiece_only(folder):
     return "sentencepiece"
 
 
+LFS_POINTER = ("version https://git-lfs.github.com/spec/v1\noid sha256:" + "ab" * 32
+               + "\nsize 269060552\n")
+"""What `git clone` without Git LFS leaves in place of a large file."""
+
+
+def _lfs_pointer(name):
+    def clone_without_lfs(folder):
+        (folder / name).write_text(LFS_POINTER)
+        return "git lfs pull"
+    return clone_without_lfs
+
+
 def _config_bomb(field):
     def bomb(folder):
         config = json.loads((folder / "config.json").read_text())
@@ -83,7 +95,9 @@ BROKEN = {"no_weights": _no_weights, "truncated_file": _truncated_file,
           "truncated_header": _truncated_header, "shape_mismatch": _shape_mismatch,
           "no_tokenizer": _no_tokenizer, "layers_bomb": _config_bomb("num_hidden_layers"),
           "hidden_bomb": _config_bomb("hidden_size"), "awq": _quantized("awq"),
-          "bitsandbytes": _quantized("bitsandbytes"), "sentencepiece": _sentencepiece_only}
+          "bitsandbytes": _quantized("bitsandbytes"), "sentencepiece": _sentencepiece_only,
+          "lfs_weights": _lfs_pointer("model.safetensors"),
+          "lfs_tokenizer": _lfs_pointer("tokenizer.json")}
 
 
 @pytest.mark.parametrize("damage", sorted(BROKEN))

@@ -43,6 +43,11 @@ DROPPED = {
     "not {}": S(type="integer", **{"not": {}}),  # 1 (not {} excludes every value)
     "format+short maxLength": S(type="string", format="uri", maxLength=20),
     "pattern+minLength 1, empty allowed": S(type="string", pattern="^[a-z]*$", minLength=1),
+    # enum / const values are generated as listed, whatever the keywords beside them say
+    "enum+maxLength": S(type="string", enum=["abc", "x"], maxLength=2),  # "abc"
+    "enum+pattern": S(type="string", enum=["abc", "x"], pattern="^a"),  # "x"
+    "enum+type": S(type="string", enum=["a", 1]),  # 1
+    "const+maximum": S(type="integer", const=50, maximum=10),  # 50
 }
 
 
@@ -83,6 +88,11 @@ ACCEPTED = {  # what pydantic's model_json_schema() and OpenAI's examples write
     "ref + x-order": {"$defs": {"T": {"type": "integer"}},
                       **S(**{"$ref": "#/$defs/T", "description": "d", "x-order": 1})},
     "pattern + minLength 1": S(type="string", pattern="^[A-Z]+$", minLength=1),
+    "Literal": S(const="cat", type="string"),
+    "Optional enum": S(enum=["a", None], type=["string", "null"]),
+    "enum within its bounds": S(type="string", enum=["ab", "cd"], minLength=2, maxLength=2),
+    "enum matching its pattern": S(type="string", enum=["ab", "ac"], pattern="^a"),
+    "IntEnum with bounds": S(type="integer", enum=[1, 2.0, 3], minimum=1, maximum=3),
 }
 
 

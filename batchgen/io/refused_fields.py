@@ -43,6 +43,16 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
                                             "add_generation_prompt"),
     "continue_final_message": ((None, False), "continuing the last message is not supported: "
                                               "drop continue_final_message"),
+    "chat_template": ((None,), "a chat template per line is not supported: give it to the "
+                               "job as --chat-template and drop chat_template"),
+    "skip_special_tokens": ((None, True), "special tokens are left out of every answer's text "
+                                          "(--detokenization-include-special-tokens keeps "
+                                          "them, for the whole job): drop skip_special_tokens"),
+    "spaces_between_special_tokens": ((None, True), "spaces_between_special_tokens is not "
+                                                    "supported: drop it"),
+    "return_tokens_as_token_ids": ((None, False), "logprobs name tokens by their text: drop "
+                                                  "return_tokens_as_token_ids"),
+    "logits_processors": ((None, []), "logits_processors is not supported: drop it"),
     "guided_json": ((None,), f"guided_json is not supported: {_RESPONSE_FORMAT}"),
     "guided_regex": ((None,), "guided_regex is not supported: give response_format "
                               "{\"type\": \"json_schema\"} with a string schema's "

@@ -33,6 +33,8 @@ HOST_SHARE = 0.125
 """Share of the host's memory the rotary tables may take at their peak (a 1M-token context of
 128-dim heads peaks at 3 GB)."""
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+LFS_POINTER = b"version https://git-lfs"
+"""How a Git LFS pointer file begins: what `git clone` without Git LFS leaves of a large file."""
 
 
 def check_model_folder(folder: Path, memory_bytes: int, host_bytes: int) -> None:
@@ -72,12 +74,27 @@ def check_tokenizer(folder: Path) -> None:
     if not any((folder / name).is_file() for name in TOKENIZER_FILES):
         raise CheckpointError(f"{folder} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): "
                               "copy the model's tokenizer files into the folder")
+    for name in TOKENIZER_FILES:
+        check_not_lfs_pointer(folder / name)
     if (not (folder / "tokenizer.json").is_file() and (folder / "tokenizer.model").is_file()
             and not sentencepiece_installed()):
         raise CheckpointError(f"{folder} has tokenizer.model but no tokenizer.json, and reading "
                               "tokenizer.model takes the sentencepiece package, which is not "
                               "installed: copy the model's tokenizer.json into the folder, or "
                               "`pip install sentencepiece`")
+
+
+def check_not_lfs_pointer(path: Path) -> None:
+    """CheckpointError when `path` is a Git LFS pointer in place of the file it names."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(len(LFS_POINTER))
+    except OSError:
+        return  # absent or unreadable: the checks and the load that read it name it
+    if head == LFS_POINTER:
+        raise CheckpointError(f"{path} is a Git LFS pointer, not the file itself: the model was "
+                              "cloned without Git LFS. Run `git lfs install && git lfs pull` in "
+                              f"{path.parent}, or download the model with `hf download`")
 
 
 def sentencepiece_installed() -> bool:
@@ -101,6 +118,7 @@ def read_headers(folder: Path) -> dict[str, tuple[Path, list[int], str]]:
 def read_header(path: Path) -> dict[str, tuple[list[int], str]]:
     """A safetensors file's tensors (name -> (shape, dtype)), checked against the file's size:
     a truncated file or header is named here."""
+    check_not_lfs_pointer(path)
     size = path.stat().st_size
     with open(path, "rb") as f:
         head = f.read(8)

@@ -281,8 +281,9 @@ def index_shards(index: Path) -> list[str]:
 def indexed_weights_only(repo: str, commit: str, files: list[RepoFile],
                          snapshot: Path) -> list[RepoFile]:
     """`files` less the top-level weights that the repo's safetensors index does not name:
-    the loader reads only the index's shards (as transformers does), so another copy of the
-    weights beside them (a merged `model.safetensors`, a quantized variant) is never fetched.
+    the snapshot then holds the index's shards, which the loader reads, and another copy of
+    the weights beside them (a merged `model.safetensors`, a quantized variant) is never
+    fetched.
     The index itself is fetched first; without one (or unreadable) `files` are unchanged."""
     index = next((f for f in files if f.path == INDEX), None)
     if index is None:

@@ -232,12 +232,15 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def checkpoint_files(folder: Path) -> list[str]:
-    """The safetensors files of a folder that hold its model, as transformers picks them: the
-    index's shards; else `model.safetensors` alone (an adapter or another copy beside it is not
-    the model); else every *.safetensors. CheckpointError when there is none, or the index is
+    """The safetensors files of a folder that hold its model, as transformers picks them:
+    `model.safetensors` alone (an adapter or another copy beside it is not the model, nor is a
+    stale index that re-saving a sharded model in one file leaves behind); else the index's
+    shards; else every *.safetensors. CheckpointError when there is none, or the index is
     unreadable or names a missing shard."""
     index = folder / hub.INDEX
-    if index.is_file():
+    if (folder / "model.safetensors").is_file():
+        names = ["model.safetensors"]
+    elif index.is_file():
         try:
             names = hub.index_shards(index)
         except hub.INDEX_ERRORS as err:
@@ -247,8 +250,6 @@ def checkpoint_files(folder: Path) -> list[str]:
         if missing:
             raise CheckpointError(f"{index} names {', '.join(missing[:3])}, missing from "
                                   f"{folder}: the download or copy is incomplete")
-    elif (folder / "model.safetensors").is_file():
-        names = ["model.safetensors"]
     else:
         names = sorted(p.name for p in folder.glob("*.safetensors"))
     if not names:

@@ -36,7 +36,7 @@ class Grammars:
             return item.to_request()
         try:
             # orjson refuses nesting past 254 levels (a TypeError), as the compiler would.
-            key = orjson.dumps(response_format, option=orjson.OPT_SORT_KEYS)
+            key = grammar_key(response_format)
             if key not in self._cache:
                 self._cache[key] = self._compile(response_format)
         except (ValueError, TypeError, RecursionError) as err:  # StructuredOutputError: ValueError
@@ -53,7 +53,7 @@ class Grammars:
                                f"line {item.line}: a tool_choice that forces a call cannot be "
                                "combined with response_format: drop one", "tool_choice")
         try:
-            key = orjson.dumps([self.tool_parser, functions], option=orjson.OPT_SORT_KEYS)
+            key = grammar_key([self.tool_parser, functions])
             if key not in self._cache:
                 grammar = tool_call_grammar(functions, self.tool_parser)
                 self._cache[key] = self._compiler_().compile_grammar(grammar)
@@ -77,3 +77,10 @@ class Grammars:
 
     def _compile(self, response_format):
         return self._compiler_().compile(response_format)
+
+
+def grammar_key(spec) -> bytes:
+    """The cache key of a grammar's spec: its JSON with keys in the order written, since the
+    grammar generates an object's properties in the order its schema lists them (sorted keys
+    would hand a line the order of an earlier line's otherwise equal schema)."""
+    return orjson.dumps(spec)
