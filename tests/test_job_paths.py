@@ -29,6 +29,12 @@ def beside_an_owner_record(folder: Path, name: str) -> Path:
     return folder / name
 
 
+def holding(path: Path, text: str) -> Path:
+    """`path`, written with `text` (a file of the user's, not a job's)."""
+    path.write_text(text)
+    return path
+
+
 @pytest.mark.parametrize(("make_output", "flag", "needle"), [
     (lambda t: t / "in.jsonl", "--output", "is the input file"),
     (lambda t: t / "s" / "incremental" / "batch_x.jsonl", "--output", "incremental file"),
@@ -43,6 +49,12 @@ def beside_an_owner_record(folder: Path, name: str) -> Path:
      "another job's saved results"),
     (lambda t: beside_an_owner_record(t, "batch_y.rank1.jsonl"), "--output",
      "another job's saved results"),
+    (lambda t: holding(t / "notes.jsonl", "my notes\n"), "--output",
+     "does not hold batch results"),
+    (lambda t: write_jsonl(t / "other.jsonl", chat_rows(1)), "--output",
+     "does not hold batch results"),
+    (lambda t: holding(t / "r.errors.jsonl", "keep\n").with_name("r.jsonl"), "--output",
+     "r.errors.jsonl exists and does not hold batch results"),
 ])
 def test_unusable_output_paths_are_refused_by_flag(tmp_path, make_output, flag, needle):
     output = make_output(tmp_path)

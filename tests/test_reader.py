@@ -255,6 +255,22 @@ def test_invalid_json_names_the_column_not_line_1_and_the_fix(tmp_path, value, f
     assert "line 1" not in bad.error.message and fix in bad.error.message
 
 
+@pytest.mark.parametrize("tail, fix", [
+    (b'{"custom_id": "c", "prompt": "cut', "the file ends inside this line"),
+    (b'{"custom_id": "c",\r\n  "prompt": "x"}\n', "write each object on one line"),
+    (b'{"prompt": "x"}{"prompt": "y"}\n', "put each object on its own line"),
+    (b'{"prompt": "x"}\r{"prompt": "y"}\r', "tr '\\r' '\\n'")])
+def test_a_line_ending_before_its_json_names_the_fix(tmp_path, tail, fix):
+    """A file cut off mid-line (a copy that did not finish) said only `unexpected end of
+    data`, two objects on a line (or lines ending in a lone CR) `unexpected content after
+    document`: neither what happened nor what to do."""
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b'{"prompt": "a"}\n\n' + tail)
+    [_, bad, *_] = read_records(path)
+    assert bad.error.code == "invalid_json" and bad.line == 3
+    assert fix in bad.error.message, bad.error.message
+
+
 def test_parquet_decimal_and_binary_cells_are_numbers_and_text(tmp_path):
     """SQL engines type `0.7 AS temperature` as DECIMAL(1,1), Hive-era writers store strings as
     BINARY without the UTF8 annotation: both were refused as "must be a number" / "must be a
@@ -277,6 +293,30 @@ def test_parquet_decimal_and_binary_cells_are_numbers_and_text(tmp_path):
     assert parse_record(second).prompt == "caf\u00e9"
     assert third.error.code == "invalid_utf8" and "'prompt'" in third.error.message
     assert record_key(third) == "line-3"
+
+
+def test_parquet_decimal_and_binary_items_of_list_columns_are_numbers_and_text(tmp_path):
+    """A messages column of structs with BINARY fields (Hive, Spark) and a list of decimals
+    were left as bytes and Decimals: `role must be a non-empty string`, `stop_token_ids[0]
+    must be a token id`."""
+    from decimal import Decimal
+
+    from batchgen.io.intake import ParsedRequest, parse_record
+
+    path = tmp_path / "in.parquet"
+    message = pa.struct([("role", pa.binary()), ("content", pa.binary()), ("name", pa.string())])
+    pq.write_table(pa.table({
+        "custom_id": ["a", "b"],
+        "messages": pa.array([[{"role": b"user", "content": "caf\u00e9".encode()}],
+                              [{"role": b"user", "content": b"\xff"}]], pa.list_(message)),
+        "stop_token_ids": pa.array([[Decimal(5)], None], pa.list_(pa.decimal128(10, 0)))}),
+        path)
+    first, second = read_records(path)
+    parsed = parse_record(first)
+    assert isinstance(parsed, ParsedRequest), parsed
+    assert parsed.messages == [{"role": "user", "content": "caf\u00e9"}]
+    assert list(parsed.sampling.stop_token_ids) == [5]
+    assert second.error.code == "invalid_utf8" and "'messages'" in second.error.message
 
 
 def test_a_parquet_file_with_two_columns_of_one_name_is_refused(tmp_path):

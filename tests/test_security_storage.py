@@ -103,10 +103,14 @@ def test_job_folders_are_created_private(tmp_path, tiny_chat_model):
         assert stat.S_IMODE((tmp_path / "s" / name).stat().st_mode) == 0o750, name
 
 
+LIVE_RESULTS = '{"id": "batch_req_live", "custom_id": "a", "response": null}\n'
+"""Results of an earlier run of the live job, in its --output."""
+
+
 def test_a_second_job_writing_the_same_output_is_refused(tmp_path, tiny_chat_model):
     """A live job holds its --output's lock; another job given that path exits 4."""
     out = tmp_path / "out.jsonl"
-    out.write_text("the live job's\n")
+    out.write_text(LIVE_RESULTS)
     holder = JobLock(JobPaths.for_job(tmp_path / "a", "batch_a", output=out).output_lock,
                      "another live job writes it")
     holder.acquire()
@@ -118,7 +122,7 @@ def test_a_second_job_writing_the_same_output_is_refused(tmp_path, tiny_chat_mod
         holder.release()
     assert done.returncode == 4, done.stderr[-2000:]
     assert f"another live job writes {out}" in done.stderr and f"pid {os.getpid()}" in done.stderr
-    assert out.read_text() == "the live job's\n"
+    assert out.read_text() == LIVE_RESULTS
 
 
 def test_an_output_rewritten_by_another_job_is_not_called_complete(tmp_path, tiny_chat_model):

@@ -199,9 +199,28 @@ def _json_problem(raw: bytes, line: int, err: orjson.JSONDecodeError) -> str:
                 "character (a string cut inside an emoji?): replace it, e.g. with \\ufffd")
     elif "depth" in err.msg:
         hint = "; objects and lists nested more than 1,024 levels: flatten them"
+    elif "end of data" in err.msg:
+        hint = _cut_short_hint(raw)
+    elif "after document" in err.msg:
+        hint = ("; lines end with a lone carriage return (\\r, old Mac line ends): convert "
+                "them, e.g. tr '\\r' '\\n'" if b"\r" in raw.rstrip(b"\r\n") else
+                "; a second JSON value follows the first on this line: put each object on "
+                "its own line")
     else:
         hint = ""
     return f"line {line} is not valid JSON at column {err.colno}: {err.msg}{hint}"
+
+
+def _cut_short_hint(raw: bytes) -> str:
+    """Why a line can end before its JSON does, and the fix: the file's last line without a
+    newline was cut off (a write or copy that did not finish); another line is part of an
+    object spread over several lines, or was cut short by hand."""
+    if not raw.endswith(b"\n"):
+        return ("; the file ends inside this line (no newline after it): it was cut off while "
+                "being written or copied: write the file again from its source, or complete "
+                "or delete this line")
+    return ("; the line ends before its JSON object does: write each object on one line "
+            "(jq -c), or complete or delete this line")
 
 
 def _jsonl_lines(path: Path, max_line_bytes: int) -> Iterator[tuple[int, bytes | int]]:
@@ -245,6 +264,13 @@ def _clean_value(value: object) -> object:
     if isinstance(value, dict):
         cleaned = {k: _clean_value(v) for k, v in value.items()}
         return {k: v for k, v in cleaned.items() if v is not None}
+    if isinstance(value, list):
+        # Arrow lists hold one type: one of ints or strings (token ids, stop strings) has
+        # nothing to clean and is not walked. Others (messages' structs, Hive's binary text,
+        # a list of decimals) are cleaned item by item, keeping each item's place.
+        if value and isinstance(value[0], (int, str)):
+            return value
+        return [_clean_value(v) for v in value]
     if isinstance(value, Decimal):  # SQL engines type a literal such as 0.7 as DECIMAL(1,1)
         return int(value) if value == value.to_integral_value() else float(value)
     if isinstance(value, bytes):  # text written as BINARY without the UTF8 annotation (Hive)

@@ -10,6 +10,7 @@ with other settings are never reused.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 from batchgen.config import ConfigError, JobConfig
@@ -76,12 +77,37 @@ def _check_outputs(config: JobConfig, paths: JobPaths) -> None:
         if target.is_dir():
             raise ConfigError("output", str(paths.output), f"{target} is a folder; give a file "
                                                            "path, e.g. results.jsonl inside it")
+        if _holds_other_content(target):
+            raise ConfigError("output", str(paths.output),
+                              f"{target} exists and does not hold batch results (its first "
+                              "line is not a result line), so it is not a file a job wrote: "
+                              "the results would replace it. Move it away, or give the "
+                              "results another path")
         if os.path.exists(target) and not os.path.isfile(target):
             # The results are renamed into place: a device (/dev/null), FIFO or socket there
             # would be replaced by a regular file, not written to.
             raise ConfigError("output", str(paths.output),
                               f"{target} is not a regular file (a device, pipe or socket), "
                               "which the results would replace: give a file path")
+
+
+RESULT_LINE_START = re.compile(rb'\s*\{\s*"id"\s*:\s*"batch_req_')
+"""How a batch result line starts (batchgen's, and OpenAI's batch output files)."""
+
+
+def _holds_other_content(target: Path) -> bool:
+    """Whether `target` is a non-empty regular file whose first line is not a batch result
+    line: a file of the user's (notes, another input), which the final rename would destroy
+    for good. A job's results, another job's included, may be replaced: they stay in that
+    job's incremental file."""
+    try:
+        if not target.is_file() or target.is_symlink():
+            return False
+        with open(target, "rb") as f:
+            head = f.read(4096)
+    except OSError:
+        return False  # unreadable: the write that follows names the problem
+    return bool(head.strip()) and not RESULT_LINE_START.match(head)
 
 
 def _results_of_a_job(target: Path) -> bool:
