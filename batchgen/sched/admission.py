@@ -177,7 +177,9 @@ class Admission:
             # Copies run in plan order before any load or forward writes a page, so the page
             # still holds its KV even if this or a later admission reclaimed it (idle and
             # cached) for pages of its own.
-            out.device_copies.append(PageCopy(seq.seq_id, tail, [seq.device_pages[hit.pages]]))
+            if tail[0] != seq.device_pages[hit.pages]:  # not reclaimed as that very page
+                out.device_copies.append(PageCopy(seq.seq_id, tail,
+                                                  [seq.device_pages[hit.pages]]))
             seq.num_computed += hit.tail_tokens
             counters.shared_tails += 1
             copied = True
