@@ -235,6 +235,7 @@ def _check_node(schema: dict, path: str) -> None:
     if fmt and "pattern" in schema:
         raise StructuredOutputError(f"pattern beside format {fmt!r} at {path} is not "
                                     "supported: keep one of them")
+    _check_integer_bounds(schema, path)
     if "enum" in schema or "const" in schema:
         _check_listed_values(schema, path)
     required, properties = schema.get("required"), schema.get("properties")
@@ -245,6 +246,25 @@ def _check_node(schema: dict, path: str) -> None:
             raise StructuredOutputError(f"required {missing!r} at {path} not declared in "
                                         "properties is not supported: declare each required "
                                         "property")
+
+
+INT64_RANGE = (-(1 << 63), (1 << 63) - 1)
+"""The integers the grammar engine bounds: an "integer" node's bounds must lie within them."""
+
+
+def _check_integer_bounds(schema: dict, path: str) -> None:
+    """The bounds of an "integer" node beyond 64-bit integers, which the grammar engine
+    refuses with its internal check's text."""
+    types = schema.get("type")
+    if "integer" not in ([types] if isinstance(types, str) else types or []):
+        return
+    low, high = INT64_RANGE
+    for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
+        bound = schema.get(key)
+        if _is_type(bound, "number") and not low <= bound <= high:
+            raise StructuredOutputError(
+                f"{key} {bound!r} at {path} is beyond the 64-bit integers ({low} to {high}) "
+                "that an \"integer\" bound may be: give a bound within them, or drop it")
 
 
 def _check_listed_values(schema: dict, path: str) -> None:

@@ -82,6 +82,22 @@ def test_bench_on_a_cuda_device_that_is_not_there_is_one_error_line(args):
     assert "--device cuda" in line and "--device cpu" in line, line
 
 
+def test_validate_says_to_move_body_fields_written_beside_body_into_it(tmp_path):
+    rows = [{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
+             "max_tokens": 5, "colour": "red",
+             "body": {"messages": [{"role": "user", "content": "hi"}]}},
+            {"custom_id": "b", "method": "POST", "url": "/v1/embeddings", "dimensions": 8,
+             "body": {"input": "hi"}}]
+    result = CliRunner().invoke(app, ["validate", "-i", str(write_jsonl(tmp_path / "in.jsonl",
+                                                                          rows))])
+    out = result.output
+    assert result.exit_code == 0, out
+    assert ("line 1: warning: field 'max_tokens' is outside \"body\", where it is ignored: "
+            "move it into \"body\"") in out
+    assert "line 1: warning: unknown field 'colour': it is ignored" in out
+    assert "line 2: warning: field 'dimensions' is outside \"body\"" in out
+
+
 def test_validate_warns_about_unknown_fields_with_the_closest_known_one(tmp_path):
     rows = [
         {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",

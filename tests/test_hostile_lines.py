@@ -171,7 +171,7 @@ def test_an_empty_or_stdout_output_is_refused_before_work(tmp_path, output):
     assert "--output" in result.output and "standard output is not supported" in result.output
 
 
-@pytest.mark.parametrize("key", ["4_2", " 42 ", "+42", "4.0", "٤٢"])
+@pytest.mark.parametrize("key", ["4_2", " 42 ", "+42", "4.0", "٤٢", "-0", "-00"])
 def test_logit_bias_keys_are_decimal_token_ids(key):
     err = parse({"custom_id": "t", "messages": USER, "logit_bias": {key: 5}})
     assert isinstance(err, IntakeError) and err.param == "logit_bias", err

@@ -38,6 +38,26 @@ def test_hub_cache_layout_is_found(tmp_path):
     assert resolve_model("org/tiny", cache_dir=str(tmp_path)).path == snapshot
 
 
+def test_the_cache_folder_of_a_hub_repo_points_at_its_snapshot(tmp_path, monkeypatch):
+    repo = tmp_path / "hub" / "models--org--tiny"
+    snapshot = repo / "snapshots" / "abc123"
+    save_tiny_model("llama", snapshot)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    for given in (repo, repo / "snapshots"):
+        with pytest.raises(ModelNotFoundError) as err:
+            resolve_model(str(given))
+        assert f"--model {str(given)!r} is the Hugging Face cache folder of org/tiny" \
+            in str(err.value)
+        assert f"--model {snapshot}" in str(err.value)
+        assert f"--model org/tiny --cache-dir {tmp_path / 'hub'}" in str(err.value)
+    assert resolve_model("org/tiny", cache_dir=str(tmp_path / "hub")).path == snapshot
+    (snapshot / "config.json").unlink()  # a download that stopped part way
+    with pytest.raises(ModelNotFoundError, match="none of its snapshots is a complete"):
+        resolve_model(str(repo))
+
+
 def test_unsupported_architecture_names_the_supported_ones(tmp_path):
     folder = save_tiny_model("llama", tmp_path / "m")
     config = json.loads((folder / "config.json").read_text())

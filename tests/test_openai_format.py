@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from batchgen.config import ModelConfig
-from batchgen.io.intake import IntakeError, PendingRequest, intake
+from batchgen.io.intake import IntakeError, ParsedRequest, PendingRequest, intake, parse_record
 from batchgen.io.locations import refuse_urls, url_scheme
 from batchgen.io.parsers import parse_tool_calls
 from batchgen.io.reader import InputFileError, RawRecord
@@ -60,6 +60,16 @@ def test_stream_true_is_a_400_line_error_naming_stream(tools_tokenizer):
     assert body["status_code"] == 400 and body["body"]["error"]["param"] == "stream"
     ok = intake(line({"messages": USER, "stream": False}), tools_tokenizer, 512)
     assert isinstance(ok, PendingRequest)
+
+
+@pytest.mark.parametrize("stream, shown", [("false", "got str 'false'"), (0, "got int 0"),
+                                           ("true", "got str 'true'")])
+def test_stream_not_a_boolean_says_it_must_be_the_boolean_false(stream, shown):
+    err = parse_record(line({"messages": USER, "stream": stream}))
+    assert isinstance(err, IntakeError) and err.param == "stream"
+    assert "stream must be the boolean false (or be dropped), " + shown in err.message, err
+    assert "set it to false" not in err.message
+    assert isinstance(parse_record(line({"messages": USER, "stream": None})), ParsedRequest)
 
 
 @pytest.mark.parametrize("body, param", [

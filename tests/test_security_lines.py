@@ -62,6 +62,17 @@ def test_grammar_limits_name_what_is_over():
             "schema": {"enum": ["x" * 1000] * 300}}})
 
 
+def test_an_integer_beyond_64_bits_is_not_taken_for_deep_nesting():
+    """orjson refuses such integers; JSON has them (a bound, an enum value)."""
+    check_grammar_limits({"type": "json_schema", "json_schema": {"schema": {
+        "type": "string", "enum": ["a"], "default": 10 ** 30}}})
+    deep: dict = {"type": "string", "default": -(10 ** 30)}
+    for _ in range(80):
+        deep = {"type": "array", "items": deep}
+    with pytest.raises(GrammarTooComplex, match="nested deeper than 64"):
+        check_grammar_limits({"type": "json_schema", "json_schema": {"schema": deep}})
+
+
 def test_each_line_is_journaled_before_its_risky_intake(tmp_path, monkeypatch):
     """A crash inside the template, tokenizer or grammar compiler must find the line in the
     crash journal, so the quarantine can give it a strike."""

@@ -82,6 +82,20 @@ def _lfs_pointer(name):
     return clone_without_lfs
 
 
+def _config_field(field, value, needle):
+    def edit(folder):
+        config = json.loads((folder / "config.json").read_text())
+        config[field] = value
+        (folder / "config.json").write_text(json.dumps(config))
+        return needle
+    return edit
+
+
+def _tokenizer_config_only(folder):
+    (folder / "tokenizer.json").unlink()
+    return "tokenizer_config.json but no vocabulary"
+
+
 def _config_bomb(field):
     def bomb(folder):
         config = json.loads((folder / "config.json").read_text())
@@ -97,7 +111,12 @@ BROKEN = {"no_weights": _no_weights, "truncated_file": _truncated_file,
           "hidden_bomb": _config_bomb("hidden_size"), "awq": _quantized("awq"),
           "bitsandbytes": _quantized("bitsandbytes"), "sentencepiece": _sentencepiece_only,
           "lfs_weights": _lfs_pointer("model.safetensors"),
-          "lfs_tokenizer": _lfs_pointer("tokenizer.json")}
+          "lfs_tokenizer": _lfs_pointer("tokenizer.json"),
+          "unknown_rope": _config_field("rope_parameters", {"rope_type": "superrope",
+                                                            "rope_theta": 1e4}, "'superrope'"),
+          "unknown_model_type": _config_field("model_type", "smollm",
+                                              "set \"model_type\": \"llama\""),
+          "tokenizer_config_only": _tokenizer_config_only}
 
 
 @pytest.mark.parametrize("damage", sorted(BROKEN))
@@ -168,3 +187,50 @@ def test_config_fields_must_be_positive_integers(tiny_chat_model, tmp_path):
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match="num_hidden_layers must be a positive integer"):
         check_model_folder(folder, *ROOMY)
+
+
+def _with_config(tiny_chat_model, tmp_path, **fields):
+    folder = _copy(tiny_chat_model, tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(fields)
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.mark.parametrize("fields, where", [
+    ({"rope_parameters": {"rope_type": "superrope", "rope_theta": 1e4}}, "rope_parameters"),
+    ({"rope_parameters": None, "rope_scaling": {"type": "superrope", "factor": 2.0}},
+     "rope_scaling"),
+    ({"rope_parameters": {"full_attention": {"rope_type": "superrope"},
+                          "sliding_attention": {"rope_type": "default"}}},
+     "rope_parameters.full_attention")])
+def test_an_unknown_rope_type_is_refused_naming_the_supported_ones(tiny_chat_model, tmp_path,
+                                                                   fields, where):
+    folder = _with_config(tiny_chat_model, tmp_path, **fields)
+    with pytest.raises(CheckpointError) as err:
+        check_model_folder(folder, *ROOMY)
+    message = str(err.value)
+    assert f"{where} has rope_type 'superrope'" in message, message
+    assert "default, dynamic, linear, llama3" in message and "yarn" in message, message
+
+
+@pytest.mark.parametrize("rope", [{"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4},
+                                  {"type": "linear", "factor": 2.0}, {"type": "su"}, {}])
+def test_rope_types_batchgen_computes_pass_the_checks(tiny_chat_model, tmp_path, rope):
+    check_model_folder(_with_config(tiny_chat_model, tmp_path, rope_scaling=rope,
+                                    rope_parameters=None), *ROOMY)
+
+
+def test_a_model_type_transformers_knows_passes_whatever_the_architecture(tiny_chat_model,
+                                                                         tmp_path):
+    check_model_folder(_with_config(tiny_chat_model, tmp_path, model_type="mistral"), *ROOMY)
+
+
+@pytest.mark.parametrize("vocabulary", ["tokenizer.model", "vocab.json"])
+def test_tokenizer_config_beside_a_vocabulary_file_passes(tiny_chat_model, tmp_path,
+                                                          monkeypatch, vocabulary):
+    folder = _copy(tiny_chat_model, tmp_path)
+    (folder / "tokenizer.json").unlink()
+    (folder / vocabulary).write_bytes(b"a vocabulary")
+    monkeypatch.setattr(folder_checks, "sentencepiece_installed", lambda: True)
+    check_model_folder(folder, *ROOMY)

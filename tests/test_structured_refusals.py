@@ -102,6 +102,24 @@ def test_schemas_users_write_are_accepted(name):
     assert schema_problem(rf(ACCEPTED[name])) is None
 
 
+@pytest.mark.parametrize("key, bound", [("minimum", -1e20), ("maximum", 1e20),
+                                        ("maximum", 2**63), ("exclusiveMinimum", -2**63 - 1)])
+@pytest.mark.parametrize("kind", ["integer", ["integer", "null"]])
+def test_integer_bounds_beyond_64_bits_are_refused_by_name(key, bound, kind):
+    parsed = parse(response_format=rf(S(type=kind, **{key: bound})))
+    assert isinstance(parsed, IntakeError) and parsed.code == "unsupported_response_format"
+    assert f"{key} {bound!r} at #/properties/a is beyond the 64-bit integers" in parsed.message
+    assert "Check failed" not in parsed.message
+
+
+@pytest.mark.parametrize("schema", [S(type="integer", minimum=-2**63, maximum=2**63 - 1),
+                                    S(type="integer", exclusiveMaximum=2**63 - 1),
+                                    S(type="number", minimum=-1e20, maximum=1e300)])
+def test_bounds_the_grammar_engine_takes_are_accepted(schema):
+    assert isinstance(parse(response_format=rf(schema)), ParsedRequest)
+    assert schema_problem(rf(schema)) is None
+
+
 def tool(parameters):
     return [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
 

@@ -4,6 +4,7 @@ the whole worker, so such a line is refused up front as its own error line."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import orjson
@@ -24,10 +25,7 @@ class GrammarTooComplex(ValueError):
 def check_grammar_limits(response_format: Any, name: str = "response_format") -> None:
     """Raise GrammarTooComplex for a response_format over the size, schema depth or regex
     nesting limits. `name`: what the message calls it (a forced tool's parameters, too)."""
-    try:
-        size = len(orjson.dumps(response_format))
-    except (TypeError, orjson.JSONEncodeError):  # orjson refuses nesting past 254 levels
-        size = None
+    size = json_size(response_format)
     if size is None or size > MAX_GRAMMAR_BYTES:
         said = "is nested past 254 levels" if size is None else f"is {size} bytes"
         raise GrammarTooComplex(f"{name} {said}; at most {MAX_GRAMMAR_BYTES} bytes "
@@ -47,6 +45,20 @@ def check_grammar_limits(response_format: Any, name: str = "response_format") ->
                     raise GrammarTooComplex(f"{where}.pattern nests groups {nested} deep, over "
                                             f"the limit of {MAX_REGEX_DEPTH}: simplify the regex")
             stack.append((sub, depth + 1, f"{where}.{key}"))
+
+
+def json_size(value: Any) -> int | None:
+    """Bytes of `value` as JSON; None when it is nested past 254 levels (orjson's limit) and
+    past the json module's recursion. orjson also refuses integers beyond 64 bits, which JSON
+    allows (`"maximum": 1e20` written out): those are measured with the json module."""
+    try:
+        return len(orjson.dumps(value))
+    except (TypeError, orjson.JSONEncodeError):
+        pass
+    try:
+        return len(json.dumps(value).encode())
+    except (RecursionError, TypeError, ValueError):
+        return None
 
 
 def regex_depth(pattern: str) -> int:

@@ -11,6 +11,7 @@ nothing here raises for bad input.
 from __future__ import annotations
 
 import logging
+import reprlib
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -141,6 +142,17 @@ def parse_record(record: RawRecord,
                            "its fields with docs/job-files.md")
 
 
+def _check_stream(stream) -> None:
+    """Batch lines are answered whole: stream may be absent, null or the boolean false."""
+    if stream is None or stream is False:
+        return
+    message = ("the request must not be sent in stream mode: batch lines are answered whole; "
+               "drop \"stream\" or set it to false" if stream is True else
+               f"stream must be the boolean false (or be dropped), got {type(stream).__name__} "
+               f"{reprlib.repr(stream)}: batch lines are answered whole, never streamed")
+    raise BadLine("invalid_request", message, "stream")
+
+
 def _parse(data: dict, key: str, line: int,
            default_max_tokens: int) -> ParsedRequest | EmbeddingRequest:
     if data.get("custom_id") is not None and custom_id_of(data) is None:
@@ -157,10 +169,7 @@ def _parse(data: dict, key: str, line: int,
     if "chat_template_kwargs" in extra and not isinstance(extra["chat_template_kwargs"], dict):
         raise BadLine("invalid_messages", "chat_template_kwargs must be an object",
                        "chat_template_kwargs")
-    if body.get("stream") not in (None, False):
-        raise BadLine("invalid_request", "the request must not be sent in stream mode: batch "
-                                          "lines are answered whole; drop \"stream\" or set it "
-                                          "to false", "stream")
+    _check_stream(body.get("stream"))
     if kind == "embedding":
         try:
             parsed_embedding = parse_embedding(body, key, line)

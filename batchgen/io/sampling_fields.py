@@ -137,10 +137,12 @@ def _get_logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
 
 def _token_key(key) -> int:
     """A logit_bias key: a token id written in decimal digits ("42"; an int from a Parquet map
-    column); Python's int() would also take "4_2" and " 42 ". ValueError otherwise."""
+    column); Python's int() would also take "4_2", " 42 " and "-0" (token 0). ValueError
+    otherwise."""
     if isinstance(key, int) and not isinstance(key, bool):
         return key
-    if isinstance(key, str) and key.lstrip("-").isdigit() and key.isascii():
+    if isinstance(key, str) and key.lstrip("-").isdigit() and key.isascii() \
+            and not (key.startswith("-") and int(key) == 0):
         return int(key)
     raise ValueError(key)
 

@@ -16,10 +16,18 @@ import re
 import struct
 from pathlib import Path
 
+from batchgen.models.hf_text import text_only
 from batchgen.models.loader import CheckpointError, checkpoint_files
-from batchgen.models.registry import check_quant_method, supported_architecture
+from batchgen.models.registry import (MODEL_TYPES, REFUSED_TYPES, check_quant_method,
+                                      model_type_of, supported_architecture)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                    "spiece.model", "sentencepiece.bpe.model", "tekken.json", "tiktoken.model")
+"""Files a tokenizer reads its vocabulary from (transformers' names for them): beside
+tokenizer_config.json, which only configures one, the folder needs one of them."""
+ROPE_ALIASES = {"su": "longrope"}
+"""Old rope_type names transformers renames on load (Phi-3's first releases)."""
 MAX_HEADER_BYTES = 100 << 20
 """safetensors' own limit on a header's size."""
 DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2,
@@ -43,8 +51,10 @@ def check_model_folder(folder: Path, memory_bytes: int, host_bytes: int) -> None
     this machine (host memory plus every visible device's); `host_bytes`: host memory alone."""
     folder = Path(folder)
     top = _top_config(folder)
-    supported_architecture(list(top.get("architectures") or []), top.get("model_type"))
+    arch = supported_architecture(list(top.get("architectures") or []), top.get("model_type"))
+    check_model_type(top.get("model_type"), arch, folder / "config.json")
     config = _text_part(top)
+    check_rope_types(config, folder / "config.json")
     quant = config.get("quantization_config") or top.get("quantization_config")
     if isinstance(quant, dict):
         check_quant_method(str(quant.get("quant_method") or ""))
@@ -70,10 +80,80 @@ def _top_config(folder: Path) -> dict:
     return config
 
 
+def check_model_type(model_type, arch: str, where: Path) -> None:
+    """CheckpointError for a model_type transformers does not know beside an architecture
+    batchgen runs: transformers reads config.json by its model_type, and would stop the worker
+    advising an upgrade, where the fix is the model_type (a missing one: transformers guesses
+    it from the folder's name, left to it)."""
+    if not isinstance(model_type, str) or model_type in MODEL_TYPES or model_type in REFUSED_TYPES:
+        return
+    text_only()
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if model_type in CONFIG_MAPPING_NAMES:
+        return
+    expected = model_type_of(arch)
+    raise CheckpointError(f"{where}: model_type {model_type!r} is not one transformers knows, "
+                          f"so it cannot read the config; the weights are {arch} "
+                          f"(architectures): set \"model_type\": \"{expected}\" in config.json")
+
+
+def check_rope_types(config: dict, where: Path) -> None:
+    """CheckpointError for a rope_type the model code does not compute (a worker would stop on
+    it while building the model), naming those it does."""
+    for field, kind in _rope_types(config):
+        kind = ROPE_ALIASES.get(kind, kind)
+        if kind == "default":
+            continue
+        supported = supported_rope_types()
+        if kind not in supported:
+            raise CheckpointError(f"{where}: {field} has rope_type {kind!r}, which batchgen does "
+                                  f"not compute (it takes {', '.join(supported)}): correct "
+                                  "rope_type to the one the model was trained with (its model "
+                                  "card or original config.json names it)")
+
+
+def _rope_types(config: dict) -> list[tuple[str, str]]:
+    """(field, rope_type) of each rope a config describes, read as `layers.rope_parameters`
+    reads them: rope_parameters (transformers 5.x; one per layer kind where nested), else
+    rope_scaling; "type" for an older config's "rope_type", "default" without either."""
+    field = "rope_parameters" if isinstance(config.get("rope_parameters"), dict) \
+        and config["rope_parameters"] else "rope_scaling"
+    params = config.get(field)
+    if not isinstance(params, dict):
+        return []
+    nested = {f"{field}.{k}": v for k, v in params.items() if isinstance(v, dict)}
+    return [(name, str(p.get("rope_type", p.get("type", "default"))))
+            for name, p in (nested or {field: params}).items()]
+
+
+def supported_rope_types() -> list[str]:
+    """The rope types `layers.rope_inv_freq` computes: default, and transformers' table."""
+    text_only()
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    return sorted({"default", *ROPE_INIT_FUNCTIONS})
+
+
+def _has_vocabulary(folder: Path) -> bool:
+    """Whether the folder holds a vocabulary file: one of VOCABULARY_FILES, or a file named
+    like one of the other formats tokenizers read (`*.model`, `*.tiktoken`, `*.spm`,
+    `vocab*`: e.g. qwen.tiktoken)."""
+    if any((folder / name).is_file() for name in VOCABULARY_FILES):
+        return True
+    return any(path.is_file() and (path.suffix in (".model", ".tiktoken", ".spm")
+                                   or path.name.startswith("vocab"))
+               for path in folder.iterdir())
+
+
 def check_tokenizer(folder: Path) -> None:
     if not any((folder / name).is_file() for name in TOKENIZER_FILES):
         raise CheckpointError(f"{folder} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): "
                               "copy the model's tokenizer files into the folder")
+    if not _has_vocabulary(folder):
+        raise CheckpointError(f"{folder} has tokenizer_config.json but no vocabulary (none of "
+                              f"{', '.join(VOCABULARY_FILES)}): copy the model's tokenizer.json "
+                              "into the folder")
     for name in TOKENIZER_FILES:
         check_not_lfs_pointer(folder / name)
     if (not (folder / "tokenizer.json").is_file() and (folder / "tokenizer.model").is_file()

@@ -153,6 +153,9 @@ def resolve_model(model: str, cache_dir: str | None = None,
         found = _classify(path, model)
         if found is not None:
             return replace(found, revision_ignored=bool(revision) and path not in snapshots)
+    hint = cache_repo_hint(model)
+    if hint is not None:
+        raise ModelNotFoundError(hint)
     given = Path(model).expanduser()
     if given.exists() and (is_path_like(model) or not hub.is_hub_id(model)):
         kind = "a folder without config.json" if given.is_dir() else "a file that is not .gguf"
@@ -169,6 +172,27 @@ def resolve_model(model: str, cache_dir: str | None = None,
             "page names it), or the path of a local folder")
     raise ModelNotFoundError(model_not_found_message(model, search_places(model, cache_dir),
                                                      revision))
+
+
+def cache_repo_hint(model: str) -> str | None:
+    """What to give instead of a --model naming an HF cache's repo folder
+    (`.../models--org--name`) or its `snapshots` folder, which hold the model one or two levels
+    further down (`snapshots/<commit>/`); None when it names neither."""
+    given = Path(model).expanduser()
+    repo_dir = given.parent if given.name == "snapshots" else given
+    if not repo_dir.name.startswith("models--") or not (repo_dir / "snapshots").is_dir():
+        return None
+    repo = repo_dir.name.removeprefix("models--").replace("--", "/", 1)
+    root = repo_dir.parent
+    by_id = f"--model {repo}" + ("" if root.resolve() == hub.default_cache().resolve()
+                                 else f" --cache-dir {root}")
+    what = f"--model {model!r} is the Hugging Face cache folder of {repo}, not a model folder"
+    snapshot = hub.cached_snapshot(root, repo, None)
+    if snapshot is None:
+        return (f"{what}, and none of its snapshots is a complete download (config.json and "
+                f"*.safetensors): give {by_id} to finish the download, or a complete model "
+                "folder")
+    return f"{what}: give its snapshot folder (--model {snapshot}) or the repo id ({by_id})"
 
 
 def _download(model: str, cache_dir: str | None, revision: str | None) -> ModelSource:

@@ -81,6 +81,13 @@ def supported_architecture(archs: list[str], model_type: str | None = None) -> s
         f"batchgen supports {supported}")
 
 
+def model_type_of(arch: str) -> str | None:
+    """The model_type transformers reads a config of architecture `arch` with (None for one
+    batchgen does not run)."""
+    target = ARCHITECTURES.get(arch)
+    return next((t for t, a in MODEL_TYPES.items() if ARCHITECTURES[a] == target), None)
+
+
 def check_quant_method(method: str) -> None:
     """UnsupportedModelError for a quantization_config.quant_method batchgen cannot read
     ("" = unquantized)."""

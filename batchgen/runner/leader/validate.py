@@ -54,6 +54,10 @@ def unknown_fields(data: dict) -> list[str]:
                   if k not in known and k != "custom_id"]
     messages = []
     for name, where, options in checks:
+        if envelope and not where and name in known:  # a body field written beside "body"
+            messages.append(f"field {name!r} is outside \"body\", where it is ignored: move it "
+                            "into \"body\"")
+            continue
         close = difflib.get_close_matches(name, options, 1, 0.7)
         hint = f"did you mean {close[0]!r}?" if close else "it is ignored"
         messages.append(f"unknown field {where}{name!r}: {hint}")
