@@ -7,6 +7,7 @@ computed it. Policy state of PrefixSharing (sharing.py); the pages stay the allo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from itertools import islice
 
 from batchgen.core import PAGE_SIZE
@@ -21,9 +22,9 @@ class OpenPages:
         self._filed: dict[int, tuple[int, bytes | None]] = {}
         """seq_id -> (index of the page looked at last, the tail key it is filed under)."""
 
-    def update(self, seq: Sequence, parent: bytes) -> None:
+    def update(self, seq: Sequence, parent: Callable[[], bytes]) -> None:
         """File `seq` under its open page (the page holding its last computed token, partly
-        filled) once its computed tokens reach a new page; `parent`: the key of the page
+        filled) once its computed tokens reach a new page; `parent()`: the key of the page
         before it. Cheap when the page is the one filed already (every decode step)."""
         index = seq.num_computed // PAGE_SIZE
         filed = self._filed.get(seq.seq_id)
@@ -32,7 +33,8 @@ class OpenPages:
         self.close(seq)
         tail_key = None
         if seq.num_computed % PAGE_SIZE and index < len(seq.device_pages):
-            tail_key = parent + token_bytes(seq.token_ids[index * PAGE_SIZE:index * PAGE_SIZE + 1])
+            first = seq.token_ids[index * PAGE_SIZE]
+            tail_key = parent() + token_bytes([first])
             self._by_tail.setdefault(tail_key, {})[seq.seq_id] = seq
         self._filed[seq.seq_id] = (index, tail_key)
 

@@ -162,8 +162,9 @@ class PrefixSharing:
         return hit
 
     def _find_tail(self, seq: Sequence, hit: Hit) -> None:
-        """The cached device page that begins with the most of the tokens after `hit`'s pages
-        (never the last token: it is computed for its logits)."""
+        """The device page (cached, or a running sequence's open page) that begins with the
+        most of the tokens after `hit`'s pages (never the last token: it is computed for its
+        logits)."""
         first = hit.pages * PAGE_SIZE
         count = min(PAGE_SIZE, seq.num_tokens - 1 - first)
         if count <= 0:
@@ -189,7 +190,7 @@ class PrefixSharing:
                 del self._inflight[key]
         seq.device_registered = max(seq.device_registered, full)
         if seq.state is SeqState.RUNNING and full == seq.num_computed // PAGE_SIZE:
-            self.open_pages.update(seq, self.keys(seq, full)[full - 1] if full else self.root)
+            self.open_pages.update(seq, lambda: self.keys(seq, full)[-1] if full else self.root)
 
     def on_host(self, seq: Sequence) -> None:
         """Offer the sequence's full pages copied to the host to the host cache."""
