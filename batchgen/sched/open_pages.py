@@ -7,7 +7,6 @@ computed it. Policy state of PrefixSharing (sharing.py); the pages stay the allo
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from itertools import islice
 
 from batchgen.core import PAGE_SIZE
@@ -22,19 +21,22 @@ class OpenPages:
         self._filed: dict[int, tuple[int, bytes | None]] = {}
         """seq_id -> (index of the page looked at last, the tail key it is filed under)."""
 
-    def update(self, seq: Sequence, parent: Callable[[], bytes]) -> None:
-        """File `seq` under its open page (the page holding its last computed token, partly
-        filled) once its computed tokens reach a new page; `parent()`: the key of the page
-        before it. Cheap when the page is the one filed already (every decode step)."""
-        index = seq.num_computed // PAGE_SIZE
+    def filed_at(self, seq: Sequence, index: int) -> bool:
+        """Whether `seq` was filed with its computed tokens on page `index` (then its open
+        page is filed already: the check at every decode step)."""
         filed = self._filed.get(seq.seq_id)
-        if filed is not None and filed[0] == index:
-            return
+        return filed is not None and filed[0] == index
+
+    def update(self, seq: Sequence, parent: bytes) -> None:
+        """File `seq` under its open page (the page holding its last computed token, partly
+        filled) once its computed tokens reach a new page; `parent`: the key of the page
+        before it."""
+        index = seq.num_computed // PAGE_SIZE
         self.close(seq)
         tail_key = None
         if seq.num_computed % PAGE_SIZE and index < len(seq.device_pages):
-            first = seq.token_ids[index * PAGE_SIZE]
-            tail_key = parent() + token_bytes([first])
+            start = index * PAGE_SIZE
+            tail_key = parent + token_bytes(seq.token_ids[start:start + 1])
             self._by_tail.setdefault(tail_key, {})[seq.seq_id] = seq
         self._filed[seq.seq_id] = (index, tail_key)
 

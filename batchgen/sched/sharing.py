@@ -183,14 +183,17 @@ class PrefixSharing:
     # -- registering computed pages -------------------------------------------------------
     def computed(self, seq: Sequence) -> None:
         """Offer the sequence's newly full, computed device pages to the cache."""
-        full = min(seq.num_computed // PAGE_SIZE, len(seq.device_pages))
-        for key in self._register(seq, self.device_cache, seq.device_pages,
-                                  seq.device_registered, full):
-            if self._inflight.get(key) is seq:
-                del self._inflight[key]
-        seq.device_registered = max(seq.device_registered, full)
-        if seq.state is SeqState.RUNNING and full == seq.num_computed // PAGE_SIZE:
-            self.open_pages.update(seq, lambda: self.keys(seq, full)[-1] if full else self.root)
+        pages = seq.num_computed // PAGE_SIZE
+        full = min(pages, len(seq.device_pages))
+        if full > seq.device_registered:  # once a page; this runs at every decode step
+            for key in self._register(seq, self.device_cache, seq.device_pages,
+                                      seq.device_registered, full):
+                if self._inflight.get(key) is seq:
+                    del self._inflight[key]
+            seq.device_registered = full
+        if (full == pages and not self.open_pages.filed_at(seq, pages)
+                and seq.state is SeqState.RUNNING):
+            self.open_pages.update(seq, self.keys(seq, full)[-1] if full else self.root)
 
     def on_host(self, seq: Sequence) -> None:
         """Offer the sequence's full pages copied to the host to the host cache."""
