@@ -284,3 +284,14 @@ def test_answers_of_prompts_shorter_than_the_shared_prefix_are_their_own():
                                        SchedulerConfig()))
     assert exact["unloads"] > 0
     assert longer == exact
+
+
+def test_a_shared_prefix_ending_mid_page_is_reused_whole():
+    """2,000-token prefixes end 16 tokens into their 32nd page: every request after the first
+    of its prefix reuses all 2,000 tokens (31 pages mapped, the start of the 32nd copied), so
+    the simulated reuse is what a run reports, not whole pages only."""
+    sim = SimulationConfig(model="llama3-8b", num_requests=64, prompt_len="fixed:2200",
+                           output_len="fixed:20", shared_prefix_len=2000, num_prefixes=2,
+                           device_kv_gb=40, host_kv_gb=80, seed=1)
+    result = run_simulation(sim, SchedulerConfig())
+    assert result.cached_prompt_tokens == (64 - 2) * 2000
