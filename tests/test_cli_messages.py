@@ -150,6 +150,9 @@ def test_run_summary_names_time_counts_tokens_speed_and_places(tmp_path):
     assert "1,234 in, 5,000 out (20.0 out tok/s this run)" in text
     assert f"results: {tmp_path / 'o.jsonl'}" in text and "o.errors.jsonl" in text
     assert "batchgen status" in text
+    cached = run_summary(125.0, 7, 1, 1234, 5000, 2500, tmp_path / "o.jsonl",
+                         tmp_path / "o.errors.jsonl", tmp_path / ".batchgen", cached_tokens=617)
+    assert "1,234 in (617 of them cached, 50%), 5,000 out" in cached
 
 
 def test_run_summary_of_a_resume_says_what_this_run_did(tmp_path):

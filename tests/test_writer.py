@@ -339,3 +339,22 @@ def test_fingerprint_mismatch_names_each_difference():
     message = str(info.value)
     assert "model: 'a' -> 'b'" in message and "sampling.max_tokens: 256 -> 512" in message
     assert "parse_thinking: <absent> -> True" in message and "dtype" not in message
+
+
+def test_finalize_sums_the_usage_of_the_results_it_writes(tmp_path):
+    """The run summary's token counts: prompt, completion and cached prompt tokens of the
+    success lines, a duplicate counted once."""
+    def used(cid, prompt, cached):
+        return dumps({"id": f"batch_req_{cid}", "custom_id": cid, "response": {
+            "status_code": 200, "request_id": cid, "body": {
+                "choices": [{"text": "x"}],
+                "usage": {"prompt_tokens": prompt, "completion_tokens": 3,
+                          "prompt_tokens_details": {"cached_tokens": cached}}}},
+            "error": None})
+
+    inc = tmp_path / "b.jsonl"
+    inc.write_bytes(used("a", 100, 0) + used("b", 120, 64) + used("b", 120, 64)
+                    + used("c", 90, 80) + bad_line("d"))
+    report = finalize([inc], ["a", "b", "c", "d"], tmp_path / "o.jsonl")
+    assert (report.prompt_tokens, report.completion_tokens, report.cached_tokens) == (
+        310, 9, 144)

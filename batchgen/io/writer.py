@@ -251,6 +251,8 @@ class FinalizeReport:
     completion_tokens: int = 0
     """Token usage summed over the success lines written: what the job's output holds,
     however many runs it took (a result recomputed after a crash counts once)."""
+    cached_tokens: int = 0
+    """Of prompt_tokens, those the prefix cache held (usage.prompt_tokens_details)."""
 
 
 class IncompleteResults(Exception):
@@ -315,7 +317,7 @@ def finalize(incremental_paths: list[Path], input_order: Path | Iterable[str],
         target.parent.mkdir(parents=True, exist_ok=True)
     index = _Index([Path(p) for p in incremental_paths])
     fds = [os.open(p, os.O_RDONLY) for p in incremental_paths]
-    completed = failed = prompt_tokens = completion_tokens = 0
+    completed = failed = prompt_tokens = completion_tokens = cached_tokens = 0
     missing: list[str] = []
     try:
         with atomic_file(Path(output_path)) as out, atomic_file(errors_path) as err:
@@ -332,6 +334,9 @@ def finalize(incremental_paths: list[Path], input_order: Path | Iterable[str],
                         usage = _usage_of(found[1])
                         prompt_tokens += usage.get("prompt_tokens", 0)
                         completion_tokens += usage.get("completion_tokens", 0)
+                        details = usage.get("prompt_tokens_details")
+                        if isinstance(details, dict):
+                            cached_tokens += details.get("cached_tokens") or 0
                     else:
                         err.write(found[0])
                         failed += 1
@@ -343,7 +348,7 @@ def finalize(incremental_paths: list[Path], input_order: Path | Iterable[str],
         for fd in fds:
             os.close(fd)
     return FinalizeReport(completed, failed, int((~index.used).sum()), prompt_tokens,
-                          completion_tokens)
+                          completion_tokens, cached_tokens)
 
 
 def _usage_of(line: dict) -> dict:

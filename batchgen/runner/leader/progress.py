@@ -100,11 +100,12 @@ def human_seconds(seconds: float) -> str:
 
 def run_summary(elapsed: float, completed: int, failed: int, tokens_in: int, tokens_out: int,
                 run_tokens_out: int, output: Path, errors: Path, storage: Path,
-                run_answered: int | None = None) -> str:
+                run_answered: int | None = None, cached_tokens: int = 0) -> str:
     """What a finished `batchgen run` prints: time, requests, tokens, speed, where things are.
     Requests and tokens are the job's (every run of it); the speed is this run's.
     `run_answered`: the requests this run answered, when earlier runs saved the others (a
-    resume): the time and speed are then said to be this run's."""
+    resume): the time and speed are then said to be this run's. `cached_tokens`: of the
+    prompt tokens, those the prefix cache held (said when there are any)."""
     rate = run_tokens_out / elapsed if elapsed > 0 else 0.0
     total, took = completed + failed, human_seconds(elapsed)
     if run_answered is None or run_answered >= total:
@@ -118,12 +119,19 @@ def run_summary(elapsed: float, completed: int, failed: int, tokens_in: int, tok
         out = f"all runs; this run {run_tokens_out:,} out, {rate:,.1f} out tok/s"
     lines = [
         f"done: {completed:,} results, {failed:,} errors {done}",
-        f"tokens: {tokens_in:,} in, {tokens_out:,} out ({out})",
+        f"tokens: {tokens_in:,} in{_cached(cached_tokens, tokens_in)}, {tokens_out:,} out "
+        f"({out})",
         f"results: {output}",
         f"errors:  {errors}" if failed else f"errors:  none ({errors} is empty)",
         f"job:     {storage} (`{status_command(output, storage)}` shows it)",
     ]
     return "\n".join(lines)
+
+
+def _cached(cached_tokens: int, tokens_in: int) -> str:
+    if not cached_tokens or not tokens_in:
+        return ""
+    return f" ({cached_tokens:,} of them cached, {cached_tokens / tokens_in:.0%})"
 
 
 def status_command(output: Path, storage: Path) -> str:

@@ -471,7 +471,8 @@ def _finish(spec: JobSpec, batch_file: BatchFile, started: float, stops: StopSig
                       report.prompt_tokens, report.completion_tokens,
                       sum(s.get("completion_tokens", 0) for s in stats), paths.output,
                       paths.errors_output, paths.storage_path,
-                      sum(s.get("completed", 0) + s.get("failed", 0) for s in stats)),
+                      sum(s.get("completed", 0) + s.get("failed", 0) for s in stats),
+                      report.cached_tokens),
           file=sys.stderr, flush=True)
     return ExitCode.OK
 
