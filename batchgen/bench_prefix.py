@@ -24,6 +24,7 @@ def comparison(on: dict, off: dict, on_row: dict, off_row: dict) -> dict:
                 "prefix_hit_rate": stats["prefix_hit_rate"],
                 "cached_prompt_tokens": stats["cached_prompt_tokens"],
                 "prompt_tokens": stats["prompt_tokens"], "forks": stats["forks"],
+                "shared_tails": stats["shared_tails"],
                 "peak_device_pages": stats["peak_device_pages"], "steps": stats["steps"]}
 
     return {"ratio": on_row["output_tok_s"] / off_row["output_tok_s"],
@@ -40,10 +41,10 @@ def table_lines(section: dict, device: str) -> list[str]:
         same = "TOKENS DIFFER (a prefix cache bug)"
     lines = [f"prefix caching on (batchgen) / off output tok/s: {section['ratio']:.2f}x, {same}",
              f"{'caching':<10}{'seconds':>10}{'hit rate':>10}{'cached tokens':>15}"
-             f"{'forks':>8}{'peak dev pages':>16}{'steps':>9}"]
+             f"{'forks':>8}{'page starts':>13}{'peak dev pages':>16}{'steps':>9}"]
     for name in ("on", "off"):
         s = section[name]
         lines.append(f"{name:<10}{s['seconds']:>10.2f}{s['prefix_hit_rate']:>10.1%}"
-                     f"{s['cached_prompt_tokens']:>15,}{s['forks']:>8,}"
+                     f"{s['cached_prompt_tokens']:>15,}{s['forks']:>8,}{s['shared_tails']:>13,}"
                      f"{s['peak_device_pages']:>16,}{s['steps']:>9,}")
     return lines
