@@ -12,7 +12,7 @@ from typing import Optional
 import typer
 
 from batchgen.cli_help import PanelCommand, given_on_command_line, run_app, version_callback, warn
-from batchgen.cli_options import (SIMULATE_RENAMES, VLLM_NOT_TAKEN, apply_renames, build_config,
+from batchgen.cli_options import (NOT_TAKEN, SIMULATE_RENAMES, apply_renames, build_config,
                                   build_dataclass, deprecated_given, with_config_options)
 from batchgen.config import MIN_LINE_BYTES, ConfigError, StorageConfig, default_storage_path
 from batchgen.runner.exits import ExitCode, requeue_on_stop_signals
@@ -260,7 +260,7 @@ def _user_errors():
 
 
 def main() -> None:
-    sys.exit(run_app(app, foreign_flags=VLLM_NOT_TAKEN))
+    sys.exit(run_app(app, foreign_flags=NOT_TAKEN))
 
 
 if __name__ == "__main__":

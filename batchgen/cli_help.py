@@ -66,19 +66,24 @@ def version_callback(value: bool) -> None:
 
 
 def run_app(app: typer.Typer, args: list[str] | None = None,
-            foreign_flags: dict[str, str] | None = None) -> int:
+            foreign_flags: dict[str, tuple[str, str]] | None = None) -> int:
     """Run the app; a usage mistake (unknown flag, missing value) is one `error:` line naming
     the fix, with click's did-you-mean when a flag is a near miss. `foreign_flags`: flags of
-    another tool (vLLM) that are not taken -> what to do instead."""
+    another tool (vLLM, SGLang) that are not taken -> (that tool, what to do instead). No
+    arguments at all (or a command group alone) shows the help."""
     click = _click()
+    no_args = getattr(click.exceptions, "NoArgsIsHelpError", ())  # click < 8.2 shows it itself
     try:
         code = app(args=args, standalone_mode=False)
+    except no_args as err:
+        err.show()
+        return ExitCode.INPUT
     except click.exceptions.UsageError as err:
         command = err.ctx.command_path if err.ctx is not None else "batchgen"
         message = err.format_message().replace("\n", " ")
-        instead = (foreign_flags or {}).get(getattr(err, "option_name", None) or "")
-        if isinstance(err, click.exceptions.NoSuchOption) and instead is not None:
-            message = f"{err.option_name} is vLLM's flag, not taken here: {instead}"
+        foreign = (foreign_flags or {}).get(getattr(err, "option_name", None) or "")
+        if isinstance(err, click.exceptions.NoSuchOption) and foreign is not None:
+            message = f"{err.option_name} is {foreign[0]}'s flag, not taken here: {foreign[1]}"
         typer.secho(f"error: {message} (see `{command} --help`)", fg=typer.colors.RED, err=True)
         return ExitCode.INPUT
     except click.exceptions.ClickException as err:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 import re
 import types
 import typing
@@ -34,7 +35,9 @@ VLLM_SAME_NAMES = ("model", "dtype", "seed", "max_model_len", "tensor_parallel_s
                    "enable_prefix_caching", "generation_config", "chat_template")
 """vLLM engine arguments spelled as ours already."""
 _QUANTIZATION = ("the quantization is read from the checkpoint's config.json (FP8 and MXFP4 "
-                 "run as they ship; AWQ, GPTQ and bitsandbytes are refused): remove the flag")
+                 "run as they ship; a bf16 checkpoint is not quantized at load, so for FP8 "
+                 "weights give its FP8 release; AWQ, GPTQ and bitsandbytes are refused): "
+                 "remove the flag")
 VLLM_NOT_TAKEN = {
     "--trust-remote-code": "batchgen never runs code shipped with a model; it runs its own "
                            "code for the architectures it supports (README.md, Models): "
@@ -59,9 +62,40 @@ VLLM_NOT_TAKEN = {
     "--block-size": "KV pages are always 64 tokens: remove the flag",
     "--output-tmp-dir": "results are written to a temporary file beside --output and renamed "
                         "into place: remove the flag",
+    "--disable-log-stats": "there are no per-step stats logs to turn off (progress is a bar, or "
+                           "a log line every 30 s; `batchgen status` shows the rest): remove "
+                           "the flag",
+    "--disable-log-requests": "requests are never logged: remove the flag",
 }
 """vLLM flags `batchgen run` does not take, and what to do instead: a command line copied
 from vLLM gets this line instead of a bare "no such option"."""
+_TP = "give --tensor-parallel-size N (with --world-size, the job's GPUs in all)"
+SGLANG_NOT_TAKEN = {
+    "--model-path": "give --model",
+    "--tokenizer-path": VLLM_NOT_TAKEN["--tokenizer"],
+    "--tp-size": _TP,
+    "--tp": _TP,
+    "--dp-size": VLLM_NOT_TAKEN["--data-parallel-size"],
+    "--dp": VLLM_NOT_TAKEN["--data-parallel-size"],
+    "--mem-fraction-static": "give --gpu-memory-utilization (--gpu-memory-frac): the share of "
+                             "device memory for weights + KV cache, of which 0.05 of the device "
+                             "is kept for activations",
+    "--context-length": "give --max-model-len (at most the model's own context)",
+    "--disable-radix-cache": "give --no-enable-prefix-caching",
+    "--schedule-policy": "the scheduler's order is fixed (waiting requests that share a prompt "
+                         "prefix are admitted together): remove the flag",
+    "--random-seed": "give --seed",
+    "--chunked-prefill-size": "give --max-num-batched-tokens (--max-prefill-tokens), the "
+                              "prefill chunk in tokens",
+    "--max-running-requests": "give --max-num-seqs (--max-decode-batch)",
+    "--disable-cuda-graph": "give --enforce-eager (--disable-cuda-graphs)",
+    "--cuda-graph-max-bs": "give --cuda-graph-max-bucket-size",
+}
+"""SGLang server arguments `batchgen run` does not take under SGLang's name, and the flag that
+does the same here (or why none is needed)."""
+NOT_TAKEN = {**{flag: ("vLLM", why) for flag, why in VLLM_NOT_TAKEN.items()},
+             **{flag: ("SGLang", why) for flag, why in SGLANG_NOT_TAKEN.items()}}
+"""Every other tool's flag `batchgen run` refuses by name: flag -> (tool, what to do)."""
 SHORT = {"input": ["-i"], "output": ["-o"]}
 REQUIRED = ("input",)
 """Shown as required in --help (an empty value is refused by validation with the fix)."""
@@ -241,11 +275,26 @@ def _build_config(values: dict[str, Any]) -> JobConfig:
         if values.get("host_kv_cache_size") is not None:
             raise ConfigError(SWAP_SPACE, swap, "give --swap-space (GiB) or "
                               "--host-kv-cache-size (GB), not both")
-        if not swap > 0:
+        if not 0 < swap < math.inf:
             raise ConfigError(SWAP_SPACE, swap, "a size in GiB > 0 (it sets "
                               "--host-kv-cache-size, in GB)")
         values["host_kv_cache_size"] = swap * 2**30 / 1e9
-    return _build(JobConfig, values).validate()
+    config = _build(JobConfig, values).validate()
+    _refuse_unusable_numbers(values)
+    return config
+
+
+def _refuse_unusable_numbers(values: dict[str, Any]) -> None:
+    """Numbers within each flag's own bounds that still no setting can use: an integer past
+    64 bits (the job's files and the engine hold them as such) or an infinite float (sizes,
+    seconds). Checked after the flags' own checks, whose messages say more."""
+    for name, value in values.items():
+        if isinstance(value, bool):
+            continue
+        if isinstance(value, int) and not -2**63 <= value < 2**63:
+            raise ConfigError(name, value, "an integer below 2**63")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(name, value, "a finite number")
 
 
 def deprecated_given(given: set[str]) -> list[str]:
@@ -311,6 +360,9 @@ def _vllm_table() -> list[str]:
     lines += ["", "vLLM flags that are not taken are refused with what to do instead:", "",
               "| vLLM flag | instead |", "|---|---|"]
     lines += [f"| `{flag}` | {why} |" for flag, why in VLLM_NOT_TAKEN.items()]
+    lines += ["", "SGLang's names for these settings are refused with the flag to use:", "",
+              "| SGLang flag | instead |", "|---|---|"]
+    lines += [f"| `{flag}` | {why} |" for flag, why in SGLANG_NOT_TAKEN.items()]
     lines += ["", "A near miss of any flag (`--max-num-seq`) is answered with the closest "
               "flags.", ""]
     return lines

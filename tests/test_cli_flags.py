@@ -167,10 +167,10 @@ def test_the_supervisor_and_torch_are_imported_with_the_collector_off(monkeypatc
 
 def test_vllm_flags_that_are_not_taken_say_what_to_do_instead(capsys):
     from batchgen.cli_help import run_app
-    from batchgen.cli_options import VLLM_NOT_TAKEN
+    from batchgen.cli_options import NOT_TAKEN, VLLM_NOT_TAKEN
 
     for flag, instead in VLLM_NOT_TAKEN.items():
-        assert run_app(app, ["run", "-i", "x.jsonl", flag, "1"], VLLM_NOT_TAKEN) == 2
+        assert run_app(app, ["run", "-i", "x.jsonl", flag, "1"], NOT_TAKEN) == 2
         lines = capsys.readouterr().err.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith(f"error: {flag} is vLLM's flag"), lines
         assert instead in lines[0]
@@ -216,3 +216,55 @@ def test_token_counts_take_vllms_human_readable_sizes(given, tokens):
 def test_a_token_count_that_is_not_whole_names_the_forms(given):
     with pytest.raises(typer.BadParameter, match="whole number of tokens: give e.g. 8192, 8k"):
         parsed("--max-model-len", given)
+
+
+@pytest.mark.parametrize("flag,named", [
+    ("--tp-size", "--tensor-parallel-size"),
+    ("--mem-fraction-static", "--gpu-memory-utilization"),
+    ("--context-length", "--max-model-len"),
+    ("--disable-radix-cache", "--no-enable-prefix-caching"),
+    ("--schedule-policy", "remove the flag"), ("--disable-log-stats", "remove the flag")])
+def test_sglang_and_vllm_server_flags_name_the_flag_to_use(flag, named):
+    """An SGLang command line (or vLLM's logging switches) gets the flag that does the same
+    here, not click's unrelated near misses (`--tp-size`: --dtype, --world-size)."""
+    proc = cli("run", "-i", "x.jsonl", flag, "1")
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith(f"error: {flag} is ") and named in lines[0], lines[0]
+    assert "Possible options" not in lines[0]
+
+
+def test_no_arguments_show_the_help_not_an_error_line():
+    proc = cli()
+    assert proc.returncode == 2 and "error:" not in proc.stderr
+    assert proc.stderr.startswith("Usage:") and "\n  run " in proc.stderr
+
+
+def test_revision_without_a_hub_model_is_refused_not_ignored():
+    """The embedded model has no revisions: `--revision` alone would run other weights than
+    the user pinned."""
+    from batchgen.config import ConfigError
+
+    with pytest.raises(ConfigError, match="--revision='v1.0' is not allowed: .*--model org/name"):
+        parsed("--revision", "v1.0")
+    assert parsed("--revision", "v1.0", "--model", "org/name").engine.model.revision == "v1.0"
+
+
+@pytest.mark.parametrize("args,named", [
+    (["--max-tokens", "9" * 23], "--max-tokens=9999"),
+    (["--max-model-len", "9" * 23], "--max-model-len=9999"),
+    (["--max-num-seqs", "9" * 23], "--max-decode-batch / --max-num-seqs=9999"),
+    (["--max-line-bytes", "9" * 23], "--max-line-bytes=9999"),
+    (["--swap-space", "inf"], "--swap-space=inf"),
+    (["--host-kv-cache-size", "inf"], "--host-kv-cache-size=inf"),
+    (["--preempt-grace", "inf"], "--preempt-grace=inf"),
+    (["--inflight-checkpoint-interval", "inf"], "--inflight-checkpoint-interval=inf"),
+])
+def test_numbers_no_setting_can_use_are_refused_by_flag(args, named):
+    """Past 64 bits, or infinite: refused as one line naming the flag, not a traceback from
+    the preflight, the job files or the worker."""
+    from batchgen.config import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        parsed(*args)
+    assert str(err.value).startswith(named) and "is not allowed" in str(err.value), str(err.value)

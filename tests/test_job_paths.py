@@ -79,6 +79,22 @@ def test_folders_that_are_files_are_refused_by_flag(tmp_path):
         make_job_dirs(config, paths)
 
 
+@pytest.mark.parametrize("make_output,needle", [
+    (lambda t: (t / "f").write_text("") or t / "f" / "r.jsonl", "that is a file"),
+    (lambda t: (t / "f").write_text("") or t / "f" / "sub" / "r.jsonl", "cannot create")])
+def test_a_bad_output_folder_is_named_as_output_when_the_job_folder_is_beside_it(
+        tmp_path, make_output, needle):
+    """Without --storage-path the job folder is .batchgen/ beside --output: a user who gave
+    only -o must not be told about a --storage-path."""
+    output = make_output(tmp_path)
+    inp = write_jsonl(tmp_path / "in.jsonl", chat_rows(1))
+    config = JobConfig(storage=StorageConfig(input=str(inp), output=str(output)))
+    paths = JobPaths.for_job(config.storage.storage_path, "batch_x", None, str(output))
+    with pytest.raises(ConfigError) as err:
+        make_job_dirs(config, paths)
+    assert err.value.flag == "--output" and needle in str(err.value), str(err.value)
+
+
 def test_incremental_results_serve_only_jobs_with_their_fingerprint(tmp_path):
     shared = str(tmp_path / "shared")
     _, first = _setup(tmp_path, incremental=shared, storage="a")

@@ -55,6 +55,9 @@ class ModelConfig:
     one. Part of the job's fingerprint. Default: the model's own."""
 
     def validate(self) -> None:
+        require(self.revision is None or self.model is not None, "revision", self.revision,
+                 "a branch, tag or commit of a Hub --model: give it with --model org/name "
+                 "(the embedded default model has no revisions)")
         require(self.max_model_len is None or self.max_model_len >= 2, "max_model_len",
                  self.max_model_len, "an integer >= 2 (a prompt token and an output token)")
         require(self.dtype in DTYPE_CHOICES, "dtype", self.dtype,

@@ -25,10 +25,7 @@ def make_job_dirs(config: JobConfig, paths: JobPaths) -> None:
     a storage or incremental folder another user owns or everyone may write without the
     sticky bit, a job file that is a symbolic link (UnsafeJobPath, exit 2)."""
     _check_outputs(config, paths)
-    folders = (("storage_path", paths.storage_path),
-               ("incremental_output_dir", paths.incremental_dir),
-               ("output", paths.output.parent))
-    for flag, folder in folders:
+    for flag, folder in _folders(config, paths):
         if folder.exists() and not folder.is_dir():
             raise ConfigError(flag, str(folder), "that is a file; give a folder")
         try:
@@ -45,6 +42,16 @@ def make_job_dirs(config: JobConfig, paths: JobPaths) -> None:
             check_folder_is_safe(sub, "storage_path")
     paths.make_dirs()
     refuse_planted_links(paths)
+
+
+def _folders(config: JobConfig, paths: JobPaths) -> list[tuple[str, Path]]:
+    """The folders a job creates, each with its flag. A given --output's folder comes first:
+    the default job folder lies inside it, so a bad --output path is named as --output, not
+    as the --storage-path the user never gave."""
+    folders = [("storage_path", paths.storage_path),
+               ("incremental_output_dir", paths.incremental_dir)]
+    output = [("output", paths.output.parent)]
+    return output + folders if config.storage.output is not None else folders + output
 
 
 NOT_JSONL = {".parquet", ".pq", ".csv", ".tsv", ".arrow", ".feather", ".xlsx", ".gz", ".bz2",
