@@ -442,3 +442,24 @@ def test_a_pool_with_room_for_one_sequence_still_admits_a_repeated_prompt():
     run = FakeRun([Req(0, 0, 2, 2, 96, 63)], need, need, cfg, [[]])
     run.run()
     assert run.finished == {0, 1}
+
+
+def test_a_decoding_sequence_offers_each_page_it_opens():
+    """A running sequence's open page is filed again each time its last computed token moves
+    to a new page, decode step by decode step (not only where its prompt ended)."""
+    from batchgen.sched.sharing import PrefixSharing
+
+    sharing = PrefixSharing("test")
+    tokens = [3 + i for i in range(200)]
+    seq = Sequence(0, "r0", 0, list(tokens), 60, SamplingParams(max_tokens=140), 0)
+    seq.state, seq.device_pages = SeqState.RUNNING, [10, 11, 12, 13]
+    for computed in range(60, 140):
+        seq.num_computed = computed
+        sharing.computed(seq)
+        page = (computed - 1) // PAGE_SIZE
+        start = page * PAGE_SIZE
+        parent = sharing.keys(seq, page)[-1] if page else sharing.root
+        found = sharing.open_pages.longest(parent, page, token_bytes(tokens[start:start + 64]))
+        assert found == (seq.device_pages[page], computed - start), computed
+    sharing.released(seq, host=True)
+    assert sharing.open_pages.longest(parent, 2, token_bytes(tokens[128:140])) == (None, 0)

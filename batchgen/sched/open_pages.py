@@ -22,16 +22,17 @@ class OpenPages:
         """seq_id -> (index of the page looked at last, the tail key it is filed under)."""
 
     def filed_at(self, seq: Sequence, index: int) -> bool:
-        """Whether `seq` was filed with its computed tokens on page `index` (then its open
-        page is filed already: the check at every decode step)."""
+        """Whether `seq` was filed with its last computed token on page `index` (then its
+        open page is filed already: the check at every decode step)."""
         filed = self._filed.get(seq.seq_id)
         return filed is not None and filed[0] == index
 
     def update(self, seq: Sequence, parent: bytes) -> None:
-        """File `seq` under its open page (the page holding its last computed token, partly
-        filled) once its computed tokens reach a new page; `parent`: the key of the page
-        before it."""
-        index = seq.num_computed // PAGE_SIZE
+        """File `seq` under its open page (the page holding its last computed token, when
+        partly filled) once its last computed token is on a new page; `parent`: the key of the
+        page before that one. A page that fills up stays filed until the next one opens (it is
+        in the prefix cache then too)."""
+        index = (seq.num_computed - 1) // PAGE_SIZE
         self.close(seq)
         tail_key = None
         if seq.num_computed % PAGE_SIZE and index < len(seq.device_pages):

@@ -191,7 +191,8 @@ class PrefixSharing:
                 if self._inflight.get(key) is seq:
                     del self._inflight[key]
             seq.device_registered = full
-        if (full == pages and not self.open_pages.filed_at(seq, pages)
+        last = (seq.num_computed - 1) // PAGE_SIZE  # the page of the last computed token
+        if (full == pages and not self.open_pages.filed_at(seq, last)
                 and seq.state is SeqState.RUNNING):
             self.open_pages.update(seq, self.keys(seq, full)[-1] if full else self.root)
 
