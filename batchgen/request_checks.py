@@ -255,8 +255,7 @@ INT64_RANGE = (-(1 << 63), (1 << 63) - 1)
 def _check_integer_bounds(schema: dict, path: str) -> None:
     """The bounds of an "integer" node beyond 64-bit integers, which the grammar engine
     refuses with its internal check's text."""
-    types = schema.get("type")
-    if "integer" not in ([types] if isinstance(types, str) else types or []):
+    if "integer" not in (_declared_types(schema) or []):
         return
     low, high = INT64_RANGE
     for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
@@ -286,6 +285,12 @@ def _check_listed_values(schema: dict, path: str) -> None:
 _JSON_TYPES = {"string": str, "boolean": bool, "null": type(None), "object": dict, "array": list}
 
 
+def _declared_types(schema: dict) -> list | None:
+    """A node's `type` as a list of names (None when it declares none)."""
+    types = schema.get("type")
+    return [types] if isinstance(types, str) else types if isinstance(types, list) else None
+
+
 def _is_type(value, name) -> bool:
     number = isinstance(value, (int, float)) and not isinstance(value, bool)
     if name == "number":
@@ -299,9 +304,8 @@ def _is_type(value, name) -> bool:
 def _refusing_keyword(schema: dict, value) -> str | None:
     """The first of the scalar keywords of `schema` (type, string lengths and pattern, number
     bounds) that `value` does not satisfy, or None."""
-    types = schema.get("type")
-    types = [types] if isinstance(types, str) else types
-    if isinstance(types, list) and not any(_is_type(value, t) for t in types):
+    types = _declared_types(schema)
+    if types is not None and not any(_is_type(value, t) for t in types):
         return "type"
     if isinstance(value, str):
         if isinstance(schema.get("minLength"), int) and len(value) < schema["minLength"]:

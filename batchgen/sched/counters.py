@@ -23,7 +23,8 @@ class Counters:
     forks: int = 0
     """n > 1 choices admitted by copying a sibling's partial last prompt page."""
     shared_tails: int = 0
-    """Sequences admitted by copying a cached page that begins with their next tokens."""
+    """Sequences admitted by copying the start of a device page (cached, or a running
+    sequence's) that begins with their next tokens."""
     extra_choices: int = 0
     """n > 1 choices after the first, first admitted (forked or not): their prompts are in
     prompt_tokens too, which is then above the job's prompt tokens (each request's once)."""

@@ -78,6 +78,11 @@ class PrefixCache:
         self._tail_key_of: dict[int, bytes] = {}
 
     @property
+    def indexes_tails(self) -> bool:
+        """Whether `register` files pages by parent and tokens (then it wants their tokens)."""
+        return self._tails is not None
+
+    @property
     def num_idle(self) -> int:
         return len(self._idle)
 

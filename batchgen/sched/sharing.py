@@ -210,7 +210,7 @@ class PrefixSharing:
         keys = self.keys(seq, full)
         for index in range(done, full):
             tokens = (token_bytes(seq.token_ids[index * PAGE_SIZE:(index + 1) * PAGE_SIZE])
-                      if cache is self.device_cache else b"")
+                      if cache.indexes_tails else b"")
             cache.register(keys[index], pages[index], keys[index - 1] if index else self.root,
                            tokens)
         return keys[done:full]
