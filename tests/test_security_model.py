@@ -234,3 +234,30 @@ def test_tokenizer_config_beside_a_vocabulary_file_passes(tiny_chat_model, tmp_p
     (folder / vocabulary).write_bytes(b"a vocabulary")
     monkeypatch.setattr(folder_checks, "sentencepiece_installed", lambda: True)
     check_model_folder(folder, *ROOMY)
+
+
+@pytest.mark.parametrize("heads,kv_heads,tp,ok", [
+    (4, 2, 2, True), (4, 2, 4, True), (4, 1, 4, True), (32, 8, 16, True), (4, 2, 3, False),
+    (6, 4, 3, False), (32, 8, 6, False)])
+def test_the_head_split_is_checked_against_the_tensor_parallel_size(heads, kv_heads, tp, ok):
+    config = {"num_attention_heads": heads, "num_key_value_heads": kv_heads}
+    if ok:
+        folder_checks.check_head_split(config, tp, "config.json")
+        return
+    with pytest.raises(CheckpointError, match=f"--tensor-parallel-size {tp} cannot split"):
+        folder_checks.check_head_split(config, tp, "config.json")
+
+
+def test_a_tensor_parallel_size_that_cannot_split_the_heads_is_refused_before_launch(
+        tmp_path, tiny_chat_model):
+    config = json.loads((tiny_chat_model / "config.json").read_text())
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    tp = heads + 1
+    inp = write_jsonl(tmp_path / "in.jsonl", chat_rows(2, max_tokens=3))
+    done = batchgen("run", "--input", inp, "--model", tiny_chat_model, "--storage-path",
+                    tmp_path / "s", "--world-size", tp, "--tensor-parallel-size", tp,
+                    timeout=120)
+    assert done.returncode == 5, done.stderr[-3000:]
+    assert (f"num_attention_heads {heads}, num_key_value_heads {kv_heads}): choose one of"
+            in done.stderr), done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and "worker" not in done.stderr.lower()

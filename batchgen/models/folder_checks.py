@@ -45,16 +45,19 @@ LFS_POINTER = b"version https://git-lfs"
 """How a Git LFS pointer file begins: what `git clone` without Git LFS leaves of a large file."""
 
 
-def check_model_folder(folder: Path, memory_bytes: int, host_bytes: int) -> None:
+def check_model_folder(folder: Path, memory_bytes: int, host_bytes: int,
+                       tensor_parallel: int = 1) -> None:
     """Everything below, in order, after the architecture and the quantization
     (UnsupportedModelError); raises CheckpointError. `memory_bytes`: what the weights may use on
-    this machine (host memory plus every visible device's); `host_bytes`: host memory alone."""
+    this machine (host memory plus every visible device's); `host_bytes`: host memory alone;
+    `tensor_parallel`: the ranks each layer's heads are split over (--tensor-parallel-size)."""
     folder = Path(folder)
     top = _top_config(folder)
     arch = supported_architecture(list(top.get("architectures") or []), top.get("model_type"))
     check_model_type(top.get("model_type"), arch, folder / "config.json")
     config = _text_part(top)
     check_rope_types(config, folder / "config.json")
+    check_head_split(config, tensor_parallel, folder / "config.json")
     quant = config.get("quantization_config") or top.get("quantization_config")
     if isinstance(quant, dict):
         check_quant_method(str(quant.get("quant_method") or ""))
@@ -96,6 +99,26 @@ def check_model_type(model_type, arch: str, where: Path) -> None:
     raise CheckpointError(f"{where}: model_type {model_type!r} is not one transformers knows, "
                           f"so it cannot read the config; the weights are {arch} "
                           f"(architectures): set \"model_type\": \"{expected}\" in config.json")
+
+
+def check_head_split(config: dict, tensor_parallel: int, where: Path) -> None:
+    """CheckpointError when --tensor-parallel-size cannot split the attention heads: each rank
+    takes an equal share of the query heads, and of the KV heads unless each KV head is
+    replicated on a whole number of ranks. Refused here, naming the sizes that work, instead of
+    in every worker after the launch."""
+    heads, kv_heads = config.get("num_attention_heads"), config.get("num_key_value_heads")
+    if tensor_parallel <= 1 or not isinstance(heads, int) or heads < 1:
+        return
+    kv_heads = kv_heads if isinstance(kv_heads, int) and kv_heads >= 1 else heads
+    kv_ok = kv_heads % tensor_parallel == 0 or tensor_parallel % kv_heads == 0
+    if heads % tensor_parallel == 0 and kv_ok:
+        return
+    sizes = [s for s in range(1, heads + 1) if heads % s == 0
+             and (kv_heads % s == 0 or s % kv_heads == 0)]
+    raise CheckpointError(f"--tensor-parallel-size {tensor_parallel} cannot split the model's "
+                          f"attention heads ({where}: num_attention_heads {heads}, "
+                          f"num_key_value_heads {kv_heads}): choose one of "
+                          f"{', '.join(map(str, sizes))}")
 
 
 def check_rope_types(config: dict, where: Path) -> None:

@@ -113,7 +113,8 @@ def _run(config: JobConfig, stops: StopSignals, member: Member) -> int:
                 folder, _ = model_folder(config.engine.model, config.dist.world_size,
                                          config.dist.tensor_parallel_size)  # not found: here
             if not (folder / MANIFEST).is_file():  # ours (converted) are checked when written
-                check_model_folder(folder, *machine_memory())
+                check_model_folder(folder, *machine_memory(),
+                                   tensor_parallel=config.dist.tensor_parallel_size or 1)
         return _run_locked(spec, batch_file, already, stops, member,
                            {"input_bytes": summary.size_bytes, "left": left}, source.version)
     except FileNotFoundError:  # a write of the supervisor's own (parse, batch file, merge)
