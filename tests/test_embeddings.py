@@ -214,6 +214,27 @@ def test_a_bad_input_item_is_named(value, says):
     assert isinstance(err, IntakeError) and err.param == "input" and says in err.message, err
 
 
+@pytest.mark.parametrize("body, param", [
+    ({"input": "x", "dimensions": "9" * 100_000}, "dimensions"),
+    ({"input": "x", "encoding_format": "f" * 100_000}, "encoding_format"),
+    ({"input": "x", "normalize": "t" * 100_000}, "normalize"),
+    ({"input": ["ok", [0.5] * 100_000]}, "input"),
+])
+def test_a_long_bad_value_is_quoted_in_part(body, param):
+    """The message quotes a bad value as refused fields' messages do, in part: a field of
+    100,000 characters made an error line (and a `batchgen validate` line) as long."""
+    err = intake(embedding_line(body), _Tok(), 32)
+    assert isinstance(err, IntakeError) and err.param == param, err
+    assert len(err.message) < 300, err.message[:300]
+
+
+def test_dimensions_past_the_model_quote_a_huge_number_in_part():
+    item = parse_record(embedding_line({"input": "x", "dimensions": 1e300}))
+    with pytest.raises(EmbeddingLineError, match="at most 64") as err:
+        check_dimensions(item, 64)
+    assert len(str(err.value)) < 200
+
+
 class _CountingTok(_Tok):
     def __init__(self):
         self.chars = 0
@@ -523,6 +544,37 @@ def test_a_worker_embeds_a_bounded_share_of_its_queue_per_step(qwen3):
     one = EmbeddingJobs(qwen3, "batch_e", 1)  # a line over the share is a share of its own
     one.queue = job(8192).queue[:2]
     assert len(one.run()) == 1 and len(one) == 1
+
+
+def test_a_vector_that_is_not_finite_is_a_failure_line_not_nulls(qwen3, monkeypatch):
+    """A model whose hidden states overflow (float16 past 65,504) pools NaN or inf: JSON has
+    neither, and the line was written as status 200 with `null` values. It is a failure line
+    naming the input and the fix; the other lines of the share are answered as usual."""
+    from batchgen.io.embeddings import tokenize_embedding
+    from batchgen.io.intake import parse_record
+    from batchgen.io.results import dumps, is_success
+    from batchgen.runner.worker.embed_jobs import EmbeddingJobs
+
+    jobs = EmbeddingJobs(qwen3, "batch_e", 8192)
+    for i, value in enumerate([[5, 6, 7], [[8, 9], [10, 11, 12]]]):
+        parsed = parse_record(RawRecord(i + 1, {"custom_id": f"e{i}", "input": value}))
+        assert jobs.add(tokenize_embedding(parsed, None, 512, vocab=500)) is None
+    embedder = jobs.embedder()
+    real = embedder.embed
+
+    def overflowing(inputs, *args):
+        vectors = real(inputs, *args)
+        vectors[2][3] = float("nan")  # e1's second input
+        return vectors
+
+    monkeypatch.setattr(embedder, "embed", overflowing)
+    (good, good_tokens), (bad, bad_tokens) = jobs.run()
+    assert is_success(good) and good_tokens == 3
+    written = json.loads(dumps(good))["response"]["body"]["data"][0]["embedding"]
+    assert all(isinstance(x, float) for x in written)
+    assert bad["response"] is None and bad_tokens == 0 and not is_success(bad)
+    assert bad["custom_id"] == "e1" and bad["error"]["code"] == "non_finite_embedding"
+    assert "input[1]" in bad["error"]["message"] and "float32" in bad["error"]["message"]
 
 
 def test_the_pooling_files_are_part_of_the_resume_fingerprint(tmp_path):

@@ -169,12 +169,12 @@ class Embedder:
         self.pooling = pooling
         self.max_step_tokens = max_step_tokens
         param = next(model.parameters())
-        self.device, dtype = param.device, param.dtype
+        self.device, self.dtype = param.device, param.dtype
         # K and V per token is the layout `paged_attention` serves, and it honours dense
         # batches; a latent KV (MLA: one vector per token) runs its own attention, which pages.
         self.dense = not paged and tuple(model.kv_token_shape)[0] == 2
         self.layout = KVLayout(model.config.num_hidden_layers, tuple(model.kv_token_shape),
-                               dtype, dtype)
+                               self.dtype, self.dtype)
         self.width = model.config.hidden_size
         self._pool: KVPool | None = None
 

@@ -10,6 +10,7 @@ one request with one vector per input, `data[i].index` = its position in `input`
 from __future__ import annotations
 
 import base64
+import reprlib
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -81,15 +82,16 @@ def _inputs(value: Any) -> tuple:
         items = [_ids(value)]
     elif isinstance(value, list) and value and all(_number(v) for v in value):
         bad_id = next(v for v in value if _ids([v]) is None)
-        raise EmbeddingLineError("invalid_input", f"input holds token id {bad_id!r}: token ids "
-                                 "are integers >= 0", "input")
+        raise EmbeddingLineError("invalid_input", f"input holds token id "
+                                 f"{reprlib.repr(bad_id)}: token ids are integers >= 0", "input")
     elif isinstance(value, list) and value:
         items = [v if isinstance(v, str) else _ids(v) for v in value]
         for i, item in enumerate(items):
             if item is None or item == "":
-                raise EmbeddingLineError("invalid_input", f"input[{i}] is {value[i]!r}: each "
-                                         "item must be a non-empty string or a non-empty list "
-                                         "of token ids (integers >= 0)", "input")
+                raise EmbeddingLineError("invalid_input", f"input[{i}] is "
+                                         f"{reprlib.repr(value[i])}: each item must be a "
+                                         "non-empty string or a non-empty list of token ids "
+                                         "(integers >= 0)", "input")
         if len({isinstance(v, str) for v in items}) > 1:
             raise EmbeddingLineError("invalid_input", "input mixes strings and token-id lists: "
                                      "give one kind per line", "input")
@@ -111,18 +113,18 @@ def parse_embedding(body: dict, custom_id: str, line: int) -> EmbeddingRequest:
     encoding = "float" if encoding is None else encoding  # false, 0, "" are not formats
     if encoding not in ("float", "base64"):
         raise EmbeddingLineError("invalid_request", "encoding_format must be \"float\" or "
-                                 f"\"base64\", got {encoding!r}", "encoding_format")
+                                 f"\"base64\", got {reprlib.repr(encoding)}", "encoding_format")
     dimensions = body.get("dimensions")
     if isinstance(dimensions, float) and dimensions.is_integer():
         dimensions = int(dimensions)
     if dimensions is not None and (not isinstance(dimensions, int) or isinstance(dimensions, bool)
                                    or dimensions < 1):
         raise EmbeddingLineError("invalid_request", "dimensions must be an integer >= 1, got "
-                                 f"{dimensions!r}", "dimensions")
+                                 f"{reprlib.repr(dimensions)}", "dimensions")
     normalize = body.get("normalize")
     if normalize is not None and not isinstance(normalize, bool):
         raise EmbeddingLineError("invalid_request", "normalize must be true or false, got "
-                                 f"{normalize!r}", "normalize")
+                                 f"{reprlib.repr(normalize)}", "normalize")
     return EmbeddingRequest(custom_id, line, _inputs(body["input"]), encoding, dimensions,
                             normalize=normalize)
 
@@ -171,7 +173,7 @@ def check_dimensions(request: EmbeddingRequest, width: int, allowed=None) -> Non
     if d is not None and (d > width or (allowed and d not in allowed)):
         sizes = f"one of {sorted(allowed)}" if allowed else f"at most {width}"
         raise EmbeddingLineError("invalid_request", f"dimensions must be {sizes} for this "
-                                 f"model, got {d}", "dimensions")
+                                 f"model, got {reprlib.repr(d)}", "dimensions")
 
 
 def check_length(request: EmbeddingRequest, limit: int | None, source: str) -> None:

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
+
 from batchgen.engine.embed import (Embedder, max_seq_length, pooling_summary, prompt_note,
                                    read_pooling)
 from batchgen.io.embeddings import (EmbeddingLineError, EmbeddingRequest, check_dimensions,
                                     check_length)
 from batchgen.io.intake import IntakeError
-from batchgen.io.results import embedding_line
+from batchgen.io.results import embedding_line, failure_line
 
 
 log = logging.getLogger("batchgen.worker")
@@ -79,6 +81,21 @@ class EmbeddingJobs:
         dims = [item.dimensions for item in queue for _ in item.token_ids]
         norms = [item.normalize for item in queue for _ in item.token_ids]
         vectors = iter(v.numpy() for v in self.embedder().embed(inputs, dims, norms))
-        return [(embedding_line(self.batch_id, item,
-                                [next(vectors) for _ in item.token_ids], self.loaded.name),
-                 item.prompt_tokens) for item in queue]
+        return [self._line(item, [next(vectors) for _ in item.token_ids]) for item in queue]
+
+    def _line(self, item: EmbeddingRequest, vectors: list[np.ndarray]) -> tuple[dict, int]:
+        """(result line, prompt tokens) of one embedded line: its embeddings object, or a
+        failure line when a vector is not finite (JSON has no NaN: it would be written as null
+        under status 200); a failed line counts no tokens."""
+        bad = next((i for i, v in enumerate(vectors) if not np.isfinite(v).all()), None)
+        if bad is None:
+            return (embedding_line(self.batch_id, item, vectors, self.loaded.name),
+                    item.prompt_tokens)
+        where = "input" if len(vectors) == 1 else f"input[{bad}]"
+        dtype = str(self.embedder().dtype).removeprefix("torch.")
+        fix = ("float16 overflows past 65,504: run the file as a new job (--batch-id) with "
+               "--dtype bfloat16 or float32" if dtype == "float16"
+               else "check the model's weights for NaN or infinite values")
+        return failure_line(self.batch_id, item.custom_id, item.line, "non_finite_embedding",
+                            f"line {item.line}: the vector of {where} holds NaN or infinite "
+                            f"values (the model's hidden states in {dtype}); {fix}"), 0

@@ -25,7 +25,7 @@ from batchgen.io.embeddings import EmbeddingRequest
 from batchgen.io.intake import (IntakeError, ParsedRequest, PendingRequest, tokenize_parsed,
                                with_model_defaults)
 from batchgen.io.parsed_input import read_parsed
-from batchgen.io.results import dumps, error_line
+from batchgen.io.results import dumps, error_line, is_success
 from batchgen.io.jobfiles import JobPaths
 from batchgen.io.writer import IdSet, IncrementalWriter, WriterLocked, read_done_ids
 from batchgen.models.convert import read_manifest
@@ -385,7 +385,9 @@ class Worker:
 
     def _embedded(self) -> list[bytes]:
         done = self.embeddings.run()
-        self.stats.completed += len(done)
+        failed = sum(not is_success(line) for line, _ in done)
+        self.stats.completed += len(done) - failed
+        self.stats.failed += failed
         self.stats.prompt_tokens += sum(tokens for _, tokens in done)
         return [dumps(line) for line, _ in done]
 
