@@ -81,7 +81,8 @@ def _functions(tools) -> list[dict]:
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise ToolChoiceError(f"tools[{i}] must be {{\"type\": \"function\", \"function\": "
                                   "{\"name\", \"parameters\"}}")
-        params = fn.get("parameters") or no_parameters()
+        params = fn.get("parameters")
+        params = no_parameters() if params is None or params == {} else params
         if not isinstance(params, dict):
             raise ToolChoiceError(f"tools[{i}].function.parameters must be a JSON schema object")
         out.append({"name": fn["name"], "parameters": params})

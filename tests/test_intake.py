@@ -157,6 +157,27 @@ def test_an_assistant_turn_of_tool_calls_with_null_content_renders(tok):
         tok, "<|user|> hello world <|assistant|> f <|tool|> hello <|assistant|>")
 
 
+@pytest.mark.parametrize("calls, param", [
+    ("get_weather()", "messages[1].tool_calls"),
+    ({"id": "c", "function": {"name": "f", "arguments": "{}"}}, "messages[1].tool_calls"),
+    (["f"], "messages[1].tool_calls[0].function"),
+    ([{"id": "c", "type": "function", "name": "f", "arguments": "{}"}],
+     "messages[1].tool_calls[0].function"),
+    ([{"id": "c", "type": "function", "function": {"name": "", "arguments": "{}"}}],
+     "messages[1].tool_calls[0].function"),
+    ([{"id": "c", "type": "function", "function": {"name": "f"}}],
+     "messages[1].tool_calls[0].function.arguments"),
+])
+def test_earlier_tool_calls_of_another_shape_are_refused_by_name(tok, calls, param):
+    """A string, an object or calls without function.name / arguments reached the template,
+    which failed as a template_error naming no field (or rendered a call never made)."""
+    body = {"messages": [*USER, {"role": "assistant", "content": None, "tool_calls": calls},
+                         {"role": "tool", "content": "hello", "tool_call_id": "c"}]}
+    err = run(tok, chat_line(body))
+    assert isinstance(err, IntakeError) and err.code == "invalid_messages", err
+    assert err.param == param and "messages[1].tool_calls" in err.message
+
+
 def test_earlier_tool_calls_a_template_does_not_render_are_refused(tok):
     """An assistant turn's tool_calls that the template drops (SmolLM2's writes only content)
     would leave the model an empty turn and a tool result answering nothing: error line."""

@@ -107,6 +107,20 @@ def test_parse_tool_call_keeps_to_the_lines_tool_choice(formatter, extra, calls)
         assert choice["message"]["content"] == text
 
 
+@pytest.mark.parametrize("value", ["false", 0, "no", [False]])
+def test_parallel_tool_calls_that_is_not_a_boolean_is_refused(value):
+    """Only `false` keeps an answer to one call: the string "false" or 0 read as true would
+    silently keep every call the model made."""
+    err = parse_record(line({"messages": USER, "tools": [WEATHER], "parallel_tool_calls": value},
+                            "/v1/chat/completions"))
+    assert isinstance(err, IntakeError) and err.code == "invalid_request"
+    assert err.param == "parallel_tool_calls" and "true or false" in err.message
+    for ok in (True, False, None):
+        parsed = parse_record(line({"messages": USER, "tools": [WEATHER],
+                                    "parallel_tool_calls": ok}, "/v1/chat/completions"))
+        assert isinstance(parsed, ParsedRequest)
+
+
 @pytest.mark.parametrize("body, message", [
     ({"prompt": "Once", "echo": True, "logprobs": 2}, "echo with logprobs"),
     ({"prompt": "Once", "echo": "yes"}, "echo must be true or false"),

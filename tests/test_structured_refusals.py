@@ -138,6 +138,18 @@ def test_forced_tool_parameters_get_the_response_format_checks(parameters):
     assert isinstance(parse(tools=tool(parameters), tool_choice="auto"), ParsedRequest)
 
 
+@pytest.mark.parametrize("parameters", [[], "", 0, False, "{}"])
+def test_tool_parameters_that_are_not_a_schema_are_refused(parameters):
+    """An empty list or string was read as "no parameters" and the call forced to `{}`, while a
+    non-empty string was refused: anything but a schema object (or `{}` / absent) is refused."""
+    parsed = parse(tools=tool(parameters))
+    assert isinstance(parsed, IntakeError)
+    assert (parsed.code, parsed.param) == ("invalid_tools", "tools")
+    assert "tools[0].function.parameters must be a JSON schema object" in parsed.message
+    for none in ({}, None):
+        assert isinstance(parse(tools=tool(none), tool_choice="required"), ParsedRequest)
+
+
 def test_forced_hermes_call_with_a_closing_tag_in_a_string_is_parsed():
     arguments = {"code": "print('</tool_call>')"}
     text = ("<tool_call>\n" + json.dumps({"name": "f", "arguments": arguments})

@@ -22,10 +22,11 @@ from batchgen.io.embeddings import (EMBEDDINGS_URL, MAX_CHARS_PER_TOKEN, MODEL_C
 from batchgen.io.field_values import (MAX_FIELD_DEPTH, maybe_json, request_fields, text_problem,
                                       too_deep)
 from batchgen.io.grammar_limits import GrammarTooComplex, check_grammar_limits
+from batchgen.io.messages import parse_messages, parse_prompt
 from batchgen.io.reader import RawRecord, custom_id_of, record_key
 from batchgen.io.refused_fields import EMBEDDING_REFUSED, refuse_fields, refuse_unimplemented
 from batchgen.io.sampling_fields import (MODEL_DEFAULT_FIELDS, BadLine, gives_max_tokens,
-                                         parse_sampling, token_ids)
+                                         parse_sampling)
 from batchgen.io.templates import TemplateError, render_chat
 from batchgen.request_checks import (StructuredOutputError, ToolChoiceError,
                                      check_parameters_schema, check_tools, forced_functions,
@@ -178,9 +179,10 @@ def _parse(data: dict, key: str, line: int,
         refuse_fields(body, EMBEDDING_REFUSED)
         return parsed_embedding
     _check_structured(extra)
+    _check_parallel_tool_calls(extra.get("parallel_tool_calls"))
     _check_reasoning_effort(extra, kind)
-    messages = _messages(body.get("messages")) if kind == "chat" else None
-    prompt = _prompt(body.get("prompt")) if kind == "completion" else None
+    messages = parse_messages(body.get("messages")) if kind == "chat" else None
+    prompt = parse_prompt(body.get("prompt")) if kind == "completion" else None
     sampling = parse_sampling(body, kind, default_max_tokens)
     if (sampling.stop or sampling.stop_token_ids) and grammar_constrained(extra):
         # A stop string or token inside the JSON would leave it cut and invalid (reported as
@@ -319,10 +321,6 @@ def plain_kind(data: dict) -> str:
                    "messages")
 
 
-ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function", "ipython"})
-"""Message roles accepted: OpenAI's, and Llama 3's `ipython` (tool output in its template)."""
-
-
 def _check_structured(extra: dict) -> None:
     """tools, tool_choice and response_format as the grammar builders will take them: a line
     they would refuse is refused here, where `batchgen validate` sees it too."""
@@ -355,69 +353,14 @@ def _check_structured(extra: dict) -> None:
                            "tool_choice")
 
 
-def _messages(value: Any) -> list[dict]:
-    value = maybe_json(value)
-    if not isinstance(value, list) or not value:
-        raise BadLine("invalid_messages", "messages must be a non-empty list of "
-                                           "{\"role\", \"content\"} objects"
-                                           + text_problem(value), "messages")
-    return [_message(m, i) for i, m in enumerate(value)]
-
-
-def _message(message: Any, index: int) -> dict:
-    if not isinstance(message, dict):
-        raise BadLine("invalid_messages", f"messages[{index}] must be an object",
-                       f"messages[{index}]")
-    # Parquet structs carry every field of the schema, absent ones as null: drop them, or a
-    # template would render "None" for a missing name.
-    message = {k: v for k, v in message.items() if v is not None}
-    role = message.get("role")
-    if not isinstance(role, str) or not role:
-        raise BadLine("invalid_messages", f"messages[{index}].role must be a non-empty string",
-                       f"messages[{index}].role")
-    if role not in ROLES:
-        raise BadLine("invalid_messages", f"messages[{index}].role {role!r} is not a chat "
-                                           f"role: use one of {', '.join(sorted(ROLES))}",
-                       f"messages[{index}].role")
-    content = message.get("content")
-    if isinstance(content, list):
-        message["content"] = _flatten_parts(content, index)
-    elif content is None and role == "assistant" and message.get("tool_calls"):
-        message["content"] = ""  # OpenAI's null beside tool calls; templates read .content
-    elif content is None:
-        raise BadLine("invalid_messages", f"messages[{index}].content is missing or null: "
-                                           "give the message's text",
-                       f"messages[{index}].content")
-    elif content is not None and not isinstance(content, str):
-        raise BadLine("invalid_messages", f"messages[{index}].content must be a string or a "
-                                           "list of text parts", f"messages[{index}].content")
-    return message
-
-
-def _flatten_parts(parts: list, index: int) -> str:
-    # Text-only models' templates expect a string; join text parts as vLLM does.
-    texts = []
-    for part in parts:
-        if not isinstance(part, dict) or part.get("type", "text") != "text" \
-                or not isinstance(part.get("text"), str):
-            raise BadLine("invalid_messages", f"messages[{index}].content: only text parts "
-                                               "({\"type\": \"text\", \"text\": ...}) are "
-                                               "supported", f"messages[{index}].content")
-        texts.append(part["text"])
-    return "\n".join(texts)
-
-
-def _prompt(value: Any) -> str | list[int]:
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
-        value = value[0]  # one prompt in OpenAI's batched form: ["text"] or [[ids]]
-    if isinstance(value, str):
-        return value
-    ids = token_ids(value)
-    if ids:
-        return ids
-    raise BadLine("invalid_prompt", "prompt must be a string or a list of token ids "
-                                     "(one prompt per line; batched prompts are not supported)",
-                   "prompt")
+def _check_parallel_tool_calls(value) -> None:
+    """parallel_tool_calls is OpenAI's boolean: only `false` keeps an answer to one call, so
+    another value (the string "false", 0) would silently keep every call."""
+    if value is None or isinstance(value, bool):
+        return
+    raise BadLine("invalid_request", "parallel_tool_calls must be true or false (or be "
+                                     f"dropped), got {type(value).__name__} "
+                                     f"{reprlib.repr(value)}", "parallel_tool_calls")
 
 
 def tokenize_request(parsed: ParsedRequest | EmbeddingRequest, tokenizer: Any,
