@@ -76,6 +76,24 @@ def test_final_logit_softcapping_matches_hf(tmp_path):
     assert_last_logits_match(ours, hf, ps[-1])
 
 
+def test_longrope_on_the_full_layers_stops_the_context_at_its_original_length(tmp_path):
+    """A rope per kind of layer (rope_parameters nested by layer type) with longrope on the
+    full layers: HF moves those to their long factors past original_max_position_embeddings,
+    which ours does not compute, so the context stops there, as for a single longrope, and
+    is exact up to it."""
+    rope = {"full_attention": {"rope_type": "longrope", "rope_theta": 1e6,
+                               "short_factor": [1.0, 1.5] * 8, "long_factor": [4.0] * 16,
+                               "original_max_position_embeddings": 100},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+    folder = save_tiny_model("gemma3", tmp_path, max_position_embeddings=400,
+                             rope_parameters=rope)
+    hf, ours = hf_model(folder), load_ours(folder)
+    assert ours.max_context == 100
+    ps = prompts(6, (40, 99))
+    assert greedy(ours, [ps[0]], 16) == [hf_greedy(hf, ps[0], 16)]
+    assert_last_logits_match(ours, hf, ps[1])
+
+
 def test_a_later_request_maps_the_cached_prefix_and_answers_as_hf(gemma):
     """Prefix caching across the window: the second prompt shares the first's 150 tokens,
     maps its two full pages and still answers as HF does."""

@@ -96,20 +96,29 @@ def test_run_waits_for_a_live_run_then_completes(tmp_path, tiny_chat_model):
     refused = run(inp, storage, tiny_chat_model, "--wait-for-lock", "1")
     assert refused.returncode == 4 and "after waiting 1 s" in refused.stderr, \
         refused.stderr[-3000:]
-    stopped = launch(inp, storage, tiny_chat_model, "--wait-for-lock", "300")
-    time.sleep(2.0)
+    stopped, said = _launch_reading(inp, storage, tiny_chat_model, "--wait-for-lock", "300")
+    assert wait_for(lambda: "waiting up to 300 s" in "".join(said), 120), "".join(said)
     stopped.send_signal(signal.SIGTERM)  # a stop while waiting: requeue, as at any other time
-    _, err = stopped.communicate(timeout=60)
-    assert stopped.returncode == 75 and "Traceback" not in err, err[-3000:]
-    waiting = launch(inp, storage, tiny_chat_model, "--wait-for-lock", "300")
-    time.sleep(3.0)
+    assert stopped.wait(60) == 75 and "Traceback" not in "".join(said), "".join(said)[-3000:]
+    waiting, said = _launch_reading(inp, storage, tiny_chat_model, "--wait-for-lock", "300")
+    # Released only once it waits (a loaded machine can take longer than any fixed sleep to
+    # reach the lock: released before, the run never waits at all).
+    assert wait_for(lambda: "waiting up to 300 s" in "".join(said), 120), "".join(said)
+    time.sleep(1.0)
     assert waiting.poll() is None, "it waits"
     assert not list((storage / "logs").glob("*/*/attempt_*")), "no worker before the lock"
     live.release()
-    _, err = waiting.communicate(timeout=300)
-    assert waiting.returncode == 0, err[-3000:]
-    assert "waiting up to 300 s" in err
+    assert waiting.wait(300) == 0, "".join(said)[-3000:]
     check_against_clean(storage, tiny_chat_model)
+
+
+def _launch_reading(inp, storage, model, *extra):
+    """A run in the background, and the list its stderr lines are appended to as they come."""
+    proc = launch(inp, storage, model, *extra)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(iter(proc.stderr.readline, "")),
+                     daemon=True).start()
+    return proc, lines
 
 
 def test_finished_ids_are_read_once_the_results_lock_is_ours(tmp_path):

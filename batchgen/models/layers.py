@@ -252,20 +252,30 @@ def default_max_positions(hf_config) -> int:
     static cos/sin table cannot follow; up to that length the short factors hold and results
     are exact, so the context stops there: longer prompts become per-line errors naming it.
     Dynamic NTK scaling likewise begins only past `max_position_embeddings`: below it the rope
-    is unscaled, and the context stops there too (with a warning, as for longrope)."""
+    is unscaled, and the context stops there too (with a warning, as for longrope). A config
+    with a rope per kind of layer (Gemma 3's) stops where the first of them would change."""
     limit = int(getattr(hf_config, "max_position_embeddings", 0) or 32768)
-    params = rope_parameters(hf_config)
-    original = params.get("original_max_position_embeddings") or getattr(
-        hf_config, "original_max_position_embeddings", None)
-    if params["rope_type"] == "longrope" and original and int(original) < limit:
-        log.warning("longrope: context limited to original_max_position_embeddings = %d "
-                    "tokens (of %d); its long factors are not implemented", original, limit)
-        limit = int(original)
-    if params["rope_type"] == "dynamic":
+    ropes = _every_rope(hf_config)
+    for params in ropes:
+        original = params.get("original_max_position_embeddings") or getattr(
+            hf_config, "original_max_position_embeddings", None)
+        if params["rope_type"] == "longrope" and original and int(original) < limit:
+            log.warning("longrope: context limited to original_max_position_embeddings = %d "
+                        "tokens (of %d); its long factors are not implemented", original, limit)
+            limit = int(original)
+    if any(params["rope_type"] == "dynamic" for params in ropes):
         log.warning("dynamic rope scaling: context limited to max_position_embeddings = %d "
                     "tokens, where its scaling would begin (the factor does not lengthen it)",
                     limit)
     return limit
+
+
+def _every_rope(hf_config) -> list[dict]:
+    """The settings of each rope a config sets: one, or one per kind of layer where
+    `rope_parameters` nests them (Gemma 3's "sliding_attention" / "full_attention")."""
+    nested = getattr(hf_config, "rope_parameters", None) or {}
+    kinds = [kind for kind, value in nested.items() if isinstance(value, dict)]
+    return [rope_parameters(hf_config, kind) for kind in kinds] or [rope_parameters(hf_config)]
 
 
 def softmax_scale(head_dim: int) -> float:
