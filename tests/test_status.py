@@ -70,6 +70,7 @@ def test_an_unfinished_job_shows_saved_results_and_whether_a_run_holds_it(tmp_pa
     lock.write_text(f"pid {os.getpid()} on host {socket.gethostname()}\n")
     code, out = status(str(root))
     assert code == 0 and "3 of 9 results" in out and f"running (pid {os.getpid()}" in out
+    assert "0 completed" not in out and "9 total (completed and failed are counted" in out
     assert "none (a resume starts any unfinished request from its prompt)" in out
     dead = subprocess.Popen(["true"])
     dead.wait()

@@ -170,14 +170,21 @@ def _speed(state: dict) -> str:
     return "; ".join(parts) or "not measured yet"
 
 
+def _request_counts(state: dict) -> str:
+    """The job's completed / failed / total requests: the batch file counts the first two
+    when the job ends, so before that only the total is shown (the "saved" row has progress)."""
+    counts = state.get("request_counts", {})
+    total = f"{counts.get('total', 0)} total"
+    if state.get("status") != "completed":
+        return f"{total} (completed and failed are counted when the job ends; saved: below)"
+    return f"{counts.get('completed', 0)} completed, {counts.get('failed', 0)} failed, {total}"
+
+
 def _table(state: dict, workers: list[dict]) -> Table:
     table = Table(title=f"{state['batch_id']}: {state['status']}", show_header=False)
     table.add_column(no_wrap=True)
     table.add_column(overflow="fold")  # a path is shown whole, folded over lines, never cut
-    counts = state.get("request_counts", {})
-    table.add_row("requests", f"{counts.get('completed', 0)} completed, {counts.get('failed', 0)} "
-                  f"failed, {counts.get('total', 0)} total"
-                  + ("" if state.get("status") == "completed" else " (counted at the end)"))
+    table.add_row("requests", _request_counts(state))
     usage = state.get("usage", {})
     table.add_row("tokens", f"{usage.get('prompt_tokens', 0):,} in, "
                   f"{usage.get('completion_tokens', 0):,} out (all runs)")
