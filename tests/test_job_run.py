@@ -397,6 +397,10 @@ def test_an_unfinished_jobs_input_changed_between_runs_is_refused(tmp_path, tiny
     assert "3 of its 3 results are saved" in proc.stderr and "--batch-id" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert len(list((storage / "uploads").glob("*.json"))) == 1  # no new job recorded
+    write_jsonl(inp, rows[::-1])  # reordered: the same bytes in all
+    proc = batchgen(*run_args(inp, storage, tiny_chat_model))
+    assert proc.returncode == 3 and "the same " in proc.stderr \
+        and " bytes, other content" in proc.stderr, proc.stderr[-2000:]
     write_jsonl(inp, rows)
     proc = batchgen(*run_args(inp, storage, tiny_chat_model), check=True)
     assert "3 already done" in proc.stderr

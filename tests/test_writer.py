@@ -341,6 +341,17 @@ def test_fingerprint_mismatch_names_each_difference():
     assert "parse_thinking: <absent> -> True" in message and "dtype" not in message
 
 
+def test_a_changed_input_alone_is_named_as_the_input_not_as_settings():
+    """--batch-id of a job whose input file was edited since: the settings are the same, so
+    the refusal says the input changed and how to go on, not 're-run with the settings'."""
+    old = make_fingerprint({"model": "a", "input_sha256": "1"})
+    with pytest.raises(FingerprintMismatch) as info:
+        check_fingerprint(old, {"model": "a", "input_sha256": "2"})
+    message = str(info.value)
+    assert "input file's content changed" in message and "Put back the file" in message
+    assert "original settings" not in message
+
+
 def test_finalize_sums_the_usage_of_the_results_it_writes(tmp_path):
     """The run summary's token counts: prompt, completion and cached prompt tokens of the
     success lines, a duplicate counted once."""

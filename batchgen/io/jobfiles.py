@@ -253,6 +253,11 @@ def check_fingerprint(old: dict, new: dict) -> None:
                 "--generation-config none leaves them out)"
                 if any(d.startswith("sampling_defaults") for d in diffs) else "")
         hint += _moved_commit_hint(a.get("model_weights"), b.get("model_weights"))
+        if [d.split(":", 1)[0] for d in diffs] == ["input_sha256"]:
+            raise FingerprintMismatch(
+                "refusing to resume: the input file's content changed since this job started "
+                f"from it ({diffs[0]}). Put back the file it read to finish it, or answer this "
+                "file as a new job (another --batch-id, or none).")
         raise FingerprintMismatch(
             "refusing to resume: this job was started with settings that decide the answers "
             "differently (" + "; ".join(diffs) + f"){hint}. Re-run with the original settings, "

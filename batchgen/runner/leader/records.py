@@ -159,7 +159,7 @@ def refuse_a_changed_input(config: JobConfig, paths: JobPaths, size_bytes: int) 
             continue  # it wrote another output, or decided nothing yet
         raise FingerprintMismatch(
             f"input {s.input} changed since job {state.batch_id} started from it "
-            f"({_size_then(old)} bytes then, {size_bytes:,} now) and that job is unfinished: "
+            f"({_sizes(_size_then(old), size_bytes)}) and that job is unfinished: "
             f"{saved:,} of its {state.request_counts.get('total', 0):,} results are saved. "
             "This command would start a new job that answers every line again. To finish "
             "that job, put back the input it read and run the same command; to answer this "
@@ -175,6 +175,13 @@ def _lines(files: list[Path]) -> int:
         except OSError:
             continue
     return count
+
+
+def _sizes(then: str, now: int) -> str:
+    """The input's size then and now, or that only its content changed."""
+    if then == f"{now:,}":
+        return f"the same {now:,} bytes, other content"
+    return f"{then} bytes then, {now:,} now"
 
 
 def _size_then(paths: JobPaths) -> str:
