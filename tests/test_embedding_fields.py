@@ -18,7 +18,7 @@ from batchgen.io.embeddings import EmbeddingRequest
 from batchgen.io.intake import IntakeError, intake
 from batchgen.io.reader import RawRecord
 from batchgen.models.factory import load_model
-from batchgen.runner.leader.validate import unknown_fields
+from batchgen.io.field_hints import unknown_fields
 from batchgen.runner.worker.embed_jobs import EmbeddingJobs
 from tiny_models import save_tiny_model
 

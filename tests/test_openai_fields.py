@@ -8,7 +8,7 @@ import pytest
 
 from batchgen.io.intake import IntakeError, ParsedRequest, PendingRequest, intake, parse_record
 from batchgen.io.reader import RawRecord
-from batchgen.runner.leader.validate import unknown_fields
+from batchgen.io.field_hints import unknown_fields
 
 USER = [{"role": "user", "content": "What is the weather like?"}]
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"

@@ -15,7 +15,7 @@ from batchgen.io.intake import (IntakeError, ParsedRequest, PendingRequest, pars
                                 with_model_defaults)
 from batchgen.io.reader import RawRecord
 from batchgen.request_checks import StructuredOutputError, response_format_schema
-from batchgen.runner.leader.validate import unknown_fields
+from batchgen.io.field_hints import unknown_fields
 
 USER = [{"role": "user", "content": "What is the weather like?"}]
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {

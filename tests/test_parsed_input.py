@@ -374,3 +374,29 @@ def test_an_input_edited_while_parsed_is_not_stamped_for_reuse(tmp_path, monkeyp
     assert _parse_counting(monkeypatch, inp, out)[1] == 7
     prompts = [r.item.prompt for r in read_parsed(out) if isinstance(r.item, ParsedRequest)]
     assert "Once upon a time" in prompts and "ONCE UPON a time" not in prompts
+
+
+def test_the_parse_warns_once_about_fields_that_run_with_their_defaults(tmp_path, caplog):
+    """`batchgen run` names lines whose fields it does not read (validate names them all):
+    a max_tokens beside an OpenAI line's body runs with the default length, a typo likewise."""
+    body = {"messages": [{"role": "user", "content": "Hi"}]}
+    lines = [{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": body,
+              "max_tokens": 500},
+             {"custom_id": "b", "prompt": "x", "temprature": 0.2},
+             *({"custom_id": f"t{i}", "prompt": "x", "max_tokenz": 3} for i in range(5)),
+             {"custom_id": "fine", "prompt": "x", "max_tokens": 3, "model": "m"}]
+    inp = write_input(tmp_path / "in.jsonl", lines)
+    with caplog.at_level("WARNING", logger="batchgen.io.parsed_input"):
+        parse_input(identify_input(inp), tmp_path / "job.requests", 1 << 20, 16)
+    warned = [r.getMessage() for r in caplog.records if "does not read" in r.getMessage()]
+    assert len(warned) == 1, warned
+    assert warned[0].startswith("7 lines of the input carry fields batchgen does not read")
+    assert "line 1: field 'max_tokens' is outside \"body\"" in warned[0]
+    assert "line 2: unknown field 'temprature': did you mean 'temperature'?" in warned[0]
+    assert "; ...)" in warned[0] and f"batchgen validate -i {inp}" in warned[0]
+    caplog.clear()
+    write_input(tmp_path / "clean.jsonl", lines[-1:])
+    with caplog.at_level("WARNING", logger="batchgen.io.parsed_input"):
+        parse_input(identify_input(tmp_path / "clean.jsonl"), tmp_path / "c.requests", 1 << 20,
+                    16)
+    assert not [r for r in caplog.records if "does not read" in r.getMessage()]

@@ -43,6 +43,7 @@ import batchgen.core
 import batchgen.request_checks
 from batchgen.atomic import atomic_file, read_json_dict, write_json_atomic
 from batchgen.io.embeddings import EmbeddingRequest
+from batchgen.io.field_hints import unknown_fields
 from batchgen.io.intake import IntakeError, ParsedRequest, parse_record, takes_default_max_tokens
 from batchgen.io.prefix_shards import assign_packed, prefix_key
 from batchgen.io.reader import (InputFile, InputFileError, InputSummary, RawRecord,
@@ -53,6 +54,8 @@ log = logging.getLogger("batchgen.job")
 HEADER = struct.Struct("<QII12s")
 """line number, custom_id length, pickled item length, prompt-prefix key."""
 HEADER_PREFIX_AT = struct.calcsize("<QII")
+SHOWN_IGNORED = 3
+"""Lines with fields batchgen does not read that the run's warning names (validate: all)."""
 _CLASSES = {("batchgen.io.intake", "ParsedRequest"), ("batchgen.io.intake", "IntakeError"),
             ("batchgen.io.embeddings", "EmbeddingRequest"), ("batchgen.core", "SamplingParams")}
 
@@ -77,6 +80,10 @@ class _Store:
         self.sha256, self.size = hashlib.sha256(), 0
         self.defaulted = 0
         """Records whose max_tokens is the default (intake.takes_default_max_tokens)."""
+        self.ignoring = 0
+        """Records with a field batchgen does not read (field_hints.unknown_fields)."""
+        self.ignored: list[str] = []
+        """The first SHOWN_IGNORED of them, as "line N: what"."""
 
     def write(self, data: bytes) -> None:
         self.out.write(data)
@@ -84,6 +91,11 @@ class _Store:
         self.size += len(data)
 
     def add(self, record: RawRecord, key: str) -> None:
+        hints = unknown_fields(record.data) if isinstance(record.data, dict) else []
+        if hints:
+            self.ignoring += 1
+            if len(self.ignored) < SHOWN_IGNORED:
+                self.ignored.append(f"line {record.line}: {hints[0]}")
         parsed = parse_record(record, self.default_max_tokens)
         self.defaulted += takes_default_max_tokens(parsed, record)
         item = pickle.dumps(parsed, protocol=pickle.HIGHEST_PROTOCOL)
@@ -115,6 +127,7 @@ def parse_input(identity: InputFile, out: Path, max_line_bytes: int,
         store = _Store(f, default_max_tokens)
         summary = scan_input(identity.path, max_line_bytes, store.add, identity)
     summary = replace(summary, default_max_tokens_lines=store.defaulted)
+    _warn_ignored(store, identity.path)
     if identity.version and file_version(identity.path) != identity.version:
         # Edited or replaced since it was hashed: the store may hold lines the sha256 does
         # not name. This run is refused before it publishes (check_input_unchanged); no stamp,
@@ -127,6 +140,18 @@ def parse_input(identity: InputFile, out: Path, max_line_bytes: int,
         "records": summary.records, "line_errors": summary.line_errors,
         "default_max_tokens_lines": summary.default_max_tokens_lines})
     return summary
+
+
+def _warn_ignored(store: _Store, path: Path) -> None:
+    """One warning for the lines with fields batchgen does not read: each such line runs with
+    the field's default (a `max_tokens` beside an OpenAI line's "body", a typo)."""
+    if store.ignoring:
+        one = store.ignoring == 1
+        log.warning("%d line%s of the input carr%s fields batchgen does not read, which run "
+                    "with their defaults (%s%s); `batchgen validate -i %s` names every one",
+                    store.ignoring, "" if one else "s", "ies" if one else "y",
+                    "; ".join(store.ignored),
+                    "; ..." if store.ignoring > len(store.ignored) else "", path)
 
 
 def stamp_of(store: Path) -> Path:
