@@ -76,11 +76,19 @@ def _functions(tools) -> list[dict]:
     if not isinstance(tools, list):
         return []
     out = []
+    names: set[str] = set()
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        kind = tool.get("type", "function") if isinstance(tool, dict) else None
+        if kind != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str) \
+                or not fn["name"]:
             raise ToolChoiceError(f"tools[{i}] must be {{\"type\": \"function\", \"function\": "
-                                  "{\"name\", \"parameters\"}}")
+                                  "{\"name\", \"parameters\"}} with a non-empty name (function "
+                                  "tools are the only kind)")
+        if fn["name"] in names:
+            raise ToolChoiceError(f"tools[{i}] repeats the function name {fn['name']!r}: each "
+                                  "tool needs its own name (a call names the tool it calls)")
+        names.add(fn["name"])
         params = fn.get("parameters")
         params = no_parameters() if params is None or params == {} else params
         if not isinstance(params, dict):

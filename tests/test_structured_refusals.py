@@ -172,3 +172,20 @@ def test_stop_strings_do_not_cut_a_grammar_constrained_answer(body):
     assert parsed.sampling.stop == () and parsed.sampling.stop_token_ids == ()
     free = parse(stop=["\n", ","], stop_token_ids=[5])
     assert free.sampling.stop == ("\n", ",") and free.sampling.stop_token_ids == (5,)
+
+
+@pytest.mark.parametrize("tools, says", [
+    ([{"type": "retrieval", "function": {"name": "f", "parameters": {}}}], "tools[0] must be"),
+    ([{"type": "function", "function": {"name": "", "parameters": {}}}], "non-empty name"),
+    ([{"type": "function", "function": {"name": "f"}},
+      {"type": "function", "function": {"name": "f", "parameters": {}}}],
+     "tools[1] repeats the function name 'f'"),
+])
+def test_tools_of_another_kind_without_a_name_or_named_twice_are_refused(tools, says):
+    """A call names the tool it calls: a name given twice left the forced call's grammar free to
+    take either schema, an empty one names nothing, and a tool of another type is no function."""
+    parsed = parse(tools=tools, tool_choice="required")
+    assert isinstance(parsed, IntakeError) and parsed.code == "invalid_tools", parsed
+    assert says in parsed.message
+    assert isinstance(parse(tools=[{"function": {"name": "f"}}], tool_choice="required"),
+                      ParsedRequest)  # "type" left out: a function, as before
