@@ -596,3 +596,25 @@ def test_the_pooling_files_are_part_of_the_resume_fingerprint(tmp_path):
     last = weights_signature(tmp_path)
     pooling.write_text('{"pooling_mode_mean_tokens": true}')
     assert len({plain, last, weights_signature(tmp_path)}) == 3
+
+
+def test_a_refused_pooling_is_logged_once_and_each_line_says_it(tmp_path, caplog):
+    """A model folder whose pooling batchgen cannot run: each embeddings line is the error
+    unsupported_model, and the job's log says it once (it said nothing)."""
+    from types import SimpleNamespace
+
+    from batchgen.io.embeddings import tokenize_embedding
+    from batchgen.runner.worker.embed_jobs import EmbeddingJobs
+
+    (tmp_path / "modules.json").write_text('[{"type": ')
+    loaded = SimpleNamespace(folder=tmp_path, hf_config=SimpleNamespace(), model=None)
+    jobs = EmbeddingJobs(loaded, "batch_e", 64)
+    with caplog.at_level("ERROR", logger="batchgen.worker"):
+        for i in range(3):
+            parsed = parse_record(RawRecord(i + 1, {"custom_id": f"e{i}", "input": [5, 6]}))
+            err = jobs.add(tokenize_embedding(parsed, None, 512, vocab=500))
+            assert isinstance(err, IntakeError) and err.code == "unsupported_model", err
+            assert "modules.json" in err.message
+    logged = [r.getMessage() for r in caplog.records]
+    assert len(logged) == 1 and "cannot answer embeddings lines" in logged[0], logged
+    assert len(jobs) == 0

@@ -34,6 +34,8 @@ class EmbeddingJobs:
         self._embedder: Embedder | None = None
         self._max_tokens: int | None = None
         """sentence_bert_config.json's max_seq_length, read with the pooling."""
+        self._refused: str | None = None
+        """Why the model folder's pooling was refused (logged once; each line says it too)."""
 
     def __len__(self) -> int:
         return len(self.queue)
@@ -60,6 +62,10 @@ class EmbeddingJobs:
             return IntakeError(item.custom_id, item.line, bad.code, f"line {item.line}: {bad}",
                                bad.param)
         except ValueError as bad:  # EmbeddingModelError: the model folder's pooling
+            if self._refused is None:
+                self._refused = str(bad)
+                log.error("embeddings: this model cannot answer embeddings lines (%s): each "
+                          "is an unsupported_model error line", bad)
             return IntakeError(item.custom_id, item.line, "unsupported_model",
                                f"line {item.line}: {bad}", "model")
         self.queue.append(item)
