@@ -217,3 +217,22 @@ def test_llama_ignores_a_sliding_window_left_in_its_config(tmp_path):
     for prompt, result in zip(ps, results):
         assert result.completions[0].token_ids == hf_greedy(hf, prompt, 24, use_cache=False)
     assert_last_logits_match(ours, hf, ps[-1])
+
+
+def test_yarn_runs_past_max_position_embeddings_to_original_times_factor(tmp_path):
+    """Qwen's long-context recipe: YaRN with original_max_position_embeddings at the trained
+    length and max_position_embeddings left there. YaRN's frequencies are fixed, so the context
+    is original x factor (as vLLM derives it), and a prompt past max_position_embeddings
+    answers as HF does."""
+    from transformers import AutoModelForCausalLM
+
+    folder = save_tiny_model("llama", tmp_path, max_position_embeddings=64, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+        "original_max_position_embeddings": 64})
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    ours = load_ours(folder)
+    assert ours.max_context == 256
+    prompt = torch.randint(3, VOCAB, (150,), generator=torch.Generator().manual_seed(7)).tolist()
+    assert_last_logits_match(ours, hf, prompt)
+    result = make_engine(ours).generate(greedy_requests([prompt], 30, ignore_eos=True))
+    assert result[0].completions[0].token_ids == hf_greedy(hf, prompt, 30)

@@ -261,3 +261,14 @@ def test_a_tensor_parallel_size_that_cannot_split_the_heads_is_refused_before_la
     assert (f"num_attention_heads {heads}, num_key_value_heads {kv_heads}): choose one of"
             in done.stderr), done.stderr[-3000:]
     assert "Traceback" not in done.stderr and "worker" not in done.stderr.lower()
+
+
+def test_a_yarn_context_too_long_for_the_hosts_rotary_tables_is_refused(tiny_chat_model,
+                                                                          tmp_path):
+    """YaRN's context is original_max_position_embeddings x factor: a factor that asks for
+    rotary tables past the host's memory is refused naming both, like max_position_embeddings."""
+    rope = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 1e6,
+            "original_max_position_embeddings": 131072}
+    folder = _with_config(tiny_chat_model, tmp_path, rope_scaling=rope, rope_parameters=None)
+    with pytest.raises(CheckpointError, match="original_max_position_embeddings x factor"):
+        check_model_folder(folder, *ROOMY)

@@ -19,7 +19,7 @@ from pathlib import Path
 from batchgen.models.hf_text import text_only
 from batchgen.models.loader import CheckpointError, checkpoint_files
 from batchgen.models.registry import (MODEL_TYPES, REFUSED_TYPES, check_quant_method,
-                                      model_type_of, supported_architecture)
+                                      model_type_of, supported_architecture, yarn_positions)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt",
@@ -124,7 +124,8 @@ def check_head_split(config: dict, tensor_parallel: int, where: Path) -> None:
 def check_rope_types(config: dict, where: Path) -> None:
     """CheckpointError for a rope_type the model code does not compute (a worker would stop on
     it while building the model), naming those it does."""
-    for field, kind in _rope_types(config):
+    for field, params in _ropes(config):
+        kind = str(params.get("rope_type", params.get("type", "default")))
         kind = ROPE_ALIASES.get(kind, kind)
         if kind == "default":
             continue
@@ -136,18 +137,17 @@ def check_rope_types(config: dict, where: Path) -> None:
                                   "card or original config.json names it)")
 
 
-def _rope_types(config: dict) -> list[tuple[str, str]]:
-    """(field, rope_type) of each rope a config describes, read as `layers.rope_parameters`
+def _ropes(config: dict) -> list[tuple[str, dict]]:
+    """(field, settings) of each rope a config describes, read as `layers.rope_parameters`
     reads them: rope_parameters (transformers 5.x; one per layer kind where nested), else
-    rope_scaling; "type" for an older config's "rope_type", "default" without either."""
+    rope_scaling ("type" for an older config's "rope_type", "default" without either)."""
     field = "rope_parameters" if isinstance(config.get("rope_parameters"), dict) \
         and config["rope_parameters"] else "rope_scaling"
     params = config.get(field)
     if not isinstance(params, dict):
         return []
     nested = {f"{field}.{k}": v for k, v in params.items() if isinstance(v, dict)}
-    return [(name, str(p.get("rope_type", p.get("type", "default"))))
-            for name, p in (nested or {field: params}).items()]
+    return list((nested or {field: params}).items())
 
 
 def supported_rope_types() -> list[str]:
@@ -289,7 +289,8 @@ def check_config_bounds(config: dict, headers: dict, memory_bytes: int, host_byt
     hidden = _int_field(config, "hidden_size")
     vocab = _int_field(config, "vocab_size")
     heads = _int_field(config, "num_attention_heads")
-    positions = _int_field(config, "max_position_embeddings", 32768)
+    positions = max([_int_field(config, "max_position_embeddings", 32768),
+                     *(yarn_positions(params) for _, params in _ropes(config))])
     held = {int(m.group(1)) for name in headers for m in [_LAYER.search(name)] if m}
     if held and layers > max(held) + 1:
         raise CheckpointError(f"{where}: num_hidden_layers is {layers} but the checkpoint holds "
@@ -306,7 +307,8 @@ def check_config_bounds(config: dict, headers: dict, memory_bytes: int, host_byt
     rope = positions * int(head_dim) * 4 * 2  # float32 cos and sin tables
     if rope * ROPE_PEAK_FACTOR > host_bytes * HOST_SHARE:
         raise CheckpointError(
-            f"{where}: max_position_embeddings {positions} needs "
+            f"{where}: a context of {positions} positions (max_position_embeddings, or "
+            f"YaRN's original_max_position_embeddings x factor) needs "
             f"{rope * ROPE_PEAK_FACTOR / 1e9:.1f} GB of host memory for its rotary tables, "
             f"more than {HOST_SHARE:.0%} of this host's {host_bytes / 1e9:.1f} GB: lower it to "
             "the context the model was trained for")

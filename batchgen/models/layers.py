@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from batchgen.models.fp8_rowwise import QuantizedRows
-from batchgen.models.registry import UnsupportedModelError
+from batchgen.models.registry import UnsupportedModelError, yarn_positions
 from batchgen.parallel import TensorParallel
 
 log = logging.getLogger("batchgen.models")
@@ -253,9 +253,17 @@ def default_max_positions(hf_config) -> int:
     are exact, so the context stops there: longer prompts become per-line errors naming it.
     Dynamic NTK scaling likewise begins only past `max_position_embeddings`: below it the rope
     is unscaled, and the context stops there too (with a warning, as for longrope). A config
-    with a rope per kind of layer (Gemma 3's) stops where the first of them would change."""
+    with a rope per kind of layer (Gemma 3's) stops where the first of them would change.
+    YaRN's frequencies are fixed, so its context reaches `original_max_position_embeddings` x
+    `factor` where that passes `max_position_embeddings` (Qwen's recommended long-context
+    settings leave the latter at the trained length), as vLLM derives it."""
     limit = int(getattr(hf_config, "max_position_embeddings", 0) or 32768)
     ropes = _every_rope(hf_config)
+    stretched = max((yarn_positions(params) for params in ropes), default=0)
+    if stretched > limit:
+        log.info("yarn: context %d tokens (original_max_position_embeddings x factor; "
+                 "max_position_embeddings is %d)", stretched, limit)
+        limit = stretched
     for params in ropes:
         original = params.get("original_max_position_embeddings") or getattr(
             hf_config, "original_max_position_embeddings", None)

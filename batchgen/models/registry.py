@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import math
 
 ARCHITECTURES = {
     "LlamaForCausalLM": "batchgen.models.llama:LlamaForCausalLM",
@@ -96,3 +97,13 @@ def check_quant_method(method: str) -> None:
             f"config.json's quantization_config has quant_method {method!r}, which batchgen "
             f"does not read (it reads {', '.join(QUANT_METHODS)} checkpoints and unquantized "
             "bfloat16/float16/float32 ones): use the model's unquantized or FP8 release")
+
+
+def yarn_positions(params: dict) -> int:
+    """original_max_position_embeddings x factor of a YaRN rope's settings (0 for another
+    rope, or one that leaves either out)."""
+    kind = params.get("rope_type", params.get("type"))
+    factor, original = params.get("factor"), params.get("original_max_position_embeddings")
+    if kind != "yarn" or not isinstance(factor, (int, float)) or not isinstance(original, int):
+        return 0
+    return int(original * factor) if math.isfinite(factor) and factor > 0 else 0
