@@ -400,3 +400,17 @@ def test_the_parse_warns_once_about_fields_that_run_with_their_defaults(tmp_path
         parse_input(identify_input(tmp_path / "clean.jsonl"), tmp_path / "c.requests", 1 << 20,
                     16)
     assert not [r for r in caplog.records if "does not read" in r.getMessage()]
+
+
+def test_a_line_with_a_million_unknown_keys_costs_one_fuzzy_match(monkeypatch):
+    """The run's hint needs the first unknown field only: a hostile line's many keys are not
+    each matched against the known fields."""
+    from batchgen.io import field_hints
+
+    data = {"custom_id": "x", "prompt": "p", **{f"k{i}": 1 for i in range(200_000)}}
+    calls = []
+    real = field_hints.difflib.get_close_matches
+    monkeypatch.setattr(field_hints.difflib, "get_close_matches",
+                        lambda *a: calls.append(a) or real(*a))
+    hints = field_hints.unknown_fields(data, 1)
+    assert len(hints) == 1 and hints[0].startswith("unknown field 'k0'") and len(calls) == 1

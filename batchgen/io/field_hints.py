@@ -31,9 +31,11 @@ _GENERATION_KNOWN = GENERATION_FIELDS | IGNORED_FIELDS
 _EMBEDDING_KNOWN = frozenset({*EMBEDDING_FIELDS, *EMBEDDING_REFUSED, *IGNORED_FIELDS})
 
 
-def unknown_fields(data: dict) -> list[str]:
+def unknown_fields(data: dict, limit: int | None = None) -> list[str]:
     """One message per field batchgen does not read (a typo runs with the default), with the
-    closest field it does read. Cheap for a line without any: `batchgen run` asks of each."""
+    closest field it does read; the first `limit` of them (a hostile line may hold a million
+    keys: each message costs a fuzzy match). Cheap for a line without any: `batchgen run`
+    asks of each."""
     envelope = any(k in data for k in ENVELOPE_FIELDS[1:])  # an OpenAI batch line
     embedding = (data.get("url") == EMBEDDINGS_URL if envelope
                  else _plain_kind_of(data) == "embedding")
@@ -47,7 +49,7 @@ def unknown_fields(data: dict) -> list[str]:
         checks = [(k, "", known | {"custom_id"}) for k in data
                   if k not in known and k != "custom_id"]
     messages = []
-    for name, where, options in checks:
+    for name, where, options in checks[:limit]:
         if envelope and not where and name in known:  # a body field written beside "body"
             messages.append(f"field {name!r} is outside \"body\", where it is ignored: move it "
                             "into \"body\"")

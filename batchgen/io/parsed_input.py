@@ -91,7 +91,7 @@ class _Store:
         self.size += len(data)
 
     def add(self, record: RawRecord, key: str) -> None:
-        hints = unknown_fields(record.data) if isinstance(record.data, dict) else []
+        hints = unknown_fields(record.data, 1) if isinstance(record.data, dict) else []
         if hints:
             self.ignoring += 1
             if len(self.ignored) < SHOWN_IGNORED:

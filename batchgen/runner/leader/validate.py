@@ -61,9 +61,10 @@ def validate_file(path: Path, max_tokens: int,
             if codes.total() <= SHOWN_ERRORS:
                 shown.append(f"line {parsed.line}: {parsed.code}: {parsed.message}")
             return
-        problems = unknown_fields(record.data) if isinstance(record.data, dict) else []
+        problems = (unknown_fields(record.data, SHOWN_WARNINGS if warned < SHOWN_WARNINGS else 1)
+                    if isinstance(record.data, dict) else [])
         warned += bool(problems)
-        for problem in problems[:SHOWN_WARNINGS] if warned <= SHOWN_WARNINGS else []:
+        for problem in problems if warned <= SHOWN_WARNINGS else []:
             shown.append(f"line {record.line}: warning: {problem}")
 
     # The one pass that parses the lines; file-level problems (duplicates, unreadable) raise
