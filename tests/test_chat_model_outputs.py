@@ -71,7 +71,7 @@ def test_a_json_answer_mentioning_think_tags_is_not_split(tokenizer):
     text = '{"html": "a</think>b"}'
     choice, _ = answer(tokenizer, "qwen3", text, {"response_format": {"type": "json_object"}},
                        parse_thinking=True)
-    assert choice["message"] == {"role": "assistant", "content": text}
+    assert choice["message"] == {"role": "assistant", "content": text, "refusal": None}
 
 
 @pytest.mark.parametrize("model_type", ["qwen3", "llama", "qwen2"])
@@ -93,7 +93,8 @@ def test_a_block_the_prompt_closed_leaves_the_answer_content(tokenizer):
     """DeepSeek-V3.1 without thinking: the prompt ends with </think>, the answer is content."""
     choice, _ = answer(tokenizer, "deepseek_v3", "Hello there.", prompt="<｜Assistant｜></think>",
                        parse_thinking=True)
-    assert choice["message"] == {"role": "assistant", "content": "Hello there."}
+    assert choice["message"] == {"role": "assistant", "content": "Hello there.",
+                                 "refusal": None}
 
 
 def test_harmony_answer_without_a_call_is_the_final_channel():

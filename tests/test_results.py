@@ -54,7 +54,8 @@ def test_chat_success_schema():
     assert body["id"].startswith("chatcmpl-") and body["object"] == "chat.completion"
     assert body["created"] == 1700000000 and body["model"] == "tiny"
     assert body["choices"] == [{"index": 0, "message": {"role": "assistant",
-                                                        "content": "Hel wörld 0"},
+                                                        "content": "Hel wörld 0",
+                                                        "refusal": None},
                                 "logprobs": None, "finish_reason": "stop"}]
     assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
                              "prompt_tokens_details": {"cached_tokens": 0}}
@@ -95,7 +96,8 @@ def test_texts_override_and_parsed_reasoning_and_tool_calls():
     parsed = [ParsedChoice(None, reasoning="thinking...", tool_calls=[call], reasoning_tokens=4)]
     body = make(texts=["raw text"], parsed=parsed, reasoning_field="both")["response"]["body"]
     message = body["choices"][0]["message"]
-    assert message == {"role": "assistant", "content": None, "reasoning_content": "thinking...",
+    assert message == {"role": "assistant", "content": None, "refusal": None,
+                       "reasoning_content": "thinking...",
                        "reasoning": "thinking...",
                        "tool_calls": [{**call, "id": message["tool_calls"][0]["id"]}]}
     assert body["choices"][0]["finish_reason"] == "tool_calls"

@@ -155,7 +155,8 @@ def _usage(finished: FinishedRequest, parsed: Sequence[ParsedChoice | None] | No
 def _chat_choice(c: Completion, text: str, parsed: ParsedChoice | None, top_n: int,
                  decode: Callable[[int], str], reasoning_field: str,
                  call_id: Callable[[int, int], str]) -> dict:
-    message: dict = {"role": "assistant", "content": text if parsed is None else parsed.content}
+    message: dict = {"role": "assistant", "content": text if parsed is None else parsed.content,
+                     "refusal": None}  # OpenAI's field; a model here never refuses by it
     finish = c.finish_reason.value
     if parsed is not None and parsed.reasoning is not None:
         for name in REASONING_FIELDS[reasoning_field]:
@@ -166,7 +167,8 @@ def _chat_choice(c: Completion, text: str, parsed: ParsedChoice | None, top_n: i
         finish = "tool_calls"
     logprobs = None
     if top_n >= 0 and c.logprobs is not None:
-        logprobs = {"content": [_chat_logprob(lp, top_n, decode) for lp in c.logprobs]}
+        logprobs = {"content": [_chat_logprob(lp, top_n, decode) for lp in c.logprobs],
+                    "refusal": None}
     return {"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": finish}
 
 
