@@ -262,6 +262,24 @@ def test_a_repo_without_safetensors_is_refused(fake_hub, tmp_path):
     assert not _fetched(fake_hub)
 
 
+def test_a_gguf_repo_names_the_file_to_download_and_give_as_a_path(fake_hub, tmp_path):
+    """A GGUF-only repo (one file per quantization): batchgen loads a .gguf given as a path,
+    so the refusal says that, naming a file, instead of "never loads pickled files"."""
+    folder = tmp_path / "gguf"
+    folder.mkdir()
+    (folder / "README.md").write_text("x")
+    for quant in ("Q4_K_M", "Q8_0"):
+        (folder / f"tiny-{quant}.gguf").write_bytes(b"GGUF")
+    fake_hub.add("org/tiny-GGUF", folder)
+    with pytest.raises(ModelNotFoundError) as err:
+        resolve_model("org/tiny-GGUF", cache_dir=str(tmp_path / "cache"))
+    message = str(err.value)
+    assert "holds GGUF files (tiny-Q4_K_M.gguf, tiny-Q8_0.gguf)" in message
+    assert "hf download org/tiny-GGUF tiny-Q4_K_M.gguf --local-dir DIR" in message
+    assert "pickled" not in message and "\n" not in message
+    assert not _fetched(fake_hub)
+
+
 def _sharded_repo(tiny_chat_model, folder: Path) -> dict[str, list[str]]:
     """`folder`: the tiny model with its weights in two shards and an index; shard -> names."""
     from safetensors.torch import load_file, save_file

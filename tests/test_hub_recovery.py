@@ -1,8 +1,8 @@
 """Hub downloads as a user meets them when something is off: a connection cut mid-file, a
 repo the Hub refuses, a cache folder that is a file, a folder named like the repo in the
 working directory, a repo page's address given as --model, an offline run over a download
-that stopped part way, a resume after the branch moved. Against the loopback Hub
-(fake_hub.py); no test touches the network."""
+that stopped part way, a resume after the branch moved, a node whose cache is cold. Against
+the loopback Hub (fake_hub.py); no test touches the network."""
 
 from __future__ import annotations
 
@@ -144,3 +144,36 @@ def test_a_resume_after_the_branch_moved_names_the_revision_that_finishes_it():
     with pytest.raises(FingerprintMismatch) as err:  # a local folder's weights: no commit
         check_fingerprint({"model_weights": "aa"}, {"model_weights": "bb"})
     assert "--revision" not in str(err.value)
+
+
+def test_every_node_loads_the_commit_the_job_is_pinned_to(fake_hub, repo_folder, tmp_path,
+                                                          monkeypatch):
+    """Node-local HF caches: the leader's cache says main is commit A (downloaded before the
+    branch moved to B). A node whose cache is cold must load A, the commit the job's
+    fingerprint records, not download B: before, every rank resolved --model by its branch
+    in its own cache, so two nodes of one job could answer with two commits."""
+    from batchgen.config import EngineConfig, JobConfig, ModelConfig, StorageConfig
+    from batchgen.models.factory import model_folder
+    from batchgen.runner.files.job import JobSpec
+    from batchgen.runner.leader import prepare
+    from job_utils import chat_rows, write_jsonl
+    from test_hub import serve_v2
+
+    repo = serve_v2(fake_hub, repo_folder, tmp_path)
+    old = repo.commit("v2")[0]  # what main named when the leader's node downloaded it
+    leader_cache = tmp_path / "node0"
+    monkeypatch.setenv("HF_HUB_CACHE", str(leader_cache))
+    resolve_model("org/tiny", revision="v2")
+    (leader_cache / "models--org--tiny" / "refs" / "main").write_text(old)
+    config = JobConfig(
+        storage=StorageConfig(input=str(write_jsonl(tmp_path / "in.jsonl", chat_rows(2))),
+                              storage_path=str(tmp_path / "s")),
+        engine=EngineConfig(model=ModelConfig(model="org/tiny"))).validate()
+    source, paths = prepare.identify(config)
+    spec, _ = prepare.prepare(config, prepare.parse(config, source, paths), paths)
+    assert spec.model_commit == old
+    saved = JobSpec.load(spec.save())
+    assert saved.config.engine.model.revision is None  # the flags as given (followers compare)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "node1"))  # another node, cold cache
+    folder, _ = model_folder(saved.pinned().config.engine.model)
+    assert folder.name == old != repo.sha

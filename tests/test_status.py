@@ -235,3 +235,21 @@ def test_a_completed_job_shows_an_earlier_failure_as_history(tmp_path, monkeypat
     code, out = status(str(root))
     assert code == 0 and "an earlier run's: the job completed since" in out
     assert "[rank 1] died" in out  # shown as written, not read as a style
+
+
+def test_the_model_and_its_hub_commit_are_shown(tmp_path, monkeypatch):
+    """Which model answered, and for a Hub id the commit a resume is pinned to: the commit
+    a resume refusal names ("add --revision SHA") could not be read from status before."""
+    monkeypatch.setenv("COLUMNS", "160")  # the row whole on one line
+    root = storage_with_jobs(tmp_path / "jobs")
+    sha = "b24fabdb585ed68953e2cee9825b139bf3bc216b"
+    path = root / "batches" / "batch_aaa.json"
+    state = json.loads(path.read_text())
+    path.write_text(json.dumps({**state, "fingerprint": {
+        "model": "org/tiny", "model_weights": f"eaec3ae67e3f9d9c4e3f5180fe7ba4dc@{sha}"}}))
+    code, out = status("batch_aaa", "--storage-path", str(root))
+    assert code == 0 and f"org/tiny (Hub commit {sha})" in out, out
+    path.write_text(json.dumps({**state, "fingerprint": {
+        "model": "/models/x", "model_weights": "eaec3ae67e3f9d9c4e3f5180fe7ba4dc"}}))
+    code, out = status("batch_aaa", "--storage-path", str(root))
+    assert code == 0 and "/models/x" in out and "Hub commit" not in out

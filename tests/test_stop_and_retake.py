@@ -139,6 +139,39 @@ def test_a_retaken_batch_id_records_the_new_input(tmp_path):
     assert state.input_file == str(inp.resolve())
 
 
+def test_tokens_in_a_checkpoint_hold_the_job_to_its_settings(tmp_path):
+    """A job of long answers killed before its first result, its in-flight checkpoint holding
+    tokens, has decided something: a rerun with another model (a Hub branch that moved under
+    --model org/name) is refused naming the difference. Before, the rerun took the new
+    settings and threw the checkpointed tokens away. A checkpoint holding requests but no
+    token yet decided nothing."""
+    import pytest
+
+    from batchgen.config import EngineConfig, JobConfig, RuntimeConfig, StorageConfig
+    from batchgen.core import ChoiceProgress
+    from batchgen.io.checkpoints import CheckpointLog, checkpoint_path
+    from batchgen.io.jobfiles import FingerprintMismatch
+    from batchgen.runner.leader import prepare
+    from job_utils import chat_rows, write_jsonl
+
+    inp = write_jsonl(tmp_path / "in.jsonl", chat_rows(3))
+
+    def start(seed):
+        config = JobConfig(storage=StorageConfig(input=str(inp), storage_path=str(tmp_path / "s")),
+                           engine=EngineConfig(runtime=RuntimeConfig(seed=seed))).validate()
+        source, paths = prepare.identify(config)
+        prepare.prepare(config, prepare.parse(config, source, paths), paths)
+        return paths
+
+    paths = start(seed=0)
+    log = CheckpointLog(checkpoint_path(paths.batch_file, paths.batch_id, 0), "fp")
+    log.start({"req-0": [ChoiceProgress([])]})  # admitted, nothing drawn: decided nothing
+    start(seed=1)
+    log.start({"req-0": [ChoiceProgress([5, 6, 7])]})  # killed mid-answer
+    with pytest.raises(FingerprintMismatch, match="seed: 1 -> 2"):
+        start(seed=2)
+
+
 def test_run_summary_names_the_storage_path_status_needs(tmp_path, monkeypatch):
     """A run with --storage-path elsewhere ended with "`batchgen status OUT` shows it", but
     that command looks only in OUT's .batchgen/ and the default folder: "no job writes OUT",

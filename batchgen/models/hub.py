@@ -244,11 +244,10 @@ def _download(repo: str, revision: str | None, root: Path) -> Path:
 
 
 def _download_locked(repo: str, revision: str, root: Path, folder: Path) -> Path:
-    commit, files = repo_files(repo, revision)
+    commit, every = repo_files(repo, revision)
+    files = select(every)
     if not any(f.path.endswith(".safetensors") and "/" not in f.path for f in files):
-        raise HubError(f"{repo}@{revision} has no *.safetensors weights (batchgen never loads "
-                       "pickled *.bin/*.pt files): convert the repo to safetensors or choose "
-                       "another repo")
+        raise HubError(no_weights(repo, revision, every))
     snapshot = folder / "snapshots" / commit
     snapshot.mkdir(parents=True, exist_ok=True)
     marker = snapshot / INCOMPLETE
@@ -301,8 +300,23 @@ def indexed_weights_only(repo: str, commit: str, files: list[RepoFile],
             or f.path in shards]
 
 
+def no_weights(repo: str, revision: str, files: list[RepoFile]) -> str:
+    """Why a repo without top-level safetensors weights is not downloaded, and what to do. A
+    GGUF repo's files load when given as a path, one file of them: which one is the user's
+    choice (a quantization), so none is fetched."""
+    ggufs = [f.path for f in files if f.path.lower().endswith(".gguf")]
+    if ggufs:
+        return (f"{repo}@{revision} holds GGUF files ({', '.join(ggufs[:3])}"
+                f"{', ...' if len(ggufs) > 3 else ''}), not *.safetensors weights, and batchgen "
+                "downloads only safetensors: download the .gguf file you want (`hf download "
+                f"{repo} {ggufs[0]} --local-dir DIR`) and give its path to --model, or choose "
+                "the safetensors repo it was made from")
+    return (f"{repo}@{revision} has no *.safetensors weights (batchgen never loads pickled "
+            "*.bin/*.pt files): convert the repo to safetensors or choose another repo")
+
+
 def repo_files(repo: str, revision: str) -> tuple[str, list[RepoFile]]:
-    """(commit sha, the wanted files with their sizes) from the Hub's file metadata."""
+    """(commit sha, every file of the repo with its size) from the Hub's file metadata."""
     from huggingface_hub import HfApi
 
     api = HfApi(endpoint=endpoint(), token=token() or False)
@@ -310,8 +324,7 @@ def repo_files(repo: str, revision: str) -> tuple[str, list[RepoFile]]:
         info = api.model_info(repo, revision=revision, files_metadata=True)
     except Exception as err:  # noqa: BLE001 - huggingface_hub's HTTP errors, connection errors
         raise HubError(explain(err, repo, revision)) from None
-    return info.sha, select([RepoFile(s.rfilename, int(s.size or 0))
-                             for s in info.siblings or []])
+    return info.sha, [RepoFile(s.rfilename, int(s.size or 0)) for s in info.siblings or []]
 
 
 def explain(err: Exception, repo: str, revision: str) -> str:

@@ -36,6 +36,19 @@ class JobSpec:
     system_fingerprint: str | None = None
     """OpenAI's `system_fingerprint` of every answer (jobfiles.system_fingerprint of the job's
     recorded fingerprint: the same on a resume)."""
+    model_commit: str | None = None
+    """The Hub commit the job's fingerprint pins --model to (None for a local folder or file):
+    every rank of every node loads that commit (`pinned`), not what a branch names in its
+    own cache, which another node's cold cache may download anew after the branch moved."""
+
+    def pinned(self) -> JobSpec:
+        """This spec with --revision set to `model_commit`: what the workers load. The spec
+        file keeps the flags as given (followers compare theirs with them)."""
+        if self.model_commit is None:
+            return self
+        model = dataclasses.replace(self.config.engine.model, revision=self.model_commit)
+        engine = dataclasses.replace(self.config.engine, model=model)
+        return dataclasses.replace(self, config=dataclasses.replace(self.config, engine=engine))
 
     @property
     def paths(self) -> JobPaths:

@@ -8,6 +8,7 @@ import logging
 from pathlib import Path
 
 from batchgen.config import JobConfig, read_chat_template
+from batchgen.io.checkpoints import checkpoint_files, load
 from batchgen.io.jobfiles import (BatchFile, FingerprintMismatch, JobPaths, check_fingerprint,
                                   derive_batch_id, record_upload, system_fingerprint)
 from batchgen.io.parsed_input import parse_input, remove_parsed
@@ -149,6 +150,26 @@ def final_files_whole(paths: JobPaths, records: int) -> bool:
         outputs_belong_to(paths.batch_id, paths.output, paths.errors_output)
 
 
+def pinned_commit(fingerprint: dict) -> str | None:
+    """The Hub commit a fingerprint's `model_weights` names (`weights_signature`'s "@sha"), or
+    None for a model that is no Hub snapshot."""
+    weights = fingerprint.get("model_weights")
+    if not isinstance(weights, str) or "@" not in weights:
+        return None
+    return weights.rpartition("@")[2]
+
+
+def decided_something(paths: JobPaths) -> bool:
+    """Whether earlier runs of the job left answers made under its recorded settings: a saved
+    result, or tokens an in-flight checkpoint holds (a job of long answers may run for hours
+    before its first result, and its resume continues those tokens)."""
+    done = read_done_ids(paths.incremental_files())
+    if done:
+        return True
+    return any(load(path, None, done)[1].tokens
+               for path in checkpoint_files(paths.batch_file, paths.batch_id))
+
+
 def prepare(config: JobConfig, summary: InputSummary, paths: JobPaths) -> tuple[JobSpec, BatchFile]:
     """Check the fingerprint and record a new job (under the job lock). No weights loaded."""
     batch_id, s = paths.batch_id, config.storage
@@ -165,10 +186,11 @@ def prepare(config: JobConfig, summary: InputSummary, paths: JobPaths) -> tuple[
             check_fingerprint(state.fingerprint,
                               _as_recorded_then(state.fingerprint, fp, config, summary))
         except FingerprintMismatch:
-            if read_done_ids(paths.incremental_files()):
+            if decided_something(paths):
                 raise
-            # A run that stopped before its first result (a failed preflight, a model that
-            # would not load) decided nothing: this run's settings become the job's.
+            # A run that stopped before its first result and its first token (a failed
+            # preflight, a model that would not load) decided nothing: this run's settings
+            # become the job's.
             log.info("job %s has no saved result yet: it runs with this command's settings",
                      batch_id)
             paths.incremental_owner.unlink(missing_ok=True)
@@ -178,7 +200,7 @@ def prepare(config: JobConfig, summary: InputSummary, paths: JobPaths) -> tuple[
     created = int(state.timings.get("created_at", now())) if state else now()
     recorded = state.fingerprint if state is not None and state.fingerprint and not retake else fp
     spec = JobSpec(config, batch_id, summary.sha256, summary.records, created, defaults,
-                   template, system_fingerprint(recorded))
+                   template, system_fingerprint(recorded), pinned_commit(recorded))
     if state is None or not state.fingerprint:  # no fingerprint: a stub, the end of a run
         # recorded into a job folder deleted while it ran (nothing of the job is left)
         record_upload(paths, Path(s.input), summary.sha256, summary.size_bytes, summary.records,

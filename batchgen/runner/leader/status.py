@@ -180,10 +180,24 @@ def _request_counts(state: dict) -> str:
     return f"{counts.get('completed', 0)} completed, {counts.get('failed', 0)} failed, {total}"
 
 
+def _model(fingerprint: dict) -> str:
+    """The model the job answers with, as its fingerprint records it: the --model value (the
+    embedded model by name) and, for a Hub model, the commit a resume is pinned to."""
+    model = fingerprint.get("model")
+    if not isinstance(model, str):
+        return ""
+    weights = fingerprint.get("model_weights")
+    commit = weights.rpartition("@")[2] if isinstance(weights, str) and "@" in weights else ""
+    return model + (f" (Hub commit {commit})" if commit else "")
+
+
 def _table(state: dict, workers: list[dict]) -> Table:
     table = Table(title=f"{state['batch_id']}: {state['status']}", show_header=False)
     table.add_column(no_wrap=True)
     table.add_column(overflow="fold")  # a path is shown whole, folded over lines, never cut
+    model = _model(state.get("fingerprint") or {})
+    if model:
+        table.add_row("model", model)
     table.add_row("requests", _request_counts(state))
     usage = state.get("usage", {})
     table.add_row("tokens", f"{usage.get('prompt_tokens', 0):,} in, "

@@ -110,7 +110,8 @@ def _run(config: JobConfig, stops: StopSignals, member: Member) -> int:
             left = summary.records - already
             preflight(config, paths, summary.size_bytes, summary.records, left)
             with disk_errors("convert the model into the converted-checkpoint cache"):
-                folder, _ = model_folder(config.engine.model, config.dist.world_size,
+                folder, _ = model_folder(spec.pinned().config.engine.model,
+                                         config.dist.world_size,
                                          config.dist.tensor_parallel_size)  # not found: here
             if not (folder / MANIFEST).is_file():  # ours (converted) are checked when written
                 check_model_folder(folder, *machine_memory(),
@@ -307,8 +308,8 @@ def _follow(config: JobConfig, member: Member) -> int:
         lock.acquire(config.storage.wait_for_lock)
         if member.external is None or member.external.local_rank == 0:
             preflight(config, spec.paths, plan["input_bytes"], plan["records"], plan["left"])
-        model_folder(config.engine.model, config.dist.world_size,
-                     config.dist.tensor_parallel_size)
+        model_folder(spec.pinned().config.engine.model, config.dist.world_size,
+                     config.dist.tensor_parallel_size)  # the leader's commit: downloaded here
     except BaseException as err:
         group.report(MemberEnd(group.member, _code_of(err), cause=f"{who}: {err}"))
         lock.release()

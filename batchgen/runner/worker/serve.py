@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     faulthandler.enable(all_threads=True)  # a segfault or abort dumps every thread's stack
     logging.basicConfig(level=logging.INFO, format="%(asctime)s rank%(rank)s %(name)s: %(message)s"
                         .replace("%(rank)s", os.environ.get("RANK", "0")))
-    spec = JobSpec.load(argv[0])
+    spec = JobSpec.load(argv[0]).pinned()  # the Hub commit the job's fingerprint names
     rank = RankInfo.from_env()
     stop = StopFlag(spec.config.watchdog.preempt_grace)
     stop.install()
