@@ -74,3 +74,26 @@ def test_negative_seeds_are_seeds_like_any_other(tiny):
 
     assert answer(-1) == answer(-1)
     assert len({tuple(answer(s)[0]) for s in (-1, 2**32 - 1, -2**63, 2**63 - 1)}) == 4
+
+
+def test_a_request_without_seed_draws_by_job_seed_and_id(tiny):
+    """A request without `seed` draws with one derived from the job's --seed and its id:
+    the same answer alone or in a crowd and choice by choice, another under another --seed."""
+    from batchgen.config import EngineConfig, MemoryConfig, RuntimeConfig
+    from batchgen.engine.engine import Engine
+
+    model, _ = tiny
+    params = SamplingParams(max_tokens=16, temperature=1.0, n=2, ignore_eos=True)
+    prompt = list(range(5, 40))
+
+    def answer(job_seed, crowd=0):
+        engine = Engine(model, EngineConfig(
+            memory=MemoryConfig(gpu_kv_cache_size=0.05, host_kv_cache_size=0.1),
+            runtime=RuntimeConfig(seed=job_seed)).validate())
+        others = [Request(f"o{i}", list(range(9, 20 + 7 * i)), params) for i in range(crowd)]
+        return choices(engine, others + [Request("q", prompt, params)], "q")
+
+    alone = answer(0)
+    assert alone == answer(0, crowd=3)
+    assert alone[0] != alone[1]
+    assert answer(1) != alone
