@@ -289,8 +289,6 @@ def check_config_bounds(config: dict, headers: dict, memory_bytes: int, host_byt
     hidden = _int_field(config, "hidden_size")
     vocab = _int_field(config, "vocab_size")
     heads = _int_field(config, "num_attention_heads")
-    positions = max([_int_field(config, "max_position_embeddings", 32768),
-                     *(yarn_positions(params) for _, params in _ropes(config))])
     held = {int(m.group(1)) for name in headers for m in [_LAYER.search(name)] if m}
     if held and layers > max(held) + 1:
         raise CheckpointError(f"{where}: num_hidden_layers is {layers} but the checkpoint holds "
@@ -303,16 +301,24 @@ def check_config_bounds(config: dict, headers: dict, memory_bytes: int, host_byt
             f"{where}: num_hidden_layers {layers} x hidden_size {hidden} (vocab_size {vocab}) "
             f"need at least {weights / 1e9:.1f} GB of weights, more than this machine's "
             f"{memory_bytes / 1e9:.1f} GB of host and device memory")
-    head_dim = config.get("head_dim") or hidden // heads
-    rope = positions * int(head_dim) * 4 * 2  # float32 cos and sin tables
-    if rope * ROPE_PEAK_FACTOR > host_bytes * HOST_SHARE:
-        raise CheckpointError(
-            f"{where}: a context of {positions} positions (max_position_embeddings, or "
-            f"YaRN's original_max_position_embeddings x factor) needs "
-            f"{rope * ROPE_PEAK_FACTOR / 1e9:.1f} GB of host memory for its rotary tables, "
-            f"more than {HOST_SHARE:.0%} of this host's {host_bytes / 1e9:.1f} GB: lower it to "
-            "the context the model was trained for")
+    _check_rope_tables(config, int(config.get("head_dim") or hidden // heads), host_bytes,
+                       where)
     _check_shapes(config, headers, vocab, hidden)
+
+
+def _check_rope_tables(config: dict, head_dim: int, host_bytes: int, where: Path) -> None:
+    """The float32 cos/sin tables of the model's context (max_position_embeddings, or YaRN's
+    original_max_position_embeddings x factor where longer) within HOST_SHARE of the host."""
+    positions = _int_field(config, "max_position_embeddings", 32768)
+    stretched = max([0, *(yarn_positions(params) for _, params in _ropes(config))])
+    context = (f"max_position_embeddings {positions}" if positions >= stretched else
+               f"YaRN's original_max_position_embeddings x factor ({stretched} positions)")
+    peak = max(positions, stretched) * head_dim * 4 * 2 * ROPE_PEAK_FACTOR
+    if peak > host_bytes * HOST_SHARE:
+        raise CheckpointError(
+            f"{where}: {context} needs {peak / 1e9:.1f} GB of host memory for its rotary "
+            f"tables, more than {HOST_SHARE:.0%} of this host's {host_bytes / 1e9:.1f} GB: "
+            "lower it to the context the model was trained for")
 
 
 def _check_shapes(config: dict, headers: dict, vocab: int, hidden: int) -> None:
