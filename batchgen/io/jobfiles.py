@@ -225,17 +225,25 @@ def system_fingerprint(fingerprint: dict[str, Any]) -> str:
     return "fp_" + digest[:10]
 
 
-def _moved_commit_hint(before: Any, after: Any) -> str:
-    """Where the weights come from another Hub commit than the job's ("signature@sha"): the
-    branch --model (or --revision) names has moved since the job started, and --revision with
-    the job's commit finishes it with the weights it started with."""
-    if not (isinstance(before, str) and isinstance(after, str) and "@" in before
-            and "@" in after and before != after):
+def pinned_commit(fingerprint: dict) -> str | None:
+    """The Hub commit a fingerprint's `model_weights` names (`weights_signature`'s "@sha"), or
+    None for a model that is no Hub snapshot."""
+    weights = fingerprint.get("model_weights")
+    if not isinstance(weights, str) or "@" not in weights:
+        return None
+    return weights.rpartition("@")[2]
+
+
+def _moved_commit_hint(before: dict, after: dict) -> str:
+    """Where the weights come from another Hub commit than the job's: the branch --model (or
+    --revision) names has moved since the job started, and --revision with the job's commit
+    finishes it with the weights it started with."""
+    then, now = pinned_commit(before), pinned_commit(after)
+    if then is None or now is None or then == now:
         return ""
-    commit = before.rsplit("@", 1)[1]
-    return (f" (`model_weights`: --model now names Hub commit {after.rsplit('@', 1)[1]} (its "
-            f"branch moved, or another --revision), this job started with {commit}: add "
-            f"--revision {commit} to finish it with the weights it started with)")
+    return (f" (`model_weights`: --model now names Hub commit {now} (its branch moved, or "
+            f"another --revision), this job started with {then}: add --revision {then} to "
+            "finish it with the weights it started with)")
 
 
 def check_fingerprint(old: dict, new: dict) -> None:
@@ -252,7 +260,7 @@ def check_fingerprint(old: dict, new: dict) -> None:
         hint = (" (`sampling_defaults`: the model's generation_config.json; "
                 "--generation-config none leaves them out)"
                 if any(d.startswith("sampling_defaults") for d in diffs) else "")
-        hint += _moved_commit_hint(a.get("model_weights"), b.get("model_weights"))
+        hint += _moved_commit_hint(a, b)
         if [d.split(":", 1)[0] for d in diffs] == ["input_sha256"]:
             raise FingerprintMismatch(
                 "refusing to resume: the input file's content changed since this job started "

@@ -10,7 +10,8 @@ from pathlib import Path
 from batchgen.config import JobConfig, read_chat_template
 from batchgen.io.checkpoints import checkpoint_files, load
 from batchgen.io.jobfiles import (BatchFile, FingerprintMismatch, JobPaths, check_fingerprint,
-                                  derive_batch_id, record_upload, system_fingerprint)
+                                  derive_batch_id, pinned_commit, record_upload,
+                                  system_fingerprint)
 from batchgen.io.parsed_input import parse_input, remove_parsed
 from batchgen.io.reader import InputFile, InputFileError, InputSummary, identify_input
 from batchgen.io.sampling_fields import BadLine, model_defaults
@@ -148,15 +149,6 @@ def final_files_whole(paths: JobPaths, records: int) -> bool:
     deleted, cut or edited by hand, or another job's, makes the next run merge them again)."""
     return final_files_complete(paths.output, paths.errors_output, records) and \
         outputs_belong_to(paths.batch_id, paths.output, paths.errors_output)
-
-
-def pinned_commit(fingerprint: dict) -> str | None:
-    """The Hub commit a fingerprint's `model_weights` names (`weights_signature`'s "@sha"), or
-    None for a model that is no Hub snapshot."""
-    weights = fingerprint.get("model_weights")
-    if not isinstance(weights, str) or "@" not in weights:
-        return None
-    return weights.rpartition("@")[2]
 
 
 def decided_something(paths: JobPaths) -> bool:

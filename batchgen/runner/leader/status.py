@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from batchgen.io.checkpoints import checkpoint_files, load
-from batchgen.io.jobfiles import JobPaths
+from batchgen.io.jobfiles import JobPaths, pinned_commit
 from batchgen.io.writer import CorruptIncrementalFile, IdSet, read_done_ids
 from batchgen.runner.exits import ExitCode
 from batchgen.runner.files.job import JobSpec
@@ -186,8 +186,7 @@ def _model(fingerprint: dict) -> str:
     model = fingerprint.get("model")
     if not isinstance(model, str):
         return ""
-    weights = fingerprint.get("model_weights")
-    commit = weights.rpartition("@")[2] if isinstance(weights, str) and "@" in weights else ""
+    commit = pinned_commit(fingerprint)
     return model + (f" (Hub commit {commit})" if commit else "")
 
 

@@ -34,8 +34,8 @@ class EmbeddingJobs:
         self._embedder: Embedder | None = None
         self._max_tokens: int | None = None
         """sentence_bert_config.json's max_seq_length, read with the pooling."""
-        self._refused: str | None = None
-        """Why the model folder's pooling was refused (logged once; each line says it too)."""
+        self._refusal_logged = False
+        """Whether the model folder's refused pooling was logged (once; each line says it)."""
 
     def __len__(self) -> int:
         return len(self.queue)
@@ -62,8 +62,8 @@ class EmbeddingJobs:
             return IntakeError(item.custom_id, item.line, bad.code, f"line {item.line}: {bad}",
                                bad.param)
         except ValueError as bad:  # EmbeddingModelError: the model folder's pooling
-            if self._refused is None:
-                self._refused = str(bad)
+            if not self._refusal_logged:
+                self._refusal_logged = True
                 log.error("embeddings: this model cannot answer embeddings lines (%s): each "
                           "is an unsupported_model error line", bad)
             return IntakeError(item.custom_id, item.line, "unsupported_model",
