@@ -18,6 +18,7 @@ from batchgen.core import PAGE_SIZE, SamplingParams
 from batchgen.sched.pages import PageAllocator
 from batchgen.sched.prefix_cache import PrefixCache, common_tokens, token_bytes
 from batchgen.sched.scheduler import Scheduler
+from batchgen.sched.sharing import PrefixSharing, _common, common_pages
 from batchgen.sched.sequence import SeqState, Sequence, pages_for
 from batchgen.sched.step import SeqResult, StepOutput
 
@@ -44,8 +45,11 @@ class Req:
 
 class FakeRun:
     def __init__(self, reqs: list[Req], device_pages: int, host_pages: int, cfg: SchedulerConfig,
-                 prefixes: list[list[int]]):
+                 prefixes: list[list[int]], prepare: bool = False):
+        """`prepare`: call the scheduler's prepare() in every step, as the engine does while
+        the device runs it."""
         self.sched = Scheduler(cfg, device_pages, host_pages, prefix_salt="test")
+        self.prepare = prepare
         self.device_kv = np.full((device_pages, PAGE_SIZE), -1, dtype=np.int64)
         self.host_kv = np.full((host_pages, PAGE_SIZE), -1, dtype=np.int64)
         self.reqs = reqs
@@ -74,27 +78,32 @@ class FakeRun:
     def run(self) -> None:
         steps = 0
         while self.sched.has_work:
-            plan = self.sched.schedule()
-            for copy in plan.swap_out:
-                self.host_kv[copy.dst] = self.device_kv[copy.src]
-            for copy in plan.device_copies:
-                self.device_kv[copy.dst] = self.device_kv[copy.src]
-            for copy in plan.swap_in:
-                self.device_kv[copy.dst] = self.host_kv[copy.src]
-            results = []
-            for chunk in plan.chunks:
-                token = self.forward(chunk.seq, chunk.start, chunk.end)
-                if chunk.sample:
-                    results.append(SeqResult(chunk, [token], None, self.ends(chunk.seq, token)))
-            self.sched.update_from_output(plan, StepOutput(results))
-            for res in results:
-                if res.finished:
-                    assert res.chunk.seq.seq_id not in self.finished
-                    self.finished.add(res.chunk.seq.seq_id)
-            self.sched.check_integrity()
-            self.check_shares(plan)
+            self.execute(self.sched.schedule())
             steps += 1
             assert steps < 20_000, self.sched.counters
+
+    def execute(self, plan) -> None:
+        """Run one plan: its copies and chunks, then its results back to the scheduler."""
+        for copy in plan.swap_out:
+            self.host_kv[copy.dst] = self.device_kv[copy.src]
+        for copy in plan.device_copies:
+            self.device_kv[copy.dst] = self.device_kv[copy.src]
+        for copy in plan.swap_in:
+            self.device_kv[copy.dst] = self.host_kv[copy.src]
+        results = []
+        if self.prepare:
+            self.sched.prepare()
+        for chunk in plan.chunks:
+            token = self.forward(chunk.seq, chunk.start, chunk.end)
+            if chunk.sample:
+                results.append(SeqResult(chunk, [token], None, self.ends(chunk.seq, token)))
+        self.sched.update_from_output(plan, StepOutput(results))
+        for res in results:
+            if res.finished:
+                assert res.chunk.seq.seq_id not in self.finished
+                self.finished.add(res.chunk.seq.seq_id)
+        self.sched.check_integrity()
+        self.check_shares(plan)
 
     def forward(self, seq: Sequence, start: int, end: int) -> int:
         assert seq.state is SeqState.RUNNING and start == seq.num_computed < end
@@ -128,12 +137,13 @@ requests = st.builds(Req, st.integers(0, 2), st.integers(0, 300), st.integers(0,
 
 @given(st.lists(requests, min_size=1, max_size=14), st.integers(0, 3), st.booleans(),
        st.sampled_from([16, 64, 333, 4096]), st.integers(1, 12), st.integers(1, 12),
-       st.sampled_from([0.0, 70.0, 100.0]))
+       st.sampled_from([0.0, 70.0, 100.0]), st.booleans())
 @PROPERTY
 def test_random_sharing_keeps_kv_and_pages_right(reqs, room, roomy_host, prefill, batch,
-                                                 extension, watermark):
+                                                 extension, watermark, prepare):
     """host_kv_watermark picks which comes first in a decision: admitting (100) or loading
-    swapped sequences (0; 70, the default, switches as the host tier fills)."""
+    swapped sequences (0; 70, the default, switches as the host tier fills); `prepare`: the
+    waiting prompts' pages hashed ahead in every step."""
     reqs = [r for r in reqs if r.prefix_len + r.own_len > 0]
     if not reqs:
         return
@@ -146,7 +156,7 @@ def test_random_sharing_keeps_kv_and_pages_right(reqs, room, roomy_host, prefill
                           host_kv_eviction_watermark=0.0, host_kv_watermark=watermark,
                           adaptive_chunk_min=64, max_prefill_tokens=prefill,
                           max_decode_batch=batch, max_pool_size=batch + 2)
-    run = FakeRun(reqs, device, host, cfg, prefixes)
+    run = FakeRun(reqs, device, host, cfg, prefixes, prepare)
     run.run()
     assert run.finished == {s.seq_id for s in run.seqs}
     for seq in run.seqs:  # what plain sequential generation gives
@@ -360,6 +370,41 @@ def test_a_group_of_new_requests_is_ordered_longest_shared_prefix_first():
                 sharing(1, 1), sharing(2, 2), sharing(3, 4)]:
         sched.add(seq)
     assert [s.seq_id for s in sched.prefix.order(sched.waiting, 100)] == [0, 3, 2, 1]
+
+
+@given(st.lists(st.integers(1, 3), min_size=0, max_size=5 * PAGE_SIZE),
+       st.lists(st.integers(1, 3), min_size=0, max_size=3 * PAGE_SIZE),
+       st.lists(st.integers(1, 3), min_size=0, max_size=3 * PAGE_SIZE))
+@PROPERTY
+def test_common_pages_counts_the_leading_pages_whose_keys_are_equal(shared, a, b):
+    """The admission order compares tokens instead of hashing every waiting prompt: the same
+    count as the page keys give."""
+    sharing = PrefixSharing("t")
+    first = Sequence(0, "a", 0, shared + a, len(shared + a), SamplingParams(), 0)
+    second = Sequence(1, "b", 0, shared + b, len(shared + b), SamplingParams(), 0)
+    expected = _common(sharing.keys(first), sharing.keys(second))
+    assert common_pages(first.token_ids, second.token_ids) == expected
+
+
+def test_a_group_left_waiting_for_its_prefix_is_not_hashed_until_prepared():
+    """A decision that admits the first of a group (the rest wait for the prefix it computes)
+    hashes only the first page of the others; prepare() hashes the pages their admission
+    looks up, within its page budget, and the run ends as without it."""
+    prefix = [[3 + j for j in range(3 * PAGE_SIZE)]]
+    reqs = [Req(0, 3 * PAGE_SIZE, 2 * PAGE_SIZE + 5, 1, 4, 4) for _ in range(6)]
+    run = FakeRun(reqs, 200, 400, SchedulerConfig(), prefix)
+    first = run.sched.schedule()
+    assert [c.seq.seq_id for c in first.chunks] == [0]
+    waiting = list(run.sched.waiting)
+    assert [len(s.page_keys) for s in waiting] == [1] * 5
+    run.sched.prefix.prepare(run.sched.waiting, 2 * 5)  # stops once past 10 pages
+    assert [len(s.page_keys) for s in waiting] == [5, 5, 5, 1, 1]
+    run.sched.prepare()
+    assert [len(s.page_keys) for s in waiting] == [5] * 5
+    run.execute(first)
+    run.run()
+    assert run.finished == {s.seq_id for s in run.seqs}
+    assert run.sched.counters.cached_prompt_tokens == 5 * 3 * PAGE_SIZE
 
 
 @pytest.mark.parametrize("device_pages", [6, 7])

@@ -98,6 +98,29 @@ def test_a_later_request_maps_an_earlier_ones_prefix(tiny_llama):
     assert again[0].cached_tokens == (len(prompt) - 1) // 64 * 64
 
 
+def test_waiting_prompts_are_hashed_while_a_step_runs(tiny_llama):
+    """Each step that samples hands the scheduler its prepare() after queueing the forward and
+    before reading the samples (on a GPU the hashing overlaps the step); the prompts left
+    waiting are hashed there, not by the decision that admits them."""
+    engine = make_engine(tiny_llama, max_decode_batch=2)
+    calls = []
+    prepare = engine.scheduler.prepare
+
+    def spy():
+        calls.append([len(s.page_keys) for s in engine.scheduler.waiting])
+        prepare()
+
+    engine.scheduler.prepare = spy
+    off, _, _ = answers(make_engine(tiny_llama, enable_prefix_caching=False), shared_prompts())
+    on, _, _ = answers(engine, shared_prompts())
+    assert on == off
+    assert calls and engine.times.decode_steps < engine.steps  # single steps ran it
+    # The first call finds the waiting prompts filed by their first page only; prepare()
+    # hashes their prefix's pages (2 full pages of 150 tokens) before the next decision.
+    assert calls[0] and set(calls[0]) == {1}
+    assert any(keys and min(keys) >= 2 for keys in calls[1:])
+
+
 def _family_prompts(vocab, prefix_len=140, count=5, seed=4):
     gen = torch.Generator().manual_seed(seed)
     head = torch.randint(3, vocab, (prefix_len,), generator=gen).tolist()

@@ -300,7 +300,8 @@ class Engine:
             finished.extend(self._accept_step(out, sampling, step, result))
 
         with self._observed("decode" if out.decode_only else "step", 1):
-            self.runner.execute(out, rows, self._grammar_masks(out), accept)
+            self.runner.execute(out, rows, self._grammar_masks(out), accept,
+                                self.scheduler.prepare)
         ran = time.perf_counter()
         if accepted_at is None:  # nothing sampled: only the prefill chunks' progress
             accepted_at = ran

@@ -23,7 +23,7 @@ from batchgen.engine.burst import DecodeBurst, QueuedBurst
 from batchgen.forward_batch import ForwardBatch, PrefixGroups
 from batchgen.engine.host_pin import ChunkedPin, cuda_register, cuda_unregister
 from batchgen.engine.kv_cache import KVLayout, KVPool, copy_pages, page_runs
-from batchgen.engine.sampler import HostSample, SamplingRows, sample, sample_on_device
+from batchgen.engine.sampler import HostSample, SamplingRows, sample_on_device
 from batchgen.engine.host_pool import HostSegment, lazy_zeros
 from batchgen.engine.precompile import CompileWorkers, precompile, precompile_ahead
 from batchgen.engine.prefix_groups import prefix_groups
@@ -155,11 +155,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: ScheduleOutput, rows: SamplingRows, logits_processor=None,
-                on_result=None) -> None:
+                on_result=None, while_running: Callable[[], None] | None = None) -> None:
         """Copies, then one forward over the packed batch and its sampling by `rows`: the
         samples go to `on_result(0, result)` (nothing is sampled when no chunk samples).
         `logits_processor(logits)` may mask the sampled rows' logits in place first
-        (structured outputs)."""
+        (structured outputs). `while_running()`: host work done once the step is queued,
+        before its samples are waited for."""
         self.move_pages(out)
         if not out.chunks:
             return
@@ -177,7 +178,10 @@ class ModelRunner:
             return
         if logits_processor is not None:
             logits_processor(logits)
-        result = sample(logits, rows)
+        pending = HostSample(sample_on_device(logits, rows))
+        if while_running is not None:
+            while_running()
+        result = pending.result(rows)
         if on_result is not None:
             on_result(0, result)
 

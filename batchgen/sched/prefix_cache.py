@@ -17,7 +17,7 @@ same tokens after the same prefix (`longest_tail`): their first tokens' KV is th
 from __future__ import annotations
 
 import hashlib
-from array import array
+import struct
 from collections import OrderedDict
 from itertools import islice
 
@@ -41,8 +41,9 @@ def page_key(parent: bytes, tokens) -> bytes:
 
 
 def token_bytes(tokens) -> bytes:
-    """Token ids as the bytes the keys hash and the tail index compares (8 per token)."""
-    return array("q", tokens).tobytes()
+    """Token ids as the bytes the keys hash and the tail index compares (8 per token, little
+    endian). `struct` packs a list of ints ~3x faster than `array` builds from it."""
+    return struct.pack(f"<{len(tokens)}q", *tokens)
 
 
 def common_tokens(a: bytes, b: bytes) -> int:
@@ -59,10 +60,17 @@ def common_tokens(a: bytes, b: bytes) -> int:
 
 
 def extend_keys(keys: list[bytes], root: bytes, token_ids, full_pages: int) -> None:
-    """Append the keys of pages len(keys) .. full_pages - 1 of `token_ids` to `keys`."""
-    for page in range(len(keys), full_pages):
-        parent = keys[-1] if keys else root
-        keys.append(page_key(parent, token_ids[page * PAGE_SIZE:(page + 1) * PAGE_SIZE]))
+    """Append the keys of pages len(keys) .. full_pages - 1 of `token_ids` to `keys`. The
+    tokens are turned into bytes once for all those pages, each page's key hashing its slice."""
+    first = len(keys)
+    if full_pages <= first:
+        return
+    data = token_bytes(token_ids[first * PAGE_SIZE:full_pages * PAGE_SIZE])
+    width = 8 * PAGE_SIZE
+    parent = keys[-1] if keys else root
+    for offset in range(0, len(data), width):
+        parent = hashlib.blake2b(parent + data[offset:offset + width], digest_size=16).digest()
+        keys.append(parent)
 
 
 class PrefixCache:
@@ -89,6 +97,9 @@ class PrefixCache:
     @property
     def num_cached(self) -> int:
         return len(self._page_of)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._page_of
 
     def lookup(self, keys: list[bytes]) -> list[int]:
         """Pages of the longest prefix of `keys` that is cached."""

@@ -37,6 +37,10 @@ from batchgen.sched.step import (  # noqa: F401  (the step contract, importable 
 DecodeSteps = Callable[[list[SeqChunk]], int]
 """How many decode steps a decode-only set of chunks should run back to back (a burst)."""
 
+PREPARE_PAGES = 4096
+"""Prompt pages `prepare()` hashes at most per call: a few ms of host time, more than a
+decision admits in a prefill-heavy step (38 prompts of 34 pages in W3's)."""
+
 
 class RequestTooLarge(ValueError):
     pass
@@ -91,6 +95,12 @@ class Scheduler:
             self.prefix.finished(seq)
         self.counters.finished += 1
         self.chunk.observe(seq.num_decoded)
+
+    def prepare(self) -> None:
+        """Work of the coming decisions that no step's results change (hashing the pages of
+        the prompts that wait), for a runner to do while the device runs a step."""
+        if self.prefix is not None:
+            self.prefix.prepare(self.waiting, PREPARE_PAGES)
 
     def reset_counters(self) -> None:
         """Counters, peaks and the learned decode length start over (after a warm-up)."""

@@ -130,10 +130,10 @@ class PrefixSharing:
             group = self._groups.get(seq.page_keys[0], {}).values()
             members = [m for m in islice(group, limit)
                        if id(m) not in pulled and m.state is SeqState.WAITING]
-            # Longest shared prefix first: every key of each prompt (each hashed once, kept
-            # in page_keys; a sequence is filed in its group by its first key only).
-            mine = self.keys(seq)
-            members.sort(key=lambda m: -_common(mine, self.keys(m)))
+            # Longest shared prefix first, in whole pages, by comparing tokens: hashing every
+            # member's prompt here (a sequence is filed by its first key only) cost most of
+            # a decision that admits a few and leaves the rest waiting for their prefix.
+            members.sort(key=lambda m: -common_pages(seq.token_ids, m.token_ids))
             for member in members[:limit - len(pulled)]:
                 pulled.add(id(member))
                 yield member
@@ -141,7 +141,10 @@ class PrefixSharing:
     def match(self, seq: Sequence, device: PageAllocator, host: PageAllocator) -> Hit | None:
         """What `seq` maps if admitted now; None while pages it would map are being computed
         by a running sequence (it waits for them)."""
-        usable = self.keys(seq, (seq.num_tokens - 1) // PAGE_SIZE)
+        pages = (seq.num_tokens - 1) // PAGE_SIZE
+        if self._first_page_in_flight(seq, pages):
+            return None  # known without hashing the rest of its prompt
+        usable = self.keys(seq, pages)
         hit = Hit(self.device_cache.lookup(usable), self.host_cache.lookup(usable))
         if hit.pages < len(usable):
             owner = self._inflight.get(usable[hit.pages])
@@ -160,6 +163,30 @@ class PrefixSharing:
         if hit.donor is None:
             self._find_tail(seq, hit)
         return hit
+
+    def _first_page_in_flight(self, seq: Sequence, pages: int) -> bool:
+        """Whether `seq` maps no cached page and a running sequence computes its first one
+        (what `match` finds in that case, from the key hashed when it was added)."""
+        if not pages or not seq.page_keys:
+            return False
+        key = seq.page_keys[0]
+        if key in self.device_cache or key in self.host_cache:
+            return False
+        owner = self._inflight.get(key)
+        return owner is not None and owner.state is SeqState.RUNNING
+
+    def prepare(self, waiting, max_pages: int) -> None:
+        """Hash ahead the prompt pages `match` will look up for the waiting sequences, in
+        queue order, at most `max_pages` pages: work every admission does anyway, done here
+        while the device runs a step instead of between steps."""
+        for seq in waiting:
+            if max_pages <= 0:
+                return
+            pages = (seq.num_tokens - 1) // PAGE_SIZE
+            missing = pages - len(seq.page_keys)
+            if missing > 0:
+                self.keys(seq, pages)
+                max_pages -= missing
 
     def _find_tail(self, seq: Sequence, hit: Hit) -> None:
         """The device page (cached, or a running sequence's open page) that begins with the
@@ -232,6 +259,19 @@ class PrefixSharing:
                         for m in members)
             shares.append(PrefixShare([m.seq_id for m in members], first[:count]))
         return shares
+
+
+def common_pages(a, b) -> int:
+    """How many leading whole pages two token lists share (list slices compare in C)."""
+    pages = min(len(a), len(b)) // PAGE_SIZE
+    low, high = 0, pages  # bisection: the first `low` pages are known equal
+    while low < high:
+        mid = (low + high + 1) // 2
+        if a[low * PAGE_SIZE:mid * PAGE_SIZE] == b[low * PAGE_SIZE:mid * PAGE_SIZE]:
+            low = mid
+        else:
+            high = mid - 1
+    return low
 
 
 def _common(a: list, b: list) -> int:
