@@ -204,8 +204,10 @@ def test_bad_embedding_lines_name_the_field(body, param):
 
 @pytest.mark.parametrize("value, says", [
     (["a", ""], "input[1] is ''"), (["a", [5, 6]], "mixes strings and token-id lists"),
-    ([[5], []], "input[1] is []"), ([-1, 5], "token id -1"), ([5, 2.5], "token id 2.5"),
-    ([[5], "b"], "mixes"),
+    ([[5], []], "input[1] is []"), ([-1, 5], "input[0] is token id -1"),
+    ([5, 2.5], "input[1] is token id 2.5"), ([[5], "b"], "mixes"),
+    ([5, None, 7], "input[1] is None: input is a list of token ids"),  # not input[0], a good id
+    ([5, "a"], "input[1] is 'a'"), ([5, [6]], "input[1] is [6]"),
 ])
 def test_a_bad_input_item_is_named(value, says):
     """OpenAI's input is a string, strings, token ids or token-id lists: a mix, or a bad

@@ -279,6 +279,13 @@ BAD_LINES = [
     ({"prompt": ["a", "b"]}, "invalid_prompt", "batched"),
     ({"custom_id": "x", "method": "POST", "url": "/v1/completions", "body": {"messages": USER}},
      "invalid_prompt", "prompt"),
+    # A body written for another url names it: embeddings' input is one of them.
+    ({"custom_id": "x", "method": "POST", "url": "/v1/embeddings", "body": {"messages": USER}},
+     "invalid_input", "has messages, which /v1/chat/completions takes"),
+    ({"custom_id": "x", "method": "POST", "url": "/v1/chat/completions",
+      "body": {"input": "hi"}}, "invalid_messages", "has input, which /v1/embeddings takes"),
+    ({"custom_id": "x", "method": "POST", "url": "/v1/embeddings", "input": "hi"},
+     "not_an_object", "has input beside body, not inside it"),
 ]
 
 

@@ -73,6 +73,18 @@ def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def _bad_token_id(value: list) -> EmbeddingLineError:
+    """The refusal of a list of token ids (its first item is a number) holding an item that is
+    not one, naming that item, not the first (which may be a good id)."""
+    at, item = next((i, v) for i, v in enumerate(value) if _ids([v]) is None)
+    if _number(item):
+        return EmbeddingLineError("invalid_input", f"input[{at}] is token id "
+                                  f"{reprlib.repr(item)}: token ids are integers >= 0", "input")
+    return EmbeddingLineError("invalid_input", f"input[{at}] is {reprlib.repr(item)}: input is "
+                              "a list of token ids (its first item is a number), which holds "
+                              "integers >= 0 only", "input")
+
+
 def _inputs(value: Any) -> tuple:
     bad = EmbeddingLineError("invalid_input", "input must be a non-empty string, a list of "
                              "strings, a list of token ids or a list of token-id lists", "input")
@@ -80,10 +92,8 @@ def _inputs(value: Any) -> tuple:
         items: list = [value]
     elif _ids(value) is not None:
         items = [_ids(value)]
-    elif isinstance(value, list) and value and all(_number(v) for v in value):
-        bad_id = next(v for v in value if _ids([v]) is None)
-        raise EmbeddingLineError("invalid_input", f"input holds token id "
-                                 f"{reprlib.repr(bad_id)}: token ids are integers >= 0", "input")
+    elif isinstance(value, list) and value and _number(value[0]):
+        raise _bad_token_id(value)
     elif isinstance(value, list) and value:
         items = [v if isinstance(v, str) else _ids(v) for v in value]
         for i, item in enumerate(items):

@@ -36,6 +36,8 @@ log = logging.getLogger(__name__)
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
+URL_FIELDS = {CHAT_URL: "messages", COMPLETIONS_URL: "prompt", EMBEDDINGS_URL: "input"}
+"""The body field each url's requests are made of."""
 EXTRA_FIELDS = ("tools", "tool_choice", "response_format", "parallel_tool_calls",
                 "chat_template_kwargs", "reasoning_effort")
 """Body fields carried to the chat template, the output parsers and, for response_format
@@ -290,17 +292,33 @@ def _openai_envelope(data: dict) -> tuple[str, dict]:
     body = _envelope_body(data)
     if not isinstance(body, dict):
         raise BadLine("not_an_object", "body must be a JSON object holding the request"
-                                        + text_problem(body), "body")
+                                        + (text_problem(body) or _outside_body(data)), "body")
     if body.get("messages") is not None and body.get("prompt") is not None:
         raise BadLine("invalid_messages", "give either messages (chat) or prompt (completion), "
                                            "not both", "messages")
-    other_url = {"chat": COMPLETIONS_URL, "completion": CHAT_URL}.get(kinds[url])
-    if other_url is not None:
-        needed, other = ("messages", "prompt") if kinds[url] == "chat" else ("prompt", "messages")
-        if body.get(needed) is None and body.get(other) is not None:
-            raise BadLine(f"invalid_{needed}", f"a {url} line needs {needed}; this one has "
-                          f"{other}, which {other_url} takes: change its url or its body", needed)
+    _check_url_fits_body(url, body)
     return kinds[url], body
+
+
+def _outside_body(data: dict) -> str:
+    """The hint of a line without a body that holds a request's fields beside it."""
+    fields = [name for name in URL_FIELDS.values() if name in data]
+    return (f": this line has {fields[0]} beside body, not inside it; move the request's "
+            "fields into body" if fields else "")
+
+
+def _check_url_fits_body(url: str, body: dict) -> None:
+    """BadLine naming the url a body without its url's field was written for (chat's
+    messages sent to /v1/embeddings, an embeddings input to /v1/chat/completions, ...)."""
+    needed = URL_FIELDS[url]
+    if body.get(needed) is not None:
+        return
+    other = next((u for u, name in URL_FIELDS.items()
+                  if name != needed and body.get(name) is not None), None)
+    if other is not None:
+        raise BadLine(f"invalid_{needed}", f"a {url} line needs {needed}; this one has "
+                      f"{URL_FIELDS[other]}, which {other} takes: change its url or its body",
+                      needed)
 
 
 def plain_kind(data: dict) -> str:
