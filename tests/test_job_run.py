@@ -211,8 +211,11 @@ def batch_record(storage) -> dict:
 def usage_of(results: list[dict]) -> dict:
     prompt = sum(r["response"]["body"]["usage"]["prompt_tokens"] for r in results)
     completion = sum(r["response"]["body"]["usage"]["completion_tokens"] for r in results)
+    cached = sum(r["response"]["body"]["usage"]["prompt_tokens_details"]["cached_tokens"]
+                 for r in results)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def test_no_incremental_save_removes_its_files_only_once_completed(tmp_path, tiny_chat_model):

@@ -141,6 +141,29 @@ def test_a_job_sharing_a_system_prompt_reports_its_prefix_hits(tiny_chat_model, 
                      shown), shown
 
 
+def test_status_tells_the_cached_share_the_run_summary_told(tmp_path, monkeypatch):
+    """The run summary's "2,196 in (1,413 of them cached, 64%)" sums the answers'
+    cached_tokens; `batchgen status` says the same of the job (its usage records them), beside
+    the engine's count of the last run (each choice of n > 1 counted, another share)."""
+    from batchgen.runner.leader.progress import run_summary
+    from batchgen.runner.leader.records import usage_total
+
+    monkeypatch.setenv("COLUMNS", "200")  # each table row on one line
+    root = storage_with_jobs(tmp_path / "jobs")
+    path = root / "batches" / "batch_aaa.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()),
+                                "usage": usage_total(2196, 610, 1413),
+                                "counters": {"prompt_tokens": 3176, "cached_prompt_tokens": 2382,
+                                             "forks": 4}}))
+    summary = run_summary(10.0, 21, 0, 2196, 610, 610, tmp_path / "o.jsonl",
+                          tmp_path / "o.errors.jsonl", root, cached_tokens=1413)
+    said = "2,196 in (1,413 of them cached, 64%), 610 out"
+    assert said in summary
+    code, out = status("batch_aaa", "--storage-path", str(root))
+    assert code == 0 and said in out, out
+    assert "75% of 3,176 prompt tokens (each choice of n > 1 counted)" in out
+
+
 def test_a_run_killed_before_recording_its_end_is_counted_by_the_next(tmp_path):
     """A SIGKILLed run leaves the job in_progress and its workers' stats: the next run counts
     that run, its tokens and its seconds up to the stats' last write (the job's rate over all
@@ -158,12 +181,14 @@ def test_a_run_killed_before_recording_its_end_is_counted_by_the_next(tmp_path):
                                "finished_at": 900},
                       usage={"prompt_tokens": 10, "completion_tokens": 20, "total_tokens": 30})
     stats = batches / "batch_k.worker0.json"
-    stats.write_text(json.dumps({"completion_tokens": 100, "prompt_tokens": 50}))
+    stats.write_text(json.dumps({"completion_tokens": 100, "prompt_tokens": 50,
+                                 "cached_tokens": 40}))
     os.utime(stats, (1_012.0, 1_012.0))
     record_killed_run("batch_k", batch_file, batches)
     state = batch_file.load()
     assert state.timings["runs"] == 2 and state.timings["all_runs_seconds"] == 17.0
-    assert state.usage == {"prompt_tokens": 60, "completion_tokens": 120, "total_tokens": 180}
+    assert state.usage == {"prompt_tokens": 60, "completion_tokens": 120, "total_tokens": 180,
+                           "prompt_tokens_details": {"cached_tokens": 40}}
     record_killed_run("batch_k", batch_file, batches)  # recorded now: counted once
     assert batch_file.load().timings["runs"] == 2
 

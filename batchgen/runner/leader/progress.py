@@ -119,7 +119,7 @@ def run_summary(elapsed: float, completed: int, failed: int, tokens_in: int, tok
         out = f"all runs; this run {run_tokens_out:,} out, {rate:,.1f} out tok/s"
     lines = [
         f"done: {completed:,} results, {failed:,} errors {done}",
-        f"tokens: {tokens_in:,} in{_cached(cached_tokens, tokens_in)}, {tokens_out:,} out "
+        f"tokens: {tokens_in:,} in{cached_share(cached_tokens, tokens_in)}, {tokens_out:,} out "
         f"({out})",
         f"results: {output}",
         f"errors:  {errors}" if failed else f"errors:  none ({errors} is empty)",
@@ -128,7 +128,9 @@ def run_summary(elapsed: float, completed: int, failed: int, tokens_in: int, tok
     return "\n".join(lines)
 
 
-def _cached(cached_tokens: int, tokens_in: int) -> str:
+def cached_share(cached_tokens: int, tokens_in: int) -> str:
+    """" (617 of them cached, 50%)" after a job's prompt tokens, or "" when none were cached:
+    the run summary and `batchgen status` say it alike."""
     if not cached_tokens or not tokens_in:
         return ""
     return f" ({cached_tokens:,} of them cached, {cached_tokens / tokens_in:.0%})"

@@ -39,13 +39,15 @@ def record_end(spec: JobSpec, batch_file: BatchFile, started: float, status: str
     elapsed = max(time.time() - started, 1e-9)
     completion = sum(s.get("completion_tokens", 0) for s in stats)
     prompt = sum(s.get("prompt_tokens", 0) for s in stats)
+    cached = sum(s.get("cached_tokens", 0) for s in stats)
     changes = {
         "status": status, "health": {**health_from_stats(stats), **health},
         "counters": _engine_counters(stats),
         "timings": {"finished_at": int(time.time()), "last_run_seconds": round(elapsed, 3)},
         "throughput": {"output_tokens_per_s": round(completion / elapsed, 2),
                        "total_tokens_per_s": round((completion + prompt) / elapsed, 2)},
-        **result_files(spec.paths), "usage": usage or _usage_after(batch_file, prompt, completion)}
+        **result_files(spec.paths),
+        "usage": usage or _usage_after(batch_file, prompt, completion, cached)}
     changes["timings"].update(_all_runs(batch_file, elapsed))
     if counts:
         changes["request_counts"] = counts
@@ -73,7 +75,8 @@ def record_killed_run(batch_id: str, batch_file: BatchFile, batch_dir: Path) -> 
     stats = read_worker_stats(batch_dir, batch_id)
     completion = sum(s.get("completion_tokens", 0) for s in stats)
     prompt = sum(s.get("prompt_tokens", 0) for s in stats)
-    batch_file.update(batch_id, usage=_usage_after(batch_file, prompt, completion),
+    cached = sum(s.get("cached_tokens", 0) for s in stats)
+    batch_file.update(batch_id, usage=_usage_after(batch_file, prompt, completion, cached),
                       timings={**_all_runs(batch_file, max(0.0, last - started)),
                                "finished_at": int(last)})
 
@@ -226,14 +229,24 @@ def _engine_counters(stats: list[dict]) -> dict:
     return counters
 
 
-def _usage_after(batch_file: BatchFile, prompt: int, completion: int) -> dict:
+def _usage_after(batch_file: BatchFile, prompt: int, completion: int, cached: int) -> dict:
     """Token usage of every run so far (each run adds its own)."""
     state = batch_file.load()
     usage = dict(state.usage) if state else {}
     return usage_total(usage.get("prompt_tokens", 0) + prompt,
-                        usage.get("completion_tokens", 0) + completion)
+                       usage.get("completion_tokens", 0) + completion,
+                       cached_tokens(usage) + cached)
 
 
-def usage_total(prompt: int, completion: int) -> dict:
+def usage_total(prompt: int, completion: int, cached: int = 0) -> dict:
+    """A job's usage, shaped as its result lines' (`cached`: of the prompt tokens, those the
+    prefix cache held, summed over the lines' `prompt_tokens_details.cached_tokens`)."""
     return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def cached_tokens(usage: dict) -> int:
+    """The cached prompt tokens of a usage dict (0 in a record written without them)."""
+    details = usage.get("prompt_tokens_details")
+    return details.get("cached_tokens", 0) if isinstance(details, dict) else 0

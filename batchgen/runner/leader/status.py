@@ -17,8 +17,9 @@ from batchgen.io.jobfiles import JobPaths, pinned_commit
 from batchgen.io.writer import CorruptIncrementalFile, IdSet, read_done_ids
 from batchgen.runner.exits import ExitCode
 from batchgen.runner.files.job import JobSpec
-from batchgen.runner.leader.progress import human_seconds, prefix_hits, read_worker_stats
-from batchgen.runner.leader.records import batch_files, jobs_writing
+from batchgen.runner.leader.progress import (cached_share, human_seconds, prefix_hits,
+                                             read_worker_stats)
+from batchgen.runner.leader.records import batch_files, cached_tokens, jobs_writing
 
 
 TIMESTAMPS = ("last_heartbeat", "last_failure_at")
@@ -199,7 +200,8 @@ def _table(state: dict, workers: list[dict]) -> Table:
         table.add_row("model", model)
     table.add_row("requests", _request_counts(state))
     usage = state.get("usage", {})
-    table.add_row("tokens", f"{usage.get('prompt_tokens', 0):,} in, "
+    prompt = usage.get("prompt_tokens", 0)
+    table.add_row("tokens", f"{prompt:,} in{cached_share(cached_tokens(usage), prompt)}, "
                   f"{usage.get('completion_tokens', 0):,} out (all runs)")
     table.add_row("speed", _speed(state))
     table.add_row("prefix cache", prefix_hits([state.get("counters", {})]) + " (last run)")

@@ -453,7 +453,8 @@ def _finish(spec: JobSpec, batch_file: BatchFile, started: float, stops: StopSig
         record_end(spec, batch_file, started, "completed", {},
                     counts={"total": spec.total_records, "completed": report.completed,
                             "failed": report.failed},
-                    usage=usage_total(report.prompt_tokens, report.completion_tokens))
+                    usage=usage_total(report.prompt_tokens, report.completion_tokens,
+                                      report.cached_tokens))
     except BaseException:
         stops.completed = False
         raise

@@ -109,6 +109,8 @@ class WorkerStats:
     failed: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0
+    """Of prompt_tokens, those the prefix cache held (the results' usage says so each)."""
     started: float = field(default_factory=time.time)
 
 
@@ -396,6 +398,7 @@ class Worker:
         self.stats.completed += 1
         self.stats.prompt_tokens += finished.prompt_len
         self.stats.completion_tokens += finished.completion_tokens
+        self.stats.cached_tokens += finished.cached_tokens
         return dumps(line)
 
     def _report(self, force: bool = False) -> None:
@@ -414,6 +417,7 @@ class Worker:
             "rank": self.rank.rank, "pid": os.getpid(), "writes_results": counted,
             "completed": stats.completed, "failed": stats.failed,
             "prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.completion_tokens,
+            "cached_tokens": stats.cached_tokens,
             "output_tokens_per_s": self.engine.generated_tokens / elapsed if counted else 0.0,
             "engine": self.engine.stats() if counted else {}, "suspects": len(q.strikes),
             "quarantined": list(q.quarantined),
