@@ -161,7 +161,7 @@ def test_status_tells_the_cached_share_the_run_summary_told(tmp_path, monkeypatc
     assert said in summary
     code, out = status("batch_aaa", "--storage-path", str(root))
     assert code == 0 and said in out, out
-    assert "75% of 3,176 prompt tokens (each choice of n > 1 counted)" in out
+    assert "75% of 3,176 prompt tokens in the last run (each choice of n > 1 counted)" in out
 
 
 def test_a_run_killed_before_recording_its_end_is_counted_by_the_next(tmp_path):

@@ -71,20 +71,21 @@ class ProgressReporter(threading.Thread):
         self.join(timeout=5)
 
 
-def prefix_hits(counters: list[dict]) -> str:
+def prefix_hits(counters: list[dict], scope: str = "") -> str:
     """Share of prompt tokens whose KV came from the prefix cache, over engines' counters
     (`prompt_tokens`, `cached_prompt_tokens`, `forks`, `extra_choices`): "87% of 2,048 prompt
     tokens", or "-". The engine counts each choice of an n > 1 request (a fork finds all but
     the last prompt token cached), so where such choices ran, forked or not (a tight pool, or a
     prompt of 64k + 1 tokens, has none to copy), the count says so: it is then above the job's
-    prompt tokens, which count each request's prompt once."""
+    prompt tokens, which count each request's prompt once. `scope` follows the tokens (" in
+    the last run")."""
     prompt = sum(c.get("prompt_tokens", 0) for c in counters)
     cached = sum(c.get("cached_prompt_tokens", 0) for c in counters)
     if not prompt:
         return "-"
     each = (" (each choice of n > 1 counted)"
             if sum(c.get("forks", 0) + c.get("extra_choices", 0) for c in counters) else "")
-    return f"{cached / prompt:.0%} of {prompt:,} prompt tokens{each}"
+    return f"{cached / prompt:.0%} of {prompt:,} prompt tokens{scope}{each}"
 
 
 def human_seconds(seconds: float) -> str:

@@ -204,7 +204,7 @@ def _table(state: dict, workers: list[dict]) -> Table:
     table.add_row("tokens", f"{prompt:,} in{cached_share(cached_tokens(usage), prompt)}, "
                   f"{usage.get('completion_tokens', 0):,} out (all runs)")
     table.add_row("speed", _speed(state))
-    table.add_row("prefix cache", prefix_hits([state.get("counters", {})]) + " (last run)")
+    table.add_row("prefix cache", prefix_hits([state.get("counters", {})], " in the last run"))
     table.add_row("output", state.get("output_file", ""))
     table.add_row("errors", state.get("errors_file", ""))
     now = time.time()
