@@ -51,15 +51,22 @@ def test_a_download_cut_past_its_retries_is_continued_by_the_next_run(fake_hub, 
     assert _ranges(fake_hub, WEIGHTS) == [None, f"bytes={cut}-"]
 
 
-def test_a_repo_the_hub_refuses_leaves_no_folder_in_the_cache(fake_hub, repo_folder, tmp_path):
-    """A typo (404) or a private repo (401) leaves no `models--org--name` folder without
-    snapshots behind (`hf cache` calls such a folder corrupted)."""
+def test_a_repo_the_hub_refuses_leaves_no_folder_in_the_cache(fake_hub, repo_folder, tmp_path,
+                                                             monkeypatch):
+    """A typo (404), a private repo (401) or a gated one (its info is public, its files are
+    refused) leaves no `models--org--name` folder behind (`hf cache` calls one without
+    snapshots corrupted; an offline run took an empty snapshot for a download stopped part
+    way, to be finished by unsetting HF_HUB_OFFLINE)."""
     fake_hub.add("org/private", repo_folder, private_token="secret")
+    fake_hub.add("org/gated", repo_folder, gated=True, granted_token="granted")
     cache = tmp_path / "cache"
-    for model in ("org/absent", "org/private"):
+    for model in ("org/absent", "org/private", "org/gated"):
         with pytest.raises(ModelNotFoundError):
             resolve_model(model, cache_dir=str(cache))
         assert not hub.repo_folder(cache, model).exists()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelNotFoundError, match="not found on disk"):
+        resolve_model("org/gated", cache_dir=str(cache))
 
 
 def test_a_cache_dir_that_is_a_file_is_named_with_its_fix(fake_hub, tmp_path):
@@ -100,6 +107,10 @@ def test_a_folder_named_like_the_repo_holding_no_model_does_not_stop_the_downloa
     ("https://huggingface.co/org/tiny/tree/v2", "--model org/tiny --revision v2 ("),
     ("https://huggingface.co/models/org/tiny/", "--model org/tiny ("),
     ("hf://org/tiny", "--model org/tiny ("),
+    ("huggingface.co/org/tiny", "--model org/tiny ("),
+    ("hf.co/org/tiny/tree/v2", "--model org/tiny --revision v2 ("),
+    ("org/tiny@v2", "--model org/tiny --revision v2 ("),
+    ("org/tiny:v2", "--model org/tiny --revision v2 ("),
 ])
 def test_a_repo_page_address_or_a_trailing_slash_names_the_repo_id(fake_hub, tmp_path, given,
                                                                    fix):
@@ -110,7 +121,8 @@ def test_a_repo_page_address_or_a_trailing_slash_names_the_repo_id(fake_hub, tmp
 
 
 def test_what_is_not_a_repo_address_is_left_alone():
-    for model in ("org/tiny", "a/b/c", "./org/tiny/", "name", "https://example.com/x"):
+    for model in ("org/tiny", "a/b/c", "./org/tiny/", "name", "https://example.com/x",
+                  "name@v2", "org/tiny@", "./org/tiny@v2"):
         assert hub_id_meant(model) is None, model
 
 

@@ -40,7 +40,8 @@ def holding(path: Path, text: str) -> Path:
     (lambda t: t / "s" / "incremental" / "batch_x.jsonl", "--output", "incremental file"),
     (lambda t: t / "s" / "incremental" / "batch_x.rank1.jsonl", "--output", "incremental file"),
     (lambda t: (t / "d").mkdir() or t / "d", "--output", "is a folder"),
-    (lambda t: (t / "f").write_text("") or t / "f" / "r.jsonl", "--output", "that is a file"),
+    (lambda t: (t / "f").write_text("") or t / "f" / "r.jsonl", "--output", "/f/r.jsonl' is "
+     "not allowed: its folder"),
     (lambda t: t / "results.parquet", "--output", "written as JSONL"),
     (lambda t: t / "results.jsonl.gz", "--output", "not .gz"),
     (lambda t: os.mkfifo(t / "fifo.jsonl") or t / "fifo.jsonl", "--output", "not a regular file"),
@@ -80,8 +81,9 @@ def test_folders_that_are_files_are_refused_by_flag(tmp_path):
 
 
 @pytest.mark.parametrize("make_output,needle", [
-    (lambda t: (t / "f").write_text("") or t / "f" / "r.jsonl", "that is a file"),
-    (lambda t: (t / "f").write_text("") or t / "f" / "sub" / "r.jsonl", "cannot create")])
+    (lambda t: (t / "f").write_text("") or t / "f" / "r.jsonl", "/f is a file"),
+    (lambda t: (t / "f").write_text("") or t / "f" / "sub" / "r.jsonl",
+     "/f/sub cannot be created")])
 def test_a_bad_output_folder_is_named_as_output_when_the_job_folder_is_beside_it(
         tmp_path, make_output, needle):
     """Without --storage-path the job folder is .batchgen/ beside --output: a user who gave
@@ -93,6 +95,37 @@ def test_a_bad_output_folder_is_named_as_output_when_the_job_folder_is_beside_it
     with pytest.raises(ConfigError) as err:
         make_job_dirs(config, paths)
     assert err.value.flag == "--output" and needle in str(err.value), str(err.value)
+
+
+def test_a_job_folder_beside_output_that_cannot_be_made_is_named_as_output(tmp_path,
+                                                                           monkeypatch):
+    """-o into an existing folder this user may not write (or holding a file named .batchgen):
+    the results' folder exists, the job folder beside it cannot be made. The message names
+    --output and the job folder, not a --storage-path the user never gave."""
+    import errno
+
+    output = tmp_path / "ro" / "r.jsonl"
+    output.parent.mkdir()
+    inp = write_jsonl(tmp_path / "in.jsonl", chat_rows(1))
+    config = JobConfig(storage=StorageConfig(input=str(inp), output=str(output)))
+    paths = JobPaths.for_job(config.storage.storage_path, "batch_x", None, str(output))
+    mkdir = Path.mkdir
+
+    def refuse(self, *args, **kw):
+        if self.name == ".batchgen":
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(self))
+        return mkdir(self, *args, **kw)
+    monkeypatch.setattr(Path, "mkdir", refuse)
+    with pytest.raises(ConfigError) as err:
+        make_job_dirs(config, paths)
+    assert err.value.flag == "--output", str(err.value)
+    assert f"its job folder {output.parent / '.batchgen'}" in str(err.value)
+    assert "cannot be created (Permission denied)" in str(err.value)
+    assert "--storage-path another folder" in str(err.value)
+    monkeypatch.setattr(Path, "mkdir", mkdir)
+    (output.parent / ".batchgen").write_text("")
+    with pytest.raises(ConfigError, match="--output=.*is a file: move that file away"):
+        make_job_dirs(config, paths)
 
 
 def test_incremental_results_serve_only_jobs_with_their_fingerprint(tmp_path):

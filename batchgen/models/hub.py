@@ -252,6 +252,20 @@ def _download_locked(repo: str, revision: str, root: Path, folder: Path) -> Path
     snapshot.mkdir(parents=True, exist_ok=True)
     marker = snapshot / INCOMPLETE
     marker.touch()
+    try:
+        _fetch_snapshot(repo, revision, commit, files, snapshot)
+    except CutDownload:
+        raise  # its bytes so far stay for the next run
+    except HubError:
+        _drop_untouched(snapshot)
+        raise
+    _write_ref(folder, revision, commit)
+    marker.unlink()
+    return snapshot
+
+
+def _fetch_snapshot(repo: str, revision: str, commit: str, files: list[RepoFile],
+                    snapshot: Path) -> None:
     files = indexed_weights_only(repo, commit, files, snapshot)
     check_space(snapshot, files)
     total, have = sum(f.size for f in files), sum(_have(snapshot, f) for f in files)
@@ -261,9 +275,21 @@ def _download_locked(repo: str, revision: str, root: Path, folder: Path) -> Path
     with progress(total, have) as bar:
         for f in files:
             fetch_retrying(repo, commit, f, snapshot, bar)
-    _write_ref(folder, revision, commit)
-    marker.unlink()
-    return snapshot
+
+
+def _drop_untouched(snapshot: Path) -> None:
+    """Remove a snapshot folder that holds nothing but INCOMPLETE (a gated repo whose files
+    the Hub refused, too little disk space), and its repo folder when that is left empty:
+    an offline run would otherwise read it as a download stopped part way, to be finished by
+    running online, and `hf cache` would list it."""
+    if any(p.name != INCOMPLETE for p in snapshot.iterdir()):
+        return  # a download under way: the next run continues it
+    (snapshot / INCOMPLETE).unlink(missing_ok=True)
+    for folder in (snapshot, snapshot.parent, snapshot.parent.parent):
+        try:
+            folder.rmdir()
+        except OSError:
+            return  # not empty: another revision, refs
 
 
 INDEX = "model.safetensors.index.json"

@@ -120,16 +120,27 @@ def _unfinished(model: str, places: list[Path],
     return next((f for f in found if f is not None), None)
 
 
+HUB_HOSTS = ("huggingface.co", "www.huggingface.co", "hf.co")
+"""A repo page's address given without its scheme starts with one of these."""
+
+
 def hub_id_meant(model: str) -> tuple[str, str | None] | None:
     """(repo id, revision or None) that a --model not spelled as a Hub id means: a repo page's
-    address (`https://huggingface.co/org/name`, `.../tree/REV`), `hf://org/name`, `org/name/`
-    or ` org/name`. None when it means none (a plain id, a path)."""
+    address (`https://huggingface.co/org/name`, `.../tree/REV`, also without `https://`),
+    `hf://org/name`, `org/name/`, ` org/name`, or a revision written into the id
+    (`org/name@REV`, `org/name:REV`, as other tools spell it). None when it means none (a
+    plain id, a path)."""
     text = model.strip()
     url = urllib.parse.urlsplit(text)
     path = {"http": url.path, "https": url.path, "hf": url.netloc + url.path}.get(url.scheme, text)
     parts = [p for p in path.split("/") if p]
+    parts = parts[1:] if parts[:1] and parts[0].lower() in HUB_HOSTS else parts
     parts = parts[1:] if parts[:1] == ["models"] else parts
     revision = parts[3] if len(parts) > 3 and parts[2] in ("tree", "blob", "commit") else None
+    if len(parts) == 2 and revision is None:
+        name, sep, suffix = parts[1].replace(":", "@", 1).partition("@")
+        if sep and name and suffix:
+            parts, revision = [parts[0], name], suffix
     repo = "/".join(parts[:2])
     if repo == model or not hub.is_hub_id(repo) or (len(parts) > 2 and revision is None):
         return None

@@ -13,7 +13,7 @@ import os
 import re
 from pathlib import Path
 
-from batchgen.config import ConfigError, JobConfig
+from batchgen.config import ConfigError, JobConfig, default_storage_path
 from batchgen.atomic import read_json_dict, write_json_atomic
 from batchgen.io.jobfiles import (FOLDER_MODE, FingerprintMismatch, JobPaths, check_fingerprint,
                                   check_folder_is_safe, refuse_planted_links)
@@ -27,14 +27,13 @@ def make_job_dirs(config: JobConfig, paths: JobPaths) -> None:
     _check_outputs(config, paths)
     for flag, folder in _folders(config, paths):
         if folder.exists() and not folder.is_dir():
-            raise ConfigError(flag, str(folder), "that is a file; give a folder")
+            raise _unusable_folder(config, flag, folder, None)
         try:
             folder.mkdir(FOLDER_MODE, parents=True, exist_ok=True)
         except OSError as err:
             if is_disk_error(err):
                 raise
-            raise ConfigError(flag, str(folder), f"cannot create that folder ({err.strerror}): "
-                                                 "choose a writable place") from None
+            raise _unusable_folder(config, flag, folder, err) from None
         if flag != "output":  # the outputs are renamed into place, which follows no link
             check_folder_is_safe(folder, flag)
     for sub in (paths.batch_file.parent, paths.upload_file.parent):
@@ -52,6 +51,29 @@ def _folders(config: JobConfig, paths: JobPaths) -> list[tuple[str, Path]]:
                ("incremental_output_dir", paths.incremental_dir)]
     output = [("output", paths.output.parent)]
     return output + folders if config.storage.output is not None else folders + output
+
+
+def _unusable_folder(config: JobConfig, flag: str, folder: Path,
+                     err: OSError | None) -> ConfigError:
+    """The error for a job folder that is a file (`err` None) or cannot be created, named by
+    the flag the user gave, with the value as given: --output's folder as --output, and so is
+    the default job folder (.batchgen/ beside --output), with --storage-path as the other way
+    out."""
+    output = config.storage.output
+    beside = (flag == "storage_path" and output is not None
+              and Path(config.storage.storage_path) == Path(default_storage_path(output)))
+    if output is None or (flag != "output" and not beside):
+        return ConfigError(flag, str(folder), "that is a file; give a folder" if err is None
+                           else f"cannot create that folder ({err.strerror}): choose a "
+                                "writable place")
+    what, other = ((f"its job folder {folder} (the job's state, kept beside the results)",
+                    "or give --storage-path another folder") if beside else
+                   (f"its folder {folder}", "or give the results another path"))
+    if err is None:
+        return ConfigError("output", output, f"{what} is a file: move that file away, {other}")
+    return ConfigError("output", output, f"{what} cannot be created ({err.strerror}): give "
+                                         "--output a folder you can write"
+                                         + (f", {other}" if beside else ""))
 
 
 NOT_JSONL = {".parquet", ".pq", ".csv", ".tsv", ".arrow", ".feather", ".xlsx", ".gz", ".bz2",
