@@ -407,6 +407,30 @@ def test_response_format_nested_past_orjson_is_a_line_error(tok):
     assert "line 9" in err.message
 
 
+def test_the_compiled_grammars_kept_stay_within_their_memory_bound(tok, monkeypatch):
+    """Every distinct schema's compiled grammar was kept for the worker's life (and xgrammar
+    kept a second copy): a file whose lines each carry their own schema grew the worker by ~2
+    MB a line until it was killed. The least recently used ones are dropped past the bound."""
+    import batchgen.runner.worker.grammars as grammars
+
+    def schema_line(key):
+        schema = {"type": "object", "properties": {key: {"type": "string"}}, "required": [key]}
+        item = run(tok, {"messages": USER, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "x", "schema": schema}}})
+        assert isinstance(item, PendingRequest), item
+        return item
+
+    kept = grammars.Grammars(tok, len(tok), [tok.eos_token_id])
+    one = kept.request(schema_line("k0")).grammar
+    monkeypatch.setattr(grammars, "GRAMMAR_CACHE_BYTES", 2 * grammars.grammar_bytes(one) + 1)
+    requests = [kept.request(schema_line(f"k{i}")) for i in range(1, 6)]
+    assert all(r.grammar is not None for r in requests)  # each request holds its own
+    assert len(kept._cache) == 2 and kept._cached_bytes <= grammars.GRAMMAR_CACHE_BYTES
+    assert kept._compiler._compiler.get_cache_size_bytes() == 0  # xgrammar keeps none
+    assert kept.request(schema_line("k5")).grammar is requests[-1].grammar  # still reused
+    assert kept.request(schema_line("k0")).grammar is not one  # dropped, compiled again
+
+
 @pytest.mark.parametrize("stop", ["[]", "[1]", '["a", "b"]', "{}", "[END]"])
 def test_a_stop_string_that_looks_like_json_is_one_stop_string(tok, stop):
     req = run(tok, {"prompt": "hi", "stop": stop})

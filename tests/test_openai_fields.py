@@ -64,6 +64,27 @@ def test_a_value_that_only_looks_like_the_default_is_refused():
         assert isinstance(parse_record(chat(**fields)), IntakeError)
 
 
+@pytest.mark.parametrize("kwargs", [
+    {"add_generation_prompt": False}, {"continue_final_message": True},
+    {"messages": [{"role": "user", "content": "another question"}]}, {"conversation": USER},
+    {"tools": [{"type": "function", "function": GET}]}, {"chat_template": "{{ 'x' }}"}])
+def test_template_kwargs_that_would_replace_the_lines_own_are_refused(kwargs):
+    """They were dropped without a word: `add_generation_prompt: false` refused as a field was
+    answered with the turn opened when given in chat_template_kwargs, a `messages` there never
+    reached the template, and `continue_final_message` failed as a template error."""
+    (key, _), = kwargs.items()
+    err = parse_record(chat(chat_template_kwargs={"enable_thinking": False, **kwargs}))
+    assert isinstance(err, IntakeError), err
+    assert err.code == "invalid_request" and err.param == f"chat_template_kwargs.{key}"
+    assert f"chat_template_kwargs.{key}: " in err.message and "drop it" in err.message
+
+
+def test_template_kwargs_at_the_values_batchgen_renders_with_pass():
+    kwargs = {"add_generation_prompt": True, "continue_final_message": False, "tools": None,
+              "tokenize": True, "enable_thinking": False}
+    assert isinstance(parse_record(chat(chat_template_kwargs=kwargs)), ParsedRequest)
+
+
 READS_EFFORT = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                 "{% if reasoning_effort is not defined %}{% set reasoning_effort = 'medium' %}"
                 "{% endif %}Reasoning: {{ reasoning_effort }}\nassistant:")

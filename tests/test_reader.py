@@ -340,3 +340,13 @@ def test_a_duplicate_with_a_generated_line_id_says_where_that_id_came_from(tmp_p
     write_jsonl(path, [{"custom_id": "a", "prompt": "x"}, {"custom_id": "a", "prompt": "y"}])
     with pytest.raises(InputFileError, match=r"line 1 and line 2; custom_ids must be unique"):
         scan_input(path)
+
+
+def test_a_duplicate_custom_id_megabytes_long_is_quoted_in_part(tmp_path):
+    """The refusal echoed the whole id: a 1 MB custom_id made a 1 MB error line."""
+    path = tmp_path / "in.jsonl"
+    write_jsonl(path, [{"custom_id": "x" * 1_000_000, "prompt": "a"}] * 2)
+    with pytest.raises(InputFileError, match=r"line 1 and line 2; custom_ids must be unique") \
+            as refused:
+        scan_input(path)
+    assert len(str(refused.value)) < 300

@@ -96,7 +96,10 @@ class GrammarCompiler:
         self._info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids
         )
-        self._compiler = xgr.GrammarCompiler(self._info, max_threads=max_threads)
+        # xgrammar's own cache keeps every grammar compiled, without bound: the worker's
+        # (runner/worker/grammars.py) is bounded.
+        self._compiler = xgr.GrammarCompiler(self._info, max_threads=max_threads,
+                                             cache_enabled=False)
 
     def compile(self, response_format: dict | None) -> CompiledGrammar | None:
         """Grammar for ``response_format``; None for plain text. Raises StructuredOutputError."""

@@ -24,7 +24,8 @@ from batchgen.io.field_values import (MAX_FIELD_DEPTH, maybe_json, request_field
 from batchgen.io.grammar_limits import GrammarTooComplex, check_grammar_limits
 from batchgen.io.messages import parse_messages, parse_prompt
 from batchgen.io.reader import RawRecord, custom_id_of, record_key
-from batchgen.io.refused_fields import EMBEDDING_REFUSED, refuse_fields, refuse_unimplemented
+from batchgen.io.refused_fields import (EMBEDDING_REFUSED, refuse_fields, refuse_template_kwargs,
+                                       refuse_unimplemented)
 from batchgen.io.sampling_fields import (MODEL_DEFAULT_FIELDS, BadLine, gives_max_tokens,
                                          parse_sampling)
 from batchgen.io.templates import TemplateError, render_chat
@@ -169,9 +170,11 @@ def _parse(data: dict, key: str, line: int,
     else:
         kind, body = plain_kind(data), data
     extra = {k: maybe_json(body[k]) for k in EXTRA_FIELDS if body.get(k) is not None}
-    if "chat_template_kwargs" in extra and not isinstance(extra["chat_template_kwargs"], dict):
-        raise BadLine("invalid_messages", "chat_template_kwargs must be an object",
-                       "chat_template_kwargs")
+    if "chat_template_kwargs" in extra:
+        if not isinstance(extra["chat_template_kwargs"], dict):
+            raise BadLine("invalid_messages", "chat_template_kwargs must be an object",
+                           "chat_template_kwargs")
+        refuse_template_kwargs(extra["chat_template_kwargs"])
     _check_stream(body.get("stream"))
     if kind == "embedding":
         try:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import reprlib
 import stat
 from array import array
 from collections.abc import Callable, Iterator
@@ -431,9 +432,10 @@ def _refuse_duplicates(path: Path, digests: array, max_line_bytes: int) -> None:
         if record.data is None or custom_id_of(record.data) is None:
             named.add(line)
         if key in first_line:
+            shown = reprlib.repr(key)  # a custom_id may be megabytes long
             why = "".join(f" (line {n} has no usable custom_id of its own, so its result is "
-                          f"named {key!r})" for n in (first_line[key], line) if n in named)
+                          f"named {shown})" for n in (first_line[key], line) if n in named)
             raise InputFileError(
-                f"{path}: custom_id {key!r} appears on line {first_line[key]} and line {line}"
+                f"{path}: custom_id {shown} appears on line {first_line[key]} and line {line}"
                 f"{why}; custom_ids must be unique: rename or remove the duplicate")
         first_line[key] = line

@@ -80,6 +80,33 @@ EMBEDDING_REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
 (`normalize` is read: io/embeddings.py)."""
 
 
+TEMPLATE_KWARGS_REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "messages": ((None,), "give the conversation as the line's messages"),
+    "conversation": ((None,), "give the conversation as the line's messages"),
+    "tools": ((None,), "give tools as the line's tools"),
+    "chat_template": ((None,), "a chat template per line is not supported: give it to the "
+                               "job as --chat-template"),
+    "add_generation_prompt": ((None, True), "the chat template always ends with the "
+                                            "assistant's turn opened"),
+    "continue_final_message": ((None, False), "continuing the last message is not supported"),
+}
+"""chat_template_kwargs keys that are arguments batchgen gives the chat template itself
+(transformers' apply_chat_template): another value would be dropped, so it is refused, naming
+the key and what to do instead (`tokenize`, `return_dict`, which change no prompt, are
+dropped)."""
+
+
+def refuse_template_kwargs(kwargs: dict) -> None:
+    """BadLine for the first chat_template_kwargs key of TEMPLATE_KWARGS_REFUSED set to a
+    value other than the one batchgen renders with (`param`: chat_template_kwargs.<key>)."""
+    for name, (defaults, fix) in TEMPLATE_KWARGS_REFUSED.items():
+        value = kwargs.get(name)
+        if not any(_same(value, d) for d in defaults):
+            raise BadLine("invalid_request", f"chat_template_kwargs.{name}: {fix}; drop it from "
+                                              f"chat_template_kwargs (got {reprlib.repr(value)})",
+                          f"chat_template_kwargs.{name}")
+
+
 def refuse_unimplemented(body: dict, n: int) -> None:
     """BadLine for the first REFUSED field `body` sets to a value that changes the answer, or
     a `best_of` other than `n` (the best of several samples: answered as n choices)."""

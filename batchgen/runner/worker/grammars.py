@@ -3,11 +3,19 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import orjson
 
 from batchgen.core import Request
 from batchgen.io.intake import IntakeError, PendingRequest
 from batchgen.engine.tool_choice import forced_functions, tool_call_grammar
+
+GRAMMAR_CACHE_BYTES = 512 << 20
+"""Most memory the compiled grammars kept for reuse may hold (xgrammar's own measure of each;
+one is ~2 MB with a 49k-token vocabulary). A file whose lines each carry their own schema would
+otherwise grow the worker by that much per line until it is killed; past the bound the least
+recently used grammar is dropped (requests that hold it keep it) and compiled again if asked."""
 
 
 class Grammars:
@@ -21,7 +29,8 @@ class Grammars:
         self.stop_token_ids = list(stop_token_ids)
         self.tool_parser = tool_parser
         self._compiler = None
-        self._cache: dict[bytes, object] = {}
+        self._cache: OrderedDict[bytes, object] = OrderedDict()
+        self._cached_bytes = 0
 
     def request(self, item: PendingRequest) -> Request | IntakeError:
         response_format = item.extra.get("response_format")
@@ -36,14 +45,13 @@ class Grammars:
             return item.to_request()
         try:
             # orjson refuses nesting past 254 levels (a TypeError), as the compiler would.
-            key = grammar_key(response_format)
-            if key not in self._cache:
-                self._cache[key] = self._compile(response_format)
+            grammar = self._cached(grammar_key(response_format),
+                                   lambda: self._compile(response_format))
         except (ValueError, TypeError, RecursionError) as err:  # StructuredOutputError: ValueError
             return IntakeError(item.custom_id, item.line, "unsupported_response_format",
                                f"line {item.line}: response_format: {err}", "response_format")
         request = item.to_request()
-        request.grammar = self._cache[key]
+        request.grammar = grammar
         return request
 
     def _forced_call(self, item: PendingRequest, functions: list[dict],
@@ -53,10 +61,9 @@ class Grammars:
                                f"line {item.line}: a tool_choice that forces a call cannot be "
                                "combined with response_format: drop one", "tool_choice")
         try:
-            key = grammar_key([self.tool_parser, functions])
-            if key not in self._cache:
-                grammar = tool_call_grammar(functions, self.tool_parser)
-                self._cache[key] = self._compiler_().compile_grammar(grammar)
+            grammar = self._cached(grammar_key([self.tool_parser, functions]),
+                                   lambda: self._compiler_().compile_grammar(
+                                       tool_call_grammar(functions, self.tool_parser)))
         except (ValueError, TypeError, RecursionError) as err:
             # A schema in tools the grammar engine refuses names tools; a format that cannot
             # be forced names tool_choice.
@@ -64,8 +71,21 @@ class Grammars:
             return IntakeError(item.custom_id, item.line, "invalid_tool_choice",
                                f"line {item.line}: {err}", param)
         request = item.to_request()
-        request.grammar = self._cache[key]
+        request.grammar = grammar
         return request
+
+    def _cached(self, key: bytes, build):
+        """The compiled grammar under `key`, built by `build()` when not kept; the cache stays
+        within GRAMMAR_CACHE_BYTES, dropping the least recently used (never the newest)."""
+        if key in self._cache:
+            self._cache.move_to_end(key)
+            return self._cache[key]
+        grammar = self._cache[key] = build()
+        self._cached_bytes += grammar_bytes(grammar)
+        while self._cached_bytes > GRAMMAR_CACHE_BYTES and len(self._cache) > 1:
+            _, dropped = self._cache.popitem(last=False)
+            self._cached_bytes -= grammar_bytes(dropped)
+        return grammar
 
     def _compiler_(self):
         if self._compiler is None:
@@ -77,6 +97,11 @@ class Grammars:
 
     def _compile(self, response_format):
         return self._compiler_().compile(response_format)
+
+
+def grammar_bytes(grammar) -> int:
+    """The memory a CompiledGrammar holds, as xgrammar measures it (0 for None: plain text)."""
+    return 0 if grammar is None else grammar.grammar.memory_size_bytes
 
 
 def grammar_key(spec) -> bytes:
