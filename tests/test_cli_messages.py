@@ -214,3 +214,13 @@ def test_status_of_an_embeddings_job_shows_its_input_rate():
     assert _speed(state) == "200.0 in tok/s over 1 run (30.0 s)"
     state["usage"]["completion_tokens"] = 300
     assert _speed(state).startswith("10.0 out tok/s over 1 run") and "last run 0.0" in _speed(state)
+
+
+def test_validate_names_each_bad_line_once(tmp_path):
+    rows = [{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
+             "body": {"messages": [{"role": "user", "content": "hi"}], "temperature": -3}}]
+    result = CliRunner().invoke(app, ["validate", "-i", str(write_jsonl(tmp_path / "in.jsonl",
+                                                                          rows))])
+    assert ("line 1: invalid_sampling_param: temperature must be in [0, 100], got -3"
+            in result.output), result.output
+    assert result.output.count("line 1:") == 1

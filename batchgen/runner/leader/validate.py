@@ -59,7 +59,8 @@ def validate_file(path: Path, max_tokens: int,
         if isinstance(parsed, IntakeError):
             codes[parsed.code] += 1
             if codes.total() <= SHOWN_ERRORS:
-                shown.append(f"line {parsed.line}: {parsed.code}: {parsed.message}")
+                where = f"line {parsed.line}: "  # error lines' messages start with it too
+                shown.append(f"{where}{parsed.code}: {parsed.message.removeprefix(where)}")
             return
         problems = (unknown_fields(record.data, SHOWN_WARNINGS if warned < SHOWN_WARNINGS else 1)
                     if isinstance(record.data, dict) else [])
