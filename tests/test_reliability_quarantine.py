@@ -3,6 +3,7 @@ quarantined as an error line and the job completes; kills of the whole job count
 
 import orjson
 import pytest
+from job_utils import chat_rows, write_jsonl
 from test_reliability_support import (
     ROWS,
     batch_state,
@@ -132,6 +133,21 @@ def test_poison_request_is_quarantined_and_the_job_completes(tmp_path, tiny_chat
     assert errors[0]["error"]["code"] == "quarantined" and errors[0]["error"]["line"] == 6
     assert batch_state(storage)["health"]["quarantined"] == 1
     record_figures("quarantine", crashes=3, commands=2, quarantined=1, **figures)
+
+
+@pytest.mark.slow
+def test_a_restarted_worker_group_sums_every_attempt(tmp_path, tiny_chat_model):
+    """--max-restarts: the worker dies admitting req-4 after answering req-0..3, torchrun
+    restarts it, req-4 is quarantined and req-5 answered. All six were this command's: its
+    summary says so, not "2 answered by this run, 4 saved by earlier runs" (the restarted
+    attempt's own count)."""
+    inp = write_jsonl(tmp_path / "in.jsonl", chat_rows(6, max_tokens=4))
+    storage = tmp_path / "s"
+    proc = run(inp, storage, tiny_chat_model, "--max-restarts", "1", "--quarantine-after", "1",
+               "--max-pool-size", "1", env={CRASH_ON_ADMIT_ENV: "req-4"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "quarantined ['req-4']" in proc.stderr
+    assert "done: 5 results, 1 errors (6 requests) in " in proc.stderr, proc.stderr[-1500:]
 
 
 @pytest.mark.slow

@@ -23,6 +23,7 @@ from batchgen.runner.worker.watchdog import (
     Watchdog,
     guard_decode_steps,
     health_from_stats,
+    launch_counts,
 )
 
 MARGIN_S = 1.0
@@ -38,6 +39,22 @@ def _watchdog(tmp_path, **cfg) -> tuple[Watchdog, threading.Event, list]:
     stats = StatsFile(tmp_path / "w.worker0.json", initial={"rank": 0})
     watchdog = Watchdog(WatchdogConfig(**cfg), stats, time.time(), exit=fake_exit, backstop=False)
     return watchdog, tripped, codes
+
+
+def test_a_restarted_rank_counts_on_from_its_launchs_earlier_attempt(tmp_path):
+    """torchrun restarts a worker group (--max-restarts) within one launch: the new attempt's
+    stats start from the file the earlier one left, so the run counts both; a file of another
+    launch (or of a worker run by hand, with no launch) counts for nothing."""
+    path = tmp_path / "w.worker0.json"
+    earlier = StatsFile(path, initial={"launch": "1.5", **launch_counts(path, "1.5")})
+    earlier.update({"completed": 4, "failed": 1, "completion_tokens": 16, "prompt_tokens": 9})
+    assert launch_counts(path, "1.5") == {"completed": 4, "failed": 1, "prompt_tokens": 9,
+                                          "completion_tokens": 16, "cached_tokens": 0}
+    assert set(launch_counts(path, "2.5").values()) == {0}
+    assert set(launch_counts(path, None).values()) == {0}
+    assert set(launch_counts(tmp_path / "none.json", "1.5").values()) == {0}
+    restarted = StatsFile(path, initial={"launch": "1.5", **launch_counts(path, "1.5")})
+    assert restarted.counts()["completed"] == 4 and StatsFile(path).counts()["completed"] == 0
 
 
 def test_missed_step_deadline_trips_within_timeout(tmp_path, capfd):

@@ -249,7 +249,7 @@ def _run_locked(spec: JobSpec, batch_file: BatchFile, already: int, stops: StopS
                        {"last_failure": str(err), "input_changed": True})
         raise
     try:
-        return _finish(spec, batch_file, started, stops, patient=group is not None)
+        return _finish(spec, batch_file, started, stops, already, patient=group is not None)
     except Preempted as stop:  # recorded as a stop while the workers run is; a rerun merges
         try_record_end(spec, batch_file, started, "in_progress", {"last_stop": str(stop)})
         raise
@@ -418,9 +418,11 @@ def _failure_cause(spec: JobSpec, failure: WorkerFailure) -> str:
 
 
 def _finish(spec: JobSpec, batch_file: BatchFile, started: float, stops: StopSignals,
-            patient: bool = False) -> int:
-    """Merge the incremental files into the outputs. `patient`: other nodes wrote some of them;
-    give a shared filesystem's caches a minute to show their last lines before giving up."""
+            already: int, patient: bool = False) -> int:
+    """Merge the incremental files into the outputs. `already`: the records earlier runs had
+    answered when this one started (every other one is this run's, whichever attempt of a
+    --max-restarts group answered it). `patient`: other nodes wrote some of them; give a
+    shared filesystem's caches a minute to show their last lines before giving up."""
     paths = spec.paths
     batch_file.update(spec.batch_id, status="finalizing")
     paths.remove_output_temps()  # left by a finalize that was killed
@@ -473,8 +475,7 @@ def _finish(spec: JobSpec, batch_file: BatchFile, started: float, stops: StopSig
     print(run_summary(time.time() - started, report.completed, report.failed,
                       report.prompt_tokens, report.completion_tokens,
                       sum(s.get("completion_tokens", 0) for s in stats), paths.output,
-                      paths.errors_output, paths.storage_path,
-                      sum(s.get("completed", 0) + s.get("failed", 0) for s in stats),
+                      paths.errors_output, paths.storage_path, spec.total_records - already,
                       report.cached_tokens),
           file=sys.stderr, flush=True)
     return ExitCode.OK

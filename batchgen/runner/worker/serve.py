@@ -27,8 +27,9 @@ from batchgen.parallel import ParallelError
 from batchgen.runner.exits import ExitCode
 from batchgen.runner.files.errors import DiskError
 from batchgen.runner.files.job import JobSpec
-from batchgen.runner.worker.process import StopFlag, die_with_supervisor, launched_at
-from batchgen.runner.worker.watchdog import StatsFile, Watchdog
+from batchgen.runner.worker.process import (LAUNCHED_AT_ENV, StopFlag, die_with_supervisor,
+                                             launched_at)
+from batchgen.runner.worker.watchdog import StatsFile, Watchdog, launch_counts
 from batchgen.runner.worker.worker import RankInfo, Worker, cpu_threads
 
 log = logging.getLogger("batchgen.worker")
@@ -47,9 +48,10 @@ def main(argv: list[str] | None = None) -> int:
     rank = RankInfo.from_env()
     stop = StopFlag(spec.config.watchdog.preempt_grace)
     stop.install()
-    stats = StatsFile(spec.paths.batch_file.with_name(f"{spec.batch_id}.worker{rank.rank}.json"),
-                      initial={"rank": rank.rank, "pid": os.getpid(), "completed": 0, "failed": 0,
-                               "prompt_tokens": 0, "completion_tokens": 0})
+    path = spec.paths.batch_file.with_name(f"{spec.batch_id}.worker{rank.rank}.json")
+    launch = os.environ.get(LAUNCHED_AT_ENV)
+    stats = StatsFile(path, initial={"rank": rank.rank, "pid": os.getpid(), "launch": launch,
+                                     **launch_counts(path, launch)})
     watchdog = Watchdog(spec.config.watchdog, stats, launched_at())
     watchdog.start()
     torch.set_num_threads(cpu_threads())

@@ -30,6 +30,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import orjson
+
 from batchgen.config import WatchdogConfig
 from batchgen.atomic import write_json_atomic
 from batchgen.runner.exits import ExitCode
@@ -48,6 +50,27 @@ DEADLINES = {
     "decode_step": ("decode_step_timeout", "--decode-step-timeout"),
 }
 """Deadline name -> (WatchdogConfig field, flag)."""
+
+
+COUNTS = ("completed", "failed", "prompt_tokens", "completion_tokens", "cached_tokens")
+"""What a rank has answered in one launch of the workers (its stats file's running totals)."""
+
+
+def launch_counts(path: Path, launch: str | None) -> dict[str, int]:
+    """The COUNTS to start a rank's stats file from: an earlier attempt's, when that attempt
+    belonged to the same launch (`launch`, the supervisor's BATCHGEN_LAUNCHED_AT: torchrun
+    restarted the worker group, --max-restarts), so the run's summary and the batch file count
+    what every attempt of the run answered, not the last attempt's alone; else zeros (the
+    supervisor removes an earlier run's stats files before it launches)."""
+    counts = dict.fromkeys(COUNTS, 0)
+    try:
+        earlier = orjson.loads(path.read_bytes()) if launch else None
+    except (OSError, orjson.JSONDecodeError):
+        earlier = None
+    if isinstance(earlier, dict) and earlier.get("launch") == launch:
+        counts.update({key: value for key in COUNTS
+                       if isinstance(value := earlier.get(key), int) and value >= 0})
+    return counts
 
 
 class StatsFile:
@@ -78,6 +101,10 @@ class StatsFile:
             return False
         finally:
             self._lock.release()
+
+    def counts(self) -> dict[str, int]:
+        """The COUNTS the file starts from (see launch_counts)."""
+        return {key: int(self._data.get(key, 0)) for key in COUNTS}
 
 
 @dataclass

@@ -124,7 +124,7 @@ class Worker:
         self.spec, self.rank, self.stop, self.watchdog = spec, rank, stop, watchdog
         self.clock = StartupClock(origin=launched_at() or None)
         self.clock.mark("process")
-        self.stats = WorkerStats()
+        self.stats = WorkerStats(**watchdog.stats.counts())  # an earlier attempt's, restarted
         device, compile_workers = self._open_device()
         self.place = placement(spec, rank, device)
         self.tp = init_tensor_parallel(self.place, device)
