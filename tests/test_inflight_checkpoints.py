@@ -57,6 +57,23 @@ def test_a_finished_choice_keeps_its_result(tmp_path):
     assert state == {"n": [progress([1, 2, 3]), progress([7, 8], done=done)]}
 
 
+@pytest.mark.parametrize("first", ["start", "save"])
+def test_a_logprobs_choice_saved_before_its_first_token_keeps_its_progress(tmp_path, first):
+    """With n > 1 and logprobs, a choice still waiting for its first token is exported with
+    no logprobs (the engine has none yet); its later tokens come with them, and the request
+    must still resume (it was dropped, its tokens drawn again, at every stop)."""
+    path = tmp_path / "c"
+    log = CheckpointLog(path, FP)
+    waiting = {"n": [progress([1], logprobs=True), progress([])]}
+    log.start(waiting if first == "start" else {})
+    if first == "save":
+        log.save(waiting)
+    later = {"n": [progress([1, 2], logprobs=True), progress([9], logprobs=True)]}
+    log.save(later)
+    state, report = load(path, FP)
+    assert (state, report.dropped) == (later, [])
+
+
 def test_a_request_started_over_replaces_its_old_progress(tmp_path):
     path = tmp_path / "c"
     log = CheckpointLog(path, FP)

@@ -123,3 +123,25 @@ def test_each_disk_error_says_what_to_do_about_it(code, advice):
     message = str(caught.value)
     assert message.startswith("could not write the results") and "/data/out.jsonl" in message
     assert advice in message and "saved before are safe" in message
+
+
+def test_a_full_job_folder_is_named_beside_a_roomy_results_folder(tmp_path, tmpfs):
+    """The in-flight checkpoint lives in the job's batches/ folder, results in
+    --incremental-output-dir: when the worker exits 6 without recording why (its stats file
+    sits on the full disk too), the free space of both is given, not only that of the
+    results folder, which has room."""
+    from types import SimpleNamespace
+
+    from batchgen.io.jobfiles import JobPaths
+    from batchgen.runner.exits import ExitCode
+    from batchgen.runner.leader.launch import WorkerFailure
+    from batchgen.runner.leader.failures import failure_cause
+
+    if not tmpfs(tmp_path / "storage", 8192):
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    paths = JobPaths.for_job(tmp_path / "storage", "batch_1", tmp_path / "incremental")
+    paths.make_dirs()
+    spec = SimpleNamespace(batch_id="batch_1", paths=paths)
+    cause = failure_cause(spec, WorkerFailure(0, ExitCode.DISK, ""))
+    assert f"MB free under {paths.incremental_dir}" in cause
+    assert f"MB free under {paths.batch_file.parent}" in cause and "checkpoint" in cause

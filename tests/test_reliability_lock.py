@@ -156,7 +156,7 @@ def test_a_worker_refused_by_the_results_lock_is_reported_as_such(tmp_path):
     from batchgen.io.jobfiles import JobPaths
     from batchgen.runner.exits import ExitCode
     from batchgen.runner.leader.launch import WorkerFailure
-    from batchgen.runner.leader.supervisor import _failure_cause
+    from batchgen.runner.leader.failures import failure_cause
 
     said = "/x/batch_1.jsonl is in use by another live batchgen process"
     paths = JobPaths.for_job(tmp_path, "batch_1")
@@ -164,5 +164,5 @@ def test_a_worker_refused_by_the_results_lock_is_reported_as_such(tmp_path):
     paths.batch_file.with_name("batch_1.worker0.json").write_text(
         f'{{"rank": 0, "failure": "{said}"}}')
     spec = SimpleNamespace(batch_id="batch_1", paths=paths)
-    cause = _failure_cause(spec, WorkerFailure(0, ExitCode.LOCKED, ""))
+    cause = failure_cause(spec, WorkerFailure(0, ExitCode.LOCKED, ""))
     assert said in cause and "stop the other process" in cause and "crashed" not in cause

@@ -242,6 +242,10 @@ def _merge(current: list[ChoiceProgress] | None,
         return None
     out = []
     for progress, entry in zip(current, entries):
+        if not progress.token_ids and progress.done is None:
+            # A choice that had drawn nothing yet (a sibling of n > 1 still waiting for its
+            # first token) was saved without logprobs: its first tokens bring them.
+            progress = ChoiceProgress([], [] if "lp" in entry else None)
         if entry["at"] != len(progress.token_ids) or (progress.logprobs is None) != (
                 "lp" not in entry):
             return None

@@ -36,6 +36,7 @@ from batchgen.runner.files.errors import (EXIT_CODES, DiskError, PreflightFailed
                                          exit_code_of)
 from batchgen.runner.files.job import JobSpec, check_input_unchanged
 from batchgen.runner.files.lock import JobLock
+from batchgen.runner.leader.failures import failure_cause, removed_cause
 from batchgen.runner.leader.group import Group, GroupError, MemberEnd, PlanRefused
 from batchgen.runner.leader.launch import WorkerFailure, is_stop_signal, release_exit_barrier
 from batchgen.runner.leader.members import Member, check_plan, member_failure, member_for
@@ -359,62 +360,12 @@ def _worker_failed(spec: JobSpec, batch_file: BatchFile, started: float,
         raise Preempted(f"worker rank {failure.rank} (exit {code})")
     if code not in NOT_CRASHES:
         mark_crashed(spec.paths.batch_file.parent, spec.batch_id, code)
-    cause = _failure_cause(spec, failure)
+    cause = failure_cause(spec, failure)
     try_record_end(spec, batch_file, started, "failed",
                     {"last_failure": cause, "last_failure_at": int(time.time()),
                      "last_exit_code": code, "worker_log": failure.log_path})
     log.error("%s\n%s", cause, failure.log_tail)
     return _worker_exit_code(code)
-
-
-def removed_cause(what: str) -> str:
-    """What to say when `what` (a job folder or results file) was removed during the run."""
-    return (f"{what} was removed while the job ran: the results saved there are gone; run the "
-            "same command again to start the job over (keep the storage folder until the job "
-            "completes)")
-
-
-def _failure_cause(spec: JobSpec, failure: WorkerFailure) -> str:
-    """One paragraph for the log and the batch file's health.last_failure."""
-    stats = {s.get("rank"): s
-             for s in read_worker_stats(spec.paths.batch_file.parent, spec.batch_id)}
-    mine = stats.get(failure.rank, {})
-    resume = "re-run the same command to resume (under Slurm: requeue)"
-    removed = spec.paths.removed_while_running()
-    if removed is None and mine.get("removed"):  # its results file alone: the folders stand
-        removed = str(mine["removed"])
-    if removed is not None:
-        return removed_cause(removed)
-    if failure.cause:
-        return f"{failure.cause}; {resume}"
-    if failure.exitcode == ExitCode.WATCHDOG:
-        cause = mine.get("watchdog", {}).get("cause", "watchdog: a deadline was missed")
-        return f"worker rank {failure.rank}: {cause}; {resume}"
-    if failure.exitcode == ExitCode.DISK:
-        free = shutil.disk_usage(spec.paths.incremental_dir).free
-        said = mine.get("failure", "it could not save results (disk full or failing)")
-        return (f"worker rank {failure.rank}: {said} ({free / 1e6:.1f} MB free under "
-                f"{spec.paths.incremental_dir})")
-    if failure.exitcode == ExitCode.DEVICE_OOM:
-        return (f"worker rank {failure.rank} ran out of device memory; {resume}: the requests "
-                "in flight are retried in smaller groups")
-    if failure.exitcode == ExitCode.INPUT:
-        said = mine.get("failure", "it could not read the job's parsed input")
-        return f"worker rank {failure.rank}: {said}; {resume}"
-    if failure.exitcode == ExitCode.MODEL:
-        said = mine.get("failure", "it could not load the model")
-        return (f"worker rank {failure.rank}: {said}. Nothing was answered with it; fix the "
-                "model (or --model) and run again")
-    if failure.exitcode == ExitCode.LOCKED:
-        said = mine.get("failure", "its results file is locked by another live batchgen process")
-        return (f"worker rank {failure.rank}: {said}; stop the other process (or wait for it) "
-                f"and {resume}")
-    how = (f"killed by signal {-failure.exitcode}" if failure.exitcode < 0
-           else f"exited with code {failure.exitcode}")
-    return (f"worker rank {failure.rank} crashed ({how}). The requests in flight are retried "
-            f"in isolation on the next run; one in flight at "
-            f"{spec.config.watchdog.quarantine_after} consecutive crashes is quarantined as an "
-            f"error line; {resume}")
 
 
 def _finish(spec: JobSpec, batch_file: BatchFile, started: float, stops: StopSignals,

@@ -323,7 +323,7 @@ class Worker:
         if self.checkpoints is None or not (stopping or self.checkpoints.due()):
             return
         # Saved progress not admitted yet (a long input admits as it goes) stays in the file.
-        with disk_errors("write the in-flight checkpoint"):
+        with disk_errors(f"write the in-flight checkpoint {self.checkpoints.file.path}"):
             self.checkpoints.save(lambda: {**self.resumable, **self.engine.inflight_state()},
                                   self.engine.generated_tokens)
 
