@@ -1,7 +1,7 @@
 """Prefix cache of one page tier: full KV pages keyed by a hash chain of their tokens.
 
-Page i of a sequence is keyed by `page_key(key of page i-1, its 64 tokens)`, seeded by a salt
-naming whatever else changes the KV (the model, the KV dtype): equal keys mean equal tokens
+Page i of a sequence is keyed by `page_key(key of page i-1, its 64 tokens' bytes)`, seeded by
+a salt naming whatever else changes the KV (the model, the KV dtype): equal keys mean equal tokens
 from position 0 on, so equal KV. Only full pages whose KV is computed are registered; a page
 is never written once full, so a shared page is read-only. Storage only: which pages a
 sequence maps, and when, is the scheduler's policy.
@@ -35,9 +35,10 @@ they share their parent and first token, and in batch jobs they are mostly the p
 requests with one common prefix, which share as many tokens (bounds the admission's cost)."""
 
 
-def page_key(parent: bytes, tokens) -> bytes:
-    """The key of a full page of `tokens` following the page keyed `parent`."""
-    return hashlib.blake2b(parent + token_bytes(tokens), digest_size=16).digest()
+def page_key(parent: bytes, tokens: bytes) -> bytes:
+    """The key of a full page whose tokens are `tokens` (token_bytes) following the page keyed
+    `parent`."""
+    return hashlib.blake2b(parent + tokens, digest_size=16).digest()
 
 
 def token_bytes(tokens) -> bytes:
@@ -69,7 +70,7 @@ def extend_keys(keys: list[bytes], root: bytes, token_ids, full_pages: int) -> N
     width = 8 * PAGE_SIZE
     parent = keys[-1] if keys else root
     for offset in range(0, len(data), width):
-        parent = hashlib.blake2b(parent + data[offset:offset + width], digest_size=16).digest()
+        parent = page_key(parent, data[offset:offset + width])
         keys.append(parent)
 
 
