@@ -4,6 +4,7 @@ before the engine runs a forward."""
 from __future__ import annotations
 
 import gc
+from types import SimpleNamespace
 
 import pytest
 
@@ -60,5 +61,8 @@ def test_collector_is_back_on_before_the_engine(tmp_path, monkeypatch, collector
     monkeypatch.setattr(worker_mod, "Engine", engine)
     gc.disable()  # as worker_entry leaves it
     with pytest.raises(_Stop):
-        worker_mod.Worker(spec, worker_mod.RankInfo(), StopFlag(30.0), None)
+        # A watchdog whose stats file holds no earlier attempt (all the worker reads of it
+        # before the engine).
+        watchdog = SimpleNamespace(stats=SimpleNamespace(counts=dict))
+        worker_mod.Worker(spec, worker_mod.RankInfo(), StopFlag(30.0), watchdog)
     assert seen == {"load": False, "engine": True}
