@@ -99,12 +99,7 @@ dropped)."""
 def refuse_template_kwargs(kwargs: dict) -> None:
     """BadLine for the first chat_template_kwargs key of TEMPLATE_KWARGS_REFUSED set to a
     value other than the one batchgen renders with (`param`: chat_template_kwargs.<key>)."""
-    for name, (defaults, fix) in TEMPLATE_KWARGS_REFUSED.items():
-        value = kwargs.get(name)
-        if not any(_same(value, d) for d in defaults):
-            raise BadLine("invalid_request", f"chat_template_kwargs.{name}: {fix}; drop it from "
-                                              f"chat_template_kwargs (got {reprlib.repr(value)})",
-                          f"chat_template_kwargs.{name}")
+    refuse_fields(kwargs, TEMPLATE_KWARGS_REFUSED, within="chat_template_kwargs")
 
 
 def refuse_unimplemented(body: dict, n: int) -> None:
@@ -118,13 +113,19 @@ def refuse_unimplemented(body: dict, n: int) -> None:
                                           "among them", "best_of")
 
 
-def refuse_fields(body: dict, refused: dict[str, tuple[tuple[Any, ...], str]]) -> None:
+def refuse_fields(body: dict, refused: dict[str, tuple[tuple[Any, ...], str]],
+                  within: str | None = None) -> None:
     """BadLine for the first field of `refused` that `body` sets to a value that changes the
-    answer."""
+    answer; `within`: the field of the line that `body` is (its keys are named inside it)."""
     for name, (defaults, fix) in refused.items():
         value = body.get(name)
-        if not any(_same(value, d) for d in defaults):
-            raise BadLine("invalid_request", f"{fix} (got {reprlib.repr(value)})", name)
+        if any(_same(value, d) for d in defaults):
+            continue
+        got = f"(got {reprlib.repr(value)})"
+        if within is None:
+            raise BadLine("invalid_request", f"{fix} {got}", name)
+        raise BadLine("invalid_request", f"{within}.{name}: {fix}; drop it from {within} {got}",
+                      f"{within}.{name}")
 
 
 def _same(value: Any, default: Any) -> bool:

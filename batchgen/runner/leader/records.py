@@ -37,9 +37,7 @@ def record_end(spec: JobSpec, batch_file: BatchFile, started: float, status: str
     instead of the previous total plus this run's."""
     stats = read_worker_stats(spec.paths.batch_file.parent, spec.batch_id)
     elapsed = max(time.time() - started, 1e-9)
-    completion = sum(s.get("completion_tokens", 0) for s in stats)
-    prompt = sum(s.get("prompt_tokens", 0) for s in stats)
-    cached = sum(s.get("cached_tokens", 0) for s in stats)
+    prompt, completion, cached = _run_tokens(stats)
     changes = {
         "status": status, "health": {**health_from_stats(stats), **health},
         "counters": _engine_counters(stats),
@@ -73,9 +71,7 @@ def record_killed_run(batch_id: str, batch_file: BatchFile, batch_dir: Path) -> 
         return
     last = max(path.stat().st_mtime for path in files)
     stats = read_worker_stats(batch_dir, batch_id)
-    completion = sum(s.get("completion_tokens", 0) for s in stats)
-    prompt = sum(s.get("prompt_tokens", 0) for s in stats)
-    cached = sum(s.get("cached_tokens", 0) for s in stats)
+    prompt, completion, cached = _run_tokens(stats)
     batch_file.update(batch_id, usage=_usage_after(batch_file, prompt, completion, cached),
                       timings={**_all_runs(batch_file, max(0.0, last - started)),
                                "finished_at": int(last)})
@@ -227,6 +223,12 @@ def _engine_counters(stats: list[dict]) -> dict:
         counters["prefix_hit_rate"] = (counters.get("cached_prompt_tokens", 0)
                                        / max(1, counters["prompt_tokens"]))
     return counters
+
+
+def _run_tokens(stats: list[dict]) -> tuple[int, int, int]:
+    """Prompt, completion and cached prompt tokens the ranks' stats files count for a run."""
+    return tuple(sum(s.get(key, 0) for s in stats)
+                 for key in ("prompt_tokens", "completion_tokens", "cached_tokens"))
 
 
 def _usage_after(batch_file: BatchFile, prompt: int, completion: int, cached: int) -> dict:
