@@ -18,7 +18,7 @@ from batchgen.core import PAGE_SIZE, SamplingParams
 from batchgen.sched.pages import PageAllocator
 from batchgen.sched.prefix_cache import PrefixCache, common_tokens, token_bytes
 from batchgen.sched.scheduler import Scheduler
-from batchgen.sched.sharing import PrefixSharing, _common, common_pages
+from batchgen.sched.sharing import PrefixSharing, _common, common_pages, shared_pages
 from batchgen.sched.sequence import SeqState, Sequence, pages_for
 from batchgen.sched.step import SeqResult, StepOutput
 
@@ -377,13 +377,15 @@ def test_a_group_of_new_requests_is_ordered_longest_shared_prefix_first():
        st.lists(st.integers(1, 3), min_size=0, max_size=3 * PAGE_SIZE))
 @PROPERTY
 def test_common_pages_counts_the_leading_pages_whose_keys_are_equal(shared, a, b):
-    """The admission order compares tokens instead of hashing every waiting prompt: the same
-    count as the page keys give."""
+    """The admission order compares tokens instead of hashing every waiting prompt (or the
+    keys, once prepare() hashed both): the same count as the page keys give."""
     sharing = PrefixSharing("t")
     first = Sequence(0, "a", 0, shared + a, len(shared + a), SamplingParams(), 0)
     second = Sequence(1, "b", 0, shared + b, len(shared + b), SamplingParams(), 0)
+    assert shared_pages(first, second) == common_pages(first.token_ids, second.token_ids)
     expected = _common(sharing.keys(first), sharing.keys(second))
     assert common_pages(first.token_ids, second.token_ids) == expected
+    assert shared_pages(first, second) == expected  # from the keys, now hashed
 
 
 def test_a_group_left_waiting_for_its_prefix_is_not_hashed_until_prepared():
@@ -397,7 +399,7 @@ def test_a_group_left_waiting_for_its_prefix_is_not_hashed_until_prepared():
     assert [c.seq.seq_id for c in first.chunks] == [0]
     waiting = list(run.sched.waiting)
     assert [len(s.page_keys) for s in waiting] == [1] * 5
-    run.sched.prefix.prepare(run.sched.waiting, 2 * 5)  # stops once past 10 pages
+    run.sched.prefix.prepare(run.sched.waiting, 2 * 5, 100)  # stops once past 10 pages
     assert [len(s.page_keys) for s in waiting] == [5, 5, 5, 1, 1]
     run.sched.prepare()
     assert [len(s.page_keys) for s in waiting] == [5] * 5
@@ -405,6 +407,18 @@ def test_a_group_left_waiting_for_its_prefix_is_not_hashed_until_prepared():
     run.run()
     assert run.finished == {s.seq_id for s in run.seqs}
     assert run.sched.counters.cached_prompt_tokens == 5 * 3 * PAGE_SIZE
+
+
+def test_prepare_hashes_the_waiting_prompts_in_admission_order():
+    """Prefixes A B A B A B wait: admission takes the As together, so prepare() hashes them
+    first (in queue order it would hash an A, a B, an A, ... and leave the third A's hashing
+    to the decision that admits it)."""
+    prefixes = [[3 + j for j in range(2 * PAGE_SIZE)], [500 + j for j in range(2 * PAGE_SIZE)]]
+    reqs = [Req(i % 2, 2 * PAGE_SIZE, PAGE_SIZE + 5, 1, 4, 4) for i in range(6)]
+    run = FakeRun(reqs, 200, 400, SchedulerConfig(), prefixes)
+    sched = run.sched  # 3 usable pages a prompt, the first hashed when it was added
+    sched.prefix.prepare(sched.waiting, 3 * 2, 100)
+    assert [len(s.page_keys) for s in sched.waiting] == [3, 1, 3, 1, 3, 1]
 
 
 @pytest.mark.parametrize("device_pages", [6, 7])

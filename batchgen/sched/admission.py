@@ -27,6 +27,12 @@ FreeDevice = Callable[[int, Sequence | None, ScheduleOutput, tuple[Sequence, ...
 until `pages` device pages are free; False when they could not be (Scheduler._free_device)."""
 
 
+def order_limit(cfg: SchedulerConfig) -> int:
+    """Waiting sequences an admission looks at, at most: it takes no more than the decode
+    batch, and the scan stays short however many wait."""
+    return 4 * cfg.max_decode_batch + 64
+
+
 def device_target(seq: Sequence, cfg: SchedulerConfig, window: int, queued: int) -> int:
     """Device pages for `seq` when it is loaded or admitted, `queued` sequences waiting to be
     admitted or on the host (`seq` one of them): its context (at least until the next
@@ -81,7 +87,7 @@ class Admission:
         budget = self.cfg.max_prefill_tokens
         admitted: list[Sequence] = []
         self.deferred = False
-        order = (self.prefix.order(waiting, 4 * self.cfg.max_decode_batch + 64)
+        order = (self.prefix.order(waiting, order_limit(self.cfg))
                  if self.prefix is not None else waiting)
         blocked: Sequence | None = None  # the oldest that did not fit: it waits for room
         looked = 0  # sequences looked at past it

@@ -23,7 +23,7 @@ from typing import Callable
 
 from batchgen.config import SchedulerConfig
 from batchgen.core import PAGE_SIZE
-from batchgen.sched.admission import Admission, device_target
+from batchgen.sched.admission import Admission, device_target, order_limit
 from batchgen.sched.chunking import ChunkSizer
 from batchgen.sched.counters import Counters
 from batchgen.sched.eviction import victim_order
@@ -100,7 +100,7 @@ class Scheduler:
         """Work of the coming decisions that no step's results change (hashing the pages of
         the prompts that wait), for a runner to do while the device runs a step."""
         if self.prefix is not None:
-            self.prefix.prepare(self.waiting, PREPARE_PAGES)
+            self.prefix.prepare(self.waiting, PREPARE_PAGES, order_limit(self.cfg))
 
     def reset_counters(self) -> None:
         """Counters, peaks and the learned decode length start over (after a warm-up)."""

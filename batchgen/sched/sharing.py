@@ -130,10 +130,10 @@ class PrefixSharing:
             group = self._groups.get(seq.page_keys[0], {}).values()
             members = [m for m in islice(group, limit)
                        if id(m) not in pulled and m.state is SeqState.WAITING]
-            # Longest shared prefix first, in whole pages, by comparing tokens: hashing every
-            # member's prompt here (a sequence is filed by its first key only) cost most of
-            # a decision that admits a few and leaves the rest waiting for their prefix.
-            members.sort(key=lambda m: -common_pages(seq.token_ids, m.token_ids))
+            # Longest shared prefix first, in whole pages: by their keys where `prepare`
+            # hashed both prompts, else by comparing tokens (hashing every member's prompt
+            # here cost most of a decision that admits a few and leaves the rest waiting).
+            members.sort(key=lambda m: -shared_pages(seq, m))
             for member in members[:limit - len(pulled)]:
                 pulled.add(id(member))
                 yield member
@@ -175,11 +175,12 @@ class PrefixSharing:
         owner = self._inflight.get(key)
         return owner is not None and owner.state is SeqState.RUNNING
 
-    def prepare(self, waiting, max_pages: int) -> None:
+    def prepare(self, waiting, max_pages: int, limit: int) -> None:
         """Hash ahead the prompt pages `match` will look up for the waiting sequences, in
-        queue order, at most `max_pages` pages: work every admission does anyway, done here
-        while the device runs a step instead of between steps."""
-        for seq in waiting:
+        admission order (`order(waiting, limit)`), at most `max_pages` pages: work every
+        admission does anyway, done here while the device runs a step instead of between
+        steps."""
+        for seq in self.order(waiting, limit):
             if max_pages <= 0:
                 return
             pages = (seq.num_tokens - 1) // PAGE_SIZE
@@ -259,6 +260,24 @@ class PrefixSharing:
                         for m in members)
             shares.append(PrefixShare([m.seq_id for m in members], first[:count]))
         return shares
+
+
+def shared_pages(a: Sequence, b: Sequence) -> int:
+    """How many leading whole pages two sequences' tokens share: from their page keys when
+    both are hashed that far (a key names its page and every page before it), else from the
+    tokens."""
+    pages = min(a.num_tokens, b.num_tokens) // PAGE_SIZE
+    keys_a, keys_b = a.page_keys, b.page_keys
+    if len(keys_a) < pages or len(keys_b) < pages:
+        return common_pages(a.token_ids, b.token_ids)
+    low, high = 0, pages  # bisection on the keys: equal keys at i mean equal pages 0..i
+    while low < high:
+        mid = (low + high + 1) // 2
+        if keys_a[mid - 1] == keys_b[mid - 1]:
+            low = mid
+        else:
+            high = mid - 1
+    return low
 
 
 def common_pages(a, b) -> int:
