@@ -411,3 +411,25 @@ def test_an_unfinished_jobs_input_changed_between_runs_is_refused(tmp_path, tiny
     write_jsonl(inp, appended)
     proc = batchgen(*run_args(inp, storage, tiny_chat_model), check=True)
     assert "0 already done" in proc.stderr
+
+
+def test_a_job_of_refused_lines_only_loads_no_model(tmp_path, tiny_chat_model):
+    """Every line is one the parse refuses: their error lines (as a worker writes them) are
+    written without launching a worker, which would load a model for nothing, and the job
+    completes."""
+    bad = [{"custom_id": "a", "messages": "not a list"},
+           {"custom_id": "b", "method": "POST", "url": "/v1/chat/completions", "body": {}},
+           {"custom_id": "c", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"messages": [{"role": "user", "content": "hi"}], "temperature": -1}}]
+    inp = write_jsonl(tmp_path / "bad.jsonl", bad)
+    proc = batchgen(*run_args(inp, tmp_path / "s", tiny_chat_model), check=True)
+    assert "no model is loaded" in proc.stderr and "done: 0 results, 3 errors" in proc.stderr
+    assert not list((tmp_path / "s" / "batches").glob("*.worker*.json"))  # no worker ran
+    assert batch_record(tmp_path / "s")["request_counts"] == {"total": 3, "completed": 0,
+                                                                "failed": 3}
+    _, errors = outputs(tmp_path / "s")
+    assert [e["custom_id"] for e in errors] == ["a", "b", "c"]
+    assert [e["response"]["body"]["error"]["param"] for e in errors] == [
+        "messages", "messages", "temperature"]
+    assert all(e["id"].startswith("batch_req_") and e["response"]["status_code"] == 400
+               for e in errors)

@@ -80,6 +80,8 @@ class _Store:
         self.sha256, self.size = hashlib.sha256(), 0
         self.defaulted = 0
         """Records whose max_tokens is the default (intake.takes_default_max_tokens)."""
+        self.refused = 0
+        """Records parsed into an IntakeError (their answer is an error line)."""
         self.ignoring = 0
         """Records with a field batchgen does not read (field_hints.unknown_fields)."""
         self.ignored: list[str] = []
@@ -98,6 +100,7 @@ class _Store:
                 self.ignored.append(f"line {record.line}: {hints[0]}")
         parsed = parse_record(record, self.default_max_tokens)
         self.defaulted += takes_default_max_tokens(parsed, record)
+        self.refused += isinstance(parsed, IntakeError)
         item = pickle.dumps(parsed, protocol=pickle.HIGHEST_PROTOCOL)
         raw_key = key.encode("utf-8", "surrogatepass")
         prefix = (prefix_key(parsed.messages, parsed.prompt) if isinstance(parsed, ParsedRequest)
@@ -126,7 +129,8 @@ def parse_input(identity: InputFile, out: Path, max_line_bytes: int,
     with atomic_file(out) as f:
         store = _Store(f, default_max_tokens)
         summary = scan_input(identity.path, max_line_bytes, store.add, identity)
-    summary = replace(summary, default_max_tokens_lines=store.defaulted)
+    summary = replace(summary, default_max_tokens_lines=store.defaulted,
+                      refused_lines=store.refused)
     _warn_ignored(store, identity.path)
     if identity.version and file_version(identity.path) != identity.version:
         # Edited or replaced since it was hashed: the store may hold lines the sha256 does
@@ -138,7 +142,8 @@ def parse_input(identity: InputFile, out: Path, max_line_bytes: int,
     write_json_atomic(stamp_of(out), {
         **settings, "store_bytes": store.size, "store_sha256": store.sha256.hexdigest(),
         "records": summary.records, "line_errors": summary.line_errors,
-        "default_max_tokens_lines": summary.default_max_tokens_lines})
+        "default_max_tokens_lines": summary.default_max_tokens_lines,
+        "refused_lines": summary.refused_lines})
     return summary
 
 
@@ -212,7 +217,8 @@ def reused_input(identity: InputFile, out: Path, settings: dict) -> InputSummary
         return InputSummary(identity.path, identity.format, identity.sha256,
                             identity.size_bytes, int(stamp["records"]),
                             {str(k): int(v) for k, v in stamp["line_errors"].items()},
-                            int(stamp["default_max_tokens_lines"]))
+                            int(stamp["default_max_tokens_lines"]),
+                            int(stamp["refused_lines"]))
     except (KeyError, TypeError, ValueError, AttributeError):  # a stamp edited by hand
         return None
 

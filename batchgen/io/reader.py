@@ -101,6 +101,9 @@ class InputSummary:
     default_max_tokens_lines: int | None = None
     """Requests that give no max_tokens and so take --max-tokens (counted by the pass that
     parses every request, parsed_input.parse_input); None where no such pass ran."""
+    refused_lines: int | None = None
+    """Records the parse made error lines (IntakeError: a bad line, whatever its fault), counted
+    by that same pass; None where no such pass ran."""
 
 
 def detect_format(path: str | Path) -> str:

@@ -21,13 +21,15 @@ import shutil
 import signal
 import sys
 import time
+from itertools import islice
 from pathlib import Path
 
 from batchgen.atomic import atomic_file
 from batchgen.config import ConfigError, JobConfig
 from batchgen.io.checkpoints import checkpoint_files
 from batchgen.io.jobfiles import BatchFile, FingerprintMismatch, JobPaths, errors_path_for
-from batchgen.io.parsed_input import parsed_keys, remove_parsed
+from batchgen.io.parsed_input import parsed_keys, read_parsed, remove_parsed
+from batchgen.io.results import dumps, error_line
 from batchgen.io.writer import IncompleteResults, finalize, read_done_ids
 from batchgen.models.folder_checks import check_model_folder, machine_memory
 from batchgen.models.loader import MANIFEST
@@ -118,7 +120,8 @@ def _run(config: JobConfig, stops: StopSignals, member: Member) -> int:
                 check_model_folder(folder, *machine_memory(),
                                    tensor_parallel=config.dist.tensor_parallel_size or 1)
         return _run_locked(spec, batch_file, already, stops, member,
-                           {"input_bytes": summary.size_bytes, "left": left}, source.version)
+                           {"input_bytes": summary.size_bytes, "left": left}, source.version,
+                           refused_only=summary.refused_lines == summary.records)
     except FileNotFoundError:  # a write of the supervisor's own (parse, batch file, merge)
         removed = paths.removed_while_running()
         if removed is None:
@@ -197,7 +200,10 @@ def _code_of(err: BaseException) -> int:
 
 
 def _run_locked(spec: JobSpec, batch_file: BatchFile, already: int, stops: StopSignals,
-                member: Member, sizes: dict, input_version: tuple[int, ...]) -> int:
+                member: Member, sizes: dict, input_version: tuple[int, ...],
+                refused_only: bool = False) -> int:
+    """Run the job's ranks (or, `refused_only`: every line is one the parse refused, write
+    their error lines here: no worker, no model loaded), then merge the outputs."""
     paths, group = spec.paths, member.group
     log.info("job %s: %d requests, %d already done; results -> %s", spec.batch_id,
              spec.total_records, already, paths.output)
@@ -212,7 +218,9 @@ def _run_locked(spec: JobSpec, batch_file: BatchFile, already: int, stops: StopS
     progress = ProgressReporter(paths.batch_file.parent, spec.batch_id, spec.total_records, already)
     progress.start()
     try:
-        if already < spec.total_records:
+        if already < spec.total_records and refused_only:
+            _answer_refused_lines(spec)
+        if already < spec.total_records and not refused_only:
             _lead_ranks(spec, spec_file, member, sizes, stops)
         elif group is not None:
             group.publish_final("done")
@@ -274,6 +282,27 @@ def _lead_ranks(spec: JobSpec, spec_file: Path, member: Member, sizes: dict,
         log.info("our ranks are done; waiting for the other %d %s%s to finish their shards",
                  others, group.kind, "" if others == 1 else "s")
         group.wait_ends()
+
+
+def _answer_refused_lines(spec: JobSpec, per_write: int = 4096) -> None:
+    """Every record of the input is a line the parse refused (bad JSON, no messages, ...):
+    their error lines go to the results file here, as a worker would write them, without
+    launching one or loading the model for nothing."""
+    from batchgen.runner.worker.worker import open_results  # the engine's imports: not before
+
+    paths = spec.paths
+    log.warning("no line of the input is a request batchgen can run (each one's error goes to "
+                "%s; `batchgen validate -i %s` lists them): no model is loaded",
+                paths.errors_output, spec.config.storage.input)
+    with disk_errors("write the error lines of the refused records"):
+        writer, done = open_results(paths, 0, 1)
+        try:
+            lines = (dumps(error_line(spec.batch_id, record.item))
+                     for record in read_parsed(paths.parsed_input, skip=done))
+            while batch := list(islice(lines, per_write)):
+                writer.write_batch(batch)
+        finally:
+            writer.close()
 
 
 def _stop_for_follower(group) -> None:
