@@ -157,6 +157,54 @@ def test_config_contradicting_layer_tensors_is_a_checkpoint_error(tmp_path, fiel
         load_model(ModelConfig(model=str(folder), dtype="float32"), torch.device("cpu"))
 
 
+
+def _drop_tensor(folder, name):
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(folder / "model.safetensors")
+    del tensors[name]
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("family, dropped", [
+    ("llama", "model.layers.2.self_attn.k_proj.weight"),
+    ("llama", "model.layers.0.mlp.up_proj.weight"),
+    ("qwen2", "model.layers.1.self_attn.q_proj.bias"),
+    ("phi3", "model.layers.1.self_attn.qkv_proj.weight")])  # Phi-3 ships them fused
+def test_a_missing_tensor_is_named_as_the_checkpoint_names_it(tmp_path, family, dropped):
+    """Not by the fused parameter it fills (qkv_proj, gate_up_proj), which no file holds."""
+    folder = save_tiny_model(family, tmp_path / "m")
+    _drop_tensor(folder, dropped)
+    with pytest.raises(CheckpointError, match=rf"lacks 1 tensors, e\.g\. \['{dropped}'\]"):
+        load_model(ModelConfig(model=str(folder), dtype="float32"), torch.device("cpu"))
+
+
+def test_a_damaged_tokenizer_is_named_before_the_weights_are_placed(tmp_path, monkeypatch):
+    """A whole checkpoint read first would name it minutes late on a large model."""
+    from batchgen.models import factory
+
+    folder = save_tiny_model("llama", tmp_path / "m")
+    (folder / "tokenizer.json").write_text("{not json")
+
+    def build_model(*args, **kwargs):
+        raise AssertionError("weights placed before the tokenizer was read")
+
+    monkeypatch.setattr(factory, "build_model", build_model)
+    with pytest.raises(CheckpointError, match="tokenizer of"):
+        load_model(ModelConfig(model=str(folder), dtype="float32"), torch.device("cpu"))
+
+
+def test_an_untied_model_without_lm_head_says_what_it_lacks(tmp_path, caplog):
+    """It loads as an embedding model (no LM head): the log names the missing tensor and the
+    config field, for a causal LM whose lm_head.weight was lost."""
+    folder = save_tiny_model("llama", tmp_path / "m")
+    _drop_tensor(folder, "lm_head.weight")
+    with caplog.at_level("WARNING", logger="batchgen.models"):
+        loaded = load_model(ModelConfig(model=str(folder), dtype="float32"), torch.device("cpu"))
+    assert not loaded.model.generates
+    assert "no lm_head.weight" in caplog.text and "tie_word_embeddings" in caplog.text
+
+
 @pytest.mark.parametrize("text", ['{"eos_token_id": [2,', "[2]"])
 def test_an_unreadable_generation_config_is_a_checkpoint_error(tmp_path, text):
     """generation_config.json names where answers end: a damaged one is the model folder's

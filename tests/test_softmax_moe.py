@@ -64,15 +64,30 @@ def test_hf_grouped_expert_layout_loads(family):
 
 
 def test_missing_expert_or_router_is_named(family):
+    """By the name the family's checkpoints give it (Mixtral's block_sparse_moe, w3)."""
     name, folder, _, ours = family
     state = load_file(str(folder / "model.safetensors"))
     prefix = "mlp" if name == "qwen3_moe" else "block_sparse_moe"
     proj = "up_proj" if name == "qwen3_moe" else "w3"
-    for gone, said in ((f"model.layers.2.{prefix}.experts.1.{proj}.weight", "experts.1.up_proj"),
-                       (f"model.layers.2.{prefix}.gate.weight", "layers.2.mlp.gate.weight")):
+    for gone in (f"model.layers.2.{prefix}.experts.1.{proj}.weight",
+                 f"model.layers.2.{prefix}.gate.weight"):
         partial = {k: v for k, v in state.items() if k != gone}
-        with pytest.raises(ValueError, match=said):
+        with pytest.raises(ValueError, match=rf"lacks 1 tensors, e\.g\. \['{gone}'\]"):
             build_model(ours.config, partial.items(), torch.float32, CPU)
+
+
+@pytest.mark.parametrize("rows", [100, 1])  # 1: copy_ would broadcast it over every row
+def test_an_expert_of_another_shape_is_a_checkpoint_error_naming_it(family, rows):
+    """Not a RuntimeError that crashes the worker (and every rerun) or a silent broadcast."""
+    from batchgen.models.loader import CheckpointError
+
+    name, folder, _, ours = family
+    state = load_file(str(folder / "model.safetensors"))
+    bad = ("model.layers.0.mlp.experts.2.gate_proj.weight" if name == "qwen3_moe"
+           else "model.layers.0.block_sparse_moe.experts.2.w1.weight")
+    state[bad] = torch.zeros(rows, state[bad].shape[1])
+    with pytest.raises(CheckpointError, match=rf"{bad}: checkpoint shape \({rows}, 64\)"):
+        build_model(ours.config, state.items(), torch.float32, CPU)
 
 
 @pytest.mark.parametrize("case", [

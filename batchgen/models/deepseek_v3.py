@@ -154,7 +154,10 @@ class DeepseekV3ForCausalLM(PagedCausalLM):
     def _load_expert(self, experts: dict, name: str, value, presharded: bool = False) -> bool:
         match = EXPERT_NAME.match(name)
         if match:
-            experts[match.group(1)].load(int(match.group(2)), match.group(3), value)
+            try:
+                experts[match.group(1)].load(int(match.group(2)), match.group(3), value)
+            except ValueError as err:  # another shape: named by the checkpoint's tensor
+                raise ValueError(f"{name}: {err}") from None
             return True
         match = GROUPED_EXPERT_NAME.match(name)
         if not match or match.group(1) not in experts:

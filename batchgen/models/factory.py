@@ -139,6 +139,9 @@ def load_model(cfg: ModelConfig, device: torch.device, world_size: int = 1,
     weights = stream_to_device(read_safetensors(folder, [shard] if shard else None), device)
     try:
         hf_config = load_hf_config(folder)
+        # Before the weights are placed: a damaged tokenizer is named in seconds, not after
+        # a whole checkpoint was read.
+        tokenizer = load_tokenizer(folder)
         dtype = resolve_dtype(cfg.dtype, device)
         if before_weights is not None:
             before_weights(hf_config, dtype)
@@ -147,7 +150,15 @@ def load_model(cfg: ModelConfig, device: torch.device, world_size: int = 1,
     finally:
         weights.close()
     model.max_context = capped_context(model.max_context, cfg.max_model_len)
-    tokenizer = load_tokenizer(folder)
+    if not getattr(model, "generates", True):
+        # An embedding model's checkpoint (architectures: Qwen3Model, ...) is as expected; one
+        # that says it generates (...ForCausalLM) has lost its LM head.
+        causal = any(str(a).endswith("ForCausalLM")
+                     for a in getattr(hf_config, "architectures", None) or ())
+        log.log(logging.WARNING if causal else logging.INFO,
+                "%s has no lm_head.weight and its config.json's tie_word_embeddings is false: "
+                "it loads as an embedding model, and its chat and completions lines are error "
+                "lines (a model that generates needs its lm_head.weight restored)", folder)
     log.info("model %s ready on %s in %.1fs (%s)", name, device, time.perf_counter() - start, dtype)
     return LoadedModel(model, hf_config, tokenizer, eos_token_ids(folder, hf_config, tokenizer),
                        folder, name, dtype, model.max_context)

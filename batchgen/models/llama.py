@@ -151,6 +151,9 @@ class LlamaForCausalLM(PagedCausalLM):
     logits: each replica samples the same tokens without another collective)."""
 
     qk_norm = False
+    checkpoint_fused = False
+    """Whether the family's checkpoints hold q|k|v and gate|up fused (as ours) rather than
+    as q_proj, k_proj, v_proj, gate_proj and up_proj."""
     supports_tensor_parallel = True
     fp8_projections = True
     """FP8 checkpoints' projections load through fp8_dense.Fp8Projections (their dense
@@ -321,7 +324,21 @@ class LlamaForCausalLM(PagedCausalLM):
             self.lm_head.weight.zero_()  # the capture's forwards read it: no stray NaNs
             missing.clear()
         if missing:
-            raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+            names = sorted(n for name in missing for n in self._checkpoint_names(name, seen))
+            raise ValueError(f"checkpoint lacks {len(names)} tensors, e.g. {names[:3]}")
+
+    def _checkpoint_names(self, param: str, seen: set[tuple[str, int]]) -> list[str]:
+        """The checkpoint's names of what a missing parameter lacks: a fused projection's
+        pieces that did not come (k_proj, up_proj: the names a user finds in the files), or the
+        fused name itself where none came and the family's checkpoints hold it fused (Phi-3)."""
+        parts = param.split(".")
+        pieces = sorted((slot, piece) for piece, (fused, slot) in FUSED.items()
+                        if len(parts) >= 2 and fused == parts[-2])
+        came = [(param, slot) in seen for slot, _ in pieces]
+        if not pieces or (self.checkpoint_fused and not any(came)):
+            return [param]
+        return [".".join(parts[:-2] + [piece, parts[-1]])
+                for (_, piece), done in zip(pieces, came) if not done]
 
 
 def _fused_target(name: str) -> tuple[str, int]:
@@ -362,6 +379,8 @@ class Phi3ForCausalLM(LlamaForCausalLM):
     ours. A `sliding_window` applies to every layer (as HF's Phi-3); `partial_rotary_factor`
     (Phi-4-mini) rotates that share of each head; longrope's context stops at its
     original_max_position_embeddings (layers.default_max_positions)."""
+
+    checkpoint_fused = True
 
     @staticmethod
     def biases(hf_config) -> Biases:

@@ -143,7 +143,10 @@ class RoutedExperts(nn.Module):
     def load(self, expert: int, proj: str, value: torch.Tensor | QuantizedWeight) -> None:
         """Place one checkpoint matrix of global expert `expert` (skipped when another rank
         holds it): proj is gate_proj / up_proj [I, H] or down_proj [H, I]."""
-        assert 0 <= expert < self.total_experts and proj in PROJ_ROWS, (expert, proj)
+        assert proj in PROJ_ROWS, proj
+        if not 0 <= expert < self.total_experts:
+            raise ValueError(f"expert {expert} is past the config's {self.total_experts} "
+                             "experts")
         expert -= self.first_expert
         if not 0 <= expert < self.num_experts:
             return
@@ -158,9 +161,12 @@ class RoutedExperts(nn.Module):
         weight, scale = (value.weight, value.scale_inv) if quantized else (value, None)
         rows = {"gate_proj": slice(0, self.inter), "up_proj": slice(self.inter, 2 * self.inter),
                 "down_proj": slice(None)}[proj]
-        target = bank.down if proj == "down_proj" else bank.gate_up
+        target = (bank.down if proj == "down_proj" else bank.gate_up)[row, rows]
+        if tuple(target.shape) != tuple(weight.shape):  # copy_ would broadcast or crash
+            raise ValueError(f"checkpoint shape {tuple(weight.shape)} != model shape "
+                             f"{tuple(target.shape)}")
         with torch.no_grad():
-            target[row, rows].copy_(weight)
+            target.copy_(weight)
             if quantized:
                 scale_target = bank.down_scale if proj == "down_proj" else bank.gate_up_scale
                 bn = self.block[0]

@@ -114,6 +114,10 @@ class SoftmaxMoeForCausalLM(LlamaForCausalLM):
 
     probe_without_kernels = False  # routing ids feed scatters
     expert_stager: ExpertStager | None = None
+    checkpoint_block = "mlp"
+    """What the family's checkpoints call a layer's MoE block (and their expert matrices:
+    checkpoint_proj), for naming a tensor they lack."""
+    checkpoint_proj = {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}
 
     @staticmethod
     def moe_spec(hf_config) -> MoeSpec:
@@ -171,7 +175,10 @@ class SoftmaxMoeForCausalLM(LlamaForCausalLM):
                      presharded: bool) -> None:
         """One matrix of one expert, by its global index (other ranks' experts skipped)."""
         proj = MIXTRAL_PROJ.get(match.group(3), match.group(3))
-        block.experts.load(int(match.group(2)), proj, tensor)
+        try:
+            block.experts.load(int(match.group(2)), proj, tensor)
+        except ValueError as err:  # another shape: named by the checkpoint's tensor
+            raise ValueError(f"{match.group(0)}: {err}") from None
 
     def _load_grouped(self, block_name: str, block: SoftmaxMoE, match, tensor,
                       presharded: bool) -> None:
@@ -179,7 +186,10 @@ class SoftmaxMoeForCausalLM(LlamaForCausalLM):
         experts are numbered from this rank's first."""
         if isinstance(tensor, QuantizedWeight):
             raise ValueError(f"{match.group(0)}: grouped experts come dense, not FP8")
-        block.experts.load_stacked(match.group(2), tensor, presharded)
+        try:
+            block.experts.load_stacked(match.group(2), tensor, presharded)
+        except ValueError as err:
+            raise ValueError(f"{match.group(0)}: {err}") from None
 
     def _load_router(self, block_name: str, block: SoftmaxMoE, match, tensor,
                      presharded: bool) -> None:
@@ -193,14 +203,20 @@ class SoftmaxMoeForCausalLM(LlamaForCausalLM):
             param.copy_(tensor)
         self._routers_loaded.add(block_name)
 
+    def _checkpoint_block(self, block: str) -> str:
+        """Our MoE block's name ('model.layers.3.mlp') as the checkpoint spells it."""
+        return block[: -len("mlp")] + self.checkpoint_block
+
     def _check_complete(self, params: dict, seen: set[tuple[str, int]]) -> None:
         blocks = self._moe_blocks()
         inside = tuple(name + "." for name in blocks)
         super()._check_complete({n: p for n, p in params.items() if not n.startswith(inside)},
                                 seen)
-        missing = [f"{name}.gate.weight" for name in blocks if name not in self._routers_loaded]
+        missing = [f"{self._checkpoint_block(name)}.gate.weight" for name in blocks
+                   if name not in self._routers_loaded]
         for name, block in blocks.items():
-            missing += [f"{name}.experts.{e}.{p}.weight" for e, p in block.experts.missing()]
+            missing += [f"{self._checkpoint_block(name)}.experts.{e}.{self.checkpoint_proj[p]}"
+                        ".weight" for e, p in block.experts.missing()]
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
 
@@ -235,6 +251,9 @@ class MixtralForCausalLM(SoftmaxMoeForCausalLM):
     """Mixtral (8x7B, 8x22B): Mistral's attention (no biases, sliding window if set),
     `num_local_experts` experts of `intermediate_size` on every layer, top
     `num_experts_per_tok`, always renormalised."""
+
+    checkpoint_block = "block_sparse_moe"
+    checkpoint_proj = {proj: name for name, proj in MIXTRAL_PROJ.items()}
 
     @staticmethod
     def biases(hf_config) -> Biases:

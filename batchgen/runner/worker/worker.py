@@ -368,8 +368,10 @@ class Worker:
             if isinstance(item, PendingRequest) and not self.loaded.model.generates:
                 item = IntakeError(item.custom_id, item.line, "unsupported_model",
                                    f"line {item.line}: {self.loaded.name} has no language-model "
-                                   "head (an embedding model's checkpoint): it answers "
-                                   "/v1/embeddings lines only", "model")
+                                   "head (no lm_head.weight in its checkpoint, and config.json's "
+                                   "tie_word_embeddings is false: an embedding model's "
+                                   "checkpoint): it answers /v1/embeddings lines only; a model "
+                                   "that generates needs its lm_head.weight restored", "model")
             if isinstance(item, PendingRequest):
                 request = self.grammars.request(item)
                 if isinstance(request, IntakeError):
