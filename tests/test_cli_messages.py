@@ -129,6 +129,22 @@ def test_validate_warns_about_unknown_fields_with_the_closest_known_one(tmp_path
     assert "{" not in out.splitlines()[-2]  # counts as words, not a dict
 
 
+@pytest.mark.parametrize("name,meant", [
+    ("topP", "top_p"), ("maxTokens", "max_tokens"), ("frequencyPenalty", "frequency_penalty"),
+    ("stop_sequences", "stop"), ("stopSequences", "stop"), ("max_new_tokens", "max_tokens"),
+    ("maxOutputTokens", "max_tokens"), ("num_return_sequences", "n"), ("candidateCount", "n"),
+    ("random_seed", "seed"), ("TOP_P", "top_p"),
+])
+def test_other_apis_names_of_sampling_fields_hint_the_field_meant(name, meant):
+    """camelCase spellings and other APIs' names (Gemini's topP, Anthropic's stop_sequences,
+    Hugging Face's num_return_sequences) are hinted as the field they mean, never as a field
+    merely spelled alike (topP was "did you mean 'stop'?")."""
+    from batchgen.io.field_hints import unknown_fields
+
+    assert unknown_fields({"prompt": "hi", name: 1}) == [
+        f"unknown field {name!r}: did you mean {meant!r}?"]
+
+
 def test_job_state_goes_beside_the_output_or_in_the_user_state_folder(tmp_path, monkeypatch):
     out = tmp_path / "results" / "r.jsonl"
     assert StorageConfig(input="x", output=str(out)).storage_path == str(

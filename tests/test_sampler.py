@@ -125,3 +125,17 @@ def test_bf16_logits_sample_as_their_float32_copy():
     ours, reference = sample(logits, mixed), sample(exact, mixed)
     assert ours.token_ids == reference.token_ids
     assert ours.logprobs == reference.logprobs
+
+
+def test_top_p_one_keeps_every_token_whatever_shares_the_batch():
+    """float32 cumulative sums over a large vocabulary reach 1.0 thousands of tokens before
+    the tail ends: top_p 1 must still drop none of them, also beside a row whose top_p or
+    top_k makes the filter run (else that row's draws would depend on its batch)."""
+    from batchgen.engine.sampler import _truncate
+
+    logits = torch.randn(1, 49152, generator=torch.Generator().manual_seed(0)) * 3
+    logprobs = torch.log_softmax(logits, -1).repeat(3, 1)
+    out = _truncate(logprobs, [SamplingParams(), SamplingParams(top_p=0.5),
+                               SamplingParams(top_k=20000)])
+    assert torch.isfinite(out[0]).all()
+    assert torch.isfinite(out[2]).sum() == 20000

@@ -33,10 +33,15 @@ def test_intake_reports_the_refusal_as_the_lines_error():
     err = parse_record(RawRecord(4, {"prompt": "hi", "max_completion_tokens": 2,
                                      "min_tokens": 5}))
     assert err.param == "min_tokens"
-    assert err.message == "line 4: min_tokens must be <= max_tokens, got 5"
-    # a field left at its default is named with the default's value
+    assert err.message == ("line 4: min_tokens must be <= max_tokens (2, the line's "
+                           "max_completion_tokens), got 5")
+    # a line without max_tokens is bounded by --max-tokens, which it never wrote: named so
     err = parse_record(RawRecord(5, {"prompt": "hi", "min_tokens": 300}))
-    assert err.message == "line 5: min_tokens must be <= max_tokens, got 300"
+    assert err.message == ("line 5: min_tokens must be <= max_tokens (256, the job's "
+                           "--max-tokens: the line sets no max_tokens), got 300")
+    err = parse_record(RawRecord(6, {"prompt": "hi", "max_tokens": 3, "min_tokens": 5}))
+    assert err.message == ("line 6: min_tokens must be <= max_tokens (3, the line's "
+                           "max_tokens), got 5")
 
 
 def _counting(monkeypatch) -> list[SamplingParams]:

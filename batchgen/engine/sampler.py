@@ -183,7 +183,10 @@ def _truncate(logprobs: torch.Tensor, params: list[SamplingParams]) -> torch.Ten
         sorted_lp = sorted_lp.masked_fill(rank >= top_k[:, None], float("-inf"))
         probs = sorted_lp.softmax(dim=-1)
         before = probs.cumsum(dim=-1) - probs  # mass strictly above this token
-        drop = before >= top_p[:, None]
+        # top_p 1 keeps every token: over a large vocabulary the float32 sums reach 1.0
+        # thousands of tokens before the tail ends, and `before >= 1` would drop those in
+        # batches where another row's top_k or top_p runs this filter.
+        drop = (before >= top_p[:, None]) & (top_p[:, None] < 1.0)
         drop[:, 0] = False
         sorted_lp = sorted_lp.masked_fill(drop, float("-inf"))
         logprobs = torch.empty_like(logprobs).scatter_(-1, order, sorted_lp)

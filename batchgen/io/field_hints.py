@@ -5,6 +5,7 @@ by `batchgen validate` line by line, and summed up by `batchgen run` when it par
 from __future__ import annotations
 
 import difflib
+import re
 from dataclasses import fields
 
 from batchgen.core import SamplingParams
@@ -26,6 +27,15 @@ GENERATION_FIELDS = REQUEST_FIELDS | frozenset({*REFUSED, "best_of"})
 """What a chat or completions line may name: the fields read, and those refused at values that
 change the answer (accepted silently at their defaults)."""
 
+
+OTHER_APIS_NAMES = {
+    "max_new_tokens": "max_tokens", "max_output_tokens": "max_tokens",
+    "num_predict": "max_tokens", "stop_sequences": "stop", "num_return_sequences": "n",
+    "candidate_count": "n", "random_seed": "seed",
+}
+"""Names other APIs give fields batchgen reads (Hugging Face's generate, Anthropic's, Gemini's,
+Ollama's, Mistral's), snake_case: the hint names the field meant, which spelling alone
+would not find (`stop_sequences` is no near miss of `stop`)."""
 
 _GENERATION_KNOWN = GENERATION_FIELDS | IGNORED_FIELDS
 _EMBEDDING_KNOWN = frozenset({*EMBEDDING_FIELDS, *EMBEDDING_REFUSED, *IGNORED_FIELDS})
@@ -54,10 +64,22 @@ def unknown_fields(data: dict, limit: int | None = None) -> list[str]:
             messages.append(f"field {name!r} is outside \"body\", where it is ignored: move it "
                             "into \"body\"")
             continue
-        close = difflib.get_close_matches(name, sorted(options), 1, 0.7)
-        hint = f"did you mean {close[0]!r}?" if close else "it is ignored"
+        close = _meant(name, options)
+        hint = f"did you mean {close!r}?" if close else "it is ignored"
         messages.append(f"unknown field {where}{name!r}: {hint}")
     return messages
+
+
+def _meant(name: str, options) -> str | None:
+    """The field of `options` that `name` most likely means: its snake_case spelling
+    (`topP`, `maxTokens`: Gemini and JavaScript clients write camelCase), another API's name
+    for it (OTHER_APIS_NAMES), else the closest spelling; None when nothing is close."""
+    snake = re.sub(r"(?<=[a-z0-9])([A-Z])", r"_\1", name).lower()
+    for candidate in (snake, OTHER_APIS_NAMES.get(snake)):
+        if candidate in options:
+            return candidate
+    close = difflib.get_close_matches(name, sorted(options), 1, 0.7)
+    return close[0] if close else None
 
 
 def _plain_kind_of(data: dict) -> str | None:

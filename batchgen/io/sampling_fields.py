@@ -230,8 +230,19 @@ def parse_sampling(body: dict, kind: str, default_max_tokens: int = 256) -> Samp
             value = body.get(name)
             value = given.get(name, _SAMPLING_DEFAULTS.get(name)) if value is None else value
             got = f", got {_at_fault(name, value)}"
+        if rest == "must be <= max_tokens":  # name the bound: the line may not have set it
+            rest = f"must be <= max_tokens ({_max_tokens_source(body, given['max_tokens'])})"
         raise BadLine("invalid_sampling_param", f"{name} {rest}{got}".strip(),
                        name if name in _SAMPLING_FIELDS or name in ALLOWED else None) from None
+
+
+def _max_tokens_source(body: dict, max_tokens: int) -> str:
+    """max_tokens as a refusal names it: its value and the field, or flag, that set it."""
+    if body.get("max_completion_tokens") is not None:
+        return f"{max_tokens}, the line's max_completion_tokens"
+    if body.get("max_tokens") is not None:
+        return f"{max_tokens}, the line's max_tokens"
+    return f"{max_tokens}, the job's --max-tokens: the line sets no max_tokens"
 
 
 def _at_fault(name: str, value: Any) -> str:
