@@ -18,6 +18,7 @@ from batchgen.core import PAGE_SIZE, SamplingParams
 from batchgen.sched.pages import PageAllocator
 from batchgen.sched.prefix_cache import PrefixCache, common_tokens, token_bytes
 from batchgen.sched.scheduler import Scheduler
+from batchgen.sched import sharing as sharing_module
 from batchgen.sched.sharing import PrefixSharing, _common, common_pages, shared_pages
 from batchgen.sched.sequence import SeqState, Sequence, pages_for
 from batchgen.sched.step import SeqResult, StepOutput
@@ -370,6 +371,27 @@ def test_a_group_of_new_requests_is_ordered_longest_shared_prefix_first():
                 sharing(1, 1), sharing(2, 2), sharing(3, 4)]:
         sched.add(seq)
     assert [s.seq_id for s in sched.prefix.order(sched.waiting, 100)] == [0, 3, 2, 1]
+
+
+def test_a_group_waiting_for_its_first_page_is_not_sorted(monkeypatch):
+    """While a running sequence computes the group's first page, each member waits for it
+    whatever its order: the admission that starts that sequence compares no member's tokens
+    (a W3 job's first decision spent most of its time sorting 1,020 prompts it then passed
+    over), and the members start once the page is computed."""
+    prefix = [[3 + j for j in range(3 * PAGE_SIZE)]]
+    reqs = [Req(0, 3 * PAGE_SIZE, PAGE_SIZE + i, 1, 4, 4) for i in range(5)]
+    run = FakeRun(reqs, 200, 400, SchedulerConfig(), prefix)
+    compared = []
+    real = sharing_module.shared_pages
+    monkeypatch.setattr(sharing_module, "shared_pages",
+                        lambda a, b: compared.append(b.seq_id) or real(a, b))
+    first = run.sched.schedule()
+    assert [c.seq.seq_id for c in first.chunks] == [0] and not compared
+    run.execute(first)
+    run.run()
+    assert compared  # sorted once the first page is cached
+    assert run.finished == {s.seq_id for s in run.seqs}
+    assert run.sched.counters.cached_prompt_tokens == 4 * 3 * PAGE_SIZE
 
 
 @given(st.lists(st.integers(1, 3), min_size=0, max_size=5 * PAGE_SIZE),

@@ -133,7 +133,9 @@ class PrefixSharing:
             # Longest shared prefix first, in whole pages: by their keys where `prepare`
             # hashed both prompts, else by comparing tokens (hashing every member's prompt
             # here cost most of a decision that admits a few and leaves the rest waiting).
-            members.sort(key=lambda m: -shared_pages(seq, m))
+            # Not while a running sequence computes their first page: then each waits for it.
+            if not self._in_flight_uncached(seq.page_keys[0]):
+                members.sort(key=lambda m: -shared_pages(seq, m))
             for member in members[:limit - len(pulled)]:
                 pulled.add(id(member))
                 yield member
@@ -167,9 +169,11 @@ class PrefixSharing:
     def _first_page_in_flight(self, seq: Sequence, pages: int) -> bool:
         """Whether `seq` maps no cached page and a running sequence computes its first one
         (what `match` finds in that case, from the key hashed when it was added)."""
-        if not pages or not seq.page_keys:
-            return False
-        key = seq.page_keys[0]
+        return bool(pages and seq.page_keys) and self._in_flight_uncached(seq.page_keys[0])
+
+    def _in_flight_uncached(self, key: bytes) -> bool:
+        """Whether the page keyed `key` is cached on neither tier and a running sequence
+        computes it."""
         if key in self.device_cache or key in self.host_cache:
             return False
         owner = self._inflight.get(key)
