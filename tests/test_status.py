@@ -66,10 +66,16 @@ def test_an_unfinished_job_shows_saved_results_and_whether_a_run_holds_it(tmp_pa
     (root / "incremental" / "batch_run.jsonl").write_text(
         "".join(json.dumps({"custom_id": f"r{i}", "response": {}}) + "\n" for i in range(3))
         + '{"custom_id": "torn')  # a torn tail is not a saved result
+    for rank, writes in ((0, True), (1, False)):  # rank 1: a TP peer, counting nothing
+        (batches / f"batch_run.worker{rank}.json").write_text(json.dumps({
+            "rank": rank, "writes_results": writes, "prompt_tokens": 1200 if writes else 7,
+            "completion_tokens": 345 if writes else 7}))
     lock = batches / "batch_run.lock"
     lock.write_text(f"pid {os.getpid()} on host {socket.gethostname()}\n")
     code, out = status(str(root))
     assert code == 0 and "3 of 9 results" in out and f"running (pid {os.getpid()}" in out
+    wide = CliRunner().invoke(app, ["status", str(root)], env={"COLUMNS": "250"}).output
+    assert "(all runs ended); the run going on: 1,200 in, 345 out so far" in wide
     assert "0 completed" not in out and "9 total (completed and failed are counted" in out
     assert "none (a resume starts any unfinished request from its prompt)" in out
     dead = subprocess.Popen(["true"])
@@ -77,6 +83,7 @@ def test_an_unfinished_job_shows_saved_results_and_whether_a_run_holds_it(tmp_pa
     lock.write_text(f"pid {dead.pid} on host {socket.gethostname()}\n")  # killed outright
     code, out = status(str(root))
     assert "not running: stopped before the end" in out
+    assert "the run going on" not in out  # a stopped run's tokens are the batch file's
     lock.write_text("")  # a run that ended cleared it
     assert "not running" in status(str(root))[1]
 

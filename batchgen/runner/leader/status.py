@@ -61,12 +61,14 @@ def _show_files(files: list[Path], missing: str) -> int:
         try:
             state = orjson.loads(path.read_bytes())
             batch_id = state["batch_id"]
-            table = _table(state, read_worker_stats(batches, batch_id))
+            liveness = _liveness(batches / f"{batch_id}.lock", state["status"])
+            table = _table(state, read_worker_stats(batches, batch_id),
+                           running=liveness.startswith("running"))
             if state.get("status") != "completed":
                 done = _done_ids(storage, batch_id)  # read once: a million lines take seconds
                 table.add_row("saved", _saved(done, state))
                 table.add_row("checkpoint", _checkpointed(storage, batch_id, done))
-                table.add_row("run", _liveness(batches / f"{batch_id}.lock", state["status"]))
+                table.add_row("run", liveness)
             console.print(table)
         except (OSError, orjson.JSONDecodeError, KeyError, TypeError) as err:
             Console(stderr=True, soft_wrap=True, markup=False).print(
@@ -191,7 +193,18 @@ def _model(fingerprint: dict) -> str:
     return model + (f" (Hub commit {commit})" if commit else "")
 
 
-def _table(state: dict, workers: list[dict]) -> Table:
+def _running_tokens(workers: list[dict]) -> str:
+    """The tokens of the run going on, from its workers' stats files (the batch file adds a
+    run's tokens when it ends), or "" when they report none."""
+    writing = [w for w in workers if w.get("writes_results", True)]  # a TP group's one writer
+    prompt = sum(w.get("prompt_tokens", 0) for w in writing)
+    completion = sum(w.get("completion_tokens", 0) for w in writing)
+    if not prompt and not completion:
+        return ""
+    return f"; the run going on: {prompt:,} in, {completion:,} out so far"
+
+
+def _table(state: dict, workers: list[dict], running: bool = False) -> Table:
     table = Table(title=f"{state['batch_id']}: {state['status']}", show_header=False)
     table.add_column(no_wrap=True)
     table.add_column(overflow="fold")  # a path is shown whole, folded over lines, never cut
@@ -202,7 +215,9 @@ def _table(state: dict, workers: list[dict]) -> Table:
     usage = state.get("usage", {})
     prompt = usage.get("prompt_tokens", 0)
     table.add_row("tokens", f"{prompt:,} in{cached_share(cached_tokens(usage), prompt)}, "
-                  f"{usage.get('completion_tokens', 0):,} out (all runs)")
+                  f"{usage.get('completion_tokens', 0):,} out (all runs"
+                  + (" ended" if running else "") + ")"
+                  + (_running_tokens(workers) if running else ""))
     table.add_row("speed", _speed(state))
     table.add_row("prefix cache", prefix_hits([state.get("counters", {})], " in the last run"))
     table.add_row("output", state.get("output_file", ""))
