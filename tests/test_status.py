@@ -106,6 +106,21 @@ def test_an_unfinished_job_is_found_by_its_output_file_before_it_exists(tmp_path
     assert code == 1 and "no job under" in text
 
 
+
+def test_an_output_whose_batch_file_is_unreadable_names_that_file(tmp_path):
+    """`batchgen status out/x.jsonl` while the job's batch file does not parse (zero bytes,
+    garbage): which output it names cannot be read, so it is named as unreadable, with what to
+    do, never "no job"."""
+    out = tmp_path / "out"
+    batches = out / ".batchgen" / "batches"
+    batches.mkdir(parents=True)
+    for content in (b"", b"\xff\x00garbage{{\n", b"[]"):
+        (batches / "batch_torn.json").write_bytes(content)
+        code, text = status(str(out / "x.jsonl"))
+        assert code == 1 and "no job" not in text and "cannot read" in text, text
+        assert "batch_torn.json" in text and "move it aside" in text and "Traceback" not in text
+
+
 def test_prefix_hits_share_over_engines():
     from batchgen.runner.leader.progress import prefix_hits
 

@@ -88,11 +88,17 @@ def batch_files(storage: Path) -> list[Path]:
     return sorted(p for p in (storage / "batches").glob("*.json") if p.stem.count(".") == 0)
 
 
+def _folders_of(output: Path, storage: Path) -> tuple[Path, Path]:
+    """Where the jobs writing `output` keep their batch files: the default job folder beside
+    it (.batchgen/), then `storage`."""
+    return output.absolute().parent / ".batchgen", storage
+
+
 def jobs_writing(output: Path, storage: Path) -> list[Path]:
     """Batch files of the jobs whose results file is `output`: in the default job folder
     beside it (.batchgen/), else under `storage`."""
     want = output.resolve()
-    for folder in (output.absolute().parent / ".batchgen", storage):
+    for folder in _folders_of(output, storage):
         found = []
         for path in batch_files(folder):
             try:
@@ -104,6 +110,21 @@ def jobs_writing(output: Path, storage: Path) -> list[Path]:
         if found:
             return found
     return []
+
+
+def unreadable_batch_files(output: Path, storage: Path) -> list[Path]:
+    """Batch files where jobs_writing looks for the jobs writing `output` that are not JSON
+    objects: which output they name is unknown, so any of them may be that job's."""
+    unreadable = []
+    for folder in _folders_of(output, storage):
+        for path in batch_files(folder):
+            try:
+                readable = isinstance(orjson.loads(path.read_bytes()), dict)
+            except (OSError, orjson.JSONDecodeError):
+                readable = False
+            if not readable:
+                unreadable.append(path)
+    return unreadable
 
 
 def warn_if_replacing(spec: JobSpec, storage: Path) -> None:

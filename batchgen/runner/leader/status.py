@@ -19,9 +19,13 @@ from batchgen.runner.exits import ExitCode
 from batchgen.runner.files.job import JobSpec
 from batchgen.runner.leader.progress import (cached_share, human_seconds, prefix_hits,
                                              read_worker_stats)
-from batchgen.runner.leader.records import batch_files, cached_tokens, jobs_writing
+from batchgen.runner.leader.records import (batch_files, cached_tokens, jobs_writing,
+                                           unreadable_batch_files)
 
 
+UNREADABLE_HINT = ("; batch files are written whole, so something else changed it: move it "
+                   "aside and run the job's command again (its saved results are kept)")
+"""What to do about a batch file that is not a job's record."""
 TIMESTAMPS = ("last_heartbeat", "last_failure_at")
 """Health keys holding Unix times, shown as an age and a local date."""
 
@@ -34,7 +38,9 @@ def show_status(storage: Path, target: str | None) -> int:
     if target is not None and not Path(target).is_dir():
         # A results file: present once the job finished, only named in its batch file before
         # (a running, stopped or killed job's output does not exist yet).
-        jobs = jobs_writing(Path(target), storage)
+        # A batch file that does not parse may be this output's job: named, not passed over.
+        jobs = jobs_writing(Path(target), storage) or unreadable_batch_files(Path(target),
+                                                                            storage)
         if jobs or Path(target).is_file():
             return _show_files(jobs, f"no job writes {target} under "
                                f"{Path(target).absolute().parent / '.batchgen'} or {storage} "
@@ -72,7 +78,7 @@ def _show_files(files: list[Path], missing: str) -> int:
             console.print(table)
         except (OSError, orjson.JSONDecodeError, KeyError, TypeError) as err:
             Console(stderr=True, soft_wrap=True, markup=False).print(
-                f"cannot read {path}: {err!r}")
+                f"cannot read {path}: {err!r}" + UNREADABLE_HINT * (not isinstance(err, OSError)))
             failed = ExitCode.FAILED
     return failed
 
