@@ -147,6 +147,15 @@ class TensorParallel:
         return torch.device("cpu")
 
 
+def cpu_cores() -> int:
+    """Cores this process may run on (its CPU affinity: a Slurm allocation's or a cgroup's,
+    not the whole machine's)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 def pick_device(name: str) -> torch.device:
     """`name`, or for "auto" CUDA when a GPU is visible, else the CPU. GPUs are counted through
     NVML where torch can (`torch.cuda.device_count`, which honours CUDA_VISIBLE_DEVICES):

@@ -2,8 +2,11 @@
 each with its own shard and incremental file; the merged output equals the one-worker run."""
 
 import json
+import os
 
 from job_utils import batchgen, chat_rows, read_jsonl, write_jsonl
+
+from batchgen.runner.worker.worker import cpu_threads
 
 
 def final(storage):
@@ -75,3 +78,13 @@ def test_replica_check_passes_on_agreeing_replicas(tmp_path, tiny_chat_model):
     batchgen("run", "--input", inp, "--model", tiny_chat_model, "--storage-path", tmp_path / "s",
              "--world-size", 2, "--tensor-parallel-size", 2,
              env={"BATCHGEN_CHECK_REPLICAS": "1"}, check=True)
+
+
+def test_cpu_workers_share_the_cores(monkeypatch):
+    """Each CPU worker takes its share of the cores it may use, not all of them: two workers
+    of four spin-waiting threads each on four cores decode several times slower."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(4)))
+    assert [cpu_threads(n) for n in (1, 2, 3, 8)] == [4, 2, 1, 1]
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert cpu_threads(2) == 3

@@ -23,25 +23,27 @@ from batchgen.runner.exits import ExitCode
 GB = 10**9
 
 
-def _config(tmp_path, host_gb=None, fast_init=False, device="cpu", world=1) -> JobConfig:
+def _config(tmp_path, host_gb=None, fast_init=False, device="cpu", world=1,
+            nnodes=1) -> JobConfig:
     memory = MemoryConfig(host_kv_cache_size=host_gb, fast_init=fast_init)
     return JobConfig(engine=EngineConfig(memory=memory, runtime=RuntimeConfig(device=device)),
                      storage=StorageConfig(input=str(tmp_path / "in.jsonl"),
                                            storage_path=str(tmp_path / "s")),
-                     dist=DistConfig(world_size=world))
+                     dist=DistConfig(world_size=world, nnodes=nnodes))
 
 
 @pytest.fixture
 def machine(monkeypatch):
     """A roomy machine; tests shrink one resource at a time."""
     state = {"shm": 100 * GB, "mem": 200 * GB, "memlock": resource.RLIM_INFINITY,
-             "disk": 10**12, "cuda": False, "gpus": 1}
+             "disk": 10**12, "cuda": False, "gpus": 1, "cores": 64}
     monkeypatch.setattr(pf, "shm_free_bytes", lambda: state["shm"])
     monkeypatch.setattr(pf, "host_memory_bytes", lambda: state["mem"])
     monkeypatch.setattr(pf, "memlock_limit", lambda: state["memlock"])
     monkeypatch.setattr(pf, "disk_free", lambda path: state["disk"])
     monkeypatch.setattr(pf, "uses_cuda", lambda device: state["cuda"] or device.startswith("cuda"))
     monkeypatch.setattr(pf, "cuda_device_count", lambda: state["gpus"])
+    monkeypatch.setattr(pf, "cpu_cores", lambda: state["cores"])
     return state
 
 
@@ -109,6 +111,34 @@ def test_missing_cuda_device_fails_before_any_load(tmp_path, machine, device, gp
     assert "--device cpu" in str(err.value)
     machine["gpus"] = 3
     assert pf.check_device(_config(tmp_path, device=device)) == []
+
+
+@pytest.mark.parametrize(("world", "nnodes", "seen", "fix"), [
+    (16, 1, "runs 16 ranks on this node, which has 8 GPU(s)", "--world-size 8 or less"),
+    (32, 2, "--world-size 32 over --nnodes 2 runs 16 ranks", "--world-size 16 or less")])
+def test_more_ranks_than_the_node_has_gpus_fails_before_any_load(tmp_path, machine, world,
+                                                                  nnodes, seen, fix):
+    """A rank past the node's last GPU would fail only after the others loaded their weights.
+    Under torchrun / srun the launcher placed the ranks: not checked."""
+    machine["gpus"] = 8
+    config = _config(tmp_path, device="cuda", world=world, nnodes=nnodes)
+    with pytest.raises(PreflightFailed) as err:
+        pf.preflight(config, _paths(tmp_path), 10, 1, 1)
+    assert err.value.code == ExitCode.PREFLIGHT and seen in str(err.value)
+    assert fix in str(err.value)
+    assert pf.check_ranks_per_node(config, external=True) == []
+    assert pf.check_ranks_per_node(_config(tmp_path, device="cuda", world=8)) == []
+
+
+def test_more_cpu_ranks_than_cores_is_a_warning(tmp_path, machine, caplog):
+    """CPU ranks past the cores share them: it runs, slower than fewer ranks would; said once."""
+    machine["cores"] = 2
+    with caplog.at_level(logging.WARNING):
+        findings = pf.preflight(_config(tmp_path, world=3), _paths(tmp_path), 10, 1, 1)
+    assert [f.error for f in findings if "ranks on this node" in f.what] == [False]
+    assert "runs 3 ranks on this node, which has 2 CPU core(s)" in caplog.text
+    assert "--world-size 2 or less" in caplog.text
+    assert pf.check_ranks_per_node(_config(tmp_path, world=2)) == []
 
 
 def test_disk_below_the_floor_is_a_disk_error(tmp_path, machine):

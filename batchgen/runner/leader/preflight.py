@@ -1,6 +1,7 @@
 """Preflight: what the machine must offer before weights load (minutes) only to fail later.
 
-Checks that an explicit --device cuda exists, /dev/shm against the host KV pool, the memlock
+Checks that an explicit --device cuda exists, that this node has a GPU (on CPU: a core) for
+each of its ranks, /dev/shm against the host KV pool, the memlock
 limit when the pool is pinned on CUDA, that the result folders take new files, and free disk
 for the results. Each finding names its
 fix. Errors stop the job (exit 8, or 6 for disk); warnings are logged and the job goes on
@@ -20,6 +21,7 @@ from batchgen.config import JobConfig
 from batchgen.atomic import NOFOLLOW
 from batchgen.engine.host_pool import host_memory_bytes, shm_free_bytes
 from batchgen.io.jobfiles import JobPaths
+from batchgen.parallel import cpu_cores
 from batchgen.runner.files.errors import DISK_ERRNOS, PreflightFailed
 from batchgen.runner.exits import ExitCode
 
@@ -79,6 +81,31 @@ def check_device(config: JobConfig) -> list[Finding]:
     return [Finding(True, f"--device {device}: {seen} here",
                     "run on a GPU node (check CUDA_VISIBLE_DEVICES and the driver), or pass "
                     "--device cpu")]
+
+
+def check_ranks_per_node(config: JobConfig, external: bool = False) -> list[Finding]:
+    """More ranks on this node than it has GPUs (on CPU: cores) for them: a rank past the last
+    GPU would fail only after the others loaded their weights (an error); CPU ranks past the
+    cores fight over them, which runs, slowly (a warning). Under torchrun / srun the launcher
+    placed the ranks: not checked."""
+    dist, device = config.dist, config.engine.runtime.device
+    ranks = dist.world_size // dist.nnodes
+    if external or ranks == 1 or ":" in device:  # cuda:N: every rank on that one GPU
+        return []
+    gpu = uses_cuda(device)
+    if gpu:
+        have, what, each = cuda_device_count(), "GPU(s)", "one rank per GPU"
+        if have == 0:  # check_device names it
+            return []
+    else:
+        have, what, each = cpu_cores(), "CPU core(s)", "a CPU rank gains nothing from a core "
+        "another rank uses, and ranks that share cores run slower than fewer ranks"
+    if ranks <= have:
+        return []
+    spread = f" over --nnodes {dist.nnodes}" if dist.nnodes > 1 else ""
+    return [Finding(gpu, f"--world-size {dist.world_size}{spread} runs {ranks} ranks on this "
+                    f"node, which has {have} {what}",
+                    f"give --world-size {have * dist.nnodes} or less ({each}), or more nodes")]
 
 
 def check_host_pool(config: JobConfig) -> list[Finding]:
@@ -194,9 +221,11 @@ def check_writable(paths: JobPaths) -> list[Finding]:
 
 
 def preflight(config: JobConfig, paths: JobPaths, input_bytes: int, records: int,
-              left: int) -> list[Finding]:
-    """Log warnings; raise PreflightFailed naming every error and its fix. Returns findings."""
-    findings = [*check_device(config), *check_host_pool(config), *check_memlock(config),
+              left: int, external: bool = False) -> list[Finding]:
+    """Log warnings; raise PreflightFailed naming every error and its fix. Returns findings.
+    `external`: torchrun / srun started this process as one rank (it launches none)."""
+    findings = [*check_device(config), *check_ranks_per_node(config, external),
+                *check_host_pool(config), *check_memlock(config),
                 *check_writable(paths), *check_disk(paths, input_bytes, records, left)]
     for finding in findings:
         if not finding.error:

@@ -111,7 +111,8 @@ def _run(config: JobConfig, stops: StopSignals, member: Member) -> int:
             warn_if_replacing(spec, Path(config.storage.storage_path))
             already = done_records(paths, summary.records)
             left = summary.records - already
-            preflight(config, paths, summary.size_bytes, summary.records, left)
+            preflight(config, paths, summary.size_bytes, summary.records, left,
+                      external=member.external is not None)
             with disk_errors("convert the model into the converted-checkpoint cache"):
                 folder, _ = model_folder(spec.pinned().config.engine.model,
                                          config.dist.world_size,
@@ -337,7 +338,8 @@ def _follow(config: JobConfig, member: Member) -> int:
         check_plan(config, spec, spec_bytes, who)
         lock.acquire(config.storage.wait_for_lock)
         if member.external is None or member.external.local_rank == 0:
-            preflight(config, spec.paths, plan["input_bytes"], plan["records"], plan["left"])
+            preflight(config, spec.paths, plan["input_bytes"], plan["records"], plan["left"],
+                      external=member.external is not None)
         model_folder(spec.pinned().config.engine.model, config.dist.world_size,
                      config.dist.tensor_parallel_size)  # the leader's commit: downloaded here
     except BaseException as err:

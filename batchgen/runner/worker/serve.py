@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
                                      **launch_counts(path, launch)})
     watchdog = Watchdog(spec.config.watchdog, stats, launched_at())
     watchdog.start()
-    torch.set_num_threads(cpu_threads())
+    torch.set_num_threads(cpu_threads(rank.local_world))
     return serve(spec, rank, stop, watchdog)
 
 

@@ -31,8 +31,8 @@ from batchgen.io.writer import IdSet, IncrementalWriter, WriterLocked, read_done
 from batchgen.models.convert import read_manifest
 from batchgen.models.factory import load_model, model_folder, weight_bytes
 from batchgen.models.loader import MANIFEST
-from batchgen.parallel import (Placement, default_tp_size, init_tensor_parallel,
-                               pick_device)
+from batchgen.parallel import (Placement, cpu_cores, default_tp_size,
+                               init_tensor_parallel, pick_device)
 from batchgen.phases import StartupClock
 from batchgen.runner.files.errors import disk_errors
 from batchgen.runner.worker.embed_jobs import EmbeddingJobs
@@ -434,12 +434,16 @@ class Worker:
         self.engine.close()
 
 
-def cpu_threads() -> int:
-    """Torch's intra-op threads for this worker: every core, unless OMP_NUM_THREADS is set (its
-    first level wins: OpenMP threads spin-wait, so more threads than idle cores makes CPU
-    decoding many times slower)."""
+def cpu_threads(local_world: int = 1) -> int:
+    """Torch's intra-op threads for this worker: its share of the cores this process may use (its
+    CPU affinity: a Slurm allocation's or cgroup's, not the whole machine's) among the node's
+    `local_world` ranks, unless OMP_NUM_THREADS is set (its first level wins). OpenMP threads
+    spin-wait, so more threads than idle cores (every rank taking every core) makes CPU decoding
+    many times slower."""
     first = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
-    return int(first) if first.isdigit() and int(first) > 0 else max(1, os.cpu_count() or 1)
+    if first.isdigit() and int(first) > 0:
+        return int(first)
+    return max(1, cpu_cores() // max(1, local_world))
 
 
 def open_results(paths: JobPaths, dp_rank: int, dp_size: int,
