@@ -40,7 +40,7 @@ def test_ids_are_not_patterns_and_missing_jobs_say_how_to_ask(tmp_path):
     code, out = status("batch_*", "--storage-path", str(root))
     assert code == 1 and "no job batch_*" in out and "job folder" in out
     code, out = status(str(tmp_path / "nowhere"))
-    assert code == 1 and "no job under" in out
+    assert code == 1 and "no job writes" in out and "no job folder is there" in out
 
 
 def test_an_unreadable_batch_file_is_named_not_a_traceback(tmp_path):
@@ -102,8 +102,9 @@ def test_an_unfinished_job_is_found_by_its_output_file_before_it_exists(tmp_path
     for target in (str(out / "x.jsonl"), "out/x.jsonl"):
         code, text = status(target)
         assert code == 0 and "batch_live: in_progress" in text, text
-    code, text = status("out/y.jsonl")
-    assert code == 1 and "no job under" in text
+    code, text = status("out/y.jsonl")  # no such output, nor a folder of that name
+    assert code == 1 and "no job writes out/y.jsonl (looked in" in " ".join(text.split())
+    assert "no job folder is there" in " ".join(text.split())
 
 
 

@@ -45,6 +45,11 @@ def show_status(storage: Path, target: str | None) -> int:
             return _show_files(jobs, f"no job writes {target} under "
                                f"{Path(target).absolute().parent / '.batchgen'} or {storage} "
                                "(give the job's --storage-path)")
+    if target is not None and "/" in target and not Path(target).exists():
+        return _show_files([], f"no job writes {target} (looked in "
+                           f"{Path(target).absolute().parent / '.batchgen'} and {storage}), and "
+                           "no job folder is there: give the job's --storage-path, its batch "
+                           "id, or its job folder")
     if target is not None and ("/" in target or Path(target).is_dir()):
         storage, batch_id = Path(target), None
     batches = storage / "batches"
