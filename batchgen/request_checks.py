@@ -61,9 +61,14 @@ def forces_call(extra: dict) -> bool:
 def grammar_constrained(extra: dict) -> bool:
     """Whether a grammar decides the answer from its first token: a tool_choice that forces a
     call, or a JSON response_format (runner/worker/grammars.py compiles them)."""
+    return forces_call(extra) or json_response_format(extra)
+
+
+def json_response_format(extra: dict) -> bool:
+    """Whether a request's response_format asks for JSON (json_object or json_schema)."""
     response_format = extra.get("response_format")
-    return forces_call(extra) or (isinstance(response_format, dict) and
-                                  response_format.get("type") in ("json_object", "json_schema"))
+    return (isinstance(response_format, dict) and
+            response_format.get("type") in ("json_object", "json_schema"))
 
 
 def no_parameters() -> dict:
@@ -153,8 +158,13 @@ def response_format_schema(response_format) -> tuple[dict | None, bool]:
     schema = spec.get("schema", {"type": "object"})  # OpenAI: schema is optional
     if not isinstance(schema, dict):
         raise StructuredOutputError("response_format.json_schema.schema must be an object")
+    strict = spec.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        # bool("false") is True: a string would silently turn strict mode on.
+        raise StructuredOutputError("response_format.json_schema.strict must be true or false "
+                                    f"(or be dropped), got {reprlib.repr(strict)}")
     _check_enforceable(schema, "#")
-    return schema, bool(spec.get("strict", False))
+    return schema, bool(strict)
 
 
 def check_parameters_schema(parameters, where: str) -> None:
@@ -217,6 +227,11 @@ def _check_node(schema: dict, path: str) -> None:
     if ref is not None and not (isinstance(ref, str) and (ref == "#" or ref.startswith("#/"))):
         raise StructuredOutputError(f"$ref {ref!r} at {path}/$ref is not supported: only "
                                     "references into the schema itself (\"#/$defs/...\")")
+    for key in ("anyOf", "oneOf", "type"):
+        if schema.get(key) == []:
+            raise StructuredOutputError(f"an empty {key} list at {path}/{key} accepts no value "
+                                        "(JSON Schema needs at least one entry): list at least "
+                                        f"one {'type' if key == 'type' else 'schema'}, or drop it")
     for head in ("$ref",) + _COMBINATORS:
         if head not in schema:
             continue
@@ -350,10 +365,8 @@ def _check_enforceable(schema, path: str) -> None:
             raise StructuredOutputError(f"JSON schema keyword {key!r} at {where} is not supported")
         if key == "allOf" and isinstance(value, list) and len(value) > 1:
             raise StructuredOutputError(f"allOf with several schemas at {where} is not supported")
-        if key == "multipleOf" and schema.get("type") != "integer":
-            # xgrammar enforces it on integers only; on numbers it warns and ignores it.
-            raise StructuredOutputError(f"multipleOf at {where} is supported with \"type\": "
-                                        "\"integer\" only")
+        if key == "multipleOf":
+            _check_integer_step(schema, value, where)
         if key == "pattern" and isinstance(value, str) and any(s in value for s in _LOOKAROUND):
             raise StructuredOutputError(f"regex lookaround in pattern at {where} is not supported")
         if key in _DATA_KEYWORDS:
@@ -366,6 +379,25 @@ def _check_enforceable(schema, path: str) -> None:
         elif isinstance(value, list):
             for i, sub in enumerate(value):
                 _check_enforceable(sub, f"{where}/{i}")
+
+
+MAX_INTEGER_STEP = 1024
+"""The largest `multipleOf` the grammar engine enforces (past it, it warns and drops it)."""
+
+
+def _check_integer_step(schema: dict, step, where: str) -> None:
+    """`multipleOf` is enforced on an "integer" node only, and only as a whole step of at most
+    MAX_INTEGER_STEP: on numbers, or with a step such as 0.5 or 5000, the grammar engine warns
+    and drops it (a step of 0 or less it refuses itself)."""
+    if schema.get("type") != "integer":
+        raise StructuredOutputError(f"multipleOf at {where} is supported with \"type\": "
+                                    "\"integer\" only")
+    if _is_type(step, "integer") and step > MAX_INTEGER_STEP:
+        raise StructuredOutputError(f"multipleOf {step!r} at {where} is not supported: the "
+                                    f"largest step enforced is {MAX_INTEGER_STEP}")
+    if _is_type(step, "number") and step > 0 and not _is_type(step, "integer"):
+        raise StructuredOutputError(f"multipleOf {step!r} at {where} is not supported on an "
+                                    "\"integer\": give a whole step (an integer >= 1)")
 
 
 def _is_permissive(key: str, value) -> bool:

@@ -107,6 +107,52 @@ def test_parse_tool_call_keeps_to_the_lines_tool_choice(formatter, extra, calls)
         assert choice["message"]["content"] == text
 
 
+@pytest.mark.parametrize("response_format", [
+    {"type": "json_object"},
+    {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "object"}}}])
+def test_a_json_response_format_answer_is_content_never_a_tool_call(response_format):
+    """With tools (tool_choice "auto") and --parse-tool-call, the JSON a response_format's
+    grammar wrote was read as a call when it held "name" and "arguments" (Llama's format):
+    content null, a call to a function no tool names, finish_reason "tool_calls"."""
+    from tiny_models import embedded_tokenizer, tiny_config
+
+    from batchgen.runner.worker.outputs import OutputFormatter
+
+    loaded = SimpleNamespace(tokenizer=embedded_tokenizer(), name="m",
+                             hf_config=tiny_config("llama"))  # llama3_json tool calls
+    spec = SimpleNamespace(config=SimpleNamespace(output=OutputConfig(parse_tool_call=True)),
+                           batch_id="b", created=1, system_fingerprint=None)
+    text = '{"name": "summary", "arguments": {"n": 7}}'
+    extra = {"tools": [WEATHER], "tool_choice": "auto", "response_format": response_format}
+    pending = PendingRequest("c1", 1, "chat", USER, None, SamplingParams(max_tokens=8), extra,
+                             [5, 6])
+    finished = FinishedRequest("c1", 2, [Completion(0, [1, 2], FinishReason.STOP, text=text)])
+    choice = OutputFormatter(spec, loaded).success(pending, finished)["response"]["body"][
+        "choices"][0]
+    assert choice["message"]["content"] == text and "tool_calls" not in choice["message"]
+    assert choice["finish_reason"] == "stop"
+    del extra["response_format"]  # the same text without one is the model's call
+    choice = OutputFormatter(spec, loaded).success(pending, finished)["response"]["body"][
+        "choices"][0]
+    assert choice["message"]["tool_calls"][0]["function"]["name"] == "summary"
+
+
+@pytest.mark.parametrize("strict", ["false", "true", 0, 1, [True]])
+def test_a_json_schema_strict_that_is_not_a_boolean_is_refused(strict):
+    """bool("false") is True: the string "false" silently turned strict mode on."""
+    def body(value):
+        return {"messages": USER, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "s", "schema": {"type": "object"}, "strict": value}}}
+
+    err = parse_record(line(body(strict), "/v1/chat/completions"))
+    assert isinstance(err, IntakeError) and err.code == "unsupported_response_format"
+    assert err.param == "response_format"
+    assert "json_schema.strict must be true or false" in err.message, err.message
+    for ok in (True, False, None):
+        assert isinstance(parse_record(line(body(ok), "/v1/chat/completions")), ParsedRequest)
+    assert response_format_schema(body(None)["response_format"])[1] is False
+
+
 @pytest.mark.parametrize("value", ["false", 0, "no", [False]])
 def test_parallel_tool_calls_that_is_not_a_boolean_is_refused(value):
     """Only `false` keeps an answer to one call: the string "false" or 0 read as true would

@@ -48,6 +48,13 @@ DROPPED = {
     "enum+pattern": S(type="string", enum=["abc", "x"], pattern="^a"),  # "x"
     "enum+type": S(type="string", enum=["a", 1]),  # 1
     "const+maximum": S(type="integer", const=50, maximum=10),  # 50
+    # integer steps the grammar engine warns about and drops
+    "integer multipleOf 0.5": S(type="integer", multipleOf=0.5),  # -93
+    "integer multipleOf past 1024": S(type="integer", multipleOf=2048),  # -93
+    # empty lists no value satisfies, which the grammar read as "anything" (or nothing)
+    "empty anyOf": S(anyOf=[]),  # "" (no JSON at all) at the root
+    "empty oneOf": S(oneOf=[]),
+    "empty type list": S(type=[]),  # any value
 }
 
 
@@ -93,6 +100,8 @@ ACCEPTED = {  # what pydantic's model_json_schema() and OpenAI's examples write
     "enum within its bounds": S(type="string", enum=["ab", "cd"], minLength=2, maxLength=2),
     "enum matching its pattern": S(type="string", enum=["ab", "ac"], pattern="^a"),
     "IntEnum with bounds": S(type="integer", enum=[1, 2.0, 3], minimum=1, maximum=3),
+    "integer multipleOf 1024": S(type="integer", multipleOf=1024),
+    "integer multipleOf 2.0": S(type="integer", multipleOf=2.0),
 }
 
 

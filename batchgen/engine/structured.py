@@ -12,11 +12,12 @@ Accepted formats (the request body's ``response_format``):
 
 Supported: objects (properties, required, additionalProperties, patternProperties,
 propertyNames, min/maxProperties), arrays (items, prefixItems, min/maxItems), strings
-(min/maxLength, pattern without lookaround, the common formats), numbers and integers (bounds,
-multipleOf), booleans, null, enum, const, anyOf, oneOf (enforced as anyOf: exclusivity is not
-checked, which is exact for discriminated unions), single-entry allOf, $ref/$defs. Keywords the
-grammar cannot enforce (not, if/then/else, uniqueItems, contains, dependent*, multi-entry allOf,
-...) raise ``StructuredOutputError`` instead of silently producing output that may not validate.
+(min/maxLength, pattern without lookaround, the common formats), numbers and integers (bounds;
+multipleOf on integers only, a whole step up to 1024), booleans, null, enum, const, anyOf, oneOf
+(enforced as anyOf: exclusivity is not checked, which is exact for discriminated unions),
+single-entry allOf, $ref/$defs. Keywords the grammar cannot enforce (not, if/then/else,
+uniqueItems, contains, dependent*, multi-entry allOf, ...) raise ``StructuredOutputError``
+instead of silently producing output that may not validate.
 Unknown ``format`` values are ignored, as JSON Schema treats ``format`` as an annotation.
 
 Engine contract: one ``GrammarCompiler`` per tokenizer (xgrammar caches compiled schemas),

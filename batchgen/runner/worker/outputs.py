@@ -14,7 +14,7 @@ from batchgen.io.intake import PendingRequest
 from batchgen.io.parsers import (THINK_CLOSE, THINK_OPEN, count_reasoning_tokens, parse_output,
                                  reasoning_style_for, tool_parser_for)
 from batchgen.io.results import ParsedChoice, item_id, success_line
-from batchgen.request_checks import forces_call, grammar_constrained
+from batchgen.request_checks import forces_call, grammar_constrained, json_response_format
 
 
 class OutputFormatter:
@@ -38,7 +38,10 @@ class OutputFormatter:
         parsed = None
         # OpenAI's rule: tool calls only for a line that gives tools and lets the model call
         # them (tool_choice "none" forbids it; a forced call is parsed even without the flag).
-        free = pending.extra.get("tools") and pending.extra.get("tool_choice") != "none"
+        # An answer a JSON response_format's grammar wrote is that JSON, never a call (a
+        # schema with "name" and "arguments" would read as one).
+        free = (pending.extra.get("tools") and pending.extra.get("tool_choice") != "none"
+                and not json_response_format(pending.extra))
         tools = (self.tool_format if forces_call(pending.extra)
                  else self.tool_parser if free else None)
         style = self._reasoning_style(pending) if pending.kind == "chat" else None
