@@ -34,6 +34,16 @@ def test_appends_replay_to_the_latest_state(tmp_path):
     assert (report.requests, report.tokens, report.torn) == (2, 5, False)
 
 
+def test_requests_admitted_with_no_token_drawn_are_not_counted_as_continued(tmp_path):
+    """A stop's message and `batchgen status` count the requests a resume continues: one
+    admitted (in the engine's intake) with nothing drawn yet starts over, like one never read."""
+    path = tmp_path / "c"
+    log = CheckpointLog(path, FP)
+    log.start({"a": [progress([1, 2])], "b": [progress([]), progress([])], "c": [progress([])]})
+    state, report = load(path, FP)
+    assert len(state) == 3 and (report.requests, report.tokens) == (1, 2)
+
+
 def test_finished_requests_leave_and_saved_results_never_resume(tmp_path):
     path = tmp_path / "c"
     log = CheckpointLog(path, FP)

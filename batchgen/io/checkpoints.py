@@ -90,9 +90,16 @@ def load(path: Path, fingerprint: str | None,
             return {}, report
         _apply(state, line, report)
     state = {cid: choices for cid, choices in state.items() if cid not in done}
-    report.requests = len(state)
+    report.requests = with_progress_count(state)
     report.tokens = sum(len(c.token_ids) for choices in state.values() for c in choices)
     return state, report
+
+
+def with_progress_count(state: dict[str, list[ChoiceProgress]]) -> int:
+    """Requests of `state` a resume continues rather than starts over: those with a token
+    drawn or a choice finished (one admitted but not yet started is in flight with nothing)."""
+    return sum(1 for choices in state.values()
+               if any(c.token_ids or c.done is not None for c in choices))
 
 
 class CheckpointLog:

@@ -11,7 +11,7 @@ from dataclasses import replace
 
 from batchgen.core import ChoiceProgress, Request
 from batchgen.io.checkpoints import (CheckpointLog, checkpoint_fingerprint, checkpoint_path,
-                                     load)
+                                     load, with_progress_count)
 from batchgen.io.jobfiles import BatchFile, JobPaths
 
 log = logging.getLogger("batchgen.worker")
@@ -40,7 +40,7 @@ class InflightCheckpoints:
         self.interval = interval
         self._last = time.monotonic()
         self.stats = {"saves": 0, "bytes": 0, "last_seconds": 0.0, "max_seconds": 0.0,
-                      "total_seconds": 0.0, "requests": len(self.resumable),
+                      "total_seconds": 0.0, "requests": report.requests,
                       "tokens": report.tokens, "resumed_requests": report.requests,
                       "resumed_tokens": report.tokens, "generated_at_save": 0}
 
@@ -63,7 +63,7 @@ class InflightCheckpoints:
         s["last_seconds"] = seconds
         s["max_seconds"] = max(s["max_seconds"], seconds)
         s["total_seconds"] += seconds
-        s["requests"], s["tokens"] = len(state), self.file.tokens
+        s["requests"], s["tokens"] = with_progress_count(state), self.file.tokens
         s["generated_at_save"] = generated
 
     def remove(self) -> None:
