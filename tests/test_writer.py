@@ -240,6 +240,23 @@ def test_finalize_refuses_missing_results_and_writes_nothing(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b.jsonl", "o.jsonl"]
 
 
+def test_finalize_of_a_job_with_most_results_missing_holds_no_list_of_them(tmp_path):
+    """The merge streams the input's ids: records without a result are counted and the
+    first five named, not kept one string each (a million missing ids: tens of MB)."""
+    inc = tmp_path / "b.jsonl"
+    inc.write_bytes(ok_line("have"))
+    keys = (f"request-without-a-result-{i:08d}" for i in range(300_000))
+    tracemalloc.start()
+    try:
+        with pytest.raises(IncompleteResults, match=r"^300000 input records have no result yet "
+                           r"\(first: 'request-without-a-result-00000000', .*00004'\)"):
+            finalize([inc], keys, tmp_path / "o.jsonl")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 20 << 20, peak  # the 65,536-id chunk being merged (~13 MB), no more
+
+
 def test_read_done_ids_across_rank_files(tmp_path):
     a, b = tmp_path / "b.rank0.jsonl", tmp_path / "b.rank1.jsonl"
     a.write_bytes(ok_line("x") + b'{"custom_id": "tor')

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import difflib
 import re
+from collections.abc import Collection
 from dataclasses import fields
 
 from batchgen.core import SamplingParams
@@ -44,20 +45,9 @@ _EMBEDDING_KNOWN = frozenset({*EMBEDDING_FIELDS, *EMBEDDING_REFUSED, *IGNORED_FI
 def unknown_fields(data: dict, limit: int | None = None) -> list[str]:
     """One message per field batchgen does not read (a typo runs with the default), with the
     closest field it does read; the first `limit` of them (a hostile line may hold a million
-    keys: each message costs a fuzzy match). Cheap for a line without any: `batchgen run`
-    asks of each."""
-    envelope = any(k in data for k in ENVELOPE_FIELDS[1:])  # an OpenAI batch line
-    embedding = (data.get("url") == EMBEDDINGS_URL if envelope
-                 else _plain_kind_of(data) == "embedding")
-    known = _EMBEDDING_KNOWN if embedding else _GENERATION_KNOWN
-    if envelope:
-        body = data.get("body")
-        checks = [(k, "", ENVELOPE_FIELDS) for k in data if k not in ENVELOPE_FIELDS]
-        checks += [(k, "body.", known) for k in (body if isinstance(body, dict) else ())
-                   if k not in known]
-    else:
-        checks = [(k, "", known | {"custom_id"}) for k in data
-                  if k not in known and k != "custom_id"]
+    keys: each message costs a fuzzy match). A caller that needs no message for a line asks
+    has_unknown_fields instead: the fuzzy match costs more than parsing the line."""
+    envelope, known, checks = _unread(data)
     messages = []
     for name, where, options in checks[:limit]:
         if envelope and not where and name in known:  # a body field written beside "body"
@@ -68,6 +58,30 @@ def unknown_fields(data: dict, limit: int | None = None) -> list[str]:
         hint = f"did you mean {close!r}?" if close else "it is ignored"
         messages.append(f"unknown field {where}{name!r}: {hint}")
     return messages
+
+
+def has_unknown_fields(data: dict) -> bool:
+    """Whether unknown_fields names any field of `data`, without matching them against the
+    known fields: cheap enough for every line of a large input."""
+    return bool(_unread(data)[2])
+
+
+def _unread(data: dict) -> tuple[bool, frozenset[str], list[tuple[str, str, Collection[str]]]]:
+    """(an OpenAI batch line?, the request fields it may name, (field, where, its options)
+    for each field batchgen does not read)."""
+    envelope = any(k in data for k in ENVELOPE_FIELDS[1:])  # an OpenAI batch line
+    embedding = (data.get("url") == EMBEDDINGS_URL if envelope
+                 else _plain_kind_of(data) == "embedding")
+    known = _EMBEDDING_KNOWN if embedding else _GENERATION_KNOWN
+    if envelope:
+        body = data.get("body")
+        checks = [(k, "", ENVELOPE_FIELDS) for k in data if k not in ENVELOPE_FIELDS]
+        checks += [(k, "body.", known) for k in (body if isinstance(body, dict) else ())
+                   if k not in known]
+    else:
+        options = known | {"custom_id"}
+        checks = [(k, "", options) for k in data if k not in options]
+    return envelope, known, checks
 
 
 def _meant(name: str, options) -> str | None:

@@ -43,7 +43,7 @@ import batchgen.core
 import batchgen.request_checks
 from batchgen.atomic import atomic_file, read_json_dict, write_json_atomic
 from batchgen.io.embeddings import EmbeddingRequest
-from batchgen.io.field_hints import unknown_fields
+from batchgen.io.field_hints import has_unknown_fields, unknown_fields
 from batchgen.io.intake import IntakeError, ParsedRequest, parse_record, takes_default_max_tokens
 from batchgen.io.prefix_shards import assign_packed, prefix_key
 from batchgen.io.reader import (InputFile, InputFileError, InputSummary, RawRecord,
@@ -93,12 +93,9 @@ class _Store:
         self.size += len(data)
 
     def add(self, record: RawRecord, key: str) -> None:
-        hints = unknown_fields(record.data, 1) if isinstance(record.data, dict) else []
-        if hints:
-            self.ignoring += 1
-            if len(self.ignored) < SHOWN_IGNORED:
-                self.ignored.append(f"line {record.line}: {hints[0]}")
         parsed = parse_record(record, self.default_max_tokens)
+        if not isinstance(parsed, IntakeError):  # an error line runs with no field at all
+            self._note_ignored(record)
         self.defaulted += takes_default_max_tokens(parsed, record)
         self.refused += isinstance(parsed, IntakeError)
         item = pickle.dumps(parsed, protocol=pickle.HIGHEST_PROTOCOL)
@@ -108,6 +105,15 @@ class _Store:
         self.write(HEADER.pack(record.line, len(raw_key), len(item), prefix))
         self.write(raw_key)
         self.write(item)
+
+    def _note_ignored(self, record: RawRecord) -> None:
+        """Count a line with fields batchgen does not read; name the first SHOWN_IGNORED (the
+        fuzzy match that names a field costs more than parsing the line: once per line shown)."""
+        if not has_unknown_fields(record.data):
+            return
+        self.ignoring += 1
+        if len(self.ignored) < SHOWN_IGNORED:
+            self.ignored.append(f"line {record.line}: {unknown_fields(record.data, 1)[0]}")
 
 
 def parse_input(identity: InputFile, out: Path, max_line_bytes: int,
@@ -153,7 +159,8 @@ def _warn_ignored(store: _Store, path: Path) -> None:
     if store.ignoring:
         one = store.ignoring == 1
         log.warning("%d line%s of the input carr%s fields batchgen does not read, which run "
-                    "with their defaults (%s%s); `batchgen validate -i %s` names every one",
+                    "with their defaults (%s%s); `batchgen validate -i %s` names them line by "
+                    "line",
                     store.ignoring, "" if one else "s", "ies" if one else "y",
                     "; ".join(store.ignored),
                     "; ..." if store.ignoring > len(store.ignored) else "", path)

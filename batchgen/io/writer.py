@@ -317,8 +317,8 @@ def finalize(incremental_paths: list[Path], input_order: Path | Iterable[str],
         target.parent.mkdir(parents=True, exist_ok=True)
     index = _Index([Path(p) for p in incremental_paths])
     fds = [os.open(p, os.O_RDONLY) for p in incremental_paths]
-    completed = failed = prompt_tokens = completion_tokens = cached_tokens = 0
-    missing: list[str] = []
+    completed = failed = prompt_tokens = completion_tokens = cached_tokens = missing = 0
+    first_missing: list[str] = []  # named in the error; the others only counted
     try:
         with atomic_file(Path(output_path)) as out, atomic_file(errors_path) as err:
             for chunk in _chunks(keys):
@@ -327,7 +327,9 @@ def finalize(incremental_paths: list[Path], input_order: Path | Iterable[str],
                 for key, digest, at in zip(chunk, digests, starts):
                     found = _lookup(index, fds, key, digest, int(at))
                     if found is None:
-                        missing.append(key)
+                        missing += 1
+                        if len(first_missing) < 5:
+                            first_missing.append(key)
                     elif is_success(found[1]):
                         out.write(found[0])
                         completed += 1
@@ -342,8 +344,8 @@ def finalize(incremental_paths: list[Path], input_order: Path | Iterable[str],
                         failed += 1
             if missing:
                 raise IncompleteResults(
-                    f"{len(missing)} input records have no result yet (first: "
-                    f"{', '.join(map(repr, missing[:5]))}); run the job again to finish them")
+                    f"{missing} input records have no result yet (first: "
+                    f"{', '.join(map(repr, first_missing))}); run the job again to finish them")
     finally:
         for fd in fds:
             os.close(fd)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from batchgen.io.field_hints import unknown_fields
+from batchgen.io.field_hints import has_unknown_fields, unknown_fields
 from batchgen.io.intake import IntakeError, ParsedRequest, parse_record
 from batchgen.io.reader import DEFAULT_MAX_LINE_BYTES, RawRecord, scan_input
 from batchgen.request_checks import forced_functions, forces_call
@@ -62,11 +62,12 @@ def validate_file(path: Path, max_tokens: int,
                 where = f"line {parsed.line}: "  # error lines' messages start with it too
                 shown.append(f"{where}{parsed.code}: {parsed.message.removeprefix(where)}")
             return
-        problems = (unknown_fields(record.data, SHOWN_WARNINGS if warned < SHOWN_WARNINGS else 1)
-                    if isinstance(record.data, dict) else [])
+        if warned >= SHOWN_WARNINGS:  # only counted from here: naming a field costs a fuzzy match
+            warned += has_unknown_fields(record.data)
+            return
+        problems = unknown_fields(record.data, SHOWN_WARNINGS)
         warned += bool(problems)
-        for problem in problems if warned <= SHOWN_WARNINGS else []:
-            shown.append(f"line {record.line}: warning: {problem}")
+        shown.extend(f"line {record.line}: warning: {problem}" for problem in problems)
 
     # The one pass that parses the lines; file-level problems (duplicates, unreadable) raise
     # here, before any line's message is shown.
