@@ -87,6 +87,10 @@ class Workload:
                               n=self.n)
 
 
+PEERS = ("none", "hf")
+"""--peer: no comparison, or transformers' `generate`."""
+
+
 @dataclass(frozen=True)
 class BenchConfig:
     """One benchmark's model shape, engine settings and comparisons (the requests: Workload)."""
@@ -154,16 +158,27 @@ class BenchConfig:
     gloo. Every rank runs the whole workload; rank 0 reports (bench_tp.py)."""
 
     def model_config(self) -> ModelConfig:
-        """The options the model is built with (validated like a job's)."""
-        cfg = ModelConfig(kv_dtype=self.kv_dtype,
+        """The options the model is built with (validated like a job's, --dtype included)."""
+        cfg = ModelConfig(dtype=self.dtype, kv_dtype=self.kv_dtype,
                           pre_dequantize_weights=self.pre_dequantize_weights,
                           enable_ep_with_offloading=self.enable_ep_with_offloading,
                           ep_offloading_ratio=self.ep_offloading_ratio)
         cfg.validate()
         return cfg
 
+    def validate(self) -> None:
+        """bench's own flags (the engine's are checked by engine_config, as `run` checks them):
+        ValueError naming the flag and what it takes."""
+        checks = [(self.peer in PEERS, f"--peer {self.peer!r}: one of {', '.join(PEERS)}"),
+                  (self.peer_batch >= 1, "--peer-batch must be >= 1"),
+                  (self.tensor_parallel_size >= 1, "--tensor-parallel-size must be >= 1")]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
     def engine_config(self) -> EngineConfig:
-        """The engine's configuration for these flags (validated)."""
+        """The engine's configuration for these flags (validated, bench's own flags too)."""
+        self.validate()
         return EngineConfig(
             model=self.model_config(),
             memory=MemoryConfig(gpu_kv_cache_size=self.gpu_kv_cache_size,
@@ -173,7 +188,8 @@ class BenchConfig:
                                       max_prefill_tokens=self.max_prefill_tokens,
                                       initial_gpu_page_buffer=self.initial_gpu_page_buffer,
                                       enable_prefix_caching=self.enable_prefix_caching),
-            runtime=RuntimeConfig(cuda_graph_max_bucket_size=self.max_decode_batch,
+            runtime=RuntimeConfig(device=self.device,
+                                  cuda_graph_max_bucket_size=self.max_decode_batch,
                                   cuda_graph_num_buckets=self.cuda_graph_num_buckets,
                                   disable_cuda_graphs=self.disable_cuda_graphs,
                                   decode_burst_steps=self.decode_burst_steps)).validate()

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from batchgen.config import ModelConfig, RuntimeConfig, canonical_dtype
 from batchgen.models.hf_text import text_only
 
 EMBED_SHAPES = {
@@ -55,6 +56,8 @@ class EmbedBench:
         for name in ("requests", "input_len", "max_step_tokens", "peer_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        ModelConfig(dtype=canonical_dtype(self.dtype)).validate()  # as `run` checks them
+        RuntimeConfig(device=self.device).validate()
 
 
 def hf_config(cfg: EmbedBench):
@@ -87,7 +90,7 @@ def run(cfg: EmbedBench) -> dict:
     cfg.validate()
     require_device(cfg.device)
     device = pick_device(cfg.device)
-    dtype = resolve_dtype(cfg.dtype, device)
+    dtype = resolve_dtype(canonical_dtype(cfg.dtype), device)
     config = hf_config(cfg)
     model = random_model(config, dtype, device)
     gen = torch.Generator().manual_seed(0)

@@ -3,6 +3,7 @@ mistakes as one `error:` line, warnings for deprecated spellings, and the versio
 
 from __future__ import annotations
 
+import sys
 from importlib import metadata
 
 import typer
@@ -65,6 +66,18 @@ def version_callback(value: bool) -> None:
         raise typer.Exit()
 
 
+def _foreign_flag(err, args: list[str], foreign_flags: dict) -> str | None:
+    """The other tool's flag behind a usage error: the option click names, or the argument
+    it came from where click read a short form such as vLLM's `-pp` as the cluster `-p -p`."""
+    name = getattr(err, "option_name", None) or ""
+    if name in foreign_flags:
+        return name
+    if len(name) != 2:
+        return None
+    given = (arg.split("=", 1)[0] for arg in args if not arg.startswith("--"))
+    return next((arg for arg in given if arg in foreign_flags and arg.startswith(name)), None)
+
+
 def run_app(app: typer.Typer, args: list[str] | None = None,
             foreign_flags: dict[str, tuple[str, str]] | None = None) -> int:
     """Run the app; a usage mistake (unknown flag, missing value) is one `error:` line naming
@@ -81,9 +94,10 @@ def run_app(app: typer.Typer, args: list[str] | None = None,
     except click.exceptions.UsageError as err:
         command = err.ctx.command_path if err.ctx is not None else "batchgen"
         message = err.format_message().replace("\n", " ")
-        foreign = (foreign_flags or {}).get(getattr(err, "option_name", None) or "")
-        if isinstance(err, click.exceptions.NoSuchOption) and foreign is not None:
-            message = f"{err.option_name} is {foreign[0]}'s flag, not taken here: {foreign[1]}"
+        flag = _foreign_flag(err, sys.argv[1:] if args is None else args, foreign_flags or {})
+        if isinstance(err, click.exceptions.NoSuchOption) and flag is not None:
+            tool, instead = foreign_flags[flag]  # type: ignore[index]
+            message = f"{flag} is {tool}'s flag, not taken here: {instead}"
         typer.secho(f"error: {message} (see `{command} --help`)", fg=typer.colors.RED, err=True)
         return ExitCode.INPUT
     except click.exceptions.ClickException as err:

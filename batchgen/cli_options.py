@@ -38,6 +38,10 @@ _QUANTIZATION = ("the quantization is read from the checkpoint's config.json (FP
                  "run as they ship; a bf16 checkpoint is not quantized at load, so for FP8 "
                  "weights give its FP8 release; AWQ, GPTQ and bitsandbytes are refused): "
                  "remove the flag")
+_PIPELINE = ("there is no pipeline parallelism: split a model over GPUs with "
+             "--tensor-parallel-size (several nodes: docs/slurm.md)")
+_DATA_PARALLEL = ("data parallelism is --world-size / --tensor-parallel-size: give --world-size "
+                  "(all GPUs of the job)")
 VLLM_NOT_TAKEN = {
     "--trust-remote-code": "batchgen never runs code shipped with a model; it runs its own "
                            "code for the architectures it supports (README.md, Models): "
@@ -53,10 +57,10 @@ VLLM_NOT_TAKEN = {
                         "flag",
     "--load-format": "weights are read from safetensors, a .gguf file or a `batchgen convert` "
                      "folder, whichever --model names: remove the flag",
-    "--pipeline-parallel-size": "there is no pipeline parallelism: split a model over GPUs "
-                                "with --tensor-parallel-size (several nodes: docs/slurm.md)",
-    "--data-parallel-size": "data parallelism is --world-size / --tensor-parallel-size: give "
-                            "--world-size (all GPUs of the job)",
+    "--pipeline-parallel-size": _PIPELINE,
+    "-pp": "(--pipeline-parallel-size) " + _PIPELINE,
+    "--data-parallel-size": _DATA_PARALLEL,
+    "-dp": "(--data-parallel-size) " + _DATA_PARALLEL,
     "--enable-chunked-prefill": "prefill is always chunked, --max-prefill-tokens "
                                 "(--max-num-batched-tokens) per step: remove the flag",
     "--block-size": "KV pages are always 64 tokens: remove the flag",

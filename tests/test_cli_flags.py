@@ -223,10 +223,12 @@ def test_a_token_count_that_is_not_whole_names_the_forms(given):
     ("--mem-fraction-static", "--gpu-memory-utilization"),
     ("--context-length", "--max-model-len"),
     ("--disable-radix-cache", "--no-enable-prefix-caching"),
-    ("--schedule-policy", "remove the flag"), ("--disable-log-stats", "remove the flag")])
+    ("--schedule-policy", "remove the flag"), ("--disable-log-stats", "remove the flag"),
+    ("-pp", "--tensor-parallel-size"), ("-dp", "--world-size")])
 def test_sglang_and_vllm_server_flags_name_the_flag_to_use(flag, named):
     """An SGLang command line (or vLLM's logging switches) gets the flag that does the same
-    here, not click's unrelated near misses (`--tp-size`: --dtype, --world-size)."""
+    here, not click's unrelated near misses (`--tp-size`: --dtype, --world-size), nor for
+    vLLM's `-pp`, which click reads as `-p -p`, "No such option: -p"."""
     proc = cli("run", "-i", "x.jsonl", flag, "1")
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
@@ -268,3 +270,27 @@ def test_numbers_no_setting_can_use_are_refused_by_flag(args, named):
     with pytest.raises(ConfigError) as err:
         parsed(*args)
     assert str(err.value).startswith(named) and "is not allowed" in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("device", ["cuda:x", "cuda:-1", "cudax", "cuda:", "CPU"])
+def test_a_device_not_spelled_as_documented_is_refused_by_flag(device):
+    """Not a torch traceback ("Invalid device string") from the job's first look at it."""
+    from batchgen.config import ConfigError
+
+    with pytest.raises(ConfigError, match=f"--device='{device}' is not allowed: auto, cpu"):
+        parsed("--device", device)
+    assert parsed("--device", "cuda:1").engine.runtime.device == "cuda:1"
+
+
+@pytest.mark.parametrize("flag", ["--watchdog-timeout", "--decode-step-timeout",
+                                  "--startup-timeout", "--watchdog-heartbeat-interval",
+                                  "--preempt-grace"])
+def test_seconds_past_what_the_timers_hold_are_refused_by_flag(flag):
+    """1e10 s passed the checks and then killed the watchdog's thread with an OverflowError
+    (faulthandler's timer holds ~9.2e9 s); a stop's grace timer would fail the same way."""
+    from batchgen.config import ConfigError
+
+    with pytest.raises(ConfigError, match=re.escape(f"{flag}=10000000000.0 is not allowed: "
+                                                    "seconds > 0 and <= 1e+09")):
+        parsed(flag, "1e10")
+    parsed(flag, "1e9")

@@ -82,6 +82,33 @@ def test_bench_on_a_cuda_device_that_is_not_there_is_one_error_line(args):
     assert "--device cuda" in line and "--device cpu" in line, line
 
 
+EMBEDDINGS = ["--mode", "embeddings", "--shape", "qwen3-embedding-0.6b"]
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--dtype", "fp64"], "--dtype='fp64' is not allowed: one of auto, float32"),
+    (["--device", "tpu"], "--device='tpu' is not allowed: auto, cpu, cuda or cuda:N"),
+    (["--device", "cuda:x"], "--device='cuda:x' is not allowed"),
+    (["--peer", "xx"], "--peer 'xx': one of none, hf"),
+    (["--peer-batch", "0"], "--peer-batch must be >= 1"),
+    (["--tensor-parallel-size", "0"], "--tensor-parallel-size must be >= 1"),
+    ([*EMBEDDINGS, "--dtype", "fp64"], "--dtype='fp64' is not allowed"),
+    ([*EMBEDDINGS, "--device", "tpu"], "--device='tpu' is not allowed"),
+])
+def test_bench_bad_values_are_one_error_line_before_any_model(args, needle):
+    """Refused by flag as `run` refuses them, not a torch traceback or silently ignored."""
+    result = CliRunner().invoke(app, ["bench", "--tiny", "--requests", "1", *args])
+    assert result.exit_code == 2 and needle in result.output, result.output
+    assert "Traceback" not in result.output and result.output.count("error:") == 1
+
+
+def test_bench_embeddings_takes_runs_dtype_spellings():
+    result = CliRunner().invoke(app, ["bench", *EMBEDDINGS, "--tiny", "--device", "cpu",
+                                      "--dtype", "fp32", "--requests", "1", "--input-len", "4",
+                                      "--peer-batch", "1"])
+    assert result.exit_code == 0 and "(torch.float32)" in result.output, result.output
+
+
 def test_validate_says_to_move_body_fields_written_beside_body_into_it(tmp_path):
     rows = [{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
              "max_tokens": 5, "colour": "red",

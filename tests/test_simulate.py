@@ -221,6 +221,15 @@ def test_layouts_that_split_a_tp_group_unevenly_are_refused():
     (["--requests-file", "{tmp}/wrong_keys.jsonl"], "line 2 is not a JSON object"),
     (["--requests-file", "{tmp}/empty.jsonl"], "holds no requests"),
     (["--num-requests", "4", "--png", "{tmp}/nodir/t.png"], "existing folder"),
+    (["--host-kv-cache-size", "nan"], "--host-kv-cache-size must be a finite number"),
+    (["--gpu-tflops", "nan"], "--gpu-tflops must be a finite number"),
+    (["--step-overhead-ms", "-1"], "--step-overhead-ms must be >= 0"),
+    (["--network-latency-us", "-1"], "--network-latency-us and"),
+    (["--total-params", "0"], "--total-params must be > 0"),
+    (["--gpu-kv-cache-size", "0"], "--gpu-kv-cache-size must be > 0"),
+    (["--timeline-points", "-1"], "--timeline-points must be >= 1"),
+    (["--seed", "-1"], "--seed must be >= 0"),
+    (["--output-len", "lognormal:mean=0,sigma=1,max=9"], "need mean > 0 and sigma >= 0"),
 ])
 def test_user_mistakes_are_one_line_errors_not_tracebacks(tmp_path, args, needle):
     from typer.testing import CliRunner

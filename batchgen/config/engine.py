@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -249,8 +250,8 @@ class RuntimeConfig:
                  self.cuda_graph_max_bucket_size, "an integer >= 1")
         require(self.cuda_graph_num_buckets >= 1, "cuda_graph_num_buckets",
                  self.cuda_graph_num_buckets, "an integer >= 1")
-        require(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
-                 "device", self.device, "auto, cpu, cuda or cuda:N")
+        require(re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None, "device",
+                 self.device, "auto, cpu, cuda or cuda:N (N: the GPU's index, e.g. cuda:0)")
 
     @property
     def use_cuda_graphs(self) -> bool:

@@ -18,6 +18,10 @@ def cache_root() -> Path:
 
 MIN_LINE_BYTES = 64
 """The smallest --max-line-bytes (run and validate): below it no request line fits."""
+MAX_SECONDS = 1e9
+"""Longest deadline or grace a seconds flag takes (~31 years): the watchdog's timers and the
+stop grace's need one the platform's timers can hold (about 9.2e9 s), and twice a timeout
+for the watchdog's backstop. Leaving a timeout out disables it."""
 
 
 def default_storage_path(output: str | None) -> str:
@@ -168,8 +172,10 @@ class WatchdogConfig:
         for name in ("watchdog_timeout", "decode_step_timeout", "startup_timeout",
                      "watchdog_heartbeat_interval"):
             value = getattr(self, name)
-            require(value is None or value > 0, name, value, "seconds > 0")
-        require(self.preempt_grace > 0, "preempt_grace", self.preempt_grace, "seconds > 0")
+            require(value is None or 0 < value <= MAX_SECONDS, name, value,
+                     f"seconds > 0 and <= {MAX_SECONDS:g} (leave the flag out to disable it)")
+        require(0 < self.preempt_grace <= MAX_SECONDS, "preempt_grace", self.preempt_grace,
+                 f"seconds > 0 and <= {MAX_SECONDS:g}")
         require(self.quarantine_after >= 1, "quarantine_after", self.quarantine_after,
                  "an integer >= 1")
         require(self.inflight_checkpoint_interval >= 0, "inflight_checkpoint_interval",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 
@@ -113,14 +113,38 @@ class SimulationConfig:
             (self.max_tokens is None or self.max_tokens >= 1, "--max-tokens must be >= 1"),
             (self.shared_prefix_len >= 0 and self.num_prefixes >= 1,
              "--shared-prefix-len must be >= 0 and --num-prefixes >= 1"),
+            (self.seed >= 0, "--seed must be >= 0"),
+            (self.timeline_points >= 1, "--timeline-points must be >= 1"),
+            (min(self.allreduce_latency_us, self.network_latency_us, self.step_overhead_ms) >= 0,
+             "--allreduce-latency-us, --network-latency-us and --step-overhead-ms must be >= 0"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        self._check_numbers()
         canonical_kv_dtype(self.kv_dtype)
         LengthDist.parse(self.prompt_len)
         LengthDist.parse(self.output_len)
         return self
+
+    def _check_numbers(self) -> None:
+        """Every float flag finite (a NaN passes any comparison check and makes every number
+        of the summary NaN), and the overrides, where given, > 0."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            flag = SIMULATE_FLAGS.get(f.name, "--" + f.name.replace("_", "-"))
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"{flag} must be a finite number, not {value}")
+            if f.name in OVERRIDES and value is not None and not value > 0:
+                raise ValueError(f"{flag} must be > 0 (leave it out for its default)")
+
+
+OVERRIDES = ("active_params", "total_params", "weight_bytes_per_param", "kv_bytes_per_token",
+             "device_kv_gb")
+"""Fields that replace a preset's or a formula's value: None, or a positive number."""
+SIMULATE_FLAGS = {"model": "--shape", "tensor_parallel": "--tensor-parallel-size",
+                  "host_kv_gb": "--host-kv-cache-size", "device_kv_gb": "--gpu-kv-cache-size"}
+"""Fields `batchgen simulate` spells otherwise than their names (cli_options.SIMULATE_RENAMES)."""
 
 
 def _tp_fits(tp: int, per_node: int) -> bool:
@@ -158,6 +182,9 @@ class LengthDist:
         if not 1 <= dist.low <= dist.high:
             raise ValueError(f"bad length distribution {text!r} (--prompt-len / --output-len): "
                              "need 1 <= min <= max")
+        if kind == "lognormal" and not (0 < dist.mean < math.inf and 0 <= dist.sigma < math.inf):
+            raise ValueError(f"bad length distribution {text!r} (--prompt-len / --output-len): "
+                             "need mean > 0 and sigma >= 0")
         return dist
 
     def sample(self, count: int, rng: np.random.Generator) -> np.ndarray:
@@ -252,5 +279,6 @@ def pool_pages(sim: SimulationConfig, cost: CostModel) -> tuple[int, int]:
     host = int(sim.host_kv_gb * 1e9 // (PAGE_SIZE * cost.kv_bytes_per_token))
     if device < 1:
         raise ValueError(f"no device KV left: weights take {weights_per_gpu / 1e9:.1f} GB per GPU "
-                         f"of {sim.gpu_memory_gb:.0f} GB; raise tensor_parallel or device_kv_gb")
+                         f"of {sim.gpu_memory_gb:.0f} GB; raise --tensor-parallel-size or "
+                         "--gpu-kv-cache-size")
     return device, max(host, 1)
