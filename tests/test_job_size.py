@@ -5,7 +5,7 @@ from __future__ import annotations
 from batchgen.io.intake import parse_record
 from batchgen.io.parsed_input import ParsedRecord
 from batchgen.io.reader import RawRecord
-from batchgen.runner.worker.job_size import job_sequences
+from batchgen.runner.worker.job_size import held_at_once, job_sequences
 
 
 def _parsed(record: RawRecord) -> ParsedRecord:
@@ -52,3 +52,15 @@ def test_stops_reading_at_the_limit():
 
     assert job_sequences(records(), set(), 16) == 16
     assert len(read) == 8
+
+
+def test_the_pools_are_sized_for_the_sequences_left_when_all_were_counted():
+    """A job of a million records resumed with ten left sizes its KV pools for ten sequences
+    (the count is exact below the limit), not for its share of every record."""
+    records = [_chat(f"r{i}") for i in range(12)]
+    done = {f"r{i}" for i in range(2, 12)}
+    left = job_sequences(records, done, 512)
+    assert left == 2 and held_at_once(left, 512, 1_000_000) == 2
+    counted_to_the_limit = job_sequences(records, set(), 5)
+    assert held_at_once(counted_to_the_limit, 5, 1_000_000) == 1_000_000
+    assert held_at_once(0, 512, 1_000_000) == 0  # embeddings and bad lines only

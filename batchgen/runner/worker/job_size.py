@@ -30,3 +30,10 @@ def _sequences(item: ParsedRequest | EmbeddingRequest | IntakeError | None) -> i
     if isinstance(item, ParsedRequest):
         return max(1, item.sampling.n)
     return 1 if item is None else 0
+
+
+def held_at_once(sequences: int, limit: int, share: int) -> int:
+    """How many sequences this replica may hold KV for at once, which sizes its pools: the
+    count job_sequences found where it counted them all (below `limit`: a resumed job with a
+    few requests left), else `share`, its share of the job's records (an upper bound)."""
+    return sequences if sequences < limit else share

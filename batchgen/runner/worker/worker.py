@@ -38,7 +38,7 @@ from batchgen.runner.files.errors import disk_errors
 from batchgen.runner.worker.embed_jobs import EmbeddingJobs
 from batchgen.runner.worker.grammars import Grammars
 from batchgen.runner.worker.inflight import InflightCheckpoints, with_progress
-from batchgen.runner.worker.job_size import job_sequences
+from batchgen.runner.worker.job_size import held_at_once, job_sequences
 from batchgen.runner.worker.stand_in import precompile_hook
 from batchgen.runner.exits import ExitCode
 from batchgen.runner.files.job import JobSpec
@@ -197,9 +197,10 @@ class Worker:
         gc.enable()
         sched = cfg.engine.scheduler
         # Only lines that decode hold KV: a job left with embeddings (and bad lines) only
-        # (sequences 0) needs no more than one request's pages, not a pool, pinned on the
-        # host, sized for every one of its lines.
-        decoding = -(-spec.total_records // self.place.dp_size) if sequences else 0
+        # (sequences 0) needs no more than one request's pages, and one resumed with a few
+        # requests left their pages, not a pool, pinned on the host, sized for every line.
+        decoding = held_at_once(sequences, cfg.engine.runtime.cuda_graph_max_bucket_size,
+                                -(-spec.total_records // self.place.dp_size))
         demand = job_demand_tokens(decoding,
                                    min(sched.max_intake_capacity, sched.max_pool_size),
                                    self.loaded.max_context)
