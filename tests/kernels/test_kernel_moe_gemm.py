@@ -140,6 +140,7 @@ def test_grouped_gemm_fp8_launch_settings_match_reference(device, silu_mul, tile
 def test_fp8_expert_mlp_tracks_the_dense_mlp(device):
     """quantize -> gate_up (fused SiLU) -> quantize -> down, as ExpertBank runs FP8 experts,
     against the dense MLP of the dequantized weights with unquantized activations."""
+    torch.manual_seed(0)  # the same draw on every run: the bound below is near the noise
     block, hidden, inter = (128, 128), 256, 128
     sizes = [9, 0, 14]
     offsets = offsets_of(sizes, device)
@@ -154,12 +155,13 @@ def test_fp8_expert_mlp_tracks_the_dense_mlp(device):
     hidden_act = reference.grouped_gemm(x, dense_gate_up, offsets, True, torch.float64)
     want = reference.grouped_gemm(hidden_act, dense_down, offsets, False, torch.float64)
     # Two e4m3 activation roundings (3 mantissa bits) and a bf16 intermediate: noise, so judged
-    # over the whole output (relative L2), with a looser bound on the worst element (a max-based
-    # 5% bound failed now and then on fresh random inputs, on the H200 and on CPU).
+    # over the whole output (relative L2), with a looser bound on the worst element. The
+    # relative L2 error is 4.0-4.9% over 40 seeds on CPU and once reached 5.1% unseeded: 6%
+    # (a wrong scale or block is off by far more).
     rows = slice(0, sum(sizes))
     got, ref = out[rows].double(), want[rows].double()
     rel_l2 = ((got - ref).norm() / ref.norm()).item()
-    assert rel_l2 < 5e-2, f"fp8 mlp: relative L2 error {rel_l2:.3f}"
+    assert rel_l2 < 6e-2, f"fp8 mlp: relative L2 error {rel_l2:.3f}"
     assert_rel_close(out, want, 1.5e-1, "fp8 mlp worst element")
 
 
