@@ -219,12 +219,13 @@ def _run_locked(spec: JobSpec, batch_file: BatchFile, already: int, stops: StopS
     progress = ProgressReporter(paths.batch_file.parent, spec.batch_id, spec.total_records, already)
     progress.start()
     try:
-        if already < spec.total_records and refused_only:
-            _answer_refused_lines(spec)
         if already < spec.total_records and not refused_only:
             _lead_ranks(spec, spec_file, member, sizes, stops)
-        elif group is not None:
-            group.publish_final("done")
+        else:  # no rank has anything to run
+            if already < spec.total_records:
+                _answer_refused_lines(spec)
+            if group is not None:
+                group.publish_final("done")
     except PlanRefused as err:  # nothing ran: no crash evidence against any request
         try_record_end(spec, batch_file, started, "failed", {"last_failure": str(err)})
         log.error("%s", err)
