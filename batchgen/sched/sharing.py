@@ -20,6 +20,7 @@ allocators'.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from itertools import islice
@@ -274,14 +275,8 @@ def shared_pages(a: Sequence, b: Sequence) -> int:
     keys_a, keys_b = a.page_keys, b.page_keys
     if len(keys_a) < pages or len(keys_b) < pages:
         return common_pages(a.token_ids, b.token_ids)
-    low, high = 0, pages  # bisection on the keys: equal keys at i mean equal pages 0..i
-    while low < high:
-        mid = (low + high + 1) // 2
-        if keys_a[mid - 1] == keys_b[mid - 1]:
-            low = mid
-        else:
-            high = mid - 1
-    return low
+    # equal keys at i mean equal pages 0..i: the first page whose keys differ, by bisection
+    return bisect_left(range(pages), True, key=lambda i: keys_a[i] != keys_b[i])
 
 
 def common_pages(a, b) -> int:

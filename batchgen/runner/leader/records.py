@@ -37,7 +37,7 @@ def record_end(spec: JobSpec, batch_file: BatchFile, started: float, status: str
     instead of the previous total plus this run's."""
     stats = read_worker_stats(spec.paths.batch_file.parent, spec.batch_id)
     elapsed = max(time.time() - started, 1e-9)
-    prompt, completion, cached = _run_tokens(stats)
+    prompt, completion, cached = run_tokens(stats)
     changes = {
         "status": status, "health": {**health_from_stats(stats), **health},
         "counters": _engine_counters(stats),
@@ -71,7 +71,7 @@ def record_killed_run(batch_id: str, batch_file: BatchFile, batch_dir: Path) -> 
         return
     last = max(path.stat().st_mtime for path in files)
     stats = read_worker_stats(batch_dir, batch_id)
-    prompt, completion, cached = _run_tokens(stats)
+    prompt, completion, cached = run_tokens(stats)
     batch_file.update(batch_id, usage=_usage_after(batch_file, prompt, completion, cached),
                       timings={**_all_runs(batch_file, max(0.0, last - started)),
                                "finished_at": int(last)})
@@ -246,7 +246,7 @@ def _engine_counters(stats: list[dict]) -> dict:
     return counters
 
 
-def _run_tokens(stats: list[dict]) -> tuple[int, int, int]:
+def run_tokens(stats: list[dict]) -> tuple[int, int, int]:
     """Prompt, completion and cached prompt tokens the ranks' stats files count for a run."""
     return tuple(sum(s.get(key, 0) for s in stats)
                  for key in ("prompt_tokens", "completion_tokens", "cached_tokens"))

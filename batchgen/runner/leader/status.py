@@ -20,7 +20,7 @@ from batchgen.runner.files.job import JobSpec
 from batchgen.runner.leader.progress import (cached_share, human_seconds, prefix_hits,
                                              read_worker_stats)
 from batchgen.runner.leader.records import (batch_files, cached_tokens, jobs_writing,
-                                           unreadable_batch_files)
+                                           run_tokens, unreadable_batch_files)
 
 
 UNREADABLE_HINT = ("; batch files are written whole, so something else changed it: move it "
@@ -208,8 +208,7 @@ def _running_tokens(workers: list[dict]) -> str:
     """The tokens of the run going on, from its workers' stats files (the batch file adds a
     run's tokens when it ends), or "" when they report none."""
     writing = [w for w in workers if w.get("writes_results", True)]  # a TP group's one writer
-    prompt = sum(w.get("prompt_tokens", 0) for w in writing)
-    completion = sum(w.get("completion_tokens", 0) for w in writing)
+    prompt, completion, _ = run_tokens(writing)
     if not prompt and not completion:
         return ""
     return f"; the run going on: {prompt:,} in, {completion:,} out so far"
