@@ -81,6 +81,23 @@ def test_request_larger_than_pool_is_refused(tiny_llama):
         engine.add_request(greedy_requests([list(range(3, 100))], 100)[0])
 
 
+def test_a_line_too_large_for_the_pools_says_how_to_answer_it(tiny_llama):
+    """A job saves the kv_pool_too_small error as the line's result, so a rerun does not retry
+    it: the message says to run the refused lines as a new input with the larger pool."""
+    from types import SimpleNamespace
+
+    from batchgen.runner.worker.worker import pool_too_small
+    from batchgen.sched.scheduler import RequestTooLarge
+
+    engine = make_engine_pages(tiny_llama, device_pages=2, host_pages=8)
+    with pytest.raises(RequestTooLarge) as refused:
+        engine.add_request(greedy_requests([list(range(3, 100))], 100)[0])
+    err = pool_too_small(SimpleNamespace(custom_id="q7", line=7), refused.value)
+    assert err.code == "kv_pool_too_small" and (err.custom_id, err.line) == ("q7", 7)
+    assert err.message.startswith("line 7: needs ") and "--gpu-kv-cache-size" in err.message
+    assert "new input" in err.message and "does not retry" in err.message
+
+
 def test_answers_stop_at_the_model_context(tiny_llama):
     """Requests given straight to the engine (the bench, library users) are bounded by the
     model's positions as the job intake bounds them: max_tokens past the context ends the

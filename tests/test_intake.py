@@ -209,6 +209,14 @@ def test_prompt_token_ids_accepted_and_checked(tok):
     assert err.code == "invalid_prompt" and "vocabulary" in err.message
 
 
+@pytest.mark.parametrize("prompt", [[], [[]]])
+def test_an_empty_token_id_prompt_says_it_is_empty(tok, prompt):
+    """Not "must be a string or a list of token ids": it is one, of no token."""
+    err = run(tok, {"prompt": prompt})
+    assert isinstance(err, IntakeError) and err.code == "invalid_prompt"
+    assert err.param == "prompt" and "empty list of token ids" in err.message
+
+
 @pytest.mark.parametrize("stop_ids", [[10_000], [2**63]])
 def test_stop_token_ids_beyond_the_vocabulary_are_line_errors(tok, stop_ids):
     """They index the logits (min_tokens masks them): past the vocabulary they would crash the

@@ -101,6 +101,9 @@ def parse_prompt(value: Any) -> str | list[int]:
         value = value[0]  # one prompt in OpenAI's batched form: ["text"] or [[ids]]
     if isinstance(value, str):
         return value
+    if value == []:  # [] and [[]]: a list of token ids, but of none
+        raise BadLine("invalid_prompt", "the prompt is an empty list of token ids: give at "
+                                         "least one token id (or a non-empty string)", "prompt")
     ids = token_ids(value)
     if ids:
         return ids

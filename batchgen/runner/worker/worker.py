@@ -382,8 +382,7 @@ class Worker:
                     self._admit(request)
                     continue
                 except RequestTooLarge as err:
-                    item = IntakeError(item.custom_id, item.line, "kv_pool_too_small",
-                                       f"line {item.line}: {err}")
+                    item = pool_too_small(item, err)
             lines.append(dumps(error_line(self.spec.batch_id, item)))
             self.stats.failed += 1
         return exhausted
@@ -433,6 +432,16 @@ class Worker:
         if self.writer:
             self.writer.close()
         self.engine.close()
+
+
+def pool_too_small(item: PendingRequest, err: RequestTooLarge) -> IntakeError:
+    """The error line of a request no KV pool of this run can hold. Like any error line it is
+    saved as the line's result, so rerunning the job does not retry it: the message says to
+    answer the refused lines as a job of their own, with the larger pool."""
+    return IntakeError(item.custom_id, item.line, "kv_pool_too_small",
+                       f"line {item.line}: {err}. This error is the line's saved result, so "
+                       "rerunning this job does not retry it: put the lines the errors file "
+                       "names in a new input and run that with the larger pool")
 
 
 def cpu_threads(local_world: int = 1) -> int:
