@@ -301,3 +301,11 @@ def test_the_model_and_its_hub_commit_are_shown(tmp_path, monkeypatch):
         "model": "/models/x", "model_weights": "eaec3ae67e3f9d9c4e3f5180fe7ba4dc"}}))
     code, out = status("batch_aaa", "--storage-path", str(root))
     assert code == 0 and "/models/x" in out and "Hub commit" not in out
+
+
+def test_progress_rate_keeps_a_decimal_below_ten():
+    """A slow CPU job's rate is not shown as 0 while its results come."""
+    from batchgen.runner.leader.progress import rate_text
+
+    assert [rate_text(r) for r in (0.0, 0.34, 1.44, 9.94, 10.0, 12_345.6)] == [
+        "0.0", "0.3", "1.4", "9.9", "10", "12,346"]

@@ -58,17 +58,24 @@ class ProgressReporter(threading.Thread):
             task = bar.add_task("requests", total=self.total, completed=self.already_done, rate="")
             while not self._stop_event.wait(1.0):
                 done, rate, hits = self.snapshot()
-                bar.update(task, completed=done, rate=f"{rate:,.0f} out tok/s, prefix hits {hits}")
+                bar.update(task, completed=done,
+                           rate=f"{rate_text(rate)} out tok/s, prefix hits {hits}")
 
     def _run_plain(self) -> None:
         while not self._stop_event.wait(PLAIN_INTERVAL_S):
             done, rate, hits = self.snapshot()
-            log.info("progress: %d/%d requests, %.0f output tok/s, prefix cache hits %s", done,
-                     self.total, rate, hits)
+            log.info("progress: %d/%d requests, %s output tok/s, prefix cache hits %s", done,
+                     self.total, rate_text(rate), hits)
 
     def stop(self) -> None:
         self._stop_event.set()
         self.join(timeout=5)
+
+
+def rate_text(rate: float) -> str:
+    """A token rate for the progress line: whole tokens, one decimal below 10 (a slow CPU job
+    reads 1.4, not 1, and 0.3 rather than 0 while its results come)."""
+    return f"{rate:,.1f}" if rate < 10 else f"{rate:,.0f}"
 
 
 def prefix_hits(counters: list[dict], scope: str = "") -> str:
