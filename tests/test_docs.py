@@ -79,3 +79,30 @@ def test_the_architecture_map_names_every_module():
     missing = [str(path) for path in _module_files()
                if re.search(r"(?<![\w.])" + re.escape(path.name) + r"(?!\w)", text) is None]
     assert not missing, f"docs/architecture.md does not name {missing}"
+
+
+FINGERPRINT_NAMES = {"input_sha256": "sha256", "model": "`model`",
+                     "model_weights": "`model_weights`", "dtype": "dtype", "kv_dtype": "KV dtype",
+                     "seed": "seed",
+                     "include_special_tokens": "`--detokenization-include-special-tokens`",
+                     "default_max_tokens": "`--max-tokens`",
+                     "sampling_defaults": "`sampling_defaults`"}
+"""Fingerprint keys named in the docs by something other than their own flag."""
+
+
+def test_every_fingerprint_key_is_documented():
+    """A resume is refused when any fingerprint key changes: docs/job-files.md's "Fingerprint"
+    paragraph names every key fingerprint() can record (by its flag where it has one)."""
+    from batchgen.config import (EngineConfig, JobConfig, ModelConfig, OutputConfig,
+                                 StorageConfig)
+    from batchgen.runner.files.job import fingerprint
+
+    config = JobConfig(storage=StorageConfig(input="in.jsonl", max_tokens=5, max_line_bytes=4096),
+                       engine=EngineConfig(model=ModelConfig(max_model_len=512)),
+                       output=OutputConfig(tool_call_parser="hermes"))
+    keys = fingerprint(config, "sha", "model", "weights", "cpu", True, {"temperature": 0.7},
+                       "{{ messages }}")
+    text = (DOCS / "job-files.md").read_text().split("**Fingerprint.**")[1].split("\n\n")[0]
+    missing = [key for key in keys
+               if FINGERPRINT_NAMES.get(key, f"`--{key.replace('_', '-')}`") not in text]
+    assert not missing, f"docs/job-files.md's Fingerprint paragraph does not name {missing}"

@@ -4,6 +4,7 @@ job whose final files were cut or deleted afterwards merges them again."""
 
 import json
 import os
+import stat
 import time
 from pathlib import Path
 
@@ -274,3 +275,22 @@ def test_the_chat_template_text_travels_in_the_job_spec(tmp_path):
     spec = JobSpec(JobConfig(), "b", "0" * 64, 1, 1, {"temperature": 0.5}, "{{ x }}")
     again = JobSpec.from_bytes(spec.to_bytes())
     assert again.chat_template == "{{ x }}" and again.sampling_defaults == {"temperature": 0.5}
+
+
+def test_a_given_output_folder_gets_the_umask_mode_and_the_job_folder_0750(tmp_path):
+    """docs/job-files.md: the job's own folders are 0750; an --output folder the job creates
+    (and the parents it creates) get the umask's mode, as the user's own folders do."""
+    output = tmp_path / "new" / "sub" / "r.jsonl"
+    inp = write_jsonl(tmp_path / "in.jsonl", chat_rows(1))
+    config = JobConfig(storage=StorageConfig(input=str(inp), output=str(output)))
+    paths = JobPaths.for_job(config.storage.storage_path, "batch_x", None, str(output))
+    old = os.umask(0o022)
+    try:
+        make_job_dirs(config, paths)
+    finally:
+        os.umask(old)
+    for folder in (tmp_path / "new", output.parent):
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o755, folder
+    for name in ("", "batches", "incremental", "uploads", "logs"):
+        folder = output.parent / ".batchgen" / name
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o750, folder

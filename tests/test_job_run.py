@@ -4,6 +4,7 @@ import json
 import os
 import random
 import signal
+import stat
 import time
 
 import pyarrow as pa
@@ -78,6 +79,23 @@ def test_another_input_to_the_same_output_says_it_replaces_it_and_how_to_get_it_
     assert read_jsonl(out) == kept
     # the same job again says nothing of the kind
     proc = batchgen(*run_args(first, tmp_path / "s", tiny_chat_model), "-o", out, check=True)
+    assert "another job" not in proc.stderr
+
+
+def test_an_errors_file_of_another_job_is_named_before_it_is_replaced(tmp_path):
+    """Another job's answers may all be error lines: its results file is empty and its errors
+    file holds them. A job given that --output says it replaces them (no model: every line of
+    both inputs is refused at intake)."""
+    first, second = tmp_path / "first.jsonl", tmp_path / "second.jsonl"
+    first.write_text('{"prompt": 5}\n{bad\n')
+    second.write_text("{bad\n")
+    out = tmp_path / "results.jsonl"
+    batchgen("run", "-i", first, "-o", out, check=True)
+    assert out.read_text() == "" and len(read_jsonl(tmp_path / "results.errors.jsonl")) == 2
+    proc = batchgen("run", "-i", second, "-o", out, check=True)
+    assert f"{tmp_path / 'results.errors.jsonl'} holds the results of another job" in proc.stderr
+    assert f"batchgen run -i {first}" in proc.stderr
+    proc = batchgen("run", "-i", second, "-o", out, check=True)  # its own: nothing to say
     assert "another job" not in proc.stderr
 
 
@@ -332,6 +350,10 @@ def test_save_result_keeps_an_atomic_copy_at_the_default_path(tmp_path, tiny_cha
     default = storage / "outputs" / f"{batch_id}.jsonl"
     assert default.read_bytes() == elsewhere.read_bytes()
     assert len(read_jsonl(default)) == 3
+    umask = os.umask(0)
+    os.umask(umask)  # the job folder's outputs/ is 0750; the user's own folder the umask's
+    assert stat.S_IMODE(default.parent.stat().st_mode) == 0o750
+    assert stat.S_IMODE(elsewhere.parent.stat().st_mode) == 0o777 & ~umask
     default.unlink()  # as if killed while copying, before "completed" was recorded
     killed_copy = default.with_name(f".{default.name}.tmp-4321")
     killed_copy.write_text('{"custom_id": "req-0"')

@@ -90,6 +90,22 @@ def test_two_nodes_run_one_job_like_world_size_one(tmp_path, tiny_chat_model):
     check_against_clean(storage, tiny_chat_model)
 
 
+def test_an_external_ranks_log_folder_is_private(tmp_path, monkeypatch):
+    """Under torchrun / srun each rank makes logs/{batch_id}/ itself: 0750, as the job's other
+    folders (docs/job-files.md), whatever the umask allows."""
+    from batchgen.runner.leader.external import run_worker_here
+    from batchgen.runner.worker import serve
+
+    monkeypatch.setattr(serve, "main", lambda argv: 0)
+    log_file = tmp_path / "logs" / "batch_x" / "rank3.log"
+    old = os.umask(0o022)
+    try:
+        assert run_worker_here(tmp_path / "spec.json", log_file) == 0
+    finally:
+        os.umask(old)
+    assert log_file.parent.stat().st_mode & 0o777 == 0o750
+
+
 def test_srun_tasks_are_the_ranks(tmp_path, tiny_chat_model):
     """srun with 2 tasks: each process runs its worker in-process; rank 0 merges."""
     inp, storage, port = clean_input(tiny_chat_model), tmp_path / "s", free_port()

@@ -29,7 +29,7 @@ def make_job_dirs(config: JobConfig, paths: JobPaths) -> None:
         if folder.exists() and not folder.is_dir():
             raise _unusable_folder(config, flag, folder, None)
         try:
-            folder.mkdir(FOLDER_MODE, parents=True, exist_ok=True)
+            folder.mkdir(_folder_mode(config, flag), parents=True, exist_ok=True)
         except OSError as err:
             if is_disk_error(err):
                 raise
@@ -51,6 +51,12 @@ def _folders(config: JobConfig, paths: JobPaths) -> list[tuple[str, Path]]:
                ("incremental_output_dir", paths.incremental_dir)]
     output = [("output", paths.output.parent)]
     return output + folders if config.storage.output is not None else folders + output
+
+
+def _folder_mode(config: JobConfig, flag: str) -> int:
+    """0750 for the job's own folders; a given --output's folder holds the user's results, so
+    it gets the umask's mode, as any folder the user makes."""
+    return 0o777 if flag == "output" and config.storage.output is not None else FOLDER_MODE
 
 
 def _unusable_folder(config: JobConfig, flag: str, folder: Path,

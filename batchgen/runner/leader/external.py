@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from batchgen.config import ConfigError, DistConfig
+from batchgen.io.jobfiles import FOLDER_MODE
 from batchgen.runner.leader.launch import force_safe_env
 
 log = logging.getLogger("batchgen")
@@ -110,7 +111,7 @@ def run_worker_here(spec_file: Path, log_file: Path) -> int:
     fails reports that file's tail to the leader)."""
     from batchgen.runner.worker import serve
 
-    log_file.parent.mkdir(parents=True, exist_ok=True)
+    log_file.parent.mkdir(FOLDER_MODE, parents=True, exist_ok=True)  # the job's logs/: 0750
     handler = logging.FileHandler(log_file)
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s"))
     root = logging.getLogger()

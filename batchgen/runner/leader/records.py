@@ -132,12 +132,9 @@ def warn_if_replacing(spec: JobSpec, storage: Path) -> None:
     flags): this job replaces the file when it finishes. That job's results stay in its
     incremental file, and rerunning its command writes them back without recomputing."""
     output = spec.paths.output
-    try:
-        if (not output.is_file() or not output.stat().st_size
-                or outputs_belong_to(spec.batch_id, output)):
-            return
-    except OSError:
-        pass  # unreadable: named below all the same
+    foreign = _foreign_results(spec.batch_id, (output, spec.paths.errors_output))
+    if foreign is None:
+        return
     input_file = None
     try:
         others = [p for p in jobs_writing(output, storage) if p.stem != spec.batch_id]
@@ -150,9 +147,22 @@ def warn_if_replacing(spec: JobSpec, storage: Path) -> None:
            "them back without recomputing" if input_file else "")
     log.warning("%s holds the results of another job%s; this job replaces it when it "
                 "finishes. %s%sTo keep both, stop now and give this job another --output.",
-                output, f" (input {input_file})" if input_file else "",
+                foreign, f" (input {input_file})" if input_file else "",
                 "Those results stay in the job folder: " if how else "",
                 how + ". " if how else "")
+
+
+def _foreign_results(batch_id: str, files: tuple[Path, ...]) -> Path | None:
+    """The first of the final files (results, then errors) holding lines another job wrote;
+    None when each is missing, empty or this job's own. An unreadable one counts as foreign."""
+    for path in files:
+        try:
+            if (path.is_file() and path.stat().st_size
+                    and not outputs_belong_to(batch_id, path)):
+                return path
+        except OSError:
+            return path
+    return None
 
 
 def refuse_a_changed_input(config: JobConfig, paths: JobPaths, size_bytes: int) -> None:

@@ -27,7 +27,8 @@ from pathlib import Path
 from batchgen.atomic import atomic_file
 from batchgen.config import ConfigError, JobConfig
 from batchgen.io.checkpoints import checkpoint_files
-from batchgen.io.jobfiles import BatchFile, FingerprintMismatch, JobPaths, errors_path_for
+from batchgen.io.jobfiles import (FOLDER_MODE, BatchFile, FingerprintMismatch, JobPaths,
+                                  errors_path_for)
 from batchgen.io.parsed_input import parsed_keys, read_parsed, remove_parsed
 from batchgen.io.results import dumps, error_line
 from batchgen.io.writer import IncompleteResults, finalize, read_done_ids
@@ -467,8 +468,8 @@ def _finish(spec: JobSpec, batch_file: BatchFile, started: float, stops: StopSig
 def _keep_default_copy(output: Path, default: JobPaths) -> None:
     """--save-result: the results and the error lines also at the job folder's default output
     paths, each all or nothing (a copy killed halfway leaves only a temp file, which the rerun
-    removes)."""
-    default.output.parent.mkdir(parents=True, exist_ok=True)
+    removes). Its outputs/ folder is one of the job's own: 0750, as the others."""
+    default.output.parent.mkdir(FOLDER_MODE, parents=True, exist_ok=True)
     default.remove_output_temps()
     for source, copy in ((output, default.output),
                          (errors_path_for(output), default.errors_output)):
