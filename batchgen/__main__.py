@@ -12,7 +12,13 @@ import sys
 
 from batchgen.bytecode import start_bytecode_compile
 from batchgen.gpu_driver import start_driver_init
-from batchgen.runner.exits import ignore_stop_signals, requeue_on_stop_signals
+from batchgen.runner.exits import (
+    ExitCode,
+    exit_code_of,
+    exit_without_teardown,
+    ignore_stop_signals,
+    requeue_on_stop_signals,
+)
 
 
 def main() -> None:
@@ -27,9 +33,15 @@ def main() -> None:
 
     try:
         cli_main()
+        code = ExitCode.OK
+    except SystemExit as done:
+        code = exit_code_of(done)
+        if code is None:
+            raise  # Python prints the message
     finally:
-        if run:  # the exit code is decided; teardown (torch: up to a second) must keep it
+        if run:  # the exit code is decided; what is left of the exit must keep it
             ignore_stop_signals()
+    exit_without_teardown(code)
 
 
 if __name__ == "__main__":

@@ -69,7 +69,9 @@ def test_run_and_bench_start_the_driver_and_bytecode_first(monkeypatch, command,
     monkeypatch.setattr(entry, "start_bytecode_compile", lambda: calls.append("bytecode"))
     for handlers in ("requeue_on_stop_signals", "ignore_stop_signals"):  # keep pytest's own
         monkeypatch.setattr(entry, handlers, lambda *args, **kwargs: None)
+    monkeypatch.setattr(entry, "exit_without_teardown", sys.exit)  # not pytest's own process
     monkeypatch.setattr(sys, "argv", ["batchgen", command, "--help"])
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as done:
         entry.main()
+    assert done.value.code == 0
     assert calls == (["bytecode", command] if starts else [])

@@ -233,19 +233,41 @@ def test_supervisor_handlers_leave_the_decided_exit_code_alone():
 
 
 def test_entry_point_keeps_the_exit_code_through_teardown():
-    """Once `batchgen run` has decided its exit code, a stop signal during interpreter
-    teardown (Python restores default handlers there) must not turn it into a signal death."""
-    code = ("import os, signal, sys, time\n"
+    """Once `batchgen run` has decided its exit code, a stop signal during what is left of the
+    exit (threads joined, atexit functions, flushes) must not turn it into a signal death; the
+    atexit functions still run and the process leaves with the decided code."""
+    code = ("import atexit, os, signal, sys, time\n"
             "sys.argv = ['batchgen', 'run', '--help']\n"
+            "def late():\n"
+            "    os.kill(os.getpid(), signal.SIGTERM)\n"
+            "    time.sleep(0.3)\n"
+            "    print('alive', flush=True)\n"
+            "atexit.register(late)\n"
             "from batchgen.__main__ import main\n"
-            "try:\n"
-            "    main()\n"
-            "except SystemExit:\n"
-            "    pass\n"
-            "os.kill(os.getpid(), signal.SIGTERM)\n"
-            "time.sleep(0.3)\n"
-            "print('alive', flush=True)\n"
-            "sys.exit(0)\n")
+            "main()\n"
+            "print('main returned', flush=True)\n")
     done = _python(code)
     assert done.returncode == 0 and done.stdout.endswith("alive\n"), (done.returncode,
                                                                       done.stdout[-500:])
+    assert "main returned" not in done.stdout  # it left without the interpreter's teardown
+
+
+def test_leaving_without_teardown_keeps_what_a_normal_exit_delivers(tmp_path):
+    """exit_without_teardown: a non-daemon thread finishes, buffered output and log records
+    reach their files, atexit functions run, and the code is the one given."""
+    log_file = tmp_path / "log.txt"
+    code = ("import atexit, logging, sys, threading, time\n"
+            "from batchgen.runner.exits import exit_without_teardown\n"
+            f"logging.basicConfig(filename={str(log_file)!r}, level=logging.INFO)\n"
+            "def slow():\n"
+            "    time.sleep(0.3)\n"
+            "    sys.stdout.write('thread done\\n')\n"
+            "threading.Thread(target=slow).start()\n"
+            "atexit.register(lambda: sys.stdout.write('atexit ran\\n'))\n"
+            "logging.getLogger('x').info('logged')\n"
+            "sys.stdout.write('buffered')\n"
+            "exit_without_teardown(7)\n")
+    done = _python(code)
+    assert done.returncode == 7, done.stderr[-2000:]
+    assert done.stdout == "bufferedthread done\natexit ran\n"
+    assert "logged" in log_file.read_text()

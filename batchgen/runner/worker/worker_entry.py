@@ -12,17 +12,18 @@ only re-scans it (importing torch and transformers took 15-25% longer with the c
 ~0.5 s on a 2-core machine). The worker turns it back on once the model is loaded, before the
 engine runs any forward (`Worker.__init__`). The GPU's driver starts in a background thread
 meanwhile (gpu_driver.py), and bytecode is compiled ahead where the install ships none and no
-supervisor set up a cache for it already (bytecode.py).
+supervisor set up a cache for it already (bytecode.py). A worker that returns leaves without the
+interpreter's teardown (`exit_without_teardown`: with torch loaded, up to a second after its
+results are durable and its stats written, before the launcher sees it end).
 """
 
 from __future__ import annotations
 
 import gc
-import sys
 
 from batchgen.bytecode import start_bytecode_compile
 from batchgen.gpu_driver import start_driver_init
-from batchgen.runner.exits import requeue_on_stop_signals
+from batchgen.runner.exits import exit_without_teardown, requeue_on_stop_signals
 
 
 def start() -> int:
@@ -36,4 +37,4 @@ def start() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(start())
+    exit_without_teardown(start())
