@@ -63,3 +63,26 @@ def test_convert_takes_the_short_dtype_names_run_takes(tmp_path, tiny_chat_model
     assert "converted" in proc.stdout
     manifest = json.loads((tmp_path / "c" / "batchgen_manifest.json").read_text())
     assert manifest["dtype"] == "bfloat16"
+
+
+def test_rendezvous_events_are_named_as_torch_names_them_without_inspecting_the_stack(
+        monkeypatch):
+    """The single-node rendezvous names its events by the calling method: the stand-in gives
+    the name torch's own helper gives, from the same depth, and is what the launcher uses."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    from batchgen.runner.leader.launch import _method_name, cheap_rendezvous_event_names
+
+    original = dynamic_rendezvous.get_method_name
+    monkeypatch.setattr(dynamic_rendezvous, "get_method_name", original)
+
+    def record(namer):  # as torch's _record: the event is named after record's caller
+        return namer()
+
+    def next_rendezvous(namer):
+        return record(namer)
+
+    assert next_rendezvous(original) == next_rendezvous(_method_name) == "next_rendezvous"
+    assert _method_name(10_000) == original(10_000) == "no_method_name"
+    cheap_rendezvous_event_names()
+    assert dynamic_rendezvous.get_method_name is _method_name
