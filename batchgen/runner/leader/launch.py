@@ -31,6 +31,10 @@ from batchgen.runner.exits import STOP_SIGNALS, ExitCode  # the signals the agen
 from batchgen.runner.worker.process import LAUNCHED_AT_ENV, SUPERVISOR_PID_ENV
 
 AGENT_GRACE_SHARE = 0.9
+MONITOR_INTERVAL_S = 0.1
+"""How often the launcher's agent looks at its workers: a worker's end (or failure) is seen at
+most this late. Each look polls the processes and, on one node, reads the rendezvous state
+from the local store: microseconds."""
 
 
 @dataclass
@@ -69,7 +73,7 @@ def launch_workers(dist: DistConfig, spec_file: Path, log_dir: Path, grace: floa
                 "run_id": MULTINODE_RUN_ID, "rdzv_configs": {"rank": dist.node_rank}}
     config = LaunchConfig(**supported_launch_options(
         min_nodes=dist.nnodes, max_nodes=dist.nnodes, nproc_per_node=per_node,
-        max_restarts=dist.max_restarts, monitor_interval=0.5, logs_specs=_logs_specs(log_dir),
+        max_restarts=dist.max_restarts, monitor_interval=MONITOR_INTERVAL_S, logs_specs=_logs_specs(log_dir),
         **NO_LINE_PREFIX,
         signals_to_handle=",".join(STOP_SIGNALS), shutdown_timeout=agent_shutdown_timeout(grace),
         **rdzv))
