@@ -11,6 +11,7 @@ import signal
 import sys
 import threading
 from enum import IntEnum
+from typing import NoReturn
 
 
 class ExitCode(IntEnum):
@@ -74,7 +75,7 @@ def _requeue_announced(signum, frame) -> None:
     os._exit(ExitCode.REQUEUE)
 
 
-def exit_without_teardown(code: int) -> None:
+def exit_without_teardown(code: int) -> NoReturn:
     """Leave with `code` once the process has done what a normal exit does for others: its
     threads joined (the non-daemon ones), its atexit functions run (multiprocessing joins its
     children there), its logs and standard streams flushed. What it skips is the interpreter's

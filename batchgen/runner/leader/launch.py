@@ -73,7 +73,8 @@ def launch_workers(dist: DistConfig, spec_file: Path, log_dir: Path, grace: floa
                 "run_id": MULTINODE_RUN_ID, "rdzv_configs": {"rank": dist.node_rank}}
     config = LaunchConfig(**supported_launch_options(
         min_nodes=dist.nnodes, max_nodes=dist.nnodes, nproc_per_node=per_node,
-        max_restarts=dist.max_restarts, monitor_interval=MONITOR_INTERVAL_S, logs_specs=_logs_specs(log_dir),
+        max_restarts=dist.max_restarts, monitor_interval=MONITOR_INTERVAL_S,
+        logs_specs=_logs_specs(log_dir),
         **NO_LINE_PREFIX,
         signals_to_handle=",".join(STOP_SIGNALS), shutdown_timeout=agent_shutdown_timeout(grace),
         **rdzv))
