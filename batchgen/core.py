@@ -14,6 +14,14 @@ PAGE_SIZE = 64
 """Tokens per KV page, on the device and in the host pool alike."""
 
 
+def human_bytes(num_bytes: float) -> str:
+    """A size for people: '12.3 GB', '0.5 MB' is '512.0 kB', '12 B'."""
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if num_bytes >= size:
+            return f"{num_bytes / size:.1f} {unit}"
+    return f"{int(num_bytes)} B"
+
+
 @functools.cache
 def _field_names(cls: type) -> tuple[str, ...]:
     return tuple(f.name for f in fields(cls))

@@ -32,6 +32,16 @@ def test_default_pools_follow_the_jobs_demand():
     assert unbounded.device_pages == LAYOUT.pages_for_bytes(CPU_DEVICE_POOL_BYTES)
 
 
+def test_the_pool_log_line_gives_tiny_pools_in_readable_units(caplog):
+    """A tiny job's pools are a few hundred kB: the log says so, not '0.00 GB'."""
+    with caplog.at_level("INFO", logger="batchgen.memory"):
+        plan_pools(MemoryConfig(), LAYOUT, 0, CPU, demand_tokens=200)
+    line = next(r.getMessage() for r in caplog.records if "KV pools" in r.getMessage())
+    # 4 pages of 4 layers x 2 x 2 heads x 16 x 64 tokens x 4 bytes = 65.5 kB each
+    assert line == ("KV pools: device 4 pages (262.1 kB), host 4 pages (262.1 kB), "
+                    "65.5 kB per page")
+
+
 def test_in_flight_requests_are_capped_by_the_intake():
     assert job_demand_tokens(requests=1_000_000, in_flight_cap=256, tokens_per_request=10) == 2560
     assert job_demand_tokens(requests=0, in_flight_cap=256, tokens_per_request=10) == 10

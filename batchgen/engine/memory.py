@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from batchgen.config import MemoryConfig
+from batchgen.core import human_bytes
 from batchgen.engine.kv_cache import KVLayout
 from batchgen.engine.host_pool import auto_host_pool_bytes
 
@@ -68,9 +69,10 @@ def plan_pools(cfg: MemoryConfig, layout: KVLayout, model_bytes: int,
         if pages < 1:
             raise PoolTooSmall(f"the {name} KV pool holds no page: one 64-token page of this model "
                                f"needs {page_mb:.2f} MB; raise {flag}")
-    log.info("KV pools: device %d pages (%.2f GB), host %d pages (%.2f GB), %.2f MB per page",
-             sizes.device_pages, sizes.device_pages * page_mb / 1e3, sizes.host_pages,
-             sizes.host_pages * page_mb / 1e3, page_mb)
+    log.info("KV pools: device %d pages (%s), host %d pages (%s), %s per page",
+             sizes.device_pages, human_bytes(sizes.device_pages * layout.bytes_per_page),
+             sizes.host_pages, human_bytes(sizes.host_pages * layout.bytes_per_page),
+             human_bytes(layout.bytes_per_page))
     return sizes
 
 

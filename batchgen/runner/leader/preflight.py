@@ -19,6 +19,7 @@ from pathlib import Path
 
 from batchgen.config import JobConfig
 from batchgen.atomic import NOFOLLOW
+from batchgen.core import human_bytes
 from batchgen.engine.host_pool import host_memory_bytes, shm_free_bytes
 from batchgen.io.jobfiles import JobPaths
 from batchgen.parallel import cpu_cores
@@ -147,7 +148,7 @@ def check_memlock(config: JobConfig) -> list[Finding]:
     if size is not None and size * GB / ranks <= limit:
         return []
     pool = f"{size:g} GB" if size is not None else "an auto-sized"
-    return [Finding(False, f"the memlock limit is {_human(limit)} and {pool} host KV pool "
+    return [Finding(False, f"the memlock limit is {human_bytes(limit)} and {pool} host KV pool "
                     "is pinned on CUDA", "ulimit -l unlimited (Slurm: --propagate=MEMLOCK; "
                     "docker: --ulimit memlock=-1; /etc/security/limits.conf: * - memlock "
                     "unlimited)")]
@@ -177,11 +178,11 @@ def check_disk(paths: JobPaths, input_bytes: int, records: int, left: int) -> li
         fix = ("free space there, or put results on a bigger disk (--storage-path, --output, "
                "--incremental-output-dir)")
         if free < floor:
-            findings.append(Finding(True, f"{where}: {_human(free)} free, results need at least "
-                                    f"{_human(floor)}", fix, ExitCode.DISK))
+            findings.append(Finding(True, f"{where}: {human_bytes(free)} free, results need at least "
+                                    f"{human_bytes(floor)}", fix, ExitCode.DISK))
         elif free < estimate:
-            findings.append(Finding(False, f"{where}: {_human(free)} free, results may need about "
-                                    f"{_human(estimate)} (estimated from the input)", fix))
+            findings.append(Finding(False, f"{where}: {human_bytes(free)} free, results may need about "
+                                    f"{human_bytes(estimate)} (estimated from the input)", fix))
     return findings
 
 
@@ -195,8 +196,8 @@ def merge_space(paths: JobPaths) -> str:
         except OSError:
             continue
     folder = paths.output.parent
-    return (f"the final files need about {_human(need)} under {folder}, "
-            f"{_human(disk_free(folder))} free there")
+    return (f"the final files need about {human_bytes(need)} under {folder}, "
+            f"{human_bytes(disk_free(folder))} free there")
 
 
 def check_writable(paths: JobPaths) -> list[Finding]:
@@ -254,10 +255,3 @@ def _existing(path: Path) -> Path:
     while not path.exists():
         path = path.parent
     return path
-
-
-def _human(num_bytes: float) -> str:
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if num_bytes >= size:
-            return f"{num_bytes / size:.1f} {unit}"
-    return f"{int(num_bytes)} B"
