@@ -620,3 +620,17 @@ def test_a_refused_pooling_is_logged_once_and_each_line_says_it(tmp_path, caplog
     logged = [r.getMessage() for r in caplog.records]
     assert len(logged) == 1 and "cannot answer embeddings lines" in logged[0], logged
     assert len(jobs) == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("mode", ["last", "mean"])
+def test_dense_steps_on_cuda_match_transformers(qwen3_folder, mode):
+    """The CUDA kernels of a dense step (q/k norms and RoPE in one pass, SDPA) give
+    transformers' vectors."""
+    model = load_model(ModelConfig(model=str(qwen3_folder), dtype="float32"),
+                       torch.device("cuda")).model
+    rng = np.random.default_rng(2)
+    inputs = [tuple(int(t) for t in rng.integers(3, 500, n)) for n in LENGTHS]
+    ours = Embedder(model, Pooling(mode, True), 200).embed(inputs)
+    for a, b in zip(ours, _hf_embeddings(qwen3_folder, inputs, mode)):
+        assert torch.nn.functional.cosine_similarity(a, b, dim=0) >= 0.9999

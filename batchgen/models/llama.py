@@ -72,11 +72,27 @@ class LlamaAttention(nn.Module):
         q = q.reshape(-1, self.heads, self.head_dim)
         k = k.reshape(-1, self.kv_heads, self.head_dim)
         v = v.reshape(-1, self.kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        rope = self.rope
+        if self._norm_then_rope(q, batch):
+            (q, k), rope = self._norm_and_rotate(q, k, batch), None
+        elif self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         out = paged_attention(q, k, v, self.layer, batch, self.scale, window=self.window,
-                              rope=self.rope)
+                              rope=rope)
         return self.o_proj(out.reshape(-1, self.heads * self.head_dim))
+
+    def _norm_then_rope(self, q: torch.Tensor, batch: ForwardBatch) -> bool:
+        """Whether q/k norms and RoPE run as one kernel: dense (embedding) steps on CUDA with
+        plain per-head RMSNorms. Paged steps rotate k as they store it (rope_store) instead."""
+        return (batch.dense is not None and q.is_cuda and type(self.q_norm) is RMSNorm
+                and type(self.k_norm) is RMSNorm)
+
+    def _norm_and_rotate(self, q: torch.Tensor, k: torch.Tensor,
+                         batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        from batchgen_kernels import rmsnorm_rope
+
+        return rmsnorm_rope(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+                            batch.positions, self.rope.cos, self.rope.sin)
 
 
 def kv_head_share(kv_heads: int, tp: TensorParallel) -> tuple[int, int]:

@@ -21,6 +21,7 @@ from .rmsnorm import (
     rmsnorm_fp8,
     rmsnorm_heads,
 )
+from .rmsnorm_rope import rmsnorm_rope
 from .rope import apply_rope
 from .rope_store import rope_store_kv
 from .shared_prefix_attention import plan_shared_prefix, shared_prefix_decode
@@ -42,6 +43,7 @@ __all__ = [
     "rmsnorm",
     "rmsnorm_fp8",
     "rmsnorm_heads",
+    "rmsnorm_rope",
     "rope_store_kv",
     "shared_prefix_decode",
     "silu_and_mul",

@@ -145,6 +145,17 @@ def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.T
     return rotate(q), rotate(k)
 
 
+def rmsnorm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
+                 k_weight: torch.Tensor, eps: float, positions: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor, math_dtype: torch.dtype = torch.float32
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rope` of weight * rmsnorm of every head of q [T, H, D] and k [T, KVH, D], all in
+    math_dtype with no rounding between."""
+    q_normed, _ = add_rmsnorm(q, None, q_weight, eps, math_dtype)
+    k_normed, _ = add_rmsnorm(k, None, k_weight, eps, math_dtype)
+    return rope(q_normed, k_normed, positions, cos, sin, math_dtype)
+
+
 def rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                   cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor,
                   kv_scales: torch.Tensor | None, slot_mapping: torch.Tensor
