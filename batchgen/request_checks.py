@@ -5,6 +5,7 @@ builders (engine/structured.py, engine/tool_choice.py) use the same functions.""
 
 from __future__ import annotations
 
+import json
 import re
 import reprlib
 
@@ -19,24 +20,40 @@ class ToolChoiceError(ValueError):
 
 def forced_functions(tools, tool_choice) -> list[dict] | None:
     """The functions (`{"name", "parameters"}`) a call must be made to, or None when
-    tool_choice leaves the model free ("auto", "none", absent)."""
-    if tool_choice in (None, "auto", "none"):
+    tool_choice leaves the model free ("auto", "none", absent). A tool_choice other than
+    "none" without tools is refused, as OpenAI refuses it: there is nothing to choose from."""
+    if tool_choice is None or tool_choice == "none":
         return None
+    name = _chosen_name(tool_choice)
     functions = _functions(tools)
+    if not functions:
+        said = json.dumps(tool_choice if name is None
+                          else {"type": "function", "function": {"name": name}})
+        raise ToolChoiceError(f"tool_choice {said} needs a non-empty tools list (tool_choice is "
+                              "only allowed when tools are specified): give tools, or drop "
+                              "tool_choice")
+    if tool_choice == "auto":
+        return None
     if tool_choice == "required":
-        if not functions:
-            raise ToolChoiceError("tool_choice \"required\" needs a non-empty tools list")
         return functions
+    chosen = [f for f in functions if f["name"] == name]
+    if not chosen:
+        raise ToolChoiceError(f"tool_choice names function {name!r}, which is not in tools")
+    return chosen
+
+
+def _chosen_name(tool_choice) -> str | None:
+    """The function a named tool_choice picks (None for "auto" / "required"); ToolChoiceError
+    for a tool_choice of another shape."""
+    if tool_choice in ("auto", "required"):
+        return None
     if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
         function = tool_choice.get("function")
         name = function.get("name") if isinstance(function, dict) else None
         if not isinstance(name, str):
             raise ToolChoiceError("tool_choice {\"type\": \"function\"} needs \"function\": "
                                   f"{{\"name\": ...}} naming one of the tools, got {function!r}")
-        chosen = [f for f in functions if f["name"] == name]
-        if not chosen:
-            raise ToolChoiceError(f"tool_choice names function {name!r}, which is not in tools")
-        return chosen
+        return name
     raise ToolChoiceError(f"tool_choice must be \"none\", \"auto\", \"required\" or "
                           "{\"type\": \"function\", \"function\": {\"name\": ...}}, got "
                           f"{tool_choice!r}")
@@ -98,6 +115,13 @@ def _functions(tools) -> list[dict]:
         params = no_parameters() if params is None or params == {} else params
         if not isinstance(params, dict):
             raise ToolChoiceError(f"tools[{i}].function.parameters must be a JSON schema object")
+        if params.get("type", "object") not in ("object", ["object"]):
+            # A call's arguments are a JSON object: another type's value is no call a parser
+            # reads, so a forced call would come back as text, without tool_calls.
+            said = json.dumps(params["type"], default=str)[:80]
+            raise ToolChoiceError(f"tools[{i}].function.parameters must be a schema of \"type\": "
+                                  "\"object\" (a call's arguments are a JSON object), got "
+                                  f"\"type\": {said}: put the values in properties of an object")
         out.append({"name": fn["name"], "parameters": params})
     return out
 

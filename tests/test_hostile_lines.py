@@ -64,7 +64,8 @@ def test_validate_refuses_the_schemas_the_grammar_compiler_refuses(tmp_path):
                                       "properties": {"a": {"type": "integer"}}}))
     rows.append({"custom_id": "forced", "messages": USER, "tool_choice": "required",
                  "tools": [{"type": "function", "function": {
-                     "name": "f", "parameters": {"type": "wat"}}}]})
+                     "name": "f", "parameters": {"type": "object",
+                                                "properties": {"a": {"type": "wat"}}}}}]})
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     result = CliRunner().invoke(app, ["validate", "-i", str(path)])
     assert result.exit_code == 1, result.output

@@ -183,6 +183,39 @@ def test_stop_strings_do_not_cut_a_grammar_constrained_answer(body):
     assert free.sampling.stop == ("\n", ",") and free.sampling.stop_token_ids == (5,)
 
 
+@pytest.mark.parametrize("tools", [None, []])
+@pytest.mark.parametrize("choice", ["auto", "required",
+                                    {"type": "function", "function": {"name": "f"}}])
+def test_a_tool_choice_without_tools_is_refused(tools, choice):
+    """OpenAI refuses a tool_choice given without tools ("tool_choice is only allowed when
+    tools are specified"); "auto" was accepted silently. "none" chooses nothing: it passes."""
+    parsed = parse(tools=tools, tool_choice=choice)
+    assert isinstance(parsed, IntakeError), parsed
+    assert (parsed.code, parsed.param) == ("invalid_tool_choice", "tool_choice")
+    assert "only allowed when tools are specified" in parsed.message
+    assert "give tools, or drop tool_choice" in parsed.message
+    assert isinstance(parse(tools=tools, tool_choice="none"), ParsedRequest)
+
+
+@pytest.mark.parametrize("parameters, said", [
+    ({"type": "string"}, '"string"'),
+    ({"type": "array", "items": {"type": "integer"}}, '"array"'),
+    ({"type": ["object", "null"]}, '["object", "null"]'),
+])
+def test_tool_parameters_of_a_type_other_than_object_are_refused(parameters, said):
+    """A forced call to `{"type": "array"}` parameters came back as text (`"arguments": []` is
+    no call a parser reads), without tool_calls: OpenAI refuses such a schema, and so does the
+    line, whatever its tool_choice."""
+    for choice in ("required", "auto", None):
+        parsed = parse(tools=tool(parameters), tool_choice=choice)
+        assert isinstance(parsed, IntakeError), parsed
+        assert (parsed.code, parsed.param) == ("invalid_tools", "tools")
+        assert 'must be a schema of "type": "object"' in parsed.message
+        assert f'got "type": {said}' in parsed.message
+    for fine in ({"type": "object"}, {"properties": {"a": {"type": "string"}}}):
+        assert isinstance(parse(tools=tool(fine), tool_choice="required"), ParsedRequest)
+
+
 @pytest.mark.parametrize("tools, says", [
     ([{"type": "retrieval", "function": {"name": "f", "parameters": {}}}], "tools[0] must be"),
     ([{"type": "function", "function": {"name": "", "parameters": {}}}], "non-empty name"),
