@@ -57,6 +57,24 @@ def test_csv_and_empty_inputs_say_what_to_do(tmp_path):
     assert result.exit_code == 1 and "no requests" in result.output
 
 
+def test_empty_parquet_inputs_say_what_to_do_for_parquet(tmp_path):
+    """A Parquet file of no rows is told to write rows, not "one JSON request per line"; a
+    0-byte .parquet (a writer that stopped before writing) is named empty, not "not Parquet:
+    rename it to .jsonl"."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = tmp_path / "none.parquet"
+    pq.write_table(pa.table({"custom_id": pa.array([], pa.string()),
+                             "input": pa.array([], pa.string())}), rows)
+    line = one_error_line(batchgen("run", "-i", rows, "-o", tmp_path / "o.jsonl"))
+    assert "no requests (it has no rows: write one request per row)" in line, line
+    zero = tmp_path / "zero.parquet"
+    zero.write_bytes(b"")
+    line = one_error_line(batchgen("run", "-i", zero, "-o", tmp_path / "o.jsonl"))
+    assert "is empty (0 bytes)" in line and ".jsonl" not in line, line
+
+
 def test_missing_model_lists_the_hf_cache_among_the_places_searched(tmp_path):
     inp = write_jsonl(tmp_path / "in.jsonl", chat_rows(1))
     proc = batchgen("run", "-i", inp, "-o", tmp_path / "o.jsonl", "--model", "org/absent",
@@ -214,6 +232,18 @@ def test_run_summary_of_a_resume_says_what_this_run_did(tmp_path):
                          tmp_path / "o.errors.jsonl", tmp_path / ".batchgen", run_answered=0)
     assert "(3 requests, all saved by earlier runs: this run merged them in 0.5 s)" in merged
     assert "30 in, 6 out (all runs)" in merged
+
+
+def test_run_summary_of_an_embeddings_job_gives_input_tokens_per_second(tmp_path):
+    """A job that generated nothing (embeddings lines only) reads its speed in input tokens,
+    as `batchgen status` does, not as "0.0 out tok/s"."""
+    places = (tmp_path / "o.jsonl", tmp_path / "o.errors.jsonl", tmp_path / ".batchgen")
+    text = run_summary(10.0, 40, 0, 2000, 0, 0, *places, run_tokens_in=2000)
+    assert "2,000 in, 0 out (200.0 in tok/s this run)" in text
+    resumed = run_summary(10.0, 40, 0, 2000, 0, 0, *places, run_answered=30, run_tokens_in=1500)
+    assert "0 out (all runs; this run 1,500 in, 150.0 in tok/s)" in resumed
+    mixed = run_summary(10.0, 40, 0, 2000, 50, 50, *places, run_tokens_in=2000)
+    assert "(5.0 out tok/s this run)" in mixed
 
 
 def test_age_reads_as_a_person_says_it():

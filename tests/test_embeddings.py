@@ -258,6 +258,25 @@ def test_a_text_no_context_could_hold_is_refused_without_tokenizing(value, param
     assert tokenizer.chars < 10
 
 
+@pytest.mark.parametrize("data, says", [
+    ({"custom_id": "e", "method": "POST", "url": "/v1/embeddings", "body": {"inputs": "x"}},
+     "has 'inputs': rename it to input"),  # Hugging Face TEI's name
+    ({"custom_id": "e", "method": "POST", "url": "/v1/embeddings", "body": {"texts": ["x"]}},
+     "has 'texts': rename it to input"),  # Cohere's
+    ({"custom_id": "e", "method": "POST", "url": "/v1/embeddings", "body": {"Input": "x"}},
+     "has 'Input': rename it to input"),
+    ({"custom_id": "e", "inputs": ["x"]}, "has 'inputs': rename it to input"),  # a plain line
+])
+def test_an_input_under_another_name_is_named_with_the_rename(data, says):
+    """Other embedding APIs call the field `inputs` or `texts`: "needs input" alone leaves the
+    user to find what is wrong with a line that visibly holds its texts."""
+    err = parse_record(RawRecord(4, data))
+    assert isinstance(err, IntakeError) and says in err.message, err
+    plain = parse_record(RawRecord(5, {"custom_id": "e", "method": "POST",
+                                       "url": "/v1/embeddings", "body": {"model": "m"}}))
+    assert plain.message == "line 5: an embeddings line needs input"
+
+
 def test_plain_lines_with_input_are_embeddings():
     item = parse_record(RawRecord(1, {"custom_id": "p", "input": "hello"}))
     assert isinstance(item, EmbeddingRequest) and item.inputs == ("hello",)

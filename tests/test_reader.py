@@ -171,6 +171,20 @@ def test_damaged_parquet_page_is_a_file_error(tmp_path):
         scan_input(path)
 
 
+def test_a_damaged_page_header_is_named_on_one_line(tmp_path):
+    """pyarrow's message for a page header that does not decode spans lines ("...over 10
+    bytes.\nDeserializing page header failed.\n"): the error stays one line."""
+    path = tmp_path / "bad.parquet"
+    pq.write_table(pa.table({"custom_id": ["a", "b"], "input": ["x", "y"]}), path)
+    start = pq.read_metadata(path).row_group(0).column(0).data_page_offset
+    data = bytearray(path.read_bytes())
+    data[start:start + 40] = b"\xff" * 40
+    path.write_bytes(bytes(data))
+    with pytest.raises(InputFileError, match="damaged") as err:
+        scan_input(path)
+    assert "\n" not in str(err.value) and ".;" not in str(err.value), str(err.value)
+
+
 def test_parquet_float_ids_and_nan_in_structs(tmp_path):
     """pandas writes an integer column with a gap as floats, and NaN for a missing number
     inside a struct: whole-number ids keep their digits, NaN fields are "not given"."""

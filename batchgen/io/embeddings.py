@@ -10,6 +10,7 @@ one request with one vector per input, `data[i].index` = its position in `input`
 from __future__ import annotations
 
 import base64
+import difflib
 import reprlib
 from dataclasses import dataclass, replace
 from typing import Any
@@ -29,6 +30,25 @@ MAX_CHARS_PER_TOKEN = 128
 """More characters than any vocabulary piece holds: a text longer than this many per token of
 the context cannot fit, whatever the tokenizer (so it is refused without being tokenized:
 tokenizing costs about a hundred bytes of memory per character)."""
+
+
+OTHER_INPUT_NAMES = ("inputs", "texts", "sentences")
+"""What other embedding APIs call `input` (Hugging Face TEI's `inputs`, Cohere's `texts`,
+sentence-transformers' `sentences`): a line giving one of them is told to rename it."""
+HINTED_KEYS = 64
+"""Keys of a line looked at for a misnamed `input` (a hostile line may hold a million)."""
+
+
+def misnamed_input(data: dict) -> str:
+    """The hint of a line without `input` that holds it under another name ("; this one has
+    'inputs': rename it to input"), or "" when none of its keys reads as one."""
+    for key in list(data)[:HINTED_KEYS]:
+        if not isinstance(key, str) or data[key] is None:
+            continue
+        name = key.lower()
+        if name in OTHER_INPUT_NAMES or difflib.get_close_matches(name, ["input"], 1, 0.8):
+            return f"; this one has {reprlib.repr(key)}: rename it to input"
+    return ""
 
 
 class EmbeddingLineError(Exception):
@@ -118,7 +138,8 @@ def _inputs(value: Any) -> tuple:
 def parse_embedding(body: dict, custom_id: str, line: int) -> EmbeddingRequest:
     """An embeddings body; raises EmbeddingLineError naming the field at fault."""
     if body.get("input") is None:
-        raise EmbeddingLineError("invalid_input", "an embeddings line needs input", "input")
+        raise EmbeddingLineError("invalid_input", "an embeddings line needs input"
+                                 + misnamed_input(body), "input")
     encoding = body.get("encoding_format")
     encoding = "float" if encoding is None else encoding  # false, 0, "" are not formats
     if encoding not in ("float", "base64"):

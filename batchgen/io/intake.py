@@ -17,8 +17,8 @@ from typing import Any
 
 from batchgen.core import CompactPickle, Request, SamplingParams
 from batchgen.io.embeddings import (EMBEDDINGS_URL, MAX_CHARS_PER_TOKEN, MODEL_CONTEXT,
-                                    EmbeddingLineError, EmbeddingRequest, parse_embedding,
-                                    raise_flag, tokenize_embedding)
+                                    EmbeddingLineError, EmbeddingRequest, misnamed_input,
+                                    parse_embedding, raise_flag, tokenize_embedding)
 from batchgen.io.field_values import (MAX_FIELD_DEPTH, maybe_json, request_fields, text_problem,
                                       too_deep)
 from batchgen.io.grammar_limits import GrammarTooComplex, check_grammar_limits
@@ -338,7 +338,7 @@ def plain_kind(data: dict) -> str:
     if data.get("input") is not None:
         return "embedding"
     raise BadLine("invalid_messages", "a line needs messages (chat) or prompt (completion), or "
-                                       "input (embeddings)",
+                                       "input (embeddings)" + misnamed_input(data),
                    "messages")
 
 

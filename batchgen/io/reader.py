@@ -128,6 +128,9 @@ def detect_format(path: str | Path) -> str:
     if head.startswith(PARQUET_MAGIC):
         return "parquet"
     _refuse_json_document(p, head)
+    if suffix in PARQUET_SUFFIXES and not head:
+        raise InputFileError(f"input file {p} is empty (0 bytes), not a Parquet file: its "
+                             "writer stopped before writing anything; write it again")
     if suffix in PARQUET_SUFFIXES:
         raise InputFileError(f"input file {p} has a Parquet extension but is not a Parquet file "
                              "(no PAR1 magic): rewrite it with pyarrow or rename it to .jsonl")
@@ -294,6 +297,12 @@ def _parquet_record(row: int, item: dict) -> RawRecord:
     return RawRecord(row, {k: v for k, v in item.items() if v is not None})
 
 
+def _arrow_words(error: Exception) -> str:
+    """pyarrow's message on one line, without its closing period (some span several lines:
+    "Couldn't deserialize thrift: ...\nDeserializing page header failed.\n")."""
+    return " ".join(str(error).split()).rstrip(".")
+
+
 def _parquet_rows(path: Path) -> Iterator[RawRecord]:
     import pyarrow as pa  # only Parquet inputs pay for importing it
     import pyarrow.parquet as pq
@@ -301,8 +310,8 @@ def _parquet_rows(path: Path) -> Iterator[RawRecord]:
     try:
         pf = pq.ParquetFile(path)
     except (pa.ArrowException, OSError) as e:
-        raise InputFileError(f"cannot open Parquet file {path}: {e}; check it was written "
-                             "completely (pyarrow.parquet.read_metadata)") from None
+        raise InputFileError(f"cannot open Parquet file {path}: {_arrow_words(e)}; check it "
+                             "was written completely (pyarrow.parquet.read_metadata)") from None
     columns = pf.schema_arrow.names
     twice = sorted({name for name in columns if columns.count(name) > 1})
     if twice:
@@ -319,8 +328,9 @@ def _parquet_rows(path: Path) -> Iterator[RawRecord]:
         try:  # pages are decoded here: a damaged one (bad copy, bit rot) fails mid-file
             batch = next(batches, None)
         except (pa.ArrowException, OSError) as e:
-            raise InputFileError(f"cannot read Parquet file {path} past row {row}: {e}; the "
-                                 "file is damaged: write it again from its source") from None
+            raise InputFileError(f"cannot read Parquet file {path} past row {row}: "
+                                 f"{_arrow_words(e)}; the file is damaged: write it again from "
+                                 "its source") from None
         if batch is None:
             return
         # A MAP column (Spark's, or pyarrow's for a dict such as logit_bias) becomes a dict,

@@ -99,8 +99,9 @@ def parse(config: JobConfig, source: InputFile, paths: JobPaths) -> InputSummary
     summary = parse_input(source, paths.parsed_input, s.max_line_bytes, s.max_tokens)
     if summary.records == 0:
         remove_parsed(paths.parsed_input)
-        raise InputFileError(f"input file {s.input} holds no requests (it is "
-                             "empty): write one JSON request per line")
+        fix = ("it has no rows: write one request per row" if source.format == "parquet"
+               else "it is empty: write one JSON request per line")
+        raise InputFileError(f"input file {s.input} holds no requests ({fix})")
     return summary
 
 

@@ -108,23 +108,28 @@ def human_seconds(seconds: float) -> str:
 
 def run_summary(elapsed: float, completed: int, failed: int, tokens_in: int, tokens_out: int,
                 run_tokens_out: int, output: Path, errors: Path, storage: Path,
-                run_answered: int | None = None, cached_tokens: int = 0) -> str:
+                run_answered: int | None = None, cached_tokens: int = 0,
+                run_tokens_in: int = 0) -> str:
     """What a finished `batchgen run` prints: time, requests, tokens, speed, where things are.
-    Requests and tokens are the job's (every run of it); the speed is this run's.
+    Requests and tokens are the job's (every run of it); the speed is this run's: output
+    tokens per second, or input tokens per second (`run_tokens_in`) for a job that generated
+    nothing (embeddings only), as `batchgen status` says it.
     `run_answered`: the requests this run answered, when earlier runs saved the others (a
     resume): the time and speed are then said to be this run's. `cached_tokens`: of the
     prompt tokens, those the prefix cache held (said when there are any)."""
-    rate = run_tokens_out / elapsed if elapsed > 0 else 0.0
+    unit, run_tokens = ("in", run_tokens_in) if not tokens_out and tokens_in else (
+        "out", run_tokens_out)
+    rate = run_tokens / elapsed if elapsed > 0 else 0.0
     total, took = completed + failed, human_seconds(elapsed)
     if run_answered is None or run_answered >= total:
-        done, out = f"({total:,} requests) in {took}", f"{rate:,.1f} out tok/s this run"
+        done, out = f"({total:,} requests) in {took}", f"{rate:,.1f} {unit} tok/s this run"
     elif run_answered == 0:
         done = f"({total:,} requests, all saved by earlier runs: this run merged them in {took})"
         out = "all runs"
     else:
         done = (f"({total:,} requests: {run_answered:,} answered by this run in {took}, "
                 f"{total - run_answered:,} saved by earlier runs)")
-        out = f"all runs; this run {run_tokens_out:,} out, {rate:,.1f} out tok/s"
+        out = f"all runs; this run {run_tokens:,} {unit}, {rate:,.1f} {unit} tok/s"
     lines = [
         f"done: {completed:,} results, {failed:,} errors {done}",
         f"tokens: {tokens_in:,} in{cached_share(cached_tokens, tokens_in)}, {tokens_out:,} out "
