@@ -246,6 +246,20 @@ def test_run_summary_of_an_embeddings_job_gives_input_tokens_per_second(tmp_path
     assert "(5.0 out tok/s this run)" in mixed
 
 
+def test_progress_and_rank_rows_give_an_embeddings_jobs_speed_in_input_tokens():
+    """Ranks that generated nothing but embedded read their speed in input tokens per second,
+    not "0.0 out tok/s"; any generated token makes it output tokens again."""
+    from batchgen.runner.leader.progress import speed_text
+
+    embedding = {"prompt_tokens": 9000, "completion_tokens": 0, "input_tokens_per_s": 1520.4,
+                 "output_tokens_per_s": 0.0}
+    assert speed_text([embedding, embedding]) == "3,041 in tok/s"
+    generating = {"prompt_tokens": 900, "completion_tokens": 40, "input_tokens_per_s": 90.0,
+                  "output_tokens_per_s": 4.25}
+    assert speed_text([embedding, generating]) == "4.2 out tok/s"
+    assert speed_text([]) == "0.0 out tok/s"  # nothing done yet
+
+
 def test_age_reads_as_a_person_says_it():
     assert age(3.2) == "3 s ago" and age(600) == "10 min ago" and age(7200) == "2.0 h ago"
 

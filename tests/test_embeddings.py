@@ -567,6 +567,36 @@ def test_a_worker_embeds_a_bounded_share_of_its_queue_per_step(qwen3):
     assert len(one.run()) == 1 and len(one) == 1
 
 
+def test_a_share_is_sized_by_the_speed_of_the_last(qwen3, monkeypatch):
+    """A share is about SHARE_SECONDS of work at the last share's speed: on a slow device
+    (a laptop's CPU) results are written and a stop is answered within seconds, where a
+    GPU-sized share (8 x 4 x --max-prefill-tokens) took minutes; a fast one grows to that
+    size, at most 8x a step."""
+    from batchgen.io.embeddings import tokenize_embedding
+    from batchgen.io.intake import parse_record
+    from batchgen.runner.worker import embed_jobs
+
+    jobs = embed_jobs.EmbeddingJobs(qwen3, "batch_e", 8192)
+    assert jobs.share_tokens == embed_jobs.FIRST_SHARE_TOKENS == 4096
+    for i in range(6):
+        parsed = parse_record(RawRecord(i + 1, {"custom_id": f"e{i}", "input": [[5] * 40]}))
+        assert jobs.add(tokenize_embedding(parsed, None, 512, vocab=500)) is None
+    clock = iter([0.0, 100.0])  # the first share (all 6 lines, 240 tokens) takes 100 s
+    monkeypatch.setattr(embed_jobs, "perf_counter", lambda: next(clock))
+    assert len(jobs.run()) == 6
+    assert jobs.share_tokens == int(240 / 100 * embed_jobs.SHARE_SECONDS)  # 4 tokens
+    jobs._next_share(4096, 409.6)  # 10 tokens a second: 20 tokens, under one line
+    jobs.queue = [tokenize_embedding(parse_record(RawRecord(9, {"custom_id": f"f{i}",
+                                                                "input": [[5] * 30]})),
+                                     None, 512, vocab=500) for i in range(3)]
+    monkeypatch.setattr(embed_jobs, "perf_counter", lambda: 0.0)
+    assert len(jobs.run()) == 1 and len(jobs) == 2  # at least one line a share
+    jobs._next_share(4096, 0.001)
+    assert jobs.share_tokens == 8 * 4096  # a fast device: 8x the last share
+    jobs._next_share(8 * 4096, 0.001)
+    assert jobs.share_tokens == embed_jobs.RUN_STEPS * 8192  # and no more than RUN_STEPS steps
+
+
 def test_a_vector_that_is_not_finite_is_a_failure_line_not_nulls(qwen3, monkeypatch):
     """A model whose hidden states overflow (float16 past 65,504) pools NaN or inf: JSON has
     neither, and the line was written as status 200 with `null` values. It is a failure line

@@ -178,11 +178,12 @@ def check_disk(paths: JobPaths, input_bytes: int, records: int, left: int) -> li
         fix = ("free space there, or put results on a bigger disk (--storage-path, --output, "
                "--incremental-output-dir)")
         if free < floor:
-            findings.append(Finding(True, f"{where}: {human_bytes(free)} free, results need at least "
-                                    f"{human_bytes(floor)}", fix, ExitCode.DISK))
+            findings.append(Finding(True, f"{where}: {human_bytes(free)} free, results need at "
+                                    f"least {human_bytes(floor)}", fix, ExitCode.DISK))
         elif free < estimate:
-            findings.append(Finding(False, f"{where}: {human_bytes(free)} free, results may need about "
-                                    f"{human_bytes(estimate)} (estimated from the input)", fix))
+            findings.append(Finding(False, f"{where}: {human_bytes(free)} free, results may need "
+                                    f"about {human_bytes(estimate)} (estimated from the input)",
+                                    fix))
     return findings
 
 

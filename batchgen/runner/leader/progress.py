@@ -33,14 +33,14 @@ class ProgressReporter(threading.Thread):
         self._stop_event = threading.Event()
         self._t0 = time.time()
 
-    def snapshot(self) -> tuple[int, float, str]:
-        """(requests done, output tokens/s summed over the ranks' own measurements, the share of
-        prompt tokens the prefix cache supplied, as text)."""
+    def snapshot(self) -> tuple[int, str, str]:
+        """(requests done, the ranks' summed speed as text (`speed_text`), the share of prompt
+        tokens the prefix cache supplied, as text)."""
         stats = [s for s in read_worker_stats(self.batch_dir, self.batch_id)
                  if s.get("heartbeat", 0) >= self._t0]
         done = self.already_done + sum(s["completed"] + s["failed"] for s in stats)
-        rate = sum(s.get("output_tokens_per_s", 0.0) for s in stats)
-        return min(done, self.total), rate, prefix_hits([s.get("engine", {}) for s in stats])
+        return (min(done, self.total), speed_text(stats),
+                prefix_hits([s.get("engine", {}) for s in stats]))
 
     def run(self) -> None:
         if sys.stderr.isatty():
@@ -57,19 +57,28 @@ class ProgressReporter(threading.Thread):
                       transient=False) as bar:
             task = bar.add_task("requests", total=self.total, completed=self.already_done, rate="")
             while not self._stop_event.wait(1.0):
-                done, rate, hits = self.snapshot()
-                bar.update(task, completed=done,
-                           rate=f"{rate_text(rate)} out tok/s, prefix hits {hits}")
+                done, speed, hits = self.snapshot()
+                bar.update(task, completed=done, rate=f"{speed}, prefix hits {hits}")
 
     def _run_plain(self) -> None:
         while not self._stop_event.wait(PLAIN_INTERVAL_S):
-            done, rate, hits = self.snapshot()
-            log.info("progress: %d/%d requests, %s output tok/s, prefix cache hits %s", done,
-                     self.total, rate_text(rate), hits)
+            done, speed, hits = self.snapshot()
+            log.info("progress: %d/%d requests, %s, prefix cache hits %s", done, self.total,
+                     speed, hits)
 
     def stop(self) -> None:
         self._stop_event.set()
         self.join(timeout=5)
+
+
+def speed_text(stats: list[dict]) -> str:
+    """Ranks' speed, summed over their stats: "812 out tok/s", or the input tokens embedded
+    per second ("1,520 in tok/s") while they have generated nothing but embedded something
+    (an embeddings job, where output tokens stay 0)."""
+    embedded = (not sum(s.get("completion_tokens", 0) for s in stats)
+                and sum(s.get("prompt_tokens", 0) for s in stats) > 0)
+    key, unit = ("input_tokens_per_s", "in") if embedded else ("output_tokens_per_s", "out")
+    return f"{rate_text(sum(s.get(key, 0.0) for s in stats))} {unit} tok/s"
 
 
 def rate_text(rate: float) -> str:

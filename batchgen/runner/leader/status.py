@@ -18,7 +18,7 @@ from batchgen.io.writer import CorruptIncrementalFile, IdSet, read_done_ids
 from batchgen.runner.exits import ExitCode
 from batchgen.runner.files.job import JobSpec
 from batchgen.runner.leader.progress import (cached_share, human_seconds, prefix_hits,
-                                             read_worker_stats)
+                                             read_worker_stats, speed_text)
 from batchgen.runner.leader.records import (batch_files, cached_tokens, jobs_writing,
                                            run_tokens, unreadable_batch_files)
 
@@ -244,7 +244,7 @@ def _table(state: dict, workers: list[dict], running: bool = False) -> Table:
         beat = w.get("heartbeat")
         table.add_row(f"rank {w.get('rank', '?')}",
                       f"{w.get('completed', 0)} done, {w.get('failed', 0)} failed, "
-                      f"{w.get('output_tokens_per_s', 0):,.1f} out tok/s, prefix hits "
+                      f"{speed_text([w])}, prefix hits "
                       f"{prefix_hits([w.get('engine', {})])}, heartbeat "
                       + (age(now - beat) if isinstance(beat, (int, float)) else "none"))
     return table

@@ -1,11 +1,14 @@
 """Embeddings lines in a worker: queued at intake, embedded by the `Embedder` (prefill only:
-inputs ordered by length into dense steps, no KV kept) a bounded share per worker step
-(RUN_STEPS embedder steps' tokens), so their results are written as they are made, each under
-its own custom_id, and a stop or a kill loses at most one share."""
+inputs ordered by length into dense steps, no KV kept) a bounded share per worker step, so
+their results are written as they are made, each under its own custom_id, and a stop or a kill
+loses at most one share. A share is about SHARE_SECONDS of work at the speed the last one ran
+(at most RUN_STEPS embedder steps' tokens): a fraction of a second's worth on a GPU, a few
+thousand tokens on a laptop's CPU, where a fixed GPU-sized share would take minutes."""
 
 from __future__ import annotations
 
 import logging
+from time import perf_counter
 
 import numpy as np
 
@@ -20,7 +23,16 @@ from batchgen.io.results import embedding_line, failure_line
 log = logging.getLogger("batchgen.worker")
 
 RUN_STEPS = 8
-"""Embedder steps' worth of tokens embedded per worker step (the rest stays queued)."""
+"""At most this many embedder steps' worth of tokens are embedded per worker step (the rest
+stays queued)."""
+SHARE_SECONDS = 2.0
+"""A share's tokens are the last share's speed times this (never more than RUN_STEPS steps'
+tokens, never growing more than SHARE_GROWTH times at once)."""
+FIRST_SHARE_TOKENS = 4096
+"""The first share's tokens, before any speed is known."""
+SHARE_GROWTH = 8
+"""How much larger than the last one a share may be: the first share's speed includes its
+warm-up, so shares grow to a fast device's full size over a few steps."""
 
 
 class EmbeddingJobs:
@@ -36,6 +48,8 @@ class EmbeddingJobs:
         """sentence_bert_config.json's max_seq_length, read with the pooling."""
         self._refusal_logged = False
         """Whether the model folder's refused pooling was logged (once; each line says it)."""
+        self.share_tokens = min(FIRST_SHARE_TOKENS, RUN_STEPS * max_step_tokens)
+        """Tokens the next share takes (at least one line)."""
 
     def __len__(self) -> int:
         return len(self.queue)
@@ -72,13 +86,13 @@ class EmbeddingJobs:
         return None
 
     def run(self) -> list[tuple[dict, int]]:
-        """Embed the oldest queued lines, about RUN_STEPS embedder steps of tokens (at least
-        one line): (result line, prompt tokens) per line, in queue order."""
+        """Embed the oldest queued lines, about `share_tokens` tokens (at least one line):
+        (result line, prompt tokens) per line, in queue order."""
         if not self.queue:
             return []
-        budget, taken, tokens = RUN_STEPS * self.max_step_tokens, 0, 0
+        taken, tokens = 0, 0
         for item in self.queue:
-            if taken and tokens + item.prompt_tokens > budget:
+            if taken and tokens + item.prompt_tokens > self.share_tokens:
                 break
             tokens += item.prompt_tokens
             taken += 1
@@ -86,8 +100,18 @@ class EmbeddingJobs:
         inputs = [ids for item in queue for ids in item.token_ids]
         dims = [item.dimensions for item in queue for _ in item.token_ids]
         norms = [item.normalize for item in queue for _ in item.token_ids]
-        vectors = iter(v.numpy() for v in self.embedder().embed(inputs, dims, norms))
+        embedder = self.embedder()
+        started = perf_counter()
+        vectors = embedder.embed(inputs, dims, norms)  # returns once the device is done
+        self._next_share(tokens, perf_counter() - started)
+        vectors = iter(v.numpy() for v in vectors)
         return [self._line(item, [next(vectors) for _ in item.token_ids]) for item in queue]
+
+    def _next_share(self, tokens: int, seconds: float) -> None:
+        """Size the next share from this one's speed (see SHARE_SECONDS)."""
+        at_speed = tokens / max(seconds, 1e-6) * SHARE_SECONDS
+        largest = min(RUN_STEPS * self.max_step_tokens, SHARE_GROWTH * max(tokens, 1))
+        self.share_tokens = max(1, int(min(at_speed, largest)))
 
     def _line(self, item: EmbeddingRequest, vectors: list[np.ndarray]) -> tuple[dict, int]:
         """(result line, prompt tokens) of one embedded line: its embeddings object, or a

@@ -421,6 +421,7 @@ class Worker:
             "prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.completion_tokens,
             "cached_tokens": stats.cached_tokens,
             "output_tokens_per_s": self.engine.generated_tokens / elapsed if counted else 0.0,
+            "input_tokens_per_s": stats.prompt_tokens / elapsed,
             "engine": self.engine.stats() if counted else {}, "suspects": len(q.strikes),
             "quarantined": list(q.quarantined),
             "checkpoint": dict(self.checkpoints.stats) if self.checkpoints else {},
