@@ -22,16 +22,20 @@ def _ranges(server, name: str) -> list[str | None]:
 
 
 def test_a_connection_cut_mid_file_continues_in_the_same_run(fake_hub, repo_folder, tmp_path,
-                                                             monkeypatch):
+                                                             monkeypatch, caplog):
     """A proxy closing a long download early: the bytes so far are kept and the file is taken
-    up again where it stopped, not deleted and fetched afresh on the next run."""
+    up again where it stopped, not deleted and fetched afresh on the next run. The log line
+    says it continues, not "run again" (the run is not over)."""
     monkeypatch.setattr(hub, "RETRY_WAIT_S", 0.0)
     size = (repo_folder / WEIGHTS).stat().st_size
     cut = size // 3
     fake_hub.cut_after[WEIGHTS] = cut
-    path = resolve_model("org/tiny", cache_dir=str(tmp_path / "cache")).path
+    with caplog.at_level(logging.WARNING, logger="batchgen.hub"):
+        path = resolve_model("org/tiny", cache_dir=str(tmp_path / "cache")).path
     assert (path / WEIGHTS).read_bytes() == (repo_folder / WEIGHTS).read_bytes()
     assert _ranges(fake_hub, WEIGHTS) == [None, f"bytes={cut}-"]
+    assert f"was cut at {cut} of {size} bytes; continuing in 0 s (retry 1 of 3)" in caplog.text
+    assert "run again" not in caplog.text
 
 
 def test_a_download_cut_past_its_retries_is_continued_by_the_next_run(fake_hub, repo_folder,
@@ -189,3 +193,39 @@ def test_every_node_loads_the_commit_the_job_is_pinned_to(fake_hub, repo_folder,
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "node1"))  # another node, cold cache
     folder, _ = model_folder(saved.pinned().config.engine.model)
     assert folder.name == old != repo.sha
+
+
+def test_a_resume_after_the_branch_moved_is_refused_before_the_download(fake_hub, repo_folder,
+                                                                       tmp_path, monkeypatch):
+    """On a node whose cache is cold, a resume of a job pinned to commit A after main moved to
+    B is refused (exit 3, naming A) before a file of B is fetched: it used to download all of
+    B's weights, then refuse. A job that decided nothing yet takes B."""
+    from batchgen.config import EngineConfig, JobConfig, ModelConfig, StorageConfig
+    from batchgen.io.jobfiles import FingerprintMismatch
+    from batchgen.runner.leader import prepare
+    from job_utils import chat_rows, write_jsonl
+    from test_hub import serve_v2
+
+    repo = serve_v2(fake_hub, repo_folder, tmp_path)
+    old = repo.sha
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "node0"))
+    config = JobConfig(
+        storage=StorageConfig(input=str(write_jsonl(tmp_path / "in.jsonl", chat_rows(2))),
+                              storage_path=str(tmp_path / "s")),
+        engine=EngineConfig(model=ModelConfig(model="org/tiny"))).validate()
+    source, paths = prepare.identify(config)
+    prepare.prepare(config, prepare.parse(config, source, paths), paths)
+    repo.sha, repo.folder = "c" * 40, repo.revisions["v2"]  # main moved
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "node1"))  # a cold cache
+    monkeypatch.setattr(prepare, "decided_something", lambda paths: True)
+    before = len(fake_hub.requests)
+    assert not prepare.completed_already(config, source, paths)
+    with pytest.raises(FingerprintMismatch) as err:
+        prepare.prepare(config, prepare.parse(config, source, paths), paths)
+    message = str(err.value)
+    assert f"now names Hub commit {'c' * 40}" in message and "nothing was downloaded" in message
+    assert f"add --revision {old} to finish it" in message
+    assert not [p for _, p, _ in fake_hub.requests[before:] if "/resolve/" in p]
+    monkeypatch.setattr(prepare, "decided_something", lambda paths: False)
+    spec, _ = prepare.prepare(config, prepare.parse(config, source, paths), paths)
+    assert spec.model_commit == "c" * 40

@@ -76,6 +76,16 @@ class HubError(Exception):
     the message is one line naming the fix."""
 
 
+class CommitMoved(Exception):
+    """The revision to download names another commit than the one a resumed job is pinned to
+    (its branch moved): raised before any file is fetched, for the caller to refuse the resume
+    (a download of the other commit's weights would only be refused after it)."""
+
+    def __init__(self, repo: str, revision: str, commit: str, pinned: str):
+        super().__init__(f"{repo}@{revision} now names commit {commit}, not {pinned}")
+        self.repo, self.revision, self.commit, self.pinned = repo, revision, commit, pinned
+
+
 @dataclass(frozen=True)
 class RepoFile:
     path: str
@@ -207,11 +217,12 @@ def select(paths: list[RepoFile]) -> list[RepoFile]:
             and not (only_model and f.path in top and f.path != "model.safetensors")]
 
 
-def download(repo: str, revision: str | None, root: Path) -> Path:
+def download(repo: str, revision: str | None, root: Path, pinned: str | None = None) -> Path:
     """Fetch `repo` at `revision` into the HF cache `root` (see module docstring); the snapshot
-    folder. Raises HubError."""
+    folder. Raises HubError; CommitMoved when `pinned` is given and `revision` names another
+    commit (nothing fetched)."""
     try:
-        return _download(repo, revision, root)
+        return _download(repo, revision, root, pinned)
     except OSError as err:  # the cache folder cannot take it (not the job's files, not the Hub)
         if not cache_fault(err):
             raise
@@ -222,7 +233,7 @@ def download(repo: str, revision: str | None, root: Path) -> Path:
                        "download") from None
 
 
-def _download(repo: str, revision: str | None, root: Path) -> Path:
+def _download(repo: str, revision: str | None, root: Path, pinned: str | None) -> Path:
     from filelock import FileLock, Timeout
 
     folder = repo_folder(root, repo)
@@ -238,13 +249,16 @@ def _download(repo: str, revision: str | None, root: Path) -> Path:
         found = cached_snapshot(root, repo, revision)  # downloaded while we waited
         if found is not None:
             return found
-        return _download_locked(repo, revision or "main", root, folder)
+        return _download_locked(repo, revision or "main", root, folder, pinned)
     finally:
         lock.release()
 
 
-def _download_locked(repo: str, revision: str, root: Path, folder: Path) -> Path:
+def _download_locked(repo: str, revision: str, root: Path, folder: Path,
+                     pinned: str | None) -> Path:
     commit, every = repo_files(repo, revision)
+    if pinned and commit != pinned:
+        raise CommitMoved(repo, revision, commit, pinned)
     files = select(every)
     if not any(f.path.endswith(".safetensors") and "/" not in f.path for f in files):
         raise HubError(no_weights(repo, revision, every))
@@ -408,7 +422,12 @@ def check_space(snapshot: Path, files: list[RepoFile]) -> None:
 
 
 class CutDownload(HubError):
-    """The connection ended before the whole file came; its bytes so far are kept."""
+    """The connection ended before the whole file came; its bytes so far are kept. `what`:
+    the cut alone (the retries' log lines), the message adds the fix once they are spent."""
+
+    def __init__(self, what: str):
+        super().__init__(f"{what}; run again to continue where it stopped")
+        self.what = what
 
 
 def fetch_retrying(repo: str, commit: str, f: RepoFile, snapshot: Path, bar) -> None:
@@ -421,8 +440,8 @@ def fetch_retrying(repo: str, commit: str, f: RepoFile, snapshot: Path, bar) -> 
             if attempt == RETRIES:
                 raise
             wait_s = RETRY_WAIT_S * 2 ** attempt
-            log.warning("%s; continuing in %.0f s (retry %d of %d)", err, wait_s, attempt + 1,
-                        RETRIES)
+            log.warning("%s; continuing in %.0f s (retry %d of %d)", err.what, wait_s,
+                        attempt + 1, RETRIES)
             time.sleep(wait_s)
 
 
@@ -458,12 +477,11 @@ def fetch_file(repo: str, commit: str, f: RepoFile, snapshot: Path, bar) -> None
     except OSError as err:
         if cache_fault(err):  # our write failed: the cache folder's fault (download)
             raise
-        raise CutDownload(f"download of {f.path} of {repo} was cut ({err}); run again to "
-                          "continue where it stopped") from None
+        raise CutDownload(f"download of {f.path} of {repo} was cut ({err})") from None
     size = partial.stat().st_size
     if f.size and size < f.size:  # the server closed the connection early: resumable
         raise CutDownload(f"download of {f.path} of {repo} was cut at {size} of {f.size} "
-                          "bytes; run again to continue where it stopped")
+                          "bytes")
     if f.size and size != f.size:
         partial.unlink()
         raise HubError(f"{f.path} of {repo} arrived with {size} bytes, the Hub lists {f.size}: "

@@ -147,10 +147,12 @@ def hub_id_meant(model: str) -> tuple[str, str | None] | None:
     return repo, revision
 
 
-def resolve_model(model: str, cache_dir: str | None = None,
-                  revision: str | None = None) -> ModelSource:
+def resolve_model(model: str, cache_dir: str | None = None, revision: str | None = None,
+                  pinned: str | None = None) -> ModelSource:
     """Locate `model` on disk, or download a Hub id (org/name) not found there into --cache-dir
-    (default: the HF cache); the error lists every place searched."""
+    (default: the HF cache); the error lists every place searched. `pinned`: the commit a
+    resumed job started with; a download of another commit raises hub.CommitMoved before its
+    first file."""
     candidates = [Path(model).expanduser()]
     snapshots: list[Path] = []
     if cache_dir:
@@ -174,7 +176,7 @@ def resolve_model(model: str, cache_dir: str | None = None,
             f"--model {model!r} is {kind}: give a folder holding config.json and "
             "*.safetensors, a folder made by `batchgen convert`, or a .gguf file")
     if hub.is_hub_id(model) and not hub.offline():
-        return _download(model, cache_dir, revision)
+        return _download(model, cache_dir, revision, pinned)
     meant = None if is_path_like(model) else hub_id_meant(model)
     if meant is not None:
         raise ModelNotFoundError(
@@ -206,13 +208,14 @@ def cache_repo_hint(model: str) -> str | None:
     return f"{what}: give its snapshot folder (--model {snapshot}) or the repo id ({by_id})"
 
 
-def _download(model: str, cache_dir: str | None, revision: str | None) -> ModelSource:
+def _download(model: str, cache_dir: str | None, revision: str | None,
+              pinned: str | None = None) -> ModelSource:
     """Hub id `model` downloaded into --cache-dir (default: the HF cache). A folder of that
     name in the working directory holding no model is named, not taken."""
     root = Path(cache_dir).expanduser() if cache_dir else hub.default_cache()
     shadow = Path(model).is_dir()
     try:
-        path = hub.download(model, revision, root)
+        path = hub.download(model, revision, root, pinned)
     except hub.HubError as err:
         note = (f" (./{model} here is a folder without config.json, so the Hub was asked)"
                 if shadow else "")

@@ -16,6 +16,7 @@ from batchgen.io.parsed_input import parse_input, remove_parsed
 from batchgen.io.reader import InputFile, InputFileError, InputSummary, identify_input
 from batchgen.io.sampling_fields import BadLine, model_defaults
 from batchgen.io.writer import final_files_complete, read_done_ids
+from batchgen.models import hub
 from batchgen.models.factory import generation_config
 from batchgen.models.loader import CheckpointError, resolve_model, weights_signature
 from batchgen.parallel import pick_device
@@ -30,16 +31,17 @@ def model_identity(config: JobConfig) -> str:
     return config.engine.model.model or "embedded:SmolLM2-135M-Instruct"
 
 
-def model_weights(config: JobConfig, quiet: bool = False) -> str:
+def model_weights(config: JobConfig, quiet: bool = False, pinned: str | None = None) -> str:
     """The signature of the weights --model names (`weights_signature`): a resume must not mix
     answers of two models behind one path. What --model names, not what is read: a
     --converted-ckpt-dir folder is derived from it, and written by the first run. The
     embedded model is pinned by its package. `quiet`: without the log line saying that a
-    --revision is ignored."""
+    --revision is ignored. `pinned`: the Hub commit the job started with (hub.CommitMoved
+    instead of downloading another)."""
     m = config.engine.model
     if m.model is None:
         return "embedded"
-    source = resolve_model(m.model, m.cache_dir, m.revision)
+    source = resolve_model(m.model, m.cache_dir, m.revision, pinned)
     if source.revision_ignored and not quiet:
         log.warning("--revision %s is ignored: --model %s is the folder or file %s, not a Hub "
                     "snapshot", m.revision, m.model, source.path)
@@ -135,7 +137,11 @@ def completed_already(config: JobConfig, source: InputFile, paths: JobPaths) -> 
     if state is None or state.status != "completed" or not state.fingerprint:
         return False
     # As if some line took --max-tokens: it is recorded then, so a changed one is a doubt.
-    fp = fingerprint(config, source.sha256, model_identity(config), model_weights(config, True),
+    try:
+        weights = model_weights(config, True, job_commit(config, state.fingerprint))
+    except hub.CommitMoved:
+        return False  # prepare refuses it, before any download
+    fp = fingerprint(config, source.sha256, model_identity(config), weights,
                      job_device_type(config), True, sampling_defaults(config, quiet=True),
                      chat_template(config))
     try:
@@ -163,12 +169,39 @@ def decided_something(paths: JobPaths) -> bool:
                for path in checkpoint_files(paths.batch_file, paths.batch_id))
 
 
+def job_commit(config: JobConfig, recorded: dict) -> str | None:
+    """The Hub commit a job's recorded fingerprint pins --model to; None when it records none,
+    or another --model (that resume is refused by the fingerprint, naming the model)."""
+    if not recorded or recorded.get("model") != model_identity(config):
+        return None
+    return pinned_commit(recorded)
+
+
+def resumed_weights(config: JobConfig, state, paths: JobPaths) -> str:
+    """`model_weights`, for a job pinned to a Hub commit by an earlier run: where --model's
+    branch is not on disk and now names another commit (it moved on the Hub, and this node's
+    cache is cold), the resume is refused before that commit's weights are downloaded, not
+    after. A job that decided nothing yet takes this run's commit (`prepare`)."""
+    pinned = job_commit(config, state.fingerprint) if state is not None else None
+    try:
+        return model_weights(config, pinned=pinned)
+    except hub.CommitMoved as moved:
+        if decided_something(paths):
+            raise FingerprintMismatch(
+                f"refusing to resume: --model {moved.repo} at revision {moved.revision} now "
+                f"names Hub commit {moved.commit} (its branch moved, or another --revision), "
+                f"this job started with {moved.pinned}: add --revision {moved.pinned} to finish "
+                "it with the weights it started with (nothing was downloaded), or start a new "
+                "job (--batch-id or another --storage-path)") from None
+        return model_weights(config)
+
+
 def prepare(config: JobConfig, summary: InputSummary, paths: JobPaths) -> tuple[JobSpec, BatchFile]:
     """Check the fingerprint and record a new job (under the job lock). No weights loaded."""
     batch_id, s = paths.batch_id, config.storage
     batch_file = BatchFile(paths.batch_file)
     state = batch_file.load()
-    weights = model_weights(config)  # first: a Hub model is downloaded here
+    weights = resumed_weights(config, state, paths)  # first: a Hub model is downloaded here
     defaults, template = sampling_defaults(config), chat_template(config)
     fp = fingerprint(config, summary.sha256, model_identity(config), weights,
                      job_device_type(config), summary.default_max_tokens_lines != 0, defaults,
