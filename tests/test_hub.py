@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from batchgen.models import hub
+from batchgen.models import hub, hub_fetch
 from batchgen.models.loader import ModelNotFoundError, resolve_model, weights_signature
 from fake_hub import FakeHub
 from job_utils import batchgen, read_jsonl, write_jsonl
@@ -367,7 +367,7 @@ def test_a_cache_that_cannot_take_the_download_is_named(fake_hub, tmp_path, monk
 
             def write(self, data):
                 raise OSError(errnos.ENOSPC, os.strerror(errnos.ENOSPC))
-        monkeypatch.setattr(hub, "open", Full, raising=False)
+        monkeypatch.setattr(hub_fetch, "open", Full, raising=False)
     with pytest.raises(ModelNotFoundError) as err:
         resolve_model("org/tiny", cache_dir=str(cache))
     message = str(err.value)
@@ -397,7 +397,7 @@ def test_only_top_level_weights_and_no_duplicate_mistral_layout():
 def test_redirects_to_another_host_drop_the_token():
     import urllib.request
 
-    handler = hub._SameHostAuth()
+    handler = hub_fetch._SameHostAuth()
     req = urllib.request.Request("http://hub.example/a", headers={"Authorization": "Bearer t",
                                                                     "Range": "bytes=5-"})
     other = handler.redirect_request(req, None, 302, "Found", {}, "http://cdn.example/blob")

@@ -12,7 +12,7 @@ import shutil
 import pytest
 
 from batchgen.io.jobfiles import FingerprintMismatch, check_fingerprint
-from batchgen.models import hub
+from batchgen.models import hub, hub_fetch
 from batchgen.models.loader import ModelNotFoundError, hub_id_meant, resolve_model
 from test_hub import WEIGHTS, _sharded_repo
 
@@ -26,7 +26,7 @@ def test_a_connection_cut_mid_file_continues_in_the_same_run(fake_hub, repo_fold
     """A proxy closing a long download early: the bytes so far are kept and the file is taken
     up again where it stopped, not deleted and fetched afresh on the next run. The log line
     says it continues, not "run again" (the run is not over)."""
-    monkeypatch.setattr(hub, "RETRY_WAIT_S", 0.0)
+    monkeypatch.setattr(hub_fetch, "RETRY_WAIT_S", 0.0)
     size = (repo_folder / WEIGHTS).stat().st_size
     cut = size // 3
     fake_hub.cut_after[WEIGHTS] = cut
@@ -41,7 +41,7 @@ def test_a_connection_cut_mid_file_continues_in_the_same_run(fake_hub, repo_fold
 def test_a_download_cut_past_its_retries_is_continued_by_the_next_run(fake_hub, repo_folder,
                                                                       tmp_path, monkeypatch,
                                                                       caplog):
-    monkeypatch.setattr(hub, "RETRIES", 0)
+    monkeypatch.setattr(hub_fetch, "RETRIES", 0)
     cut = (repo_folder / WEIGHTS).stat().st_size // 2
     fake_hub.cut_after[WEIGHTS] = cut
     cache = str(tmp_path / "cache")
