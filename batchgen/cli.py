@@ -118,8 +118,8 @@ def validate(input: str = typer.Option(..., "--input", "-i",
 
 @app.command()
 def status(target: Optional[str] = typer.Argument(
-               None, help="Job id, a job folder, or a job's --output file (default: every job "
-                          "under --storage-path)."),
+               None, help="Job id, a job folder (or the folder holding its .batchgen/), or "
+                          "a job's --output file (default: every job under --storage-path)."),
            storage_path: Optional[str] = typer.Option(
                None, help="Job folder (default: as `batchgen run` without --output: "
                           "$BATCHGEN_STATE_DIR or ~/.local/state/batchgen).")):

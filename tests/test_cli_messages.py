@@ -258,6 +258,8 @@ def test_progress_and_rank_rows_give_an_embeddings_jobs_speed_in_input_tokens():
                   "output_tokens_per_s": 4.25}
     assert speed_text([embedding, generating]) == "4.2 out tok/s"
     assert speed_text([]) == "0.0 out tok/s"  # nothing done yet
+    chat_job = {**embedding, "engine": {"admitted": 12}}  # no chat answer finished yet
+    assert speed_text([chat_job]) == "0.0 out tok/s"
 
 
 def test_age_reads_as_a_person_says_it():
@@ -301,6 +303,47 @@ def test_status_of_an_embeddings_job_shows_its_input_rate():
     assert _speed(state) == "200.0 in tok/s over 1 run (30.0 s)"
     state["usage"]["completion_tokens"] = 300
     assert _speed(state).startswith("10.0 out tok/s over 1 run") and "last run 0.0" in _speed(state)
+
+
+def test_status_of_a_chat_job_stopped_before_its_first_answer_gives_output_tokens():
+    """A chat job whose only finished lines are embeddings (stopped before its first chat
+    answer) generated no token yet, but its engine admitted requests: its speed stays in
+    output tokens, not "in tok/s" as if it were an embeddings job."""
+    from batchgen.runner.leader.status import _speed
+
+    state = {"usage": {"prompt_tokens": 199, "completion_tokens": 0},
+             "timings": {"runs": 1, "all_runs_seconds": 18.4},
+             "throughput": {"output_tokens_per_s": 35.0},
+             "counters": {"admitted": 43, "generated_tokens": 644}}
+    assert _speed(state) == "0.0 out tok/s over 1 run (18.4 s); last run 35.0 out tok/s"
+
+
+def test_run_summary_leaves_checkpointed_tokens_out_of_the_speed(tmp_path):
+    """Tokens continued from an in-flight checkpoint were drawn by an earlier run: the summary
+    says how many there are and counts only the rest in this run's tokens a second."""
+    places = (tmp_path / "o.jsonl", tmp_path / "o.errors.jsonl", tmp_path / ".batchgen")
+    resumed = run_summary(40.0, 48, 0, 18543, 4665, 4625, *places, run_answered=42,
+                          run_tokens_resumed=1225)
+    assert ("4,665 out (all runs; this run 4,625 out, 1,225 of them continued from a "
+            "checkpoint, 85.0 out tok/s)") in resumed
+    whole = run_summary(40.0, 48, 0, 18543, 4665, 4665, *places, run_tokens_resumed=1265)
+    assert ("(this run 4,665 out, 1,265 of them continued from a checkpoint, 85.0 out tok/s)"
+            in whole)
+    fresh = run_summary(40.0, 48, 0, 18543, 4665, 4665, *places)
+    assert "(116.6 out tok/s this run)" in fresh and "checkpoint" not in fresh
+
+
+def test_the_batch_files_throughput_counts_the_tokens_this_run_drew(tmp_path):
+    """The last run's output tokens a second count what its engines drew: not the tokens its
+    answers continued from an in-flight checkpoint, but those of answers a stop left unfinished
+    (a rank without engine counters counts its answers' tokens)."""
+    from batchgen.runner.leader.records import drawn_tokens
+
+    stats = [{"completion_tokens": 4625, "engine": {"generated_tokens": 3313},
+              "checkpoint": {"resumed_tokens": 1312}},
+             {"completion_tokens": 90, "engine": {}},
+             {"completion_tokens": 0, "engine": {"generated_tokens": 644}}]
+    assert drawn_tokens(stats) == 3313 + 90 + 644
 
 
 def test_validate_names_each_bad_line_once(tmp_path):

@@ -43,6 +43,16 @@ def test_ids_are_not_patterns_and_missing_jobs_say_how_to_ask(tmp_path):
     assert code == 1 and "no job writes" in out and "no job folder is there" in out
 
 
+def test_the_output_folder_means_the_job_folder_run_made_in_it(tmp_path):
+    """`batchgen run -o out/r.jsonl` keeps its job in out/.batchgen/: `batchgen status out`
+    shows it instead of saying there is no job there."""
+    storage_with_jobs(tmp_path / "out" / ".batchgen")
+    code, out = status(str(tmp_path / "out"))
+    assert code == 0 and "batch_aaa: completed" in out and "batch_bbb: completed" in out
+    code, out = status(str(tmp_path))  # only the folder itself, not any folder below
+    assert code == 1 and "no job under" in out
+
+
 def test_an_unreadable_batch_file_is_named_not_a_traceback(tmp_path):
     root = storage_with_jobs(tmp_path / "jobs")
     (root / "batches" / "batch_ccc.json").write_text("{torn")
@@ -279,10 +289,12 @@ def test_a_completed_job_shows_an_earlier_failure_as_history(tmp_path, monkeypat
     (root / "batches" / "batch_done.json").write_text(json.dumps({
         "batch_id": "batch_done", "status": "completed",
         "request_counts": {"total": 2, "completed": 2, "failed": 0},
-        "health": {"last_failure": "[rank 1] died: re-run the same command to resume"}}))
+        "health": {"last_failure": "[rank 1] died: re-run the same command to resume",
+                   "last_stop": "SIGINT"}}))
     code, out = status(str(root))
     assert code == 0 and "an earlier run's: the job completed since" in out
     assert "[rank 1] died" in out  # shown as written, not read as a style
+    assert "SIGINT (an earlier run's: the job completed since)" in out  # a stop, likewise
 
 
 def test_the_model_and_its_hub_commit_are_shown(tmp_path, monkeypatch):

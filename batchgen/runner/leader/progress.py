@@ -73,10 +73,11 @@ class ProgressReporter(threading.Thread):
 
 def speed_text(stats: list[dict]) -> str:
     """Ranks' speed, summed over their stats: "812 out tok/s", or the input tokens embedded
-    per second ("1,520 in tok/s") while they have generated nothing but embedded something
-    (an embeddings job, where output tokens stay 0)."""
-    embedded = (not sum(s.get("completion_tokens", 0) for s in stats)
-                and sum(s.get("prompt_tokens", 0) for s in stats) > 0)
+    per second ("1,520 in tok/s") while they have embedded something and admitted nothing to
+    generate (an embeddings job, where output tokens stay 0)."""
+    generating = any(s.get("completion_tokens") or (s.get("engine") or {}).get("admitted")
+                     for s in stats)
+    embedded = not generating and sum(s.get("prompt_tokens", 0) for s in stats) > 0
     key, unit = ("input_tokens_per_s", "in") if embedded else ("output_tokens_per_s", "out")
     return f"{rate_text(sum(s.get(key, 0.0) for s in stats))} {unit} tok/s"
 
@@ -118,27 +119,33 @@ def human_seconds(seconds: float) -> str:
 def run_summary(elapsed: float, completed: int, failed: int, tokens_in: int, tokens_out: int,
                 run_tokens_out: int, output: Path, errors: Path, storage: Path,
                 run_answered: int | None = None, cached_tokens: int = 0,
-                run_tokens_in: int = 0) -> str:
+                run_tokens_in: int = 0, run_tokens_resumed: int = 0) -> str:
     """What a finished `batchgen run` prints: time, requests, tokens, speed, where things are.
     Requests and tokens are the job's (every run of it); the speed is this run's: output
     tokens per second, or input tokens per second (`run_tokens_in`) for a job that generated
     nothing (embeddings only), as `batchgen status` says it.
     `run_answered`: the requests this run answered, when earlier runs saved the others (a
     resume): the time and speed are then said to be this run's. `cached_tokens`: of the
-    prompt tokens, those the prefix cache held (said when there are any)."""
+    prompt tokens, those the prefix cache held (said when there are any).
+    `run_tokens_resumed`: of `run_tokens_out`, those continued from an in-flight checkpoint
+    (an earlier run drew them): said, and left out of the speed."""
     unit, run_tokens = ("in", run_tokens_in) if not tokens_out and tokens_in else (
         "out", run_tokens_out)
-    rate = run_tokens / elapsed if elapsed > 0 else 0.0
+    resumed = run_tokens_resumed if unit == "out" else 0
+    rate = (run_tokens - resumed) / elapsed if elapsed > 0 else 0.0
+    continued = f", {resumed:,} of them continued from a checkpoint" if resumed else ""
     total, took = completed + failed, human_seconds(elapsed)
     if run_answered is None or run_answered >= total:
         done, out = f"({total:,} requests) in {took}", f"{rate:,.1f} {unit} tok/s this run"
+        if resumed:
+            out = f"this run {run_tokens:,} {unit}{continued}, {rate:,.1f} {unit} tok/s"
     elif run_answered == 0:
         done = f"({total:,} requests, all saved by earlier runs: this run merged them in {took})"
         out = "all runs"
     else:
         done = (f"({total:,} requests: {run_answered:,} answered by this run in {took}, "
                 f"{total - run_answered:,} saved by earlier runs)")
-        out = f"all runs; this run {run_tokens:,} {unit}, {rate:,.1f} {unit} tok/s"
+        out = f"all runs; this run {run_tokens:,} {unit}{continued}, {rate:,.1f} {unit} tok/s"
     lines = [
         f"done: {completed:,} results, {failed:,} errors {done}",
         f"tokens: {tokens_in:,} in{cached_share(cached_tokens, tokens_in)}, {tokens_out:,} out "

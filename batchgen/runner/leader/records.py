@@ -42,8 +42,9 @@ def record_end(spec: JobSpec, batch_file: BatchFile, started: float, status: str
         "status": status, "health": {**health_from_stats(stats), **health},
         "counters": _engine_counters(stats),
         "timings": {"finished_at": int(time.time()), "last_run_seconds": round(elapsed, 3)},
-        "throughput": {"output_tokens_per_s": round(completion / elapsed, 2),
-                       "total_tokens_per_s": round((completion + prompt) / elapsed, 2)},
+        "throughput": {"output_tokens_per_s": round(drawn_tokens(stats) / elapsed, 2),
+                       "total_tokens_per_s": round((drawn_tokens(stats) + prompt) / elapsed,
+                                                   2)},
         **result_files(spec.paths),
         "usage": usage or _usage_after(batch_file, prompt, completion, cached)}
     changes["timings"].update(_all_runs(batch_file, elapsed))
@@ -260,6 +261,16 @@ def run_tokens(stats: list[dict]) -> tuple[int, int, int]:
     """Prompt, completion and cached prompt tokens the ranks' stats files count for a run."""
     return tuple(sum(s.get(key, 0) for s in stats)
                  for key in ("prompt_tokens", "completion_tokens", "cached_tokens"))
+
+
+def drawn_tokens(stats: list[dict]) -> int:
+    """Output tokens the run's engines drew (`generated_tokens`): the tokens of its answers
+    less those continued from an in-flight checkpoint, which an earlier run drew, plus those
+    of answers still going when a run stops. A stats file without engine counters (a rank of
+    a tensor-parallel group that writes no results) counts its answers' tokens."""
+    return sum(s["engine"]["generated_tokens"]
+               if isinstance(s.get("engine"), dict) and "generated_tokens" in s["engine"]
+               else s.get("completion_tokens", 0) for s in stats)
 
 
 def _usage_after(batch_file: BatchFile, prompt: int, completion: int, cached: int) -> dict:

@@ -28,6 +28,8 @@ UNREADABLE_HINT = ("; batch files are written whole, so something else changed i
 """What to do about a batch file that is not a job's record."""
 TIMESTAMPS = ("last_heartbeat", "last_failure_at")
 """Health keys holding Unix times, shown as an age and a local date."""
+HISTORY = ("last_failure", "last_stop")
+"""Health keys saying how an unfinished run ended: on a completed job, an earlier run's."""
 
 
 def show_status(storage: Path, target: str | None) -> int:
@@ -51,7 +53,7 @@ def show_status(storage: Path, target: str | None) -> int:
                            "no job folder is there: give the job's --storage-path, its batch "
                            "id, or its job folder")
     if target is not None and ("/" in target or Path(target).is_dir()):
-        storage, batch_id = Path(target), None
+        storage, batch_id = _job_folder(Path(target)), None
     batches = storage / "batches"
     if batch_id is None:
         files = batch_files(storage)
@@ -59,6 +61,16 @@ def show_status(storage: Path, target: str | None) -> int:
         files = [p for p in [batches / f"{batch_id}.json"] if p.is_file()]
     return _show_files(files, f"no job{' ' + batch_id if batch_id else ''} under {storage} (give "
                        "a batch id with --storage-path, a job folder, or a job's output file)")
+
+
+def _job_folder(folder: Path) -> Path:
+    """The job folder a folder argument means: itself, or the `.batchgen/` that `batchgen run`
+    made in it (the output's folder, where a user looks for the job) when it has no jobs of
+    its own."""
+    nested = folder / ".batchgen"
+    if not (folder / "batches").is_dir() and (nested / "batches").is_dir():
+        return nested
+    return folder
 
 
 def _show_files(files: list[Path], missing: str) -> int:
@@ -169,11 +181,14 @@ def age(seconds: float) -> str:
 
 def _speed(state: dict) -> str:
     """Output tokens per second over every run of the job (and the last run's); input tokens
-    per second for a job that generated nothing (embeddings only)."""
+    per second for a job that generated nothing (embeddings only). A job whose finished
+    results so far are embeddings lines but whose engine admitted requests to generate (a
+    chat job stopped before its first answer) is not one: its rate stays in output tokens."""
     timings, usage = state.get("timings", {}), state.get("usage", {})
     last = state.get("throughput", {}).get("output_tokens_per_s")
     seconds, runs = timings.get("all_runs_seconds"), timings.get("runs")
-    embedded = not usage.get("completion_tokens") and usage.get("prompt_tokens", 0) > 0
+    generating = usage.get("completion_tokens") or (state.get("counters") or {}).get("admitted")
+    embedded = not generating and usage.get("prompt_tokens", 0) > 0
     parts = []
     if seconds and runs:
         rate = usage.get("prompt_tokens" if embedded else "completion_tokens", 0) / seconds
@@ -237,7 +252,7 @@ def _table(state: dict, workers: list[dict], running: bool = False) -> Table:
         if key in TIMESTAMPS and isinstance(value, (int, float)) and value > 0:
             when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(value))
             value = f"{age(now - value)} ({when})"
-        if key == "last_failure" and state.get("status") == "completed":
+        if key in HISTORY and state.get("status") == "completed":
             value = f"{value} (an earlier run's: the job completed since)"
         table.add_row(f"health.{key}", str(value))
     for w in workers:  # stats files are rewritten as workers go: take what is there

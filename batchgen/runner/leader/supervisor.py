@@ -460,7 +460,8 @@ def _finish(spec: JobSpec, batch_file: BatchFile, started: float, stops: StopSig
                       report.prompt_tokens, report.completion_tokens,
                       sum(s.get("completion_tokens", 0) for s in stats), paths.output,
                       paths.errors_output, paths.storage_path, spec.total_records - already,
-                      report.cached_tokens, sum(s.get("prompt_tokens", 0) for s in stats)),
+                      report.cached_tokens, sum(s.get("prompt_tokens", 0) for s in stats),
+                      sum(s.get("checkpoint", {}).get("resumed_tokens", 0) for s in stats)),
           file=sys.stderr, flush=True)
     return ExitCode.OK
 
