@@ -2,6 +2,7 @@
 argument; ids are names, never patterns; unreadable files are named."""
 
 import json
+import re
 
 from typer.testing import CliRunner
 
@@ -76,10 +77,16 @@ def test_an_unfinished_job_shows_saved_results_and_whether_a_run_holds_it(tmp_pa
     (root / "incremental" / "batch_run.jsonl").write_text(
         "".join(json.dumps({"custom_id": f"r{i}", "response": {}}) + "\n" for i in range(3))
         + '{"custom_id": "torn')  # a torn tail is not a saved result
+    import time
+
+    (batches / "batch_run.json").write_text(json.dumps({  # an earlier run's end, 20 min ago
+        "batch_id": "batch_run", "status": "in_progress",
+        "request_counts": {"total": 9, "completed": 0, "failed": 0},
+        "health": {"last_heartbeat": time.time() - 1200}}))
     for rank, writes in ((0, True), (1, False)):  # rank 1: a TP peer, counting nothing
         (batches / f"batch_run.worker{rank}.json").write_text(json.dumps({
             "rank": rank, "writes_results": writes, "prompt_tokens": 1200 if writes else 7,
-            "completion_tokens": 345 if writes else 7}))
+            "completion_tokens": 345 if writes else 7, "heartbeat": time.time() - 2}))
     lock = batches / "batch_run.lock"
     lock.write_text(f"pid {os.getpid()} on host {socket.gethostname()}\n")
     code, out = status(str(root))
@@ -87,7 +94,8 @@ def test_an_unfinished_job_shows_saved_results_and_whether_a_run_holds_it(tmp_pa
     wide = CliRunner().invoke(app, ["status", str(root)], env={"COLUMNS": "250"}).output
     assert "(all runs ended); the run going on: 1,200 in, 345 out so far" in wide
     assert "0 completed" not in out and "9 total (completed and failed are counted" in out
-    assert "none (a resume starts any unfinished request from its prompt)" in out
+    assert "none (a resume starts any unfinished request from its prompt)" in wide
+    assert re.search(r"health\.last_heartbeat\s+\S+\s+2 s ago", wide), wide  # the live one
     dead = subprocess.Popen(["true"])
     dead.wait()
     lock.write_text(f"pid {dead.pid} on host {socket.gethostname()}\n")  # killed outright

@@ -229,6 +229,18 @@ def _running_tokens(workers: list[dict]) -> str:
     return f"; the run going on: {prompt:,} in, {completion:,} out so far"
 
 
+def _health(state: dict, workers: list[dict], running: bool) -> dict:
+    """The batch file's health, whose heartbeat is a run's last when it ended: while a run is
+    going on, its workers' newest heartbeat instead (a minutes-old one would read as a hang)."""
+    health = dict(state.get("health", {}))
+    beats = [w["heartbeat"] for w in workers if isinstance(w.get("heartbeat"), (int, float))]
+    if running and beats:
+        recorded = health.get("last_heartbeat")
+        health["last_heartbeat"] = max(beats + ([recorded] if isinstance(recorded, (int, float))
+                                                else []))
+    return health
+
+
 def _table(state: dict, workers: list[dict], running: bool = False) -> Table:
     table = Table(title=f"{state['batch_id']}: {state['status']}", show_header=False)
     table.add_column(no_wrap=True)
@@ -248,7 +260,7 @@ def _table(state: dict, workers: list[dict], running: bool = False) -> Table:
     table.add_row("output", state.get("output_file", ""))
     table.add_row("errors", state.get("errors_file", ""))
     now = time.time()
-    for key, value in state.get("health", {}).items():
+    for key, value in _health(state, workers, running).items():
         if key in TIMESTAMPS and isinstance(value, (int, float)) and value > 0:
             when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(value))
             value = f"{age(now - value)} ({when})"
