@@ -122,7 +122,10 @@ def status(target: Optional[str] = typer.Argument(
                           "a job's --output file (default: every job under --storage-path)."),
            storage_path: Optional[str] = typer.Option(
                None, help="Job folder (default: as `batchgen run` without --output: "
-                          "$BATCHGEN_STATE_DIR or ~/.local/state/batchgen).")):
+                          "$BATCHGEN_STATE_DIR or ~/.local/state/batchgen)."),
+           json_lines: bool = typer.Option(
+               False, "--json", help="One JSON object a job on stdout (its batch file, with "
+                                     "run, workers, saved and checkpoint) instead of tables.")):
     """Status, request counts, tokens, throughput and health of jobs."""
     from batchgen.io.locations import refuse_urls, url_scheme
     from batchgen.runner.leader.status import show_status
@@ -132,7 +135,8 @@ def status(target: Optional[str] = typer.Argument(
               "job folder or its local --output file")
     with _user_errors():
         refuse_urls(storage_path=storage_path)
-    raise typer.Exit(show_status(Path(storage_path or default_storage_path(None)), target))
+    raise typer.Exit(show_status(Path(storage_path or default_storage_path(None)), target,
+                                 json_lines))
 
 
 def bench(json_out: Optional[Path] = typer.Option(None, "--json", help="Write the report here."),

@@ -36,6 +36,17 @@ def test_by_id_by_storage_path_and_by_job_folder(tmp_path):
         assert code == 0 and "batch_aaa: completed" in out and "batch_bbb: completed" in out
 
 
+def test_json_prints_one_object_a_job_for_scripts(tmp_path):
+    root = storage_with_jobs(tmp_path / "jobs")
+    code, out = status(str(root), "--json")
+    records = [json.loads(line) for line in out.splitlines()]
+    assert code == 0 and [r["batch_id"] for r in records] == ["batch_aaa", "batch_bbb"]
+    assert records[1]["request_counts"]["total"] == 5 and records[1]["run"] == "not running"
+    assert "saved" not in records[0]  # a completed job's counts are its batch file's
+    code, out = status("batch_zzz", "--storage-path", str(root), "--json")
+    assert code == 1 and "no job batch_zzz" in out
+
+
 def test_ids_are_not_patterns_and_missing_jobs_say_how_to_ask(tmp_path):
     root = storage_with_jobs(tmp_path / "jobs")
     code, out = status("batch_*", "--storage-path", str(root))
@@ -96,6 +107,11 @@ def test_an_unfinished_job_shows_saved_results_and_whether_a_run_holds_it(tmp_pa
     assert "0 completed" not in out and "9 total (completed and failed are counted" in out
     assert "none (a resume starts any unfinished request from its prompt)" in wide
     assert re.search(r"health\.last_heartbeat\s+\S+\s+2 s ago", wide), wide  # the live one
+    code, out = status(str(root), "--json")
+    record = json.loads(out)  # one job: one line
+    assert code == 0 and record["batch_id"] == "batch_run" and record["saved"] == 3
+    assert record["checkpoint"] == {"requests": 0, "tokens": 0}
+    assert record["run"].startswith("running (pid") and len(record["workers"]) == 2
     dead = subprocess.Popen(["true"])
     dead.wait()
     lock.write_text(f"pid {dead.pid} on host {socket.gethostname()}\n")  # killed outright

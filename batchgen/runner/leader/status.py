@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import socket
+import sys
 import time
 from pathlib import Path
 
@@ -32,10 +33,10 @@ HISTORY = ("last_failure", "last_stop")
 """Health keys saying how an unfinished run ended: on a completed job, an earlier run's."""
 
 
-def show_status(storage: Path, target: str | None) -> int:
-    """Print each job's table. target: a job's results file (finished or not), a batch id
-    under `storage`, or a job folder (a storage path: every job in it); None: every job under
-    `storage`."""
+def show_status(storage: Path, target: str | None, as_json: bool = False) -> int:
+    """Print each job's table (`as_json`: one JSON object a line, `_job_record`). target: a
+    job's results file (finished or not), a batch id under `storage`, or a job folder (a
+    storage path: every job in it); None: every job under `storage`."""
     batch_id = target
     if target is not None and not Path(target).is_dir():
         # A results file: present once the job finished, only named in its batch file before
@@ -44,11 +45,11 @@ def show_status(storage: Path, target: str | None) -> int:
         jobs = jobs_writing(Path(target), storage) or unreadable_batch_files(Path(target),
                                                                             storage)
         if jobs or Path(target).is_file():
-            return _show_files(jobs, f"no job writes {target} under "
+            return _show_files(jobs, as_json, f"no job writes {target} under "
                                f"{Path(target).absolute().parent / '.batchgen'} or {storage} "
                                "(give the job's --storage-path)")
     if target is not None and "/" in target and not Path(target).exists():
-        return _show_files([], f"no job writes {target} (looked in "
+        return _show_files([], as_json, f"no job writes {target} (looked in "
                            f"{Path(target).absolute().parent / '.batchgen'} and {storage}), and "
                            "no job folder is there: give the job's --storage-path, its batch "
                            "id, or its job folder")
@@ -59,7 +60,8 @@ def show_status(storage: Path, target: str | None) -> int:
         files = batch_files(storage)
     else:  # an id is a file name, never a pattern
         files = [p for p in [batches / f"{batch_id}.json"] if p.is_file()]
-    return _show_files(files, f"no job{' ' + batch_id if batch_id else ''} under {storage} (give "
+    return _show_files(files, as_json, f"no job{' ' + batch_id if batch_id else ''} under "
+                       f"{storage} (give "
                        "a batch id with --storage-path, a job folder, or a job's output file)")
 
 
@@ -73,7 +75,7 @@ def _job_folder(folder: Path) -> Path:
     return folder
 
 
-def _show_files(files: list[Path], missing: str) -> int:
+def _show_files(files: list[Path], as_json: bool, missing: str) -> int:
     if not files:
         Console(stderr=True, soft_wrap=True, markup=False).print(missing)
         return ExitCode.FAILED
@@ -85,10 +87,16 @@ def _show_files(files: list[Path], missing: str) -> int:
             state = orjson.loads(path.read_bytes())
             batch_id = state["batch_id"]
             liveness = _liveness(batches / f"{batch_id}.lock", state["status"])
-            table = _table(state, read_worker_stats(batches, batch_id),
-                           running=liveness.startswith("running"))
-            if state.get("status") != "completed":
-                done = _done_ids(storage, batch_id)  # read once: a million lines take seconds
+            workers = read_worker_stats(batches, batch_id)
+            running = liveness.startswith("running")
+            unfinished = state.get("status") != "completed"
+            done = _done_ids(storage, batch_id) if unfinished else None  # read once: slow
+            if as_json:
+                record = _job_record(state, workers, liveness, done, storage)
+                sys.stdout.write(orjson.dumps(record).decode() + "\n")
+                continue
+            table = _table(state, workers, running=running)
+            if unfinished:
                 table.add_row("saved", _saved(done, state))
                 table.add_row("checkpoint", _checkpointed(storage, batch_id, done))
                 table.add_row("run", liveness)
@@ -98,6 +106,21 @@ def _show_files(files: list[Path], missing: str) -> int:
                 f"cannot read {path}: {err!r}" + UNREADABLE_HINT * (not isinstance(err, OSError)))
             failed = ExitCode.FAILED
     return failed
+
+
+def _job_record(state: dict, workers: list[dict], liveness: str,
+                done: IdSet | CorruptIncrementalFile | None, storage: Path) -> dict:
+    """A job as `status --json` prints it: its batch file as written (job-files.md), `run`
+    (whether a run holds it, as the table says), `workers` (its ranks' stats files, as the
+    last or the running run wrote them), and for an unfinished job `saved` (results fsynced
+    so far, or why they cannot be read) and `checkpoint` (requests in flight an in-flight
+    checkpoint holds, and their tokens)."""
+    record = {**state, "run": liveness, "workers": workers}
+    if done is not None:
+        record["saved"] = str(done) if isinstance(done, CorruptIncrementalFile) else len(done)
+        requests, tokens = _checkpoint_counts(storage, state["batch_id"], done)
+        record["checkpoint"] = {"requests": requests, "tokens": tokens}
+    return record
 
 
 def _done_ids(storage: Path, batch_id: str) -> IdSet | CorruptIncrementalFile:
@@ -120,6 +143,16 @@ def _saved(done: IdSet | CorruptIncrementalFile, state: dict) -> str:
 def _checkpointed(storage: Path, batch_id: str, done: IdSet | CorruptIncrementalFile) -> str:
     """Requests in flight whose progress an in-flight checkpoint holds (those whose results
     are saved since are not counted), and the tokens a resume does not draw again."""
+    requests, tokens = _checkpoint_counts(storage, batch_id, done)
+    if not requests:
+        return "none (a resume starts any unfinished request from its prompt)"
+    return f"{requests} requests in flight hold {tokens} generated tokens (resume continues them)"
+
+
+def _checkpoint_counts(storage: Path, batch_id: str,
+                       done: IdSet | CorruptIncrementalFile) -> tuple[int, int]:
+    """(requests in flight an in-flight checkpoint holds, their generated tokens), leaving
+    out those whose results are saved since."""
     paths = _job_paths(storage, batch_id)
     if isinstance(done, CorruptIncrementalFile):
         done = set()
@@ -128,9 +161,7 @@ def _checkpointed(storage: Path, batch_id: str, done: IdSet | CorruptIncremental
         _, report = load(path, None, done)
         requests += report.requests
         tokens += report.tokens
-    if not requests:
-        return "none (a resume starts any unfinished request from its prompt)"
-    return f"{requests} requests in flight hold {tokens} generated tokens (resume continues them)"
+    return requests, tokens
 
 
 def _job_paths(storage: Path, batch_id: str) -> JobPaths:
