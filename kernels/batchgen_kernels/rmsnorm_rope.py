@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from ._common import FLOAT_DTYPES, check_device, check_dtype, check_shape, next_pow2
-from .rope import _table_rows, check_rope_tables, rotate_halves
+from .rope import _table_rows, check_rope_inputs, rotate_halves
 
 
 @triton.jit
@@ -84,17 +84,9 @@ def rmsnorm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
     cos, sin   [max_pos, rot_dim] float tables (rot_dim even, <= D), last dim contiguous.
     Returns contiguous (q_out [T, H, D], k_out [T, KVH, D]) of q's dtype.
     """
-    tokens, q_heads, head_dim = q.shape
     check_device(q, k, q_weight, k_weight, positions, cos, sin)
-    check_dtype("q", q, FLOAT_DTYPES)
-    if not (k.dim() == 3 and k.shape[0] == tokens and k.shape[2] == head_dim):
-        raise ValueError("k is [T, KVH, D]")
-    if k.dtype != q.dtype:
-        raise TypeError("q and k must share a dtype")
-    rot_dim = check_rope_tables(positions, cos, sin, tokens, head_dim)
-    for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name}: last dim must be contiguous")
+    rot_dim = check_rope_inputs(q, k, positions, cos, sin)
+    tokens, q_heads, head_dim = q.shape
     for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
         check_shape(name, w, (head_dim,))
         check_dtype(name, w, FLOAT_DTYPES)

@@ -95,6 +95,25 @@ def check_rope_tables(positions: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
     return rot_dim
 
 
+def check_rope_inputs(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+                      cos: torch.Tensor, sin: torch.Tensor) -> int:
+    """Check q [T, H, D] and k [T, KVH, D] (one float dtype, last dims contiguous), the
+    positions and the cos/sin tables; returns the rotated dimensions (rot_dim)."""
+    check_dtype("q", q, FLOAT_DTYPES)
+    if q.dim() != 3:
+        raise ValueError("q is [T, H, D]")
+    tokens, _, head_dim = q.shape
+    if not (k.dim() == 3 and k.shape[0] == tokens and k.shape[2] == head_dim):
+        raise ValueError("k is [T, KVH, D]")
+    if k.dtype != q.dtype:
+        raise TypeError("q and k must share a dtype")
+    rot_dim = check_rope_tables(positions, cos, sin, tokens, head_dim)
+    for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name}: last dim must be contiguous")
+    return rot_dim
+
+
 def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                sin: torch.Tensor, q_out: torch.Tensor | None = None,
                k_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,15 +130,7 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: t
     """
     tokens, q_heads, head_dim = q.shape
     check_device(q, k, positions, cos, sin)
-    check_dtype("q", q, FLOAT_DTYPES)
-    if not (k.dim() == 3 and k.shape[0] == tokens and k.shape[2] == head_dim):
-        raise ValueError("k is [T, KVH, D]")
-    if k.dtype != q.dtype:
-        raise TypeError("q and k must share a dtype")
-    rot_dim = check_rope_tables(positions, cos, sin, tokens, head_dim)
-    for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name}: last dim must be contiguous")
+    rot_dim = check_rope_inputs(q, k, positions, cos, sin)
     if (q_out is None) != (k_out is None):
         raise ValueError("give q_out and k_out together")
     inplace = q_out is None
