@@ -78,6 +78,19 @@ def _foreign_flag(err, args: list[str], foreign_flags: dict) -> str | None:
     return next((arg for arg in given if arg in foreign_flags and arg.startswith(name)), None)
 
 
+def _command_path(err, args: list[str]) -> str:
+    """The command whose `--help` a usage error points to, spelled as click spells it (`batchgen
+    run`, `python -m batchgen run`): its context names it; an option given without its value
+    fails before the command has a context, so the program name and the first word of `args`
+    (the subcommand) name it then."""
+    if err.ctx is not None:
+        return err.ctx.command_path
+    detect = getattr(_click().utils, "_detect_program_name", None)
+    program = detect() if detect is not None else "batchgen"
+    command = next((arg for arg in args if not arg.startswith("-")), None)
+    return f"{program} {command}" if command else program
+
+
 def run_app(app: typer.Typer, args: list[str] | None = None,
             foreign_flags: dict[str, tuple[str, str]] | None = None) -> int:
     """Run the app; a usage mistake (unknown flag, missing value) is one `error:` line naming
@@ -92,7 +105,7 @@ def run_app(app: typer.Typer, args: list[str] | None = None,
         err.show()
         return ExitCode.INPUT
     except click.exceptions.UsageError as err:
-        command = err.ctx.command_path if err.ctx is not None else "batchgen"
+        command = _command_path(err, sys.argv[1:] if args is None else args)
         message = err.format_message().replace("\n", " ")
         flag = _foreign_flag(err, sys.argv[1:] if args is None else args, foreign_flags or {})
         if isinstance(err, click.exceptions.NoSuchOption) and flag is not None:

@@ -236,6 +236,26 @@ def test_sglang_and_vllm_server_flags_name_the_flag_to_use(flag, named):
     assert "Possible options" not in lines[0]
 
 
+@pytest.mark.parametrize("args, command", [
+    (["run", "-i", "x.jsonl", "--model"], "run"), (["validate", "-i"], "validate"),
+    (["status", "--storage-path"], "status")])
+def test_a_flag_without_its_value_points_to_its_commands_help(capsys, args, command):
+    """`batchgen run -i x.jsonl --model` (the value forgotten) pointed to `batchgen --help`,
+    the list of commands, where every other usage error of `run` points to `run --help`."""
+    from batchgen.cli_help import run_app
+
+    assert run_app(app, args) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert "requires an argument" in line, line
+    assert line.endswith(f" {command} --help`)"), line
+
+
+def test_a_flag_without_its_value_names_the_program_as_invoked():
+    proc = cli("run", "-i", "x.jsonl", "--model")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().endswith("(see `python -m batchgen run --help`)"), proc.stderr
+
+
 def test_no_arguments_show_the_help_not_an_error_line():
     proc = cli()
     assert proc.returncode == 2 and "error:" not in proc.stderr

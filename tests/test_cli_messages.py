@@ -75,6 +75,26 @@ def test_empty_parquet_inputs_say_what_to_do_for_parquet(tmp_path):
     assert "is empty (0 bytes)" in line and ".jsonl" not in line, line
 
 
+def test_validate_names_what_an_input_of_no_requests_holds(tmp_path):
+    """`batchgen validate` called a file of blank lines, and a Parquet file of no rows, "empty"
+    (the latter with no fix, where `batchgen run` says to write rows): it now says what the
+    file holds and the fix, as the job's refusal does."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    blank = tmp_path / "blank.jsonl"
+    blank.write_text("\n  \n\n")
+    result = CliRunner().invoke(app, ["validate", "-i", str(blank)])
+    assert result.exit_code == 1, result.output
+    assert "no requests (it holds only blank lines: write one JSON request per line)" \
+        in result.output, result.output
+    rows = tmp_path / "none.parquet"
+    pq.write_table(pa.table({"prompt": pa.array([], pa.string())}), rows)
+    result = CliRunner().invoke(app, ["validate", "-i", str(rows)])
+    assert result.exit_code == 1, result.output
+    assert "no requests (it has no rows: write one request per row)" in result.output
+
+
 def test_missing_model_lists_the_hf_cache_among_the_places_searched(tmp_path):
     inp = write_jsonl(tmp_path / "in.jsonl", chat_rows(1))
     proc = batchgen("run", "-i", inp, "-o", tmp_path / "o.jsonl", "--model", "org/absent",

@@ -106,3 +106,28 @@ def test_every_fingerprint_key_is_documented():
     missing = [key for key in keys
                if FINGERPRINT_NAMES.get(key, f"`--{key.replace('_', '-')}`") not in text]
     assert not missing, f"docs/job-files.md's Fingerprint paragraph does not name {missing}"
+
+
+def _accepted_line_examples() -> list[str]:
+    """The lines of the ```json blocks under docs/job-files.md's "Accepted line shapes": what a
+    user copies into a JSONL file to start."""
+    text = (DOCS / "job-files.md").read_text()
+    section = text.split("### Accepted line shapes")[1].split("\n#")[0]
+    blocks = re.findall(r"```json\n(.*?)```", section, re.DOTALL)
+    assert blocks, "docs/job-files.md's Accepted line shapes shows no example lines"
+    return [line for block in blocks for line in block.splitlines() if line.strip()]
+
+
+def test_accepted_line_examples_are_valid_jsonl_lines(tmp_path, capsys):
+    """Each example line of the input shapes, copied as it is shown, is one valid request:
+    JSONL holds one object per line, so an example wrapped over two lines would teach a file
+    of invalid_json lines."""
+    from batchgen.runner.leader.validate import validate_file
+
+    lines = _accepted_line_examples()
+    path = tmp_path / "examples.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    code = validate_file(path, max_tokens=16)
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert f"{len(lines)} requests: {len(lines)} valid" in out, out

@@ -285,6 +285,21 @@ def test_a_line_ending_before_its_json_names_the_fix(tmp_path, tail, fix):
     assert fix in bad.error.message, bad.error.message
 
 
+def test_the_second_half_of_a_wrapped_object_is_named_a_continuation(tmp_path):
+    """An OpenAI line wrapped over two lines (as a docs page or an editor shows it): the second
+    half, `"body": {...}}`, was told "a second JSON value follows the first on this line: put
+    each object on its own line", which describes neither the line nor the fix."""
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b'{"custom_id": "q1", "method": "POST", "url": "/v1/completions",\n'
+                     b' "body": {"prompt": "Once"}}\n')
+    [first, second] = read_records(path)
+    assert "write each object on one line" in first.error.message
+    assert second.error.code == "invalid_json" and second.line == 2
+    assert "continues an object begun on an earlier line" in second.error.message
+    assert "write each object on one line (jq -c)" in second.error.message
+    assert "second JSON value" not in second.error.message
+
+
 def test_parquet_decimal_and_binary_cells_are_numbers_and_text(tmp_path):
     """SQL engines type `0.7 AS temperature` as DECIMAL(1,1), Hive-era writers store strings as
     BINARY without the UTF8 annotation: both were refused as "must be a number" / "must be a

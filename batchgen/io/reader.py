@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import re
 import reprlib
 import stat
 from array import array
@@ -34,6 +35,8 @@ PARQUET_MAGIC = b"PAR1"
 PARQUET_BATCH_ROWS = 1024
 """Rows per pyarrow record batch: small enough that a batch of long prompts stays in memory."""
 _BOM = b"\xef\xbb\xbf"
+_KEY_FRAGMENT = re.compile(rb'\s*"(?:[^"\\]|\\.)*"\s*:')
+"""A line that starts `"key":`: a piece of an object written over several lines."""
 REQUEST_COLUMNS = {"prompt", "messages", "input", "body"}
 """A Parquet input needs one of these columns (plain rows: prompt/messages, or input for
 embeddings; OpenAI: body)."""
@@ -104,6 +107,14 @@ class InputSummary:
     refused_lines: int | None = None
     """Records the parse made error lines (IntakeError: a bad line, whatever its fault), counted
     by that same pass; None where no such pass ran."""
+
+    def why_no_requests(self) -> str:
+        """What a file of no records holds instead, and the fix (the refusal of an empty input
+        says it in parentheses)."""
+        if self.format == "parquet":
+            return "it has no rows: write one request per row"
+        what = "it is empty" if self.size_bytes == 0 else "it holds only blank lines"
+        return f"{what}: write one JSON request per line"
 
 
 def detect_format(path: str | Path) -> str:
@@ -209,13 +220,23 @@ def _json_problem(raw: bytes, line: int, err: orjson.JSONDecodeError) -> str:
     elif "end of data" in err.msg:
         hint = _cut_short_hint(raw)
     elif "after document" in err.msg:
-        hint = ("; lines end with a lone carriage return (\\r, old Mac line ends): convert "
-                "them, e.g. tr '\\r' '\\n'" if b"\r" in raw.rstrip(b"\r\n") else
-                "; a second JSON value follows the first on this line: put each object on "
-                "its own line")
+        hint = _content_after_hint(raw)
     else:
         hint = ""
     return f"line {line} is not valid JSON at column {err.colno}: {err.msg}{hint}"
+
+
+def _content_after_hint(raw: bytes) -> str:
+    """Why more follows a line's first JSON value, and the fix: lines that end with a lone
+    carriage return (old Mac line ends) run together; a line that starts `"key":` continues an
+    object begun on an earlier line; else two objects share the line."""
+    if b"\r" in raw.rstrip(b"\r\n"):
+        return ("; lines end with a lone carriage return (\\r, old Mac line ends): convert "
+                "them, e.g. tr '\\r' '\\n'")
+    if _KEY_FRAGMENT.match(raw):
+        return ("; the line starts with a \"key\": value pair, so it continues an object "
+                "begun on an earlier line: write each object on one line (jq -c)")
+    return "; a second JSON value follows the first on this line: put each object on its own line"
 
 
 def _cut_short_hint(raw: bytes) -> str:

@@ -101,9 +101,8 @@ def parse(config: JobConfig, source: InputFile, paths: JobPaths) -> InputSummary
     summary = parse_input(source, paths.parsed_input, s.max_line_bytes, s.max_tokens)
     if summary.records == 0:
         remove_parsed(paths.parsed_input)
-        fix = ("it has no rows: write one request per row" if source.format == "parquet"
-               else "it is empty: write one JSON request per line")
-        raise InputFileError(f"input file {s.input} holds no requests ({fix})")
+        raise InputFileError(f"input file {s.input} holds no requests "
+                             f"({summary.why_no_requests()})")
     return summary
 
 

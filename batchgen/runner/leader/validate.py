@@ -75,7 +75,8 @@ def validate_file(path: Path, max_tokens: int,
     for message in shown:
         typer.echo(message)
     if summary.records == 0:
-        typer.echo(f"{path}: the file holds no requests (it is empty): nothing to run")
+        typer.echo(f"{path}: the file holds no requests ({summary.why_no_requests()}): "
+                   "nothing to run")
         return ExitCode.FAILED
     bad = sum(codes.values())
     line = (f"{path}: {summary.format}, {_plural(summary.records, 'request')}: "
