@@ -304,7 +304,7 @@ def test_status_finds_a_job_from_its_output_and_shows_totals_and_heartbeat_age(t
     result = CliRunner().invoke(app, ["status", str(out)], env={"COLUMNS": "200"})
     text = result.output
     assert result.exit_code == 0 and "batch_x: completed" in text and "batch_other" not in text
-    assert "20.0 out tok/s over 2 runs" in text and "last run 50.0" in text
+    assert "20.0 out tok/s over 2 runs" in text and "last run drew 50.0" in text
     assert "600 out (all runs)" in text and "r.errors.jsonl" in text
     assert "3 s ago" in text or "4 s ago" in text
     os.remove(batches / "batch_x.json")
@@ -322,7 +322,8 @@ def test_status_of_an_embeddings_job_shows_its_input_rate():
              "throughput": {"output_tokens_per_s": 0.0}}
     assert _speed(state) == "200.0 in tok/s over 1 run (30.0 s)"
     state["usage"]["completion_tokens"] = 300
-    assert _speed(state).startswith("10.0 out tok/s over 1 run") and "last run 0.0" in _speed(state)
+    speed = _speed(state)
+    assert speed.startswith("10.0 out tok/s over 1 run") and "last run drew 0.0" in speed
 
 
 def test_status_of_a_chat_job_stopped_before_its_first_answer_gives_output_tokens():
@@ -335,7 +336,8 @@ def test_status_of_a_chat_job_stopped_before_its_first_answer_gives_output_token
              "timings": {"runs": 1, "all_runs_seconds": 18.4},
              "throughput": {"output_tokens_per_s": 35.0},
              "counters": {"admitted": 43, "generated_tokens": 644}}
-    assert _speed(state) == "0.0 out tok/s over 1 run (18.4 s); last run 35.0 out tok/s"
+    assert _speed(state) == ("0.0 out tok/s over 1 run (18.4 s); last run drew 35.0 out tok/s "
+                            "(its unsaved answers' tokens included)")
 
 
 def test_run_summary_leaves_checkpointed_tokens_out_of_the_speed(tmp_path):

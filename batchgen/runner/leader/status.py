@@ -211,7 +211,8 @@ def age(seconds: float) -> str:
 
 
 def _speed(state: dict) -> str:
-    """Output tokens per second over every run of the job (and the last run's); input tokens
+    """Output tokens per second of the saved results over every run of the job, and the tokens
+    the last run drew a second (answers still in flight when it stopped included); input tokens
     per second for a job that generated nothing (embeddings only). A job whose finished
     results so far are embeddings lines but whose engine admitted requests to generate (a
     chat job stopped before its first answer) is not one: its rate stays in output tokens."""
@@ -226,7 +227,8 @@ def _speed(state: dict) -> str:
         parts.append(f"{rate:,.1f} {'in' if embedded else 'out'} tok/s over {runs} "
                      f"run{'s' * (runs != 1)} ({human_seconds(seconds)})")
     if last is not None and not embedded:
-        parts.append(f"last run {last:,.1f} out tok/s")
+        parts.append(f"last run drew {last:,.1f} out tok/s (its unsaved answers' tokens "
+                     "included)")
     return "; ".join(parts) or "not measured yet"
 
 
