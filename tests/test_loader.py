@@ -10,7 +10,8 @@ from batchgen.config import ModelConfig
 from batchgen.core import Request, SamplingParams
 from batchgen.models.factory import eos_token_ids, load_model
 from batchgen.models.folder_checks import check_model_folder
-from batchgen.models.loader import CheckpointError, ModelNotFoundError, resolve_model
+from batchgen.models.loader import (CheckpointError, ModelNotFoundError, load_hf_config,
+                                    resolve_model)
 from batchgen.models.registry import UnsupportedModelError
 from engine_utils import assert_last_logits_match, hf_greedy, make_engine
 from tiny_models import embedded_tokenizer, save_tiny_model
@@ -28,6 +29,32 @@ def test_a_path_to_something_else_than_a_model_says_so(tmp_path):
         resolve_model(str(tmp_path / "notes.txt"))
     with pytest.raises(ModelNotFoundError, match="a folder without config.json"):
         resolve_model(str(tmp_path))
+
+
+def test_a_gguf_is_found_whatever_the_case_of_its_suffix(tmp_path):
+    (tmp_path / "model.GGUF").write_bytes(b"GGUF")
+    assert resolve_model(str(tmp_path / "model.GGUF")).kind == "gguf"
+    assert resolve_model(str(tmp_path)).path == tmp_path / "model.GGUF"
+
+
+def test_a_folder_of_several_ggufs_names_them_and_the_path_to_give(tmp_path):
+    for name in ("m-Q4_K_M.gguf", "m-Q8_0.gguf"):
+        (tmp_path / name).write_bytes(b"GGUF")
+    with pytest.raises(ModelNotFoundError) as err:
+        resolve_model(str(tmp_path))
+    assert "2 .gguf files (m-Q4_K_M.gguf, m-Q8_0.gguf)" in str(err.value)
+    assert f"--model {tmp_path / 'm-Q4_K_M.gguf'}" in str(err.value)
+
+
+def test_a_config_transformers_cannot_read_names_the_file_and_the_fix(tmp_path):
+    folder = save_tiny_model("llama", tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0}  # no factor
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError) as err:
+        load_hf_config(folder)
+    assert str(err.value).startswith(f"cannot read {folder / 'config.json'}: Missing required")
+    assert "'factor'" in str(err.value) and "restore the model's own config.json" in str(err.value)
 
 
 def test_hub_cache_layout_is_found(tmp_path):

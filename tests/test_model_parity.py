@@ -152,6 +152,7 @@ def test_dynamic_rope_runs_exactly_up_to_max_position_embeddings(tmp_path, caplo
         ours = load_ours(folder)
     assert ours.max_context == 64
     assert "dynamic" in caplog.text and "64 tokens" in caplog.text
+    assert caplog.text.count("context limited") == 1  # once a model, not once per rope table
     longest = torch.randint(3, VOCAB, (63,), generator=torch.Generator().manual_seed(6)).tolist()
     assert_last_logits_match(ours, hf, longest)
 

@@ -95,7 +95,7 @@ def layer_ropes(cfg, head_dim: int) -> list[tuple[str, RotaryEmbedding]]:
     kinds = _layer_types(cfg)
     for kind in dict.fromkeys(kinds):
         inv_freq, scaling = rope_inv_freq(cfg, head_dim, kind)
-        tables[kind] = RotaryEmbedding(inv_freq, default_max_positions(cfg), scaling)
+        tables[kind] = RotaryEmbedding(inv_freq, default_max_positions(cfg, quiet=True), scaling)
     return [(kind, tables[kind]) for kind in kinds]
 
 

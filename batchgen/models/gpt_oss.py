@@ -315,7 +315,7 @@ class GptOssModel(DecoderStack):
         super().__init__()
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         inv_freq, scaling = rope_inv_freq(cfg, head_dim)
-        rope = RotaryEmbedding(inv_freq, default_max_positions(cfg), scaling)
+        rope = RotaryEmbedding(inv_freq, default_max_positions(cfg, quiet=True), scaling)
         self.embed_tokens = token_embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(GptOssDecoderLayer(cfg, i, rope, packed)
                                     for i in range(cfg.num_hidden_layers))

@@ -245,7 +245,7 @@ def token_embedding(vocab_size: int, hidden_size: int) -> nn.Embedding:
     return nn.Embedding(vocab_size, hidden_size, _weight=torch.empty(vocab_size, hidden_size))
 
 
-def default_max_positions(hf_config) -> int:
+def default_max_positions(hf_config, quiet: bool = False) -> int:
     """The longest context the model runs: `max_position_embeddings`, except for longrope.
     HF switches a longrope model to its long factors in every forward whose sequence passes
     `original_max_position_embeddings` (keys cached earlier keep their rotation), which a
@@ -256,23 +256,26 @@ def default_max_positions(hf_config) -> int:
     with a rope per kind of layer (Gemma 3's) stops where the first of them would change.
     YaRN's frequencies are fixed, so its context reaches `original_max_position_embeddings` x
     `factor` where that passes `max_position_embeddings` (Qwen's recommended long-context
-    settings leave the latter at the trained length), as vLLM derives it."""
+    settings leave the latter at the trained length), as vLLM derives it. `quiet`: without
+    the log lines saying so (the model's max_context says them; its rope table asks again)."""
+    log_info = (lambda *a: None) if quiet else log.info
+    log_warning = (lambda *a: None) if quiet else log.warning
     limit = int(getattr(hf_config, "max_position_embeddings", 0) or 32768)
     ropes = _every_rope(hf_config)
     stretched = max((yarn_positions(params) for params in ropes), default=0)
     if stretched > limit:
-        log.info("yarn: context %d tokens (original_max_position_embeddings x factor; "
+        log_info("yarn: context %d tokens (original_max_position_embeddings x factor; "
                  "max_position_embeddings is %d)", stretched, limit)
         limit = stretched
     for params in ropes:
         original = params.get("original_max_position_embeddings") or getattr(
             hf_config, "original_max_position_embeddings", None)
         if params["rope_type"] == "longrope" and original and int(original) < limit:
-            log.warning("longrope: context limited to original_max_position_embeddings = %d "
+            log_warning("longrope: context limited to original_max_position_embeddings = %d "
                         "tokens (of %d); its long factors are not implemented", original, limit)
             limit = int(original)
     if any(params["rope_type"] == "dynamic" for params in ropes):
-        log.warning("dynamic rope scaling: context limited to max_position_embeddings = %d "
+        log_warning("dynamic rope scaling: context limited to max_position_embeddings = %d "
                     "tokens, where its scaling would begin (the factor does not lengthen it)",
                     limit)
     return limit

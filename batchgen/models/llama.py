@@ -153,7 +153,7 @@ class LlamaModel(DecoderStack):
         heads = cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         inv_freq, scaling = rope_inv_freq(cfg, head_dim)
-        rope = RotaryEmbedding(inv_freq, default_max_positions(cfg), scaling)
+        rope = RotaryEmbedding(inv_freq, default_max_positions(cfg, quiet=True), scaling)
         self.embed_tokens = token_embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, rope, biases, qk_norm, tp, mlp_for)
                                     for i in range(cfg.num_hidden_layers))

@@ -47,18 +47,41 @@ def _hub_snapshots(root: Path, name: str, revision: str | None = None) -> list[P
     return [found] if found is not None else []
 
 
+def is_gguf(path: Path) -> bool:
+    """`path` is named as a GGUF file (`.gguf`, in any case: `model.GGUF` too)."""
+    return path.suffix.lower() == ".gguf"
+
+
+def gguf_files(folder: Path) -> list[Path]:
+    """The GGUF files directly in `folder`, by name."""
+    return sorted(p for p in folder.iterdir() if is_gguf(p) and p.is_file())
+
+
 def _classify(path: Path, name: str) -> ModelSource | None:
-    if path.is_file() and path.suffix == ".gguf":
+    if path.is_file() and is_gguf(path):
         return ModelSource(path, "gguf", name)
     if path.is_dir():
         if (path / MANIFEST).is_file():
             return ModelSource(path, "converted", name)
         if (path / "config.json").is_file():
             return ModelSource(path, "hf", name)
-        ggufs = sorted(path.glob("*.gguf"))
+        ggufs = gguf_files(path)
         if len(ggufs) == 1:
             return ModelSource(ggufs[0], "gguf", name)
     return None
+
+
+def not_a_model_message(model: str, given: Path) -> str:
+    """Why an existing path given as --model holds no model, and what to give instead: a folder
+    of several .gguf files (a GGUF repo's quantizations) names them and the path of one."""
+    ggufs = gguf_files(given) if given.is_dir() else []
+    if len(ggufs) > 1:
+        names = ", ".join(p.name for p in ggufs[:5]) + (", ..." if len(ggufs) > 5 else "")
+        return (f"--model {model!r} is a folder of {len(ggufs)} .gguf files ({names}): give "
+                f"the path of the one to load, e.g. --model {ggufs[0]}")
+    kind = "a folder without config.json" if given.is_dir() else "a file that is not .gguf"
+    return (f"--model {model!r} is {kind}: give a folder holding config.json and "
+            "*.safetensors, a folder made by `batchgen convert`, or a .gguf file")
 
 
 def is_path_like(model: str) -> bool:
@@ -171,10 +194,7 @@ def resolve_model(model: str, cache_dir: str | None = None, revision: str | None
         raise ModelNotFoundError(hint)
     given = Path(model).expanduser()
     if given.exists() and (is_path_like(model) or not hub.is_hub_id(model)):
-        kind = "a folder without config.json" if given.is_dir() else "a file that is not .gguf"
-        raise ModelNotFoundError(
-            f"--model {model!r} is {kind}: give a folder holding config.json and "
-            "*.safetensors, a folder made by `batchgen convert`, or a .gguf file")
+        raise ModelNotFoundError(not_a_model_message(model, given))
     if hub.is_hub_id(model) and not hub.offline():
         return _download(model, cache_dir, revision, pinned)
     meant = None if is_path_like(model) else hub_id_meant(model)
@@ -327,7 +347,9 @@ def load_hf_config(folder: Path):
         config = AutoConfig.from_pretrained(str(folder), trust_remote_code=False,
                                             local_files_only=True)
     except Exception as err:
-        raise CheckpointError(f"cannot read {folder / 'config.json'}: {err}") from err
+        why = err.args[0] if isinstance(err, KeyError) and err.args else err  # unquoted
+        raise CheckpointError(f"cannot read {folder / 'config.json'}: {why}; correct it, or "
+                              "restore the model's own config.json") from err
     if getattr(config, "tie_word_embeddings", False) and _tied_pair_differs(folder):
         log.warning("%s ties lm_head to the embedding in config.json but its checkpoint holds "
                     "both with different values: keeping them apart, as transformers does",

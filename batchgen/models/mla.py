@@ -63,7 +63,7 @@ class MlaRope(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         inv_freq, scaling = rope_inv_freq(cfg, cfg.qk_rope_head_dim)
-        self.table = RotaryEmbedding(inv_freq, default_max_positions(cfg), scaling)
+        self.table = RotaryEmbedding(inv_freq, default_max_positions(cfg, quiet=True), scaling)
         self.interleave = bool(getattr(cfg, "rope_interleave", True))
 
     def forward(self, positions: torch.Tensor, q_pe: torch.Tensor, k_pe: torch.Tensor):
