@@ -128,6 +128,15 @@ def test_sampling_fields_honoured(tok):
     assert chat.sampling.logprobs and chat.sampling.top_logprobs == 4
 
 
+def test_completions_top_logprobs_as_docs_say(tok):
+    """docs/job-files.md: on a completions line top_logprobs counts alternatives only when
+    logprobs is absent; a given logprobs wins."""
+    alone = run(tok, {"prompt": "hello", "top_logprobs": 3}).sampling
+    assert alone.logprobs and alone.top_logprobs == 3
+    both = run(tok, {"prompt": "hello", "logprobs": 1, "top_logprobs": 5}).sampling
+    assert both.logprobs and both.top_logprobs == 1
+
+
 def test_default_max_tokens_and_clamp_to_context(tok):
     assert run(tok, {"prompt": "hello"}, default_max_tokens=17).sampling.max_tokens == 17
     req = run(tok, {"prompt": "hello world", "max_tokens": 1000, "min_tokens": 900},
