@@ -282,6 +282,49 @@ def test_progress_and_rank_rows_give_an_embeddings_jobs_speed_in_input_tokens():
     assert speed_text([chat_job]) == "0.0 out tok/s"
 
 
+def test_the_plain_progress_line_says_the_share_done_and_the_time_left():
+    """Without a terminal (a Slurm log) the periodic line carries what the bar shows: the
+    share done and the time left at the rate since an earlier moment (requests saved by
+    earlier runs are not this run's speed); none until this run answered something."""
+    from batchgen.runner.leader.progress import progress_line
+
+    line = progress_line(4000, 100_000, 0, "42 out tok/s", "22% of 131,239 prompt tokens", 120.0)
+    assert line == ("progress: 4,000/100,000 requests (4.0%), 42 out tok/s, prefix cache hits "
+                    "22% of 131,239 prompt tokens; about 48 min 00 s left")
+    resumed = progress_line(60_000, 100_000, 50_000, "42 out tok/s", "-", 100.0)
+    assert resumed.endswith("(60.0%), 42 out tok/s, prefix cache hits -; about 6 min 40 s left")
+    assert progress_line(50_000, 100_000, 50_000, "0.0 out tok/s", "-", 30.0).endswith("hits -")
+
+
+def test_the_time_left_leaves_the_start_up_out_once_results_come(monkeypatch, caplog, tmp_path):
+    """The first line's rate counts from the start (loading the model included); later lines
+    count from the first line that saw a result, so start-up does not inflate the time left."""
+    from types import SimpleNamespace
+
+    from batchgen.runner.leader import progress
+
+    clock = iter([100.0, 130.0, 160.0, 190.0, 220.0])
+    monkeypatch.setattr(progress, "time", SimpleNamespace(time=lambda: next(clock)))
+    reporter = progress.ProgressReporter(tmp_path, "b", total=1000, already_done=0)  # t0 = 100
+    snapshots = iter([(100, "x", "-"), (400, "x", "-"), (700, "x", "-")])
+
+    def snapshot():
+        found = next(snapshots, None)
+        if found is None:
+            reporter._stop_event.set()
+            return (700, "x", "-")
+        return found
+
+    monkeypatch.setattr(progress, "PLAIN_INTERVAL_S", 0.0)
+    monkeypatch.setattr(reporter, "snapshot", snapshot)
+    with caplog.at_level("INFO", logger="batchgen"):
+        reporter._run_plain()
+    left = [r.getMessage().rsplit("about ", 1)[1] for r in caplog.records
+            if r.getMessage().startswith("progress:")]
+    # 100 in the first 30 s (start-up included): 900 left at 100 / 30 s; then 300 per 30 s
+    assert left[:3] == ["4 min 30 s left", "1 min 00 s left", "30.0 s left"]
+
+
 def test_age_reads_as_a_person_says_it():
     assert age(3.2) == "3 s ago" and age(600) == "10 min ago" and age(7200) == "2.0 h ago"
 

@@ -19,7 +19,8 @@ from batchgen.io import intake as intake_module
 from batchgen.io import reader as reader_module
 from batchgen.core import SamplingParams
 from batchgen.io.intake import IntakeError, ParsedRequest, PendingRequest, parse_record
-from batchgen.io.parsed_input import HEADER, parse_input, parsed_keys, read_parsed
+from batchgen.io.parsed_input import (HEADER, ParsedRecord, parse_input, parsed_keys,
+                                      read_parsed)
 from batchgen.io.reader import InputFileError, identify_input, read_records, record_key
 
 LINES = [
@@ -465,3 +466,40 @@ def test_validate_names_the_first_lines_with_unknown_fields_and_counts_the_rest(
     calls = _count_fuzzy_matches(monkeypatch)
     assert validate_file(inp, 16) == 0
     assert len(calls) == SHOWN_WARNINGS
+
+
+def test_a_long_run_of_bad_lines_is_handed_out_in_bounded_batches(monkeypatch):
+    """An input of mostly refused lines: each intake pass stops at ERROR_LINES_PER_STEP error
+    lines (written before it reads on) instead of holding every bad line of the file in memory
+    until the engine has a request to run."""
+    from batchgen.runner.worker import worker as worker_module
+
+    monkeypatch.setattr(worker_module, "ERROR_LINES_PER_STEP", 4)
+    bad = [parse_record(reader_module.RawRecord(n, {"custom_id": f"e{n}", "prompt": "x",
+                                                    "max_tokens": -1})) for n in range(1, 11)]
+    records = iter([ParsedRecord(r.line, r.custom_id, r) for r in bad])
+    fake, admitted, _ = _fake_worker()
+    passes = []
+    while True:
+        lines: list[bytes] = []
+        exhausted = worker_module.Worker._intake(fake, records, 100, lines)
+        passes.append(len(lines))
+        if exhausted:
+            break
+    assert passes == [4, 4, 2] and not admitted and fake.stats.failed == 10
+
+
+def test_a_long_parse_says_how_far_it_got(tmp_path, monkeypatch, caplog):
+    """Parsing millions of lines takes minutes before the model loads: a log line every
+    PARSE_LOG_INTERVAL_S says how far it got, instead of silence."""
+    from batchgen.io import parsed_input
+
+    monkeypatch.setattr(parsed_input, "PARSE_LOG_INTERVAL_S", 0.0)
+    inp = write_input(tmp_path / "in.jsonl", [{"custom_id": f"r{i}", "prompt": "hi"}
+                                               for i in range(3000)])
+    with caplog.at_level("INFO", logger="batchgen.job"):
+        parse_input(identify_input(inp), tmp_path / "store", 1 << 20, 16)
+    lines = [r.getMessage() for r in caplog.records if "parsing the input" in r.getMessage()]
+    size = inp.stat().st_size
+    assert lines == [f"parsing the input ({size / 1e3:.1f} kB): {n:,} records so far, to line "
+                     f"{n:,}; the model loads once every line is checked" for n in (1024, 2048)]

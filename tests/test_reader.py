@@ -31,8 +31,21 @@ def test_mixed_jsonl_records_and_line_numbers():
     assert by_line[1].data["custom_id"] == "chat-1" and by_line[1].error is None
     assert by_line[7].error.code == "invalid_json" and by_line[7].data is None
     assert by_line[8].error.code == "invalid_utf8" and "line 8" in by_line[8].error.message
-    assert by_line[9].error.code == "not_an_object" and "list" in by_line[9].error.message
+    assert by_line[9].error.code == "not_an_object" and "a JSON array" in by_line[9].error.message
     assert by_line[10].error is None  # an unsupported url is intake's business
+
+
+@pytest.mark.parametrize("value, kind", [
+    ("null", "JSON null"), ("[1]", "a JSON array"), ('"x"', "a JSON string"),
+    ("4", "a JSON number"), ("1.5", "a JSON number"), ("true", "JSON true")])
+def test_a_line_that_is_no_object_is_named_in_jsons_words(tmp_path, value, kind):
+    """A line holding another JSON value is named as JSON names it, not as Python does
+    ("NoneType", "list", "str")."""
+    path = tmp_path / "in.jsonl"
+    path.write_text(value + "\n")
+    (record,) = read_records(path)
+    assert record.error.message == (f"line 1 is {kind}, not an object: each line must be one "
+                                    "JSON object ({...})")
 
 
 def test_keys_default_to_line_number():

@@ -32,6 +32,7 @@ import os
 import pickle
 import struct
 import sys
+import time
 from collections.abc import Container, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -56,6 +57,8 @@ HEADER = struct.Struct("<QII12s")
 HEADER_PREFIX_AT = struct.calcsize("<QII")
 SHOWN_IGNORED = 3
 """Lines with fields batchgen does not read that the run's warning names (validate: all)."""
+PARSE_LOG_INTERVAL_S = 30.0
+"""Seconds between the log lines of a long parse (millions of lines take minutes)."""
 _CLASSES = {("batchgen.io.intake", "ParsedRequest"), ("batchgen.io.intake", "IntakeError"),
             ("batchgen.io.embeddings", "EmbeddingRequest"), ("batchgen.core", "SamplingParams")}
 
@@ -75,9 +78,11 @@ class ParsedRecord:
 class _Store:
     """Appends each record scan_input hands it, parsed, to the open file (and its digest)."""
 
-    def __init__(self, f: BinaryIO, default_max_tokens: int):
+    def __init__(self, f: BinaryIO, default_max_tokens: int, input_bytes: int = 0):
         self.out, self.default_max_tokens = f, default_max_tokens
         self.sha256, self.size = hashlib.sha256(), 0
+        self.input_bytes, self.records = input_bytes, 0
+        self.next_log = time.monotonic() + PARSE_LOG_INTERVAL_S
         self.defaulted = 0
         """Records whose max_tokens is the default (intake.takes_default_max_tokens)."""
         self.refused = 0
@@ -105,6 +110,17 @@ class _Store:
         self.write(HEADER.pack(record.line, len(raw_key), len(item), prefix))
         self.write(raw_key)
         self.write(item)
+        self.records += 1
+        if not self.records % 1024 and time.monotonic() >= self.next_log:
+            self._log_progress(record.line)
+
+    def _log_progress(self, line: int) -> None:
+        """One line every PARSE_LOG_INTERVAL_S while the input is parsed (before the model
+        loads: a long silence otherwise)."""
+        self.next_log = time.monotonic() + PARSE_LOG_INTERVAL_S
+        log.info("parsing the input (%s): %s records so far, to line %s; the model loads "
+                 "once every line is checked", batchgen.core.human_bytes(self.input_bytes),
+                 f"{self.records:,}", f"{line:,}")
 
     def _note_ignored(self, record: RawRecord) -> None:
         """Count a line with fields batchgen does not read; name the first SHOWN_IGNORED (the
@@ -133,7 +149,7 @@ def parse_input(identity: InputFile, out: Path, max_line_bytes: int,
     for stale in out.parent.glob(f".{out.name}*.tmp-*"):
         stale.unlink(missing_ok=True)
     with atomic_file(out) as f:
-        store = _Store(f, default_max_tokens)
+        store = _Store(f, default_max_tokens, identity.size_bytes)
         summary = scan_input(identity.path, max_line_bytes, store.add, identity)
     summary = replace(summary, default_max_tokens_lines=store.defaulted,
                       refused_lines=store.refused)

@@ -195,11 +195,21 @@ def parse_line(raw: bytes, line: int) -> RawRecord:
                                 "re-encode the file as UTF-8"))
         return RawRecord(line, None, LineError("invalid_json", _json_problem(raw, line, e)))
     if not isinstance(data, dict):
-        kind = type(data).__name__
         return RawRecord(line, None, LineError(
-            "not_an_object", f"line {line} is a JSON {kind}, not an object: each line must be "
-                             "one JSON object ({...})"))
+            "not_an_object", f"line {line} is {json_kind(data)}, not an object: each line "
+                             "must be one JSON object ({...})"))
     return RawRecord(line, data)
+
+
+def json_kind(value) -> str:
+    """What a JSON value is, in JSON's words: "a JSON array", "JSON null" (not Python's
+    "list", "NoneType")."""
+    if value is None:
+        return "JSON null"
+    if isinstance(value, bool):
+        return f"JSON {str(value).lower()}"
+    kinds = {list: "array", str: "string", int: "number", float: "number"}
+    return f"a JSON {kinds.get(type(value), type(value).__name__)}"
 
 
 def _json_problem(raw: bytes, line: int, err: orjson.JSONDecodeError) -> str:

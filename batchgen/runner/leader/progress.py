@@ -61,14 +61,34 @@ class ProgressReporter(threading.Thread):
                 bar.update(task, completed=done, rate=f"{speed}, prefix hits {hits}")
 
     def _run_plain(self) -> None:
+        # The time left is measured from the first line that saw a result (start-up, loading
+        # the model, is not the rate to come); until then from the start.
+        since_done, since = self.already_done, self._t0
         while not self._stop_event.wait(PLAIN_INTERVAL_S):
             done, speed, hits = self.snapshot()
-            log.info("progress: %d/%d requests, %s, prefix cache hits %s", done, self.total,
-                     speed, hits)
+            now = time.time()
+            log.info("%s", progress_line(done, self.total, since_done, speed, hits, now - since))
+            if since == self._t0 and done > self.already_done:
+                since_done, since = done, now
 
     def stop(self) -> None:
         self._stop_event.set()
         self.join(timeout=5)
+
+
+def progress_line(done: int, total: int, since_done: int, speed: str, hits: str,
+                  elapsed: float) -> str:
+    """The periodic progress line of a run without a terminal (a Slurm log): requests done
+    (and their share), speed, prefix-cache hits and the time left at the rate since an earlier
+    moment (`elapsed` seconds ago, when `since_done` requests were done): "progress:
+    4,000/100,000 requests (4.0%), 42 out tok/s, prefix cache hits 22% of 131,239 prompt
+    tokens; about 48 min 00 s left"."""
+    line = (f"progress: {done:,}/{total:,} requests ({done / max(total, 1):.1%}), {speed}, "
+            f"prefix cache hits {hits}")
+    answered = done - since_done
+    if answered <= 0 or elapsed <= 0:
+        return line
+    return f"{line}; about {human_seconds((total - done) * elapsed / answered)} left"
 
 
 def speed_text(stats: list[dict]) -> str:

@@ -52,6 +52,9 @@ from batchgen.testing import faults
 log = logging.getLogger("batchgen.worker")
 STATS_EVERY_S = 2.0
 ORPHAN_WAIT_S = 10.0
+ERROR_LINES_PER_STEP = 4096
+"""Most error lines one intake pass holds before they are written: a long run of bad lines
+(an input of mostly refused lines) is flushed as it is read, not held whole in memory."""
 
 
 @dataclass(frozen=True)
@@ -341,11 +344,13 @@ class Worker:
             self.engine.add_request(request)
 
     def _intake(self, records, limit: int, lines: list[bytes]) -> bool:
-        """Feed requests until the engine holds `limit`; True when `records` is exhausted. Each
+        """Feed requests until the engine holds `limit` (or `lines` holds ERROR_LINES_PER_STEP
+        error lines, written before reading on); True when `records` is exhausted. Each
         line is journaled before its template, tokenizer and grammar run: a crash in them (a
         native library's) gives it a strike like a crash in the engine would."""
         exhausted = False
-        while self.engine.num_requests + len(self.embeddings) < limit:
+        while (self.engine.num_requests + len(self.embeddings) < limit
+               and len(lines) < ERROR_LINES_PER_STEP):
             record = next(records, None)
             if record is None:
                 exhausted = True
