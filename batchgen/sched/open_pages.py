@@ -2,7 +2,10 @@
 cache's tails (the previous page's key and the first token), so that a sequence admitted while
 another with the same prompt start still runs copies that page's start instead of computing
 it: e.g. requests with one system prompt that ends mid-page, admitted after the first of them
-computed it. Policy state of PrefixSharing (sharing.py); the pages stay the allocator's.
+computed it. It also files the sequences admitted to compute a page from its first token, so
+that one admitted beside them with the same next tokens waits a step and copies their page
+instead of computing those tokens too (`expected`). Policy state of PrefixSharing
+(sharing.py); the pages stay the allocator's.
 """
 
 from __future__ import annotations
@@ -20,6 +23,11 @@ class OpenPages:
         """Running sequences by the tail key (parent key + first token) of their open page."""
         self._filed: dict[int, tuple[int, bytes | None]] = {}
         """seq_id -> (index of the page looked at last, the tail key it is filed under)."""
+        self._expecting: dict[bytes, dict[int, Sequence]] = {}
+        """Running sequences by the tail key of the page they compute next, from its first
+        token (nothing of it computed yet)."""
+        self._expects: dict[int, tuple[int, bytes]] = {}
+        """seq_id -> (that page's index, its tail key)."""
 
     def filed_at(self, seq: Sequence, index: int) -> bool:
         """Whether `seq` was filed with its last computed token on page `index` (then its
@@ -33,7 +41,7 @@ class OpenPages:
         page before that one. A page that fills up stays filed until the next one opens (it is
         in the prefix cache then too)."""
         index = (seq.num_computed - 1) // PAGE_SIZE
-        self.close(seq)
+        self._unfile_open(seq)
         tail_key = None
         if seq.num_computed % PAGE_SIZE and index < len(seq.device_pages):
             start = index * PAGE_SIZE
@@ -43,13 +51,44 @@ class OpenPages:
 
     def close(self, seq: Sequence) -> None:
         """`seq`'s device pages go (unload, eviction, end): it donates nothing any more."""
+        self._unfile_open(seq)
+        self.computing(seq, done=True)
+
+    def _unfile_open(self, seq: Sequence) -> None:
         filed = self._filed.pop(seq.seq_id, None)
-        if filed is None or filed[1] is None:
+        if filed is not None and filed[1] is not None:
+            _unfile(self._by_tail, filed[1], seq)
+
+    def expect(self, seq: Sequence, parent: bytes) -> None:
+        """File `seq`, just admitted with no token of its next page computed (`parent`: the
+        key of the page before it), as about to compute that page."""
+        start = seq.num_computed
+        if start % PAGE_SIZE or start >= seq.num_tokens - 1:
             return
-        members = self._by_tail[filed[1]]
-        del members[seq.seq_id]
-        if not members:
-            del self._by_tail[filed[1]]
+        tail_key = parent + token_bytes(seq.token_ids[start:start + 1])
+        self._expecting.setdefault(tail_key, {})[seq.seq_id] = seq
+        self._expects[seq.seq_id] = (start // PAGE_SIZE, tail_key)
+
+    def computing(self, seq: Sequence, done: bool = False) -> None:
+        """Unfile `seq` as about to compute its page once it computed into it (or `done`)."""
+        expects = self._expects.get(seq.seq_id)
+        if expects is not None and (done or seq.num_computed > expects[0] * PAGE_SIZE):
+            del self._expects[seq.seq_id]
+            _unfile(self._expecting, expects[1], seq)
+
+    def expected(self, parent: bytes, index: int, tokens: bytes) -> int:
+        """How many of `tokens` (token_bytes: a sequence's next tokens, from the start of page
+        `index`, after the page keyed `parent`) a running sequence filed by `expect` is about
+        to compute on that page (0 when none)."""
+        shared = 0
+        start = index * PAGE_SIZE
+        for other in islice(reversed(self._expecting.get(parent + tokens[:8], {}).values()),
+                            TAIL_CANDIDATES):
+            if other.state is SeqState.RUNNING and self._expects[other.seq_id][0] == index:
+                theirs = token_bytes(other.token_ids[start:min(other.num_tokens,
+                                                               start + PAGE_SIZE)])
+                shared = max(shared, common_tokens(theirs, tokens))
+        return shared
 
     def longest(self, parent: bytes, index: int, tokens: bytes) -> tuple[int | None, int]:
         """The device page of a running sequence's open page at `index` (after the page keyed
@@ -71,5 +110,13 @@ class OpenPages:
     def problems(self) -> list[str]:
         """Inconsistencies (for check_integrity): only running sequences are filed."""
         return [f"seq {seq.seq_id} filed under an open page while {seq.state.value}"
-                for members in self._by_tail.values() for seq in members.values()
+                for index in (self._by_tail, self._expecting)
+                for members in index.values() for seq in members.values()
                 if seq.state is not SeqState.RUNNING]
+
+
+def _unfile(index: dict[bytes, dict[int, Sequence]], key: bytes, seq: Sequence) -> None:
+    members = index[key]
+    del members[seq.seq_id]
+    if not members:
+        del index[key]

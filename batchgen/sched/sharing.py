@@ -32,6 +32,10 @@ from batchgen.sched.prefix_cache import PrefixCache, extend_keys, root_key, toke
 from batchgen.sched.sequence import Sequence, SeqState
 from batchgen.sched.step import PrefixShare
 
+WAIT_MIN_TOKENS = 16
+"""A sequence waits a step for a running one about to compute its next tokens only when that
+spares it at least this many (a quarter page): fewer cost less to compute than the wait."""
+
 
 @dataclass
 class Hit:
@@ -94,6 +98,8 @@ class PrefixSharing:
                 self._groups.pop(seq.page_keys[0], None)
         for key in self.keys(seq, (seq.num_tokens - 1) // PAGE_SIZE)[hit.pages:]:
             self._inflight.setdefault(key, seq)
+        index = seq.num_computed // PAGE_SIZE
+        self.open_pages.expect(seq, seq.page_keys[index - 1] if index else self.root)
 
     def released(self, seq: Sequence, host: bool) -> None:
         """The sequence's device pages go (unload), and its host pages with them when `host`
@@ -163,8 +169,8 @@ class PrefixSharing:
                 hit.donor = next((s for s in self._siblings.get(seq.request_id, ())
                                   if s is not seq and s.state is SeqState.RUNNING
                                   and s.num_computed >= seq.num_tokens - 1), None)
-        if hit.donor is None:
-            self._find_tail(seq, hit)
+        if hit.donor is None and self._find_tail(seq, hit):
+            return None  # a running sequence is about to compute its next tokens
         return hit
 
     def _first_page_in_flight(self, seq: Sequence, pages: int) -> bool:
@@ -194,19 +200,26 @@ class PrefixSharing:
                 self.keys(seq, pages)
                 max_pages -= missing
 
-    def _find_tail(self, seq: Sequence, hit: Hit) -> None:
-        """The device page (cached, or a running sequence's open page) that begins with the
-        most of the tokens after `hit`'s pages (never the last token: it is computed for its
-        logits)."""
+    def _find_tail(self, seq: Sequence, hit: Hit) -> bool:
+        """Set `hit`'s tail: the device page (cached, or a running sequence's open page) that
+        begins with the most of the tokens after `hit`'s pages (never the last token: it is
+        computed for its logits). True when `seq` should wait instead: a running sequence is
+        about to compute a page beginning with WAIT_MIN_TOKENS more of them, and at least a
+        quarter of what `seq` would compute now (requests admitted together whose shared
+        prefix ends inside a page, or repeated prompts shorter than a page)."""
         first = hit.pages * PAGE_SIZE
         count = min(PAGE_SIZE, seq.num_tokens - 1 - first)
         if count <= 0:
-            return
+            return False
         parent = seq.page_keys[hit.pages - 1] if hit.pages else self.root
         tokens = token_bytes(seq.token_ids[first:first + count])
         cached = self.device_cache.longest_tail(parent, tokens)
         running = self.open_pages.longest(parent, hit.pages, tokens)
         hit.tail_page, hit.tail_tokens = max(cached, running, key=lambda found: found[1])
+        if count - hit.tail_tokens < WAIT_MIN_TOKENS:
+            return False
+        gain = self.open_pages.expected(parent, hit.pages, tokens) - hit.tail_tokens
+        return gain >= WAIT_MIN_TOKENS and 4 * gain >= seq.num_tokens - first - hit.tail_tokens
 
     def device_hits(self, seq: Sequence, pages: int) -> list[int]:
         """Cached device pages for the first `pages` pages of `seq` (a load maps them instead
@@ -216,6 +229,7 @@ class PrefixSharing:
     # -- registering computed pages -------------------------------------------------------
     def computed(self, seq: Sequence) -> None:
         """Offer the sequence's newly full, computed device pages to the cache."""
+        self.open_pages.computing(seq)
         pages = seq.num_computed // PAGE_SIZE
         full = min(pages, len(seq.device_pages))
         if full > seq.device_registered:  # once a page; this runs at every decode step
