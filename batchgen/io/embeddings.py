@@ -166,11 +166,13 @@ def raise_flag(context: str) -> str:
 
 
 def tokenize_embedding(parsed: EmbeddingRequest, tokenizer: Any, max_context: int,
-                       vocab: int | None = None,
-                       context: str = MODEL_CONTEXT) -> EmbeddingRequest:
+                       vocab: int | None = None, context: str = MODEL_CONTEXT,
+                       bound: str = "the vocabulary size of the model and its tokenizer"
+                       ) -> EmbeddingRequest:
     """Tokenize every input (as the tokenizer does by default: its special tokens, e.g. the
     EOS last-token pooling reads, are added); raises EmbeddingLineError. `vocab`: every token
-    id must be below it (default: the tokenizer's size)."""
+    id must be below it (default: the tokenizer's size); `bound`: what sets it, for the
+    error."""
     vocab = len(tokenizer) if vocab is None else vocab
     ids = []
     for i, item in enumerate(parsed.inputs):
@@ -184,8 +186,7 @@ def tokenize_embedding(parsed: EmbeddingRequest, tokenizer: Any, max_context: in
         tokens = tuple(tokenizer.encode(item)) if isinstance(item, str) else item
         if tokens and max(tokens) >= vocab:
             raise EmbeddingLineError("invalid_input", f"{where}: token ids must be < {vocab} "
-                                     "(the vocabulary size of the model and its tokenizer)",
-                                     where)
+                                     f"({bound})", where)
         if not tokens:
             raise EmbeddingLineError("invalid_input", f"{where} is empty after tokenization",
                                      where)

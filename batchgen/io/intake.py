@@ -393,9 +393,10 @@ def tokenize_request(parsed: ParsedRequest | EmbeddingRequest, tokenizer: Any,
     of it and the tokenizer's bounds every id). `context` names what set `max_context` (the
     model, or "--max-model-len") in the error."""
     vocab = len(tokenizer) if vocab_size is None else min(len(tokenizer), vocab_size)
+    bound = vocabulary_bound(len(tokenizer), vocab_size)
     if isinstance(parsed, EmbeddingRequest):
         try:
-            return tokenize_embedding(parsed, tokenizer, max_context, vocab, context)
+            return tokenize_embedding(parsed, tokenizer, max_context, vocab, context, bound)
         except EmbeddingLineError as bad:
             return IntakeError(parsed.custom_id, parsed.line, bad.code,
                                f"line {parsed.line}: {bad}", bad.param)
@@ -403,12 +404,12 @@ def tokenize_request(parsed: ParsedRequest | EmbeddingRequest, tokenizer: Any,
         ids = _prompt_ids(parsed, tokenizer, max_context)
         # An id past the vocabulary would stop the whole batch's step, not just this line:
         # prompt ids index the embedding, stop ids the logits (min_tokens masks them).
-        _check_in_vocabulary("the prompt's token ids", ids, vocab, "invalid_prompt",
+        _check_in_vocabulary("the prompt's token ids", ids, (vocab, bound), "invalid_prompt",
                              "messages" if parsed.kind == "chat" else "prompt")
-        _check_in_vocabulary("stop_token_ids", parsed.sampling.stop_token_ids, vocab,
+        _check_in_vocabulary("stop_token_ids", parsed.sampling.stop_token_ids, (vocab, bound),
                              "invalid_sampling_param", "stop_token_ids")
         _check_in_vocabulary("logit_bias token ids", [t for t, _ in parsed.sampling.logit_bias],
-                             vocab, "invalid_sampling_param", "logit_bias")
+                             (vocab, bound), "invalid_sampling_param", "logit_bias")
     except BadLine as bad:
         return IntakeError(parsed.custom_id, parsed.line, bad.code, f"line {parsed.line}: {bad}",
                            bad.param)
@@ -428,10 +429,24 @@ def tokenize_request(parsed: ParsedRequest | EmbeddingRequest, tokenizer: Any,
     return PendingRequest(**values, prompt_token_ids=ids)
 
 
-def _check_in_vocabulary(what: str, token_ids, vocab: int, code: str, param: str) -> None:
-    if token_ids and max(token_ids) >= vocab:  # max: C speed over a long prompt
-        raise BadLine(code, f"{what} must be < {vocab} (the vocabulary size of the model and "
-                            "its tokenizer)", param)
+def _check_in_vocabulary(what: str, token_ids, limit: tuple[int, str], code: str,
+                         param: str) -> None:
+    """`limit`: (every id must be below it, what sets it)."""
+    if token_ids and max(token_ids) >= limit[0]:  # max: C speed over a long prompt
+        raise BadLine(code, f"{what} must be < {limit[0]} ({limit[1]})", param)
+
+
+def vocabulary_bound(tokenizer_size: int, vocab_size: int | None) -> str:
+    """What bounds the token ids a line may use, as its refusal says it: the model's vocab_size
+    where its tokenizer has more tokens (then text can tokenize past the model's embeddings,
+    which means the tokenizer is not the weights' own), else the tokenizer's size."""
+    if vocab_size is None or vocab_size == tokenizer_size:
+        return "the vocabulary size of the model and its tokenizer"
+    if vocab_size < tokenizer_size:
+        return (f"the model's vocab_size; its tokenizer has {tokenizer_size:,} tokens, more than "
+                "the model has embeddings for, so text can tokenize past them: check that the "
+                "model folder's tokenizer belongs to these weights")
+    return f"the tokenizer's {tokenizer_size:,} tokens; the model's vocab_size is {vocab_size:,}"
 
 
 def _prompt_ids(parsed: ParsedRequest, tokenizer: Any, max_context: int) -> list[int]:

@@ -159,6 +159,12 @@ def load_model(cfg: ModelConfig, device: torch.device, world_size: int = 1,
                 "%s has no lm_head.weight and its config.json's tie_word_embeddings is false: "
                 "it loads as an embedding model, and its chat and completions lines are error "
                 "lines (a model that generates needs its lm_head.weight restored)", folder)
+    vocab = getattr(hf_config, "vocab_size", None)
+    if tokenizer is not None and isinstance(vocab, int) and len(tokenizer) > vocab:
+        log.warning("%s: the tokenizer has %d tokens but config.json's vocab_size is %d: "
+                    "lines whose text tokenizes to an id past the model's embeddings are error "
+                    "lines; check that the tokenizer belongs to these weights", folder,
+                    len(tokenizer), vocab)
     log.info("model %s ready on %s in %.1fs (%s)", name, device, time.perf_counter() - start, dtype)
     return LoadedModel(model, hf_config, tokenizer, eos_token_ids(folder, hf_config, tokenizer),
                        folder, name, dtype, model.max_context)

@@ -58,6 +58,7 @@ def check_model_folder(folder: Path, memory_bytes: int, host_bytes: int,
     config = _text_part(top)
     check_rope_types(config, folder / "config.json")
     check_head_split(config, tensor_parallel, folder / "config.json")
+    check_layer_shapes(config, folder / "config.json")
     quant = config.get("quantization_config") or top.get("quantization_config")
     if isinstance(quant, dict):
         check_quant_method(str(quant.get("quant_method") or ""))
@@ -119,6 +120,41 @@ def check_head_split(config: dict, tensor_parallel: int, where: Path) -> None:
                           f"attention heads ({where}: num_attention_heads {heads}, "
                           f"num_key_value_heads {kv_heads}): choose one of "
                           f"{', '.join(map(str, sizes))}")
+
+
+EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")
+"""The config fields that give a mixture-of-experts model's number of routed experts."""
+
+
+def check_layer_shapes(config: dict, where: Path) -> None:
+    """CheckpointError for head, layer-type and expert counts no model can be built from,
+    naming the fields, before a worker is launched (a worker stopped on them with a torch
+    error, and a top-k over fewer experts than it takes failed every forward)."""
+    heads, kv_heads = config.get("num_attention_heads"), config.get("num_key_value_heads")
+    hidden, layers = config.get("hidden_size"), config.get("num_hidden_layers")
+    if _positive(heads) and _positive(kv_heads) and heads % kv_heads:
+        raise CheckpointError(f"{where}: num_attention_heads {heads} is not a multiple of "
+                              f"num_key_value_heads {kv_heads}: each KV head serves a whole "
+                              "number of query heads; restore the model's config.json")
+    if _positive(heads) and _positive(hidden) and hidden % heads and not config.get("head_dim"):
+        raise CheckpointError(f"{where}: hidden_size {hidden} is not a multiple of "
+                              f"num_attention_heads {heads} and no head_dim is given: set "
+                              "head_dim to the model's per-head size")
+    types = config.get("layer_types")
+    if isinstance(types, list) and _positive(layers) and len(types) != layers:
+        raise CheckpointError(f"{where}: layer_types lists {len(types)} layers but "
+                              f"num_hidden_layers is {layers}: give one type per layer")
+    per_token = config.get("num_experts_per_tok")
+    for field in EXPERT_COUNTS:
+        experts = config.get(field)
+        if _positive(experts) and _positive(per_token) and per_token > experts:
+            raise CheckpointError(f"{where}: num_experts_per_tok {per_token} is more than "
+                                  f"{field} {experts}: a token is routed to at most every "
+                                  "expert; restore the model's config.json")
+
+
+def _positive(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 def check_rope_types(config: dict, where: Path) -> None:
