@@ -9,7 +9,9 @@ allocators'.
   with the same tokens as its next page (another request's page after a prefix that ends
   mid-page, or a repeated prompt: a cached full page, or a running sequence's partly filled
   one, open_pages.py), it copies that page (device -> device) and computes only from the
-  first token they differ in.
+  first token they differ in. While a sequence admitted just before it is about to compute
+  such a page (its start not computed yet), it waits a step for it when that spares at least
+  WAIT_MIN_TOKENS tokens and a quarter of its work.
 - A choice of an n > 1 request forks from a sibling that computed the prompt: it maps the
   prompt's full pages, copies the sibling's partial last page (device -> device) and computes
   only the last prompt token. While a sibling or another sequence is still computing the pages
