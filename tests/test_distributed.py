@@ -13,7 +13,11 @@ def final(storage):
     out = [p for p in (storage / "outputs").glob("*.jsonl") if not p.name.endswith(".errors.jsonl")]
     lines = read_jsonl(out[0])
     for line in lines:
-        line["response"]["body"].pop("created")  # separate jobs start at different times
+        body = line["response"]["body"]
+        body.pop("created")  # separate jobs start at different times
+        # How much of a prompt was reused depends on which requests share a worker: the first
+        # of each worker computes what the others copy (the answers are the same).
+        body["usage"].pop("prompt_tokens_details")
     return lines
 
 
