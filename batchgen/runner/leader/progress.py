@@ -95,11 +95,18 @@ def speed_text(stats: list[dict]) -> str:
     """Ranks' speed, summed over their stats: "812 out tok/s", or the input tokens embedded
     per second ("1,520 in tok/s") while they have embedded something and admitted nothing to
     generate (an embeddings job, where output tokens stay 0)."""
-    generating = any(s.get("completion_tokens") or (s.get("engine") or {}).get("admitted")
-                     for s in stats)
-    embedded = not generating and sum(s.get("prompt_tokens", 0) for s in stats) > 0
+    embedded = embeddings_only(sum(s.get("completion_tokens", 0) for s in stats),
+                               sum(s.get("prompt_tokens", 0) for s in stats),
+                               sum((s.get("engine") or {}).get("admitted", 0) for s in stats))
     key, unit = ("input_tokens_per_s", "in") if embedded else ("output_tokens_per_s", "out")
     return f"{rate_text(sum(s.get(key, 0.0) for s in stats))} {unit} tok/s"
+
+
+def embeddings_only(completion_tokens: int, prompt_tokens: int, admitted: int = 0) -> bool:
+    """Whether a job's (or a run's) tokens are embeddings': input tokens and no output, and no
+    request admitted to generate (a chat job stopped before its first answer is not one). Its
+    speed is then said in input tokens per second."""
+    return not completion_tokens and not admitted and prompt_tokens > 0
 
 
 def rate_text(rate: float) -> str:
@@ -149,8 +156,8 @@ def run_summary(elapsed: float, completed: int, failed: int, tokens_in: int, tok
     prompt tokens, those the prefix cache held (said when there are any).
     `run_tokens_resumed`: of `run_tokens_out`, those continued from an in-flight checkpoint
     (an earlier run drew them): said, and left out of the speed."""
-    unit, run_tokens = ("in", run_tokens_in) if not tokens_out and tokens_in else (
-        "out", run_tokens_out)
+    unit, run_tokens = (("in", run_tokens_in) if embeddings_only(tokens_out, tokens_in)
+                        else ("out", run_tokens_out))
     resumed = run_tokens_resumed if unit == "out" else 0
     rate = (run_tokens - resumed) / elapsed if elapsed > 0 else 0.0
     continued = f", {resumed:,} of them continued from a checkpoint" if resumed else ""

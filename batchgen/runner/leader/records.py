@@ -38,13 +38,13 @@ def record_end(spec: JobSpec, batch_file: BatchFile, started: float, status: str
     stats = read_worker_stats(spec.paths.batch_file.parent, spec.batch_id)
     elapsed = max(time.time() - started, 1e-9)
     prompt, completion, cached = run_tokens(stats)
+    drawn = drawn_tokens(stats)
     changes = {
         "status": status, "health": {**health_from_stats(stats), **health},
         "counters": _engine_counters(stats),
         "timings": {"finished_at": int(time.time()), "last_run_seconds": round(elapsed, 3)},
-        "throughput": {"output_tokens_per_s": round(drawn_tokens(stats) / elapsed, 2),
-                       "total_tokens_per_s": round((drawn_tokens(stats) + prompt) / elapsed,
-                                                   2)},
+        "throughput": {"output_tokens_per_s": round(drawn / elapsed, 2),
+                       "total_tokens_per_s": round((drawn + prompt) / elapsed, 2)},
         **result_files(spec.paths),
         "usage": usage or _usage_after(batch_file, prompt, completion, cached)}
     changes["timings"].update(_all_runs(batch_file, elapsed))

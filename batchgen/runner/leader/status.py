@@ -18,8 +18,8 @@ from batchgen.io.jobfiles import JobPaths, pinned_commit
 from batchgen.io.writer import CorruptIncrementalFile, IdSet, read_done_ids
 from batchgen.runner.exits import ExitCode
 from batchgen.runner.files.job import JobSpec
-from batchgen.runner.leader.progress import (cached_share, human_seconds, prefix_hits,
-                                             read_worker_stats, speed_text)
+from batchgen.runner.leader.progress import (cached_share, embeddings_only, human_seconds,
+                                             prefix_hits, read_worker_stats, speed_text)
 from batchgen.runner.leader.records import (batch_files, cached_tokens, jobs_writing,
                                            run_tokens, unreadable_batch_files)
 
@@ -219,8 +219,8 @@ def _speed(state: dict) -> str:
     timings, usage = state.get("timings", {}), state.get("usage", {})
     last = state.get("throughput", {}).get("output_tokens_per_s")
     seconds, runs = timings.get("all_runs_seconds"), timings.get("runs")
-    generating = usage.get("completion_tokens") or (state.get("counters") or {}).get("admitted")
-    embedded = not generating and usage.get("prompt_tokens", 0) > 0
+    embedded = embeddings_only(usage.get("completion_tokens", 0), usage.get("prompt_tokens", 0),
+                               (state.get("counters") or {}).get("admitted", 0))
     parts = []
     if seconds and runs:
         rate = usage.get("prompt_tokens" if embedded else "completion_tokens", 0) / seconds
