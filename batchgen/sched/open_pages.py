@@ -24,8 +24,8 @@ class OpenPages:
         self._filed: dict[int, tuple[int, bytes | None]] = {}
         """seq_id -> (index of the page looked at last, the tail key it is filed under)."""
         self._expecting: dict[bytes, dict[int, Sequence]] = {}
-        """Running sequences by the tail key of the page they compute next, from its first
-        token (nothing of it computed yet)."""
+        """Running sequences by the tail key of the page they were admitted to compute from
+        its first token."""
         self._expects: dict[int, tuple[int, bytes]] = {}
         """seq_id -> (that page's index, its tail key)."""
 
@@ -52,7 +52,9 @@ class OpenPages:
     def close(self, seq: Sequence) -> None:
         """`seq`'s device pages go (unload, eviction, end): it donates nothing any more."""
         self._unfile_open(seq)
-        self.computing(seq, done=True)
+        expects = self._expects.pop(seq.seq_id, None)
+        if expects is not None:
+            _unfile(self._expecting, expects[1], seq)
 
     def _unfile_open(self, seq: Sequence) -> None:
         filed = self._filed.pop(seq.seq_id, None)
@@ -69,22 +71,17 @@ class OpenPages:
         self._expecting.setdefault(tail_key, {})[seq.seq_id] = seq
         self._expects[seq.seq_id] = (start // PAGE_SIZE, tail_key)
 
-    def computing(self, seq: Sequence, done: bool = False) -> None:
-        """Unfile `seq` as about to compute its page once it computed into it (or `done`)."""
-        expects = self._expects.get(seq.seq_id)
-        if expects is not None and (done or seq.num_computed > expects[0] * PAGE_SIZE):
-            del self._expects[seq.seq_id]
-            _unfile(self._expecting, expects[1], seq)
-
     def expected(self, parent: bytes, index: int, tokens: bytes) -> int:
         """How many of `tokens` (token_bytes: a sequence's next tokens, from the start of page
         `index`, after the page keyed `parent`) a running sequence filed by `expect` is about
-        to compute on that page (0 when none)."""
+        to compute on that page (0 when none). One that computed into the page since is
+        passed over (it stays filed until it lets its pages go: nothing runs per decode step)."""
         shared = 0
         start = index * PAGE_SIZE
         for other in islice(reversed(self._expecting.get(parent + tokens[:8], {}).values()),
                             TAIL_CANDIDATES):
-            if other.state is SeqState.RUNNING and self._expects[other.seq_id][0] == index:
+            if (other.state is SeqState.RUNNING and self._expects[other.seq_id][0] == index
+                    and other.num_computed <= start):
                 theirs = token_bytes(other.token_ids[start:min(other.num_tokens,
                                                                start + PAGE_SIZE)])
                 shared = max(shared, common_tokens(theirs, tokens))

@@ -231,7 +231,6 @@ class PrefixSharing:
     # -- registering computed pages -------------------------------------------------------
     def computed(self, seq: Sequence) -> None:
         """Offer the sequence's newly full, computed device pages to the cache."""
-        self.open_pages.computing(seq)
         pages = seq.num_computed // PAGE_SIZE
         full = min(pages, len(seq.device_pages))
         if full > seq.device_registered:  # once a page; this runs at every decode step
