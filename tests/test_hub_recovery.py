@@ -229,3 +229,34 @@ def test_a_resume_after_the_branch_moved_is_refused_before_the_download(fake_hub
     monkeypatch.setattr(prepare, "decided_something", lambda paths: False)
     spec, _ = prepare.prepare(config, prepare.parse(config, source, paths), paths)
     assert spec.model_commit == "c" * 40
+
+
+def test_a_completed_job_rerun_on_a_cold_cache_downloads_nothing(fake_hub, tmp_path):
+    """A job that completed, rerun where the model is not on disk (another node, a cleared
+    cache; a scheduler's requeue): the Hub still names the commit the job recorded, so the
+    rerun says the job is done after one metadata request, fetching no file. It used to
+    download the whole model first. Once the branch moves on, that answer is no longer sure:
+    the full check runs (and, the job having answered, refuses naming the revision)."""
+    from job_utils import batchgen, read_jsonl, write_jsonl
+
+    env = {"HF_ENDPOINT": fake_hub.url, "HF_HUB_OFFLINE": "0", "TRANSFORMERS_OFFLINE": "0",
+           "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+    rows = [{"custom_id": f"r{i}", "prompt": f"count {i}", "max_tokens": 3} for i in range(2)]
+    job = ["run", "--input", write_jsonl(tmp_path / "a.jsonl", rows), "--storage-path",
+           tmp_path / "s", "--output", tmp_path / "out.jsonl", "--model", "org/tiny",
+           "--device", "cpu"]
+    batchgen(*job, "--cache-dir", tmp_path / "warm", env=env, check=True)
+    answers = (tmp_path / "out.jsonl").read_bytes()
+    before = len(fake_hub.requests)
+    rerun = batchgen(*job, "--cache-dir", tmp_path / "cold", env=env, check=True)
+    assert "already completed" in rerun.stderr
+    assert not [p for _, p, _ in fake_hub.requests[before:] if "/resolve/" in p]
+    assert not (tmp_path / "cold" / "models--org--tiny" / "snapshots").exists()
+    assert (tmp_path / "out.jsonl").read_bytes() == answers and len(read_jsonl(
+        tmp_path / "out.jsonl")) == 2
+    repo = fake_hub.repos["org/tiny"]
+    recorded = repo.sha
+    repo.sha = "c" * 40  # main moved on
+    moved = batchgen(*job, "--cache-dir", tmp_path / "cold", env=env)
+    assert moved.returncode == 3 and f"add --revision {recorded}" in moved.stderr
+    assert not [p for _, p, _ in fake_hub.requests[before:] if "/resolve/" in p]

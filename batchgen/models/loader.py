@@ -170,12 +170,10 @@ def hub_id_meant(model: str) -> tuple[str, str | None] | None:
     return repo, revision
 
 
-def resolve_model(model: str, cache_dir: str | None = None, revision: str | None = None,
-                  pinned: str | None = None) -> ModelSource:
-    """Locate `model` on disk, or download a Hub id (org/name) not found there into --cache-dir
-    (default: the HF cache); the error lists every place searched. `pinned`: the commit a
-    resumed job started with; a download of another commit raises hub.CommitMoved before its
-    first file."""
+def find_on_disk(model: str, cache_dir: str | None = None,
+                 revision: str | None = None) -> ModelSource | None:
+    """`model` where it already is on disk (the path itself, --cache-dir, the HF cache), as
+    `resolve_model` takes it; None where that would download it."""
     candidates = [Path(model).expanduser()]
     snapshots: list[Path] = []
     if cache_dir:
@@ -189,6 +187,18 @@ def resolve_model(model: str, cache_dir: str | None = None, revision: str | None
         found = _classify(path, model)
         if found is not None:
             return replace(found, revision_ignored=bool(revision) and path not in snapshots)
+    return None
+
+
+def resolve_model(model: str, cache_dir: str | None = None, revision: str | None = None,
+                  pinned: str | None = None) -> ModelSource:
+    """Locate `model` on disk, or download a Hub id (org/name) not found there into --cache-dir
+    (default: the HF cache); the error lists every place searched. `pinned`: the commit a
+    resumed job started with; a download of another commit raises hub.CommitMoved before its
+    first file."""
+    found = find_on_disk(model, cache_dir, revision)
+    if found is not None:
+        return found
     hint = cache_repo_hint(model)
     if hint is not None:
         raise ModelNotFoundError(hint)

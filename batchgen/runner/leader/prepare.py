@@ -18,7 +18,8 @@ from batchgen.io.sampling_fields import BadLine, model_defaults
 from batchgen.io.writer import final_files_complete, read_done_ids
 from batchgen.models import hub
 from batchgen.models.factory import generation_config
-from batchgen.models.loader import CheckpointError, resolve_model, weights_signature
+from batchgen.models.loader import (CheckpointError, find_on_disk, resolve_model,
+                                    weights_signature)
 from batchgen.parallel import pick_device
 from batchgen.runner.files.job import JobSpec, fingerprint, now
 from batchgen.runner.files.job_dirs import claim_incremental, make_job_dirs
@@ -135,19 +136,44 @@ def completed_already(config: JobConfig, source: InputFile, paths: JobPaths) -> 
     state = BatchFile(paths.batch_file).load()
     if state is None or state.status != "completed" or not state.fingerprint:
         return False
+    recorded = state.fingerprint
+    pinned = job_commit(config, recorded)
+    defaults = None
+    if unfetched_commit(config, pinned):  # what the commit decides is what was recorded
+        weights = recorded.get("model_weights", "")
+        if config.engine.model.generation_config == "auto":  # the commit's own file
+            defaults = recorded.get("sampling_defaults", {})
+    else:
+        try:
+            weights = model_weights(config, True, pinned)
+        except hub.CommitMoved:
+            return False  # prepare refuses it, before any download
+    if defaults is None:
+        defaults = sampling_defaults(config, quiet=True)
     # As if some line took --max-tokens: it is recorded then, so a changed one is a doubt.
-    try:
-        weights = model_weights(config, True, job_commit(config, state.fingerprint))
-    except hub.CommitMoved:
-        return False  # prepare refuses it, before any download
     fp = fingerprint(config, source.sha256, model_identity(config), weights,
-                     job_device_type(config), True, sampling_defaults(config, quiet=True),
-                     chat_template(config))
+                     job_device_type(config), True, defaults, chat_template(config))
     try:
         check_fingerprint(state.fingerprint, _as_recorded_then(state.fingerprint, fp, config))
     except FingerprintMismatch:
         return False
     return final_files_whole(paths, state.request_counts.get("total", -1))
+
+
+def unfetched_commit(config: JobConfig, pinned: str | None) -> bool:
+    """Whether --model is a Hub id this node holds no copy of whose revision still names
+    `pinned`, the commit the job recorded (one metadata request, no file fetched): a commit
+    fixes its files, so what the job recorded of them stands, and a rerun of a completed job
+    on a node with a cold cache learns it is done without downloading the model."""
+    m = config.engine.model
+    if pinned is None or m.model is None or not hub.is_hub_id(m.model) or hub.offline():
+        return False
+    if find_on_disk(m.model, m.cache_dir, m.revision) is not None:
+        return False
+    try:
+        return hub.revision_commit(m.model, m.revision) == pinned
+    except hub.HubError:
+        return False  # the full check decides (and names what is wrong)
 
 
 def final_files_whole(paths: JobPaths, records: int) -> bool:
