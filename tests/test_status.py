@@ -345,3 +345,13 @@ def test_progress_rate_keeps_a_decimal_below_ten():
 
     assert [rate_text(r) for r in (0.0, 0.34, 1.44, 9.94, 10.0, 12_345.6)] == [
         "0.0", "0.3", "1.4", "9.9", "10", "12,346"]
+
+
+def test_large_counts_are_grouped_in_thousands():
+    from batchgen.runner.leader.status import _request_counts
+
+    done = {"status": "completed",
+            "request_counts": {"total": 1234567, "completed": 1234000, "failed": 567}}
+    assert _request_counts(done) == "1,234,000 completed, 567 failed, 1,234,567 total"
+    running = {"status": "in_progress", "request_counts": {"total": 20000}}
+    assert _request_counts(running).startswith("20,000 total (")

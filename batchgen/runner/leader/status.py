@@ -137,7 +137,7 @@ def _saved(done: IdSet | CorruptIncrementalFile, state: dict) -> str:
     if isinstance(done, CorruptIncrementalFile):
         return f"unreadable: {done}"
     total = state.get("request_counts", {}).get("total", 0)
-    return f"{len(done)} of {total} results (incremental files)"
+    return f"{len(done):,} of {total:,} results (incremental files)"
 
 
 def _checkpointed(storage: Path, batch_id: str, done: IdSet | CorruptIncrementalFile) -> str:
@@ -146,7 +146,8 @@ def _checkpointed(storage: Path, batch_id: str, done: IdSet | CorruptIncremental
     requests, tokens = _checkpoint_counts(storage, batch_id, done)
     if not requests:
         return "none (a resume starts any unfinished request from its prompt)"
-    return f"{requests} requests in flight hold {tokens} generated tokens (resume continues them)"
+    return (f"{requests:,} requests in flight hold {tokens:,} generated tokens (resume "
+            "continues them)")
 
 
 def _checkpoint_counts(storage: Path, batch_id: str,
@@ -236,10 +237,10 @@ def _request_counts(state: dict) -> str:
     """The job's completed / failed / total requests: the batch file counts the first two
     when the job ends, so before that only the total is shown (the "saved" row has progress)."""
     counts = state.get("request_counts", {})
-    total = f"{counts.get('total', 0)} total"
+    total = f"{counts.get('total', 0):,} total"
     if state.get("status") != "completed":
         return f"{total} (completed and failed are counted when the job ends; saved: below)"
-    return f"{counts.get('completed', 0)} completed, {counts.get('failed', 0)} failed, {total}"
+    return f"{counts.get('completed', 0):,} completed, {counts.get('failed', 0):,} failed, {total}"
 
 
 def _model(fingerprint: dict) -> str:
