@@ -503,3 +503,18 @@ def test_a_long_parse_says_how_far_it_got(tmp_path, monkeypatch, caplog):
     size = inp.stat().st_size
     assert lines == [f"parsing the input ({size / 1e3:.1f} kB): {n:,} records so far, to line "
                      f"{n:,}; the model loads once every line is checked" for n in (1024, 2048)]
+
+
+def test_validate_of_a_long_file_says_how_far_it_got(tmp_path, monkeypatch, capsys):
+    """`batchgen validate` of millions of lines: a line on stderr every PROGRESS_INTERVAL_S,
+    its report on stdout unchanged."""
+    from batchgen.runner.leader import validate
+
+    monkeypatch.setattr(validate, "PROGRESS_INTERVAL_S", 0.0)
+    inp = write_input(tmp_path / "in.jsonl", [{"custom_id": f"r{i}", "prompt": "hi"}
+                                               for i in range(2100)])
+    assert validate.validate_file(inp, 16) == 0
+    out, err = capsys.readouterr()
+    assert err.splitlines() == [f"checking {inp}: {n:,} records so far, to line {n:,}"
+                                for n in (1024, 2048)]
+    assert "2100 valid, 0 invalid" in out and "checking" not in out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -15,6 +16,8 @@ from batchgen.runner.exits import ExitCode
 
 SHOWN_ERRORS = 50
 SHOWN_WARNINGS = 20
+PROGRESS_INTERVAL_S = 30.0
+"""Seconds between the progress lines (on stderr) of a long file's check."""
 
 
 def grammar_checked(parsed):
@@ -51,10 +54,15 @@ def validate_file(path: Path, max_tokens: int,
     `max_line_bytes`: the job's --max-line-bytes (a longer line is line_too_long in both)."""
     codes: Counter[str] = Counter()
     shown: list[str] = []  # at most SHOWN_ERRORS + SHOWN_WARNINGS^2 lines, printed after the scan
-    warned = 0
+    warned, checked, next_note = 0, 0, time.monotonic() + PROGRESS_INTERVAL_S
 
     def check(record: RawRecord, _key: str) -> None:
-        nonlocal warned
+        nonlocal warned, checked, next_note
+        checked += 1
+        if not checked % 1024 and time.monotonic() >= next_note:  # millions take minutes
+            next_note = time.monotonic() + PROGRESS_INTERVAL_S
+            typer.echo(f"checking {path}: {checked:,} records so far, to line "
+                       f"{record.line:,}", err=True)
         parsed = grammar_checked(parse_record(record, max_tokens))
         if isinstance(parsed, IntakeError):
             codes[parsed.code] += 1
