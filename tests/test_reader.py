@@ -42,8 +42,8 @@ def test_a_line_that_is_no_object_is_named_in_jsons_words(tmp_path, value, kind)
     """A line holding another JSON value is named as JSON names it, not as Python does
     ("NoneType", "list", "str")."""
     path = tmp_path / "in.jsonl"
-    path.write_text(value + "\n")
-    (record,) = read_records(path)
+    path.write_text(value + '\n{"prompt": "x"}\n')  # a file of such lines only is refused
+    record, _ = read_records(path)
     assert record.error.message == (f"line 1 is {kind}, not an object: each line must be one "
                                     "JSON object ({...})")
 
@@ -117,6 +117,14 @@ def test_parquet_with_jsonl_extension_is_read_as_parquet(tmp_path):
     (lambda p: (p / "y.jsonl").write_bytes(gzip.compress(b'{"a":1}\n')) and p / "y.jsonl",
      "gunzip"),
     (lambda p: (p / "x.bin").write_bytes(b"\x00\x01binary") and p / "x.bin", "neither JSONL"),
+    (lambda p: (p / "q.txt").write_bytes(b"What is 2+2?\n\nName a colour.\n") and p / "q.txt",
+     "plain text, not JSONL (one JSON object per line, such as {\"custom_id\": \"q1\", "
+     "\"prompt\": \"...\"}): if each line is a prompt, convert it with jq -Rc 'select(length > "
+     "0) | {prompt: .}' q.txt > q.prompts.jsonl"),
+    (lambda p: (p / "q.jsonl").write_bytes(b"What is 2+2?\n") and p / "q.jsonl", "plain text"),
+    (lambda p: (p / "s.jsonl").write_bytes(b'"What is 2+2?"\n"Hi"\n') and p / "s.jsonl",
+     "holds JSON strings, one per line, not request objects: make each one a prompt, e.g. "
+     "jq -c '{prompt: .}' s.jsonl > s.prompts.jsonl"),
     (lambda p: (p / "a.json").write_bytes(b'[\n  {"prompt": "x"}\n]\n') and p / "a.json",
      "jq -c '.[]'"),
     (lambda p: (p / "b.jsonl").write_bytes(b'[{"prompt": "x"}, {"prompt": "y"}]') and p / "b.jsonl",
@@ -133,6 +141,18 @@ def test_file_level_errors_name_path_and_fix(tmp_path, make, needle):
     with pytest.raises(InputFileError) as info:
         list(read_records(path))
     assert needle in str(info.value) and str(path) in str(info.value)
+
+
+def test_a_file_with_one_object_among_its_first_lines_is_jsonl(tmp_path):
+    """Only a file none of whose first lines is an object is refused whole: a bad first line
+    of a JSONL file is that line's error, the others run."""
+    path = tmp_path / "in.txt"
+    path.write_bytes(b'oops, a stray line\n{"prompt": "x"}\n')
+    records = list(read_records(path))
+    assert records[0].data is None and records[1].data == {"prompt": "x"}
+    long_line = tmp_path / "long.jsonl"  # the head cut inside its first object
+    long_line.write_bytes(b'{"prompt": "' + b"y" * 10000 + b'"}\n')
+    assert [len(r.data["prompt"]) for r in read_records(long_line)] == [10000]
 
 
 def test_a_pipe_is_refused_as_input(tmp_path):

@@ -29,12 +29,13 @@ from pathlib import Path
 import numpy as np
 import orjson
 
-JSONL_SUFFIXES = {".jsonl", ".ndjson", ".json"}
 PARQUET_SUFFIXES = {".parquet", ".pq"}
 PARQUET_MAGIC = b"PAR1"
 PARQUET_BATCH_ROWS = 1024
 """Rows per pyarrow record batch: small enough that a batch of long prompts stays in memory."""
 _BOM = b"\xef\xbb\xbf"
+HEAD_BYTES = 4096
+"""Bytes of the input read to tell its format (and plain text from JSONL)."""
 _KEY_FRAGMENT = re.compile(rb'\s*"(?:[^"\\]|\\.)*"\s*:')
 """A line that starts `"key":`: a piece of an object written over several lines."""
 REQUEST_COLUMNS = {"prompt", "messages", "input", "body"}
@@ -129,7 +130,7 @@ def detect_format(path: str | Path) -> str:
                                  "reads its input more than once and again on every resume; "
                                  "save it to a file first and pass that")
         with open(p, "rb") as f:
-            head = f.read(4096)
+            head = f.read(HEAD_BYTES)
     except FileNotFoundError:
         raise InputFileError(f"input file {p} does not exist: check the --input path") from None
     except OSError as e:
@@ -148,12 +149,7 @@ def detect_format(path: str | Path) -> str:
     if head[:2] == b"\x1f\x8b":  # whatever the name: a gzipped x.jsonl too
         raise InputFileError(f"input file {p} is gzip-compressed: decompress it first "
                              "(gunzip -k) and pass the .jsonl file")
-    if suffix in JSONL_SUFFIXES:
-        return "jsonl"
-    first = head.removeprefix(_BOM).lstrip()
-    if first.startswith(b"{") or not first:
-        return "jsonl"
-    if suffix in (".csv", ".tsv"):
+    if suffix in (".csv", ".tsv") and not head.removeprefix(_BOM).lstrip().startswith(b"{"):
         tab = ", parse_options=c.ParseOptions(delimiter='\\t')" if suffix == ".tsv" else ""
         raise InputFileError(
             f"input file {p} is {suffix[1:].upper()}: convert it to Parquet (column types kept; "
@@ -161,8 +157,8 @@ def detect_format(path: str | Path) -> str:
             "\"import sys, pyarrow.csv as c, pyarrow.parquet as pq; "
             f"pq.write_table(c.read_csv(sys.argv[1]{tab}), sys.argv[2])\" {p} "
             f"{p.with_suffix('.parquet')}")
-    raise InputFileError(f"input file {p} is neither JSONL nor Parquet: give it a .jsonl or "
-                         ".parquet extension and one JSON object per line (or Parquet content)")
+    _refuse_lines_of_no_object(p, head)
+    return "jsonl"
 
 
 def _refuse_json_document(p: Path, head: bytes) -> None:
@@ -179,6 +175,39 @@ def _refuse_json_document(p: Path, head: bytes) -> None:
         raise InputFileError(f"input file {p} holds pretty-printed JSON, not JSONL (one JSON "
                              f"object per line): convert it with jq -c . {p.name} > "
                              f"{p.stem}.lines.jsonl")
+
+
+def _refuse_lines_of_no_object(p: Path, head: bytes) -> None:
+    """A file none of whose first lines (those in `head`) is a JSON object: plain text (a
+    prompt per line, the commonest first try), JSON strings, or binary content. Every line
+    would be an error line; one message with the fix instead."""
+    lines = head.removeprefix(_BOM).split(b"\n")
+    if len(head) == HEAD_BYTES and len(lines) > 1:
+        lines.pop()  # cut by the read
+    lines = [line.strip() for line in lines if line.strip()]
+    if not lines or any(line.startswith(b"{") for line in lines):
+        return  # empty (named later, with its cause) or JSONL
+    if _binary(lines[0]):
+        raise InputFileError(f"input file {p} is neither JSONL (one JSON object per line) nor "
+                             "Parquet: its content is binary")
+    out = f"{p.stem}.prompts.jsonl"
+    if all(line.startswith(b'"') for line in lines):
+        raise InputFileError(f"input file {p} holds JSON strings, one per line, not request "
+                             "objects: make each one a prompt, e.g. jq -c '{prompt: .}' "
+                             f"{p.name} > {out} (or messages, for a chat model)")
+    raise InputFileError(
+        f"input file {p} is plain text, not JSONL (one JSON object per line, such as "
+        '{"custom_id": "q1", "prompt": "..."}): if each line is a prompt, convert it with '
+        f"jq -Rc 'select(length > 0) | {{prompt: .}}' {p.name} > {out}")
+
+
+def _binary(data: bytes) -> bool:
+    """Not UTF-8 text: undecodable, or holding control bytes text does not."""
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return True
+    return any(b < 0x20 and b not in b"\t\r\x0c" for b in data)
 
 
 def parse_line(raw: bytes, line: int) -> RawRecord:
