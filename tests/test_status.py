@@ -97,13 +97,17 @@ def test_an_unfinished_job_shows_saved_results_and_whether_a_run_holds_it(tmp_pa
     for rank, writes in ((0, True), (1, False)):  # rank 1: a TP peer, counting nothing
         (batches / f"batch_run.worker{rank}.json").write_text(json.dumps({
             "rank": rank, "writes_results": writes, "prompt_tokens": 1200 if writes else 7,
-            "completion_tokens": 345 if writes else 7, "heartbeat": time.time() - 2}))
+            "completion_tokens": 345 if writes else 7, "heartbeat": time.time() - 2,
+            **({"engine": {"generated_tokens": 400, "prompt_tokens": 1500,
+                           "cached_prompt_tokens": 600}} if writes else {})}))
     lock = batches / "batch_run.lock"
     lock.write_text(f"pid {os.getpid()} on host {socket.gethostname()}\n")
     code, out = status(str(root))
     assert code == 0 and "3 of 9 results" in out and f"running (pid {os.getpid()}" in out
     wide = CliRunner().invoke(app, ["status", str(root)], env={"COLUMNS": "250"}).output
-    assert "(all runs ended); the run going on: 1,200 in, 345 out so far" in wide
+    assert ("(runs that ended); the run going on: 1,200 in, 345 out so far in saved results, "
+            "400 tokens drawn (answers in flight included)") in wide
+    assert "40% of 1,500 prompt tokens in the run going on" in wide
     assert "0 completed" not in out and "9 total (completed and failed are counted" in out
     assert "none (a resume starts any unfinished request from its prompt)" in wide
     assert re.search(r"health\.last_heartbeat\s+\S+\s+2 s ago", wide), wide  # the live one

@@ -20,8 +20,8 @@ from batchgen.runner.exits import ExitCode
 from batchgen.runner.files.job import JobSpec
 from batchgen.runner.leader.progress import (cached_share, embeddings_only, human_seconds,
                                              prefix_hits, read_worker_stats, speed_text)
-from batchgen.runner.leader.records import (batch_files, cached_tokens, jobs_writing,
-                                           run_tokens, unreadable_batch_files)
+from batchgen.runner.leader.records import (batch_files, cached_tokens, drawn_tokens,
+                                           jobs_writing, run_tokens, unreadable_batch_files)
 
 
 UNREADABLE_HINT = ("; batch files are written whole, so something else changed it: move it "
@@ -258,9 +258,22 @@ def _running_tokens(workers: list[dict]) -> str:
     run's tokens when it ends), or "" when they report none."""
     writing = [w for w in workers if w.get("writes_results", True)]  # a TP group's one writer
     prompt, completion, _ = run_tokens(writing)
-    if not prompt and not completion:
+    drawn = drawn_tokens(writing)
+    if not prompt and not completion and not drawn:
         return ""
-    return f"; the run going on: {prompt:,} in, {completion:,} out so far"
+    text = f"; the run going on: {prompt:,} in, {completion:,} out so far"
+    if drawn != completion:  # answers still going (or continued from a checkpoint)
+        text += f" in saved results, {drawn:,} tokens drawn (answers in flight included)"
+    return text
+
+
+def _prefix_row(state: dict, workers: list[dict], running: bool) -> str:
+    """The prefix cache's hits: the run going on's engines while one runs, else the last
+    run's (the batch file records a run's counters when it ends)."""
+    live = [w["engine"] for w in workers if isinstance(w.get("engine"), dict)]
+    if running and prefix_hits(live) != "-":
+        return prefix_hits(live, " in the run going on")
+    return prefix_hits([state.get("counters", {})], " in the last run")
 
 
 def _health(state: dict, workers: list[dict], running: bool) -> dict:
@@ -286,11 +299,11 @@ def _table(state: dict, workers: list[dict], running: bool = False) -> Table:
     usage = state.get("usage", {})
     prompt = usage.get("prompt_tokens", 0)
     table.add_row("tokens", f"{prompt:,} in{cached_share(cached_tokens(usage), prompt)}, "
-                  f"{usage.get('completion_tokens', 0):,} out (all runs"
-                  + (" ended" if running else "") + ")"
+                  f"{usage.get('completion_tokens', 0):,} out ("
+                  + ("runs that ended" if running else "all runs") + ")"
                   + (_running_tokens(workers) if running else ""))
     table.add_row("speed", _speed(state))
-    table.add_row("prefix cache", prefix_hits([state.get("counters", {})], " in the last run"))
+    table.add_row("prefix cache", _prefix_row(state, workers, running))
     table.add_row("output", state.get("output_file", ""))
     table.add_row("errors", state.get("errors_file", ""))
     now = time.time()
