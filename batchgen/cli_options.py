@@ -333,7 +333,9 @@ def flags_markdown() -> str:
     lines = ["# `batchgen run` flags", "",
              "Generated from the config dataclasses (`python -m batchgen.cli_options`); "
              "every flag is validated before any weights load. `batchgen run --help` shows "
-             "the same flags in the same groups.", ""]
+             "the same flags in the same groups, but the deprecated ones (listed here as "
+             "ignored), and vLLM's `--swap-space` in Memory (listed with vLLM's names "
+             "below).", ""]
     rows: dict[str, list[str]] = {panel: [] for panel in PANEL_ORDER}
     for section, cls in leaf_sections():
         docs = field_docs(cls)

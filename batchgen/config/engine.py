@@ -42,8 +42,9 @@ class ModelConfig:
     """Share (0-1) of each rank's routed experts living in pinned host memory, streamed in per
     layer. Needs --enable-ep-with-offloading when > 0."""
     max_model_len: int | None = None
-    """Longest context (prompt + max_tokens) of a request, at most the model's own; a longer
-    request becomes an error line naming both numbers. Memory is planned for this length.
+    """Longest context (prompt + max_tokens) of a request; above the model's own context, that
+    is used (a warning says so once the model is read). A longer request becomes an error line
+    naming both numbers. Memory is planned for this length.
     Default: the model's context. Also as 32k (32,000) or 32K (32,768)."""
     generation_config: str = "auto"
     """Sampling defaults of lines that leave a field out: auto (the temperature, top_p, top_k,
