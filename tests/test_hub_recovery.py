@@ -260,3 +260,16 @@ def test_a_completed_job_rerun_on_a_cold_cache_downloads_nothing(fake_hub, tmp_p
     moved = batchgen(*job, "--cache-dir", tmp_path / "cold", env=env)
     assert moved.returncode == 3 and f"add --revision {recorded}" in moved.stderr
     assert not [p for _, p, _ in fake_hub.requests[before:] if "/resolve/" in p]
+
+
+def test_the_embedded_models_name_as_model_says_to_leave_the_flag_out(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+    for given in ("SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct"):
+        with pytest.raises(ModelNotFoundError) as err:
+            resolve_model(given)
+        assert str(err.value).endswith("The embedded default model, SmolLM2-135M-Instruct, "
+                                       "needs no --model: leave the flag out.")
+    with pytest.raises(ModelNotFoundError) as err:
+        resolve_model("SmolLM2-360M-Instruct")
+    assert "embedded default" not in str(err.value)

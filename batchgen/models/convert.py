@@ -38,7 +38,6 @@ log = logging.getLogger("batchgen.convert")
 FORMAT = "batchgen-converted"
 FORMAT_VERSION = 1
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 
 
 def embedded_gguf() -> Path:

@@ -12,9 +12,9 @@ from typing import Callable
 import torch
 
 from batchgen.config import ModelConfig
-from batchgen.models.convert import (EMBEDDED_NAME, check_manifest, converted_for_gguf,
-                                     embedded_gguf, rank_shard, read_manifest)
-from batchgen.models.loader import (MANIFEST, CheckpointError, build_model,
+from batchgen.models.convert import (check_manifest, converted_for_gguf, embedded_gguf,
+                                     rank_shard, read_manifest)
+from batchgen.models.loader import (EMBEDDED_NAME, MANIFEST, CheckpointError, build_model,
                                     fp8_experts_up_front, load_hf_config, meta_model,
                                     read_safetensors, resolve_dtype, resolve_model)
 from batchgen.models.hf_text import text_only

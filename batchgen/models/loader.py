@@ -104,6 +104,10 @@ def search_places(model: str, cache_dir: str | None = None) -> list[Path]:
     return list(dict.fromkeys([*places, hub.default_cache() / hub_name / "snapshots"]))
 
 
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+"""The model a job runs without --model (the GGUF file the package carries)."""
+
+
 def model_not_found_message(model: str, places: list[Path], revision: str | None = None) -> str:
     """What a user reads when --model is nowhere and is not downloaded: every place searched,
     why nothing was downloaded, and how to fix it."""
@@ -126,10 +130,12 @@ def model_not_found_message(model: str, places: list[Path], revision: str | None
                 f"{', '.join(unfinished[1][:3]) or 'nothing but its end'}) and HF_HUB_OFFLINE "
                 "is set, so nothing is downloaded: unset HF_HUB_OFFLINE to finish it, or point "
                 "--model at a complete local folder")
+    embedded = (f" The embedded default model, {EMBEDDED_NAME}, needs no --model: leave the "
+                "flag out." if model.split("/")[-1].lower() == EMBEDDED_NAME.lower() else "")
     return (f"{what} not found on disk ({why}). Searched:\n  {searched}\n"
             f"Point --model at a local folder or .gguf file, or --cache-dir at a folder holding "
             f"{model.split('/')[-1]}/ or {hub_name}/snapshots/<rev>/"
-            + (", or unset HF_HUB_OFFLINE to download it." if hub.offline() else "."))
+            + (", or unset HF_HUB_OFFLINE to download it." if hub.offline() else ".") + embedded)
 
 
 def _unfinished(model: str, places: list[Path],
