@@ -214,7 +214,7 @@ def simulate(ctx: typer.Context,
         typer.echo(f"timeline: {png}")
 
 
-def convert(output: Path = typer.Option(..., "--output", help="Folder to write (must not exist)."),
+def convert(output: Path = typer.Option(..., "--output", help="Folder to write (new, or empty)."),
             world_size: int = typer.Option(1, help="World size the folder is for."),
             tensor_parallel_size: int = typer.Option(
                 1, help="TP size the folder is for: > 1 writes one file per TP rank holding only "
@@ -231,6 +231,8 @@ def convert(output: Path = typer.Option(..., "--output", help="Folder to write (
         cfg.validate()
     except ConfigError as err:
         _fail(str(err))
+    if output.exists() and (not output.is_dir() or any(output.iterdir())):
+        _fail(f"--output {output} exists and is not an empty folder: choose a new folder")
     from batchgen.runner.files.errors import disk_errors
 
     with _user_errors(), disk_errors(f"write the converted model beside {output}"):

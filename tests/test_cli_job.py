@@ -65,6 +65,16 @@ def test_convert_takes_the_short_dtype_names_run_takes(tmp_path, tiny_chat_model
     assert manifest["dtype"] == "bfloat16"
 
 
+def test_convert_into_a_folder_that_holds_something_is_a_usage_error(tmp_path):
+    """Exit 2 naming --output, before the model is read (5 is for a model that cannot run)."""
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "x").write_text("kept")
+    proc = batchgen("convert", "--model", tmp_path / "absent", "--output", tmp_path / "c")
+    assert proc.returncode == 2 and "--output" in proc.stderr and "not an empty folder" in \
+        proc.stderr
+    assert (tmp_path / "c" / "x").read_text() == "kept"
+
+
 def test_rendezvous_events_are_named_as_torch_names_them_without_inspecting_the_stack(
         monkeypatch):
     """The single-node rendezvous names its events by the calling method: the stand-in gives
