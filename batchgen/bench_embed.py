@@ -51,8 +51,8 @@ class EmbedBench:
 
     def validate(self) -> None:
         if self.shape not in EMBED_SHAPES:
-            raise ValueError(f"--shape {self.shape!r} has no embeddings mode; one of "
-                             f"{', '.join(EMBED_SHAPES)}")
+            raise ValueError(f"--shape {self.shape!r} has no embeddings mode: give --shape "
+                             f"{' or '.join(EMBED_SHAPES)}")
         for name in ("requests", "input_len", "max_step_tokens", "peer_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")

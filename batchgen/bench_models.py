@@ -120,7 +120,10 @@ def hf_config_for(shape: str, tiny: bool = False, fp8_weights: bool | str = Fals
     from transformers import AutoConfig
 
     if shape not in SHAPES:
-        raise ValueError(f"unknown shape {shape!r}; one of {', '.join(SHAPES)}")
+        from batchgen.bench_embed import EMBED_SHAPES
+
+        raise ValueError(f"unknown shape {shape!r}; one of {', '.join(SHAPES)} (with --mode "
+                         f"embeddings: {', '.join(EMBED_SHAPES)})")
     spec = dict(SHAPES[shape])
     if tiny:
         spec.update(TINY.get(shape, dict(vocab_size=512, hidden_size=64, intermediate_size=128,
