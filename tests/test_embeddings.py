@@ -138,10 +138,21 @@ def test_pooling_is_read_from_sentence_transformers_files(tmp_path, qwen3):
         {"pooling_mode_weightedmean_tokens": True}))
     with pytest.raises(EmbeddingModelError, match="pooling"):
         read_pooling(tmp_path, cfg)
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps(  # the one-string form
+        {"word_embedding_dimension": 64, "pooling_mode": "lasttoken"}))
+    assert read_pooling(tmp_path, cfg) == Pooling("last", True, None)
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"pooling_mode": "weightedmean"}))
+    with pytest.raises(EmbeddingModelError, match=r"pooling \['weightedmean'\]: batchgen "
+                                                  "pools one way, of lasttoken, mean, cls, max"):
+        read_pooling(tmp_path, cfg)
     modules.append({"idx": 3, "name": "3", "path": "3_Dense",
                     "type": "sentence_transformers.models.Dense"})
     (tmp_path / "modules.json").write_text(json.dumps(modules))
     with pytest.raises(EmbeddingModelError, match="Dense"):
+        read_pooling(tmp_path, cfg)
+    (tmp_path / "modules.json").write_text(json.dumps([modules[0], modules[2]]))
+    with pytest.raises(EmbeddingModelError, match="lists no Pooling module"):  # Normalize only
         read_pooling(tmp_path, cfg)
 
 
@@ -577,7 +588,7 @@ def test_a_share_is_sized_by_the_speed_of_the_last(qwen3, monkeypatch):
     from batchgen.runner.worker import embed_jobs
 
     jobs = embed_jobs.EmbeddingJobs(qwen3, "batch_e", 8192)
-    assert jobs.share_tokens == embed_jobs.FIRST_SHARE_TOKENS == 4096
+    assert jobs.share_tokens == embed_jobs.FIRST_SHARE_TOKENS["cpu"] == 512  # qwen3: on the CPU
     for i in range(6):
         parsed = parse_record(RawRecord(i + 1, {"custom_id": f"e{i}", "input": [[5] * 40]}))
         assert jobs.add(tokenize_embedding(parsed, None, 512, vocab=500)) is None
@@ -658,7 +669,8 @@ def test_a_refused_pooling_is_logged_once_and_each_line_says_it(tmp_path, caplog
     from batchgen.runner.worker.embed_jobs import EmbeddingJobs
 
     (tmp_path / "modules.json").write_text('[{"type": ')
-    loaded = SimpleNamespace(folder=tmp_path, hf_config=SimpleNamespace(), model=None)
+    loaded = SimpleNamespace(folder=tmp_path, hf_config=SimpleNamespace(),
+                             model=torch.nn.Linear(1, 1))
     jobs = EmbeddingJobs(loaded, "batch_e", 64)
     with caplog.at_level("ERROR", logger="batchgen.worker"):
         for i in range(3):

@@ -40,6 +40,8 @@ def step_tokens(max_prefill_tokens: int) -> int:
 POOLING_MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean",
                  "pooling_mode_cls_token": "cls", "pooling_mode_max_tokens": "max"}
 """sentence-transformers' Pooling config keys -> our pooling modes."""
+POOLING_NAMES = {"lasttoken": "last", "mean": "mean", "cls": "cls", "max": "max"}
+"""The same modes as the one string a Pooling config may give instead (`pooling_mode`)."""
 
 
 class EmbeddingModelError(ValueError):
@@ -82,21 +84,31 @@ def read_pooling(folder: Path | None, hf_config) -> Pooling:
         raise EmbeddingModelError(f"{modules_file} uses sentence-transformers modules "
                                   f"{', '.join(unsupported)}, which batchgen does not run "
                                   "(it runs Transformer, Pooling and Normalize)")
-    mode = "last"
-    if "Pooling" in kinds:
-        pooling_file = folder / str(kinds["Pooling"].get("path", "")) / "config.json"
-        config = _read_json(pooling_file)
-        if not isinstance(config, dict):
-            raise EmbeddingModelError(f"{pooling_file} is not a JSON object: restore the "
-                                      "model's sentence-transformers files")
+    if "Pooling" not in kinds:
+        raise EmbeddingModelError(f"{modules_file} lists no Pooling module, so "
+                                  "sentence-transformers makes no vector of a text from it: "
+                                  "restore the model's sentence-transformers files")
+    pooling_file = folder / str(kinds["Pooling"].get("path", "")) / "config.json"
+    config = _read_json(pooling_file)
+    if not isinstance(config, dict):
+        raise EmbeddingModelError(f"{pooling_file} is not a JSON object: restore the "
+                                  "model's sentence-transformers files")
+    return Pooling(_pooling_mode(config, pooling_file), "Normalize" in kinds, dimensions)
+
+
+def _pooling_mode(config: dict, path: Path) -> str:
+    """The one pooling mode a Pooling config.json asks for: one true `pooling_mode_*` key, or
+    the string `pooling_mode` (which sentence-transformers also reads)."""
+    named = config.get("pooling_mode")
+    if isinstance(named, str):
+        chosen = [POOLING_NAMES.get(named, named)]
+    else:
         chosen = [POOLING_MODES.get(k, k) for k, v in config.items()
-                  if k.startswith("pooling_mode") and v]
-        if len(chosen) != 1 or chosen[0] not in POOLING_MODES.values():
-            raise EmbeddingModelError(f"{folder / kinds['Pooling']['path']}/config.json asks "
-                                      f"for pooling {chosen}: batchgen pools one way, of "
-                                      f"{', '.join(POOLING_MODES.values())}")
-        mode = chosen[0]
-    return Pooling(mode, "Normalize" in kinds, dimensions)
+                  if k.startswith("pooling_mode_") and v]
+    if len(chosen) != 1 or chosen[0] not in POOLING_MODES.values():
+        raise EmbeddingModelError(f"{path} asks for pooling {chosen}: batchgen pools one way, "
+                                  f"of {', '.join(POOLING_NAMES)}")
+    return chosen[0]
 
 
 def max_seq_length(folder: Path | None) -> int | None:

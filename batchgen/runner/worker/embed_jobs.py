@@ -28,8 +28,9 @@ stays queued)."""
 SHARE_SECONDS = 2.0
 """A share's tokens are the last share's speed times this (never more than RUN_STEPS steps'
 tokens, never growing more than SHARE_GROWTH times at once)."""
-FIRST_SHARE_TOKENS = 4096
-"""The first share's tokens, before any speed is known."""
+FIRST_SHARE_TOKENS = {"cuda": 4096, "cpu": 512}
+"""The first share's tokens by device type, before any speed is known (a CPU embeds a small
+model's 4,096 tokens in tens of seconds: a stop would wait for them)."""
 SHARE_GROWTH = 8
 """How much larger than the last one a share may be: the first share's speed includes its
 warm-up, so shares grow to a fast device's full size over a few steps."""
@@ -48,7 +49,9 @@ class EmbeddingJobs:
         """sentence_bert_config.json's max_seq_length, read with the pooling."""
         self._refusal_logged = False
         """Whether the model folder's refused pooling was logged (once; each line says it)."""
-        self.share_tokens = min(FIRST_SHARE_TOKENS, RUN_STEPS * max_step_tokens)
+        device = next(loaded.model.parameters()).device.type
+        first = FIRST_SHARE_TOKENS.get(device, FIRST_SHARE_TOKENS["cuda"])
+        self.share_tokens = min(first, RUN_STEPS * max_step_tokens)
         """Tokens the next share takes (at least one line)."""
 
     def __len__(self) -> int:
