@@ -288,6 +288,21 @@ def test_an_input_under_another_name_is_named_with_the_rename(data, says):
     assert plain.message == "line 5: an embeddings line needs input"
 
 
+@pytest.mark.parametrize("data, says", [
+    ({"custom_id": "q", "text": "Why?"}, "; this one has 'text': rename it to prompt"),
+    ({"Question": "Why?", "answer": "-"}, "; this one has 'Question': rename it to prompt"),
+    ({"conversations": [{"from": "human", "value": "hi"}]},
+     "; this one has 'conversations': rename it to messages (a list of {role, content} "
+     "objects)"),
+])
+def test_a_plain_line_with_its_prompt_under_another_name_is_told_the_rename(data, says):
+    err = parse_record(RawRecord(2, data))
+    assert isinstance(err, IntakeError) and err.message.endswith(says), err
+    assert err.code == "invalid_messages"
+    bare = parse_record(RawRecord(3, {"custom_id": "q", "answer": "-"}))
+    assert bare.message.endswith("or input (embeddings)")
+
+
 def test_plain_lines_with_input_are_embeddings():
     item = parse_record(RawRecord(1, {"custom_id": "p", "input": "hello"}))
     assert isinstance(item, EmbeddingRequest) and item.inputs == ("hello",)
