@@ -53,6 +53,8 @@ def test_ids_are_not_patterns_and_missing_jobs_say_how_to_ask(tmp_path):
     assert code == 1 and "no job batch_*" in out and "job folder" in out
     code, out = status(str(tmp_path / "nowhere"))
     assert code == 1 and "no job writes" in out and "no job folder is there" in out
+    code, out = status("results.jsonl", "--storage-path", str(root))  # a file, not an id
+    assert code == 1 and "no job writes results.jsonl" in " ".join(out.split())
 
 
 def test_the_output_folder_means_the_job_folder_run_made_in_it(tmp_path):

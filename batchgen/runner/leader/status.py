@@ -29,6 +29,8 @@ UNREADABLE_HINT = ("; batch files are written whole, so something else changed i
 """What to do about a batch file that is not a job's record."""
 TIMESTAMPS = ("last_heartbeat", "last_failure_at")
 """Health keys holding Unix times, shown as an age and a local date."""
+RESULT_SUFFIXES = (".jsonl", ".json", ".ndjson")
+"""A status argument ending so names a results file (a batch id has no dot)."""
 HISTORY = ("last_failure", "last_stop")
 """Health keys saying how an unfinished run ended: on a completed job, an earlier run's."""
 
@@ -48,7 +50,8 @@ def show_status(storage: Path, target: str | None, as_json: bool = False) -> int
             return _show_files(jobs, as_json, f"no job writes {target} under "
                                f"{Path(target).absolute().parent / '.batchgen'} or {storage} "
                                "(give the job's --storage-path)")
-    if target is not None and "/" in target and not Path(target).exists():
+    if target is not None and not Path(target).exists() and (
+            "/" in target or Path(target).suffix.lower() in RESULT_SUFFIXES):
         return _show_files([], as_json, f"no job writes {target} (looked in "
                            f"{Path(target).absolute().parent / '.batchgen'} and {storage}), and "
                            "no job folder is there: give the job's --storage-path, its batch "
