@@ -53,6 +53,25 @@ def test_decode_batch_follows_the_largest_graph_unless_given():
         SchedulerConfig(max_decode_batch=0).validate()
 
 
+def test_graphs_reach_an_explicit_decode_batch_unless_their_size_is_given():
+    """`--max-decode-batch 512` alone captured graphs up to 128 and ran every larger decode
+    step eagerly, several times slower (with a warning); now the graphs follow it, up to
+    FOLLOWED_GRAPH_BUCKET_MAX, and the default is DEFAULT_GRAPH_BUCKET for both."""
+    from batchgen.config.engine import DEFAULT_GRAPH_BUCKET, FOLLOWED_GRAPH_BUCKET_MAX
+
+    def bucket(max_decode_batch=None, cuda_graph_max_bucket_size=None) -> int:
+        config = EngineConfig(scheduler=SchedulerConfig(max_decode_batch=max_decode_batch),
+                              runtime=RuntimeConfig(
+                                  cuda_graph_max_bucket_size=cuda_graph_max_bucket_size))
+        return config.validate().runtime.cuda_graph_max_bucket_size
+
+    assert bucket() == DEFAULT_GRAPH_BUCKET == 256
+    assert bucket(max_decode_batch=512) == 512
+    assert bucket(max_decode_batch=5000) == FOLLOWED_GRAPH_BUCKET_MAX == 1024
+    assert bucket(max_decode_batch=512, cuda_graph_max_bucket_size=64) == 64
+    assert bucket(cuda_graph_max_bucket_size=64) == 64
+
+
 class ReplayedOnCpu:
     """Stands in for a CUDA graph on the CPU: replaying re-runs the captured call and writes
     into the tensor the capture returned, as a replayed graph writes its output buffer."""

@@ -66,7 +66,7 @@ def graph_limit(job_sequences: int | None, max_decode_batch: int | None) -> int 
 def capture_sizes(max_bucket: int, num_buckets: int, limit: int | None = None) -> list[int]:
     """The buckets to capture: `bucket_sizes`, less those above `limit` (the most sequences
     the job can decode at once, None: no bound), with `limit` itself as the largest bucket
-    when it falls between two. A job of 20 sequences under the default 128 / 16 captures
+    when it falls between two. A job of 20 sequences under buckets 128 / 16 captures
     [1, 2, 4, 8, 16, 20] instead of 16 graphs up to 128: capturing (and warming up) a bucket
     the job can never fill costs start-up time and buys nothing."""
     sizes = bucket_sizes(max_bucket, num_buckets)
