@@ -283,6 +283,7 @@ def _check_node(schema: dict, path: str) -> None:
     if fmt and "pattern" in schema:
         raise StructuredOutputError(f"pattern beside format {fmt!r} at {path} is not "
                                     "supported: keep one of them")
+    _check_patterns(schema, path)
     _check_integer_bounds(schema, path)
     if "enum" in schema or "const" in schema:
         _check_listed_values(schema, path)
@@ -294,6 +295,38 @@ def _check_node(schema: dict, path: str) -> None:
             raise StructuredOutputError(f"required {missing!r} at {path} not declared in "
                                         "properties is not supported: declare each required "
                                         "property")
+
+
+def _check_patterns(schema: dict, path: str) -> None:
+    """A pattern that matches a quote or a backslash: the grammar engine applies a pattern to
+    the JSON text of the string, where both are escaped, so it would write them bare (invalid
+    JSON) and never their escaped form. Refused, as for patternProperties' keys."""
+    named = [(f"{path}/pattern", schema.get("pattern"))]
+    keyed = schema.get("patternProperties")
+    if isinstance(keyed, dict):
+        named += [(f"{path}/patternProperties", key) for key in keyed]
+    for where, pattern in named:
+        if isinstance(pattern, str) and _matches_escaped(pattern):
+            raise StructuredOutputError(
+                f"pattern {pattern!r} at {where} matches a quote or a backslash, which JSON "
+                "escapes inside a string: the grammar would write them unescaped (invalid "
+                "JSON); reword the pattern without them")
+
+
+_ESCAPED_CODES = re.compile(r"(?i)(?:u00(?:22|5c)|x(?:22|5c))")
+"""A regex escape (after its backslash) naming a quote or a backslash by its code."""
+
+
+def _matches_escaped(pattern: str) -> bool:
+    """Whether `pattern` holds a literal quote or backslash (`"`, `\\\\`, `\\x22`, ...)."""
+    if '"' in pattern:
+        return True
+    i = pattern.find("\\")
+    while i != -1 and i + 1 < len(pattern):
+        if pattern[i + 1] == "\\" or _ESCAPED_CODES.match(pattern, i + 1):
+            return True
+        i = pattern.find("\\", i + 2)
+    return False
 
 
 INT64_RANGE = (-(1 << 63), (1 << 63) - 1)

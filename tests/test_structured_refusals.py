@@ -231,3 +231,27 @@ def test_tools_of_another_kind_without_a_name_or_named_twice_are_refused(tools, 
     assert says in parsed.message
     assert isinstance(parse(tools=[{"function": {"name": "f"}}], tool_choice="required"),
                       ParsedRequest)  # "type" left out: a function, as before
+
+
+@pytest.mark.parametrize("pattern", ['^say "[a-z]{2}"$', r"^C:\\[a-z]{3}$", r"^\\frac\{\d\}$",
+                                     r"^a[\\]b$", r"^a\u0022b$", r"^a\x5Cb$", r'^["x]+$'])
+def test_a_pattern_matching_a_quote_or_a_backslash_is_refused(pattern):
+    """The grammar applies a pattern to the string's JSON text, where quotes and backslashes
+    are escaped: it wrote `{"s": "say "ab""}` (invalid JSON, finish_reason stop) and
+    `"C:\\gel"` (a JSON escape \\g), and never the escaped forms."""
+    for schema in (S(type="string", pattern=pattern),
+                   {"type": "object", "patternProperties": {pattern: {"type": "integer"}}}):
+        parsed = parse(response_format=rf(schema))
+        assert isinstance(parsed, IntakeError) and parsed.code == "unsupported_response_format"
+        assert f"pattern {pattern!r} at #" in parsed.message, parsed.message
+        assert "matches a quote or a backslash" in parsed.message
+    tool = {"type": "function", "function": {"name": "f", "parameters": S(type="string",
+                                                                          pattern=pattern)}}
+    forced = parse(tools=[tool], tool_choice="required")
+    assert isinstance(forced, IntakeError) and "matches a quote or a backslash" in forced.message
+
+
+@pytest.mark.parametrize("pattern", [r"^\d{3}-\d{4}$", r"^[^@\s]+@[^@\s]+\.[a-z]{2,}$",
+                                     r"^\w+( \w+)*$", r"^[A-Z]\.\s?$", r"^(?:\+|-)?\d+$"])
+def test_patterns_users_write_are_accepted(pattern):
+    assert isinstance(parse(response_format=rf(S(type="string", pattern=pattern))), ParsedRequest)

@@ -12,8 +12,9 @@ Accepted formats (the request body's ``response_format``):
 
 Supported: objects (properties, required, additionalProperties, patternProperties,
 propertyNames, min/maxProperties), arrays (items, prefixItems, min/maxItems), strings
-(min/maxLength, pattern without lookaround, the common formats), numbers and integers (bounds;
-multipleOf on integers only, a whole step up to 1024), booleans, null, enum, const, anyOf, oneOf
+(min/maxLength, pattern without lookaround and matching no quote or backslash, the common
+formats), numbers and integers (bounds; multipleOf on integers only, a whole step up to 1024),
+booleans, null, enum, const, anyOf, oneOf
 (enforced as anyOf: exclusivity is not checked, which is exact for discriminated unions),
 single-entry allOf, $ref/$defs. Keywords the grammar cannot enforce (not, if/then/else,
 uniqueItems, contains, dependent*, multi-entry allOf, ...) raise ``StructuredOutputError``
