@@ -107,6 +107,36 @@ def test_parse_tool_call_keeps_to_the_lines_tool_choice(formatter, extra, calls)
         assert choice["message"]["content"] == text
 
 
+def test_tool_calls_left_as_text_without_the_flag_are_said_once(caplog):
+    """Default flags: a line giving tools (tool_choice auto) keeps the calls it writes as text,
+    as vLLM does without its parser flags; OpenAI would parse them, so a user porting a job is
+    told once, naming the line and the flag."""
+    from tiny_models import embedded_tokenizer, tiny_config
+
+    from batchgen.runner.worker.outputs import OutputFormatter
+
+    loaded = SimpleNamespace(tokenizer=embedded_tokenizer(), name="m",
+                             hf_config=tiny_config("qwen2"))
+    spec = SimpleNamespace(config=SimpleNamespace(output=OutputConfig()), batch_id="b",
+                           created=1, system_fingerprint=None)
+    formatter = OutputFormatter(spec, loaded)
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+    def answer(line: int, extra: dict) -> dict:
+        pending = PendingRequest(f"c{line}", line, "chat", USER, None,
+                                 SamplingParams(max_tokens=8), extra, [5, 6])
+        return formatter.success(pending, FinishedRequest(f"c{line}", 2, [Completion(
+            0, [1, 2], FinishReason.STOP, text=text)]))["response"]["body"]["choices"][0]
+
+    with caplog.at_level("WARNING", logger="batchgen.worker"):
+        assert answer(3, {"tools": [WEATHER], "tool_choice": "none"})["message"]["content"]
+        assert not caplog.records  # "none": nothing to parse
+        for line in (4, 5):
+            assert answer(line, {"tools": [WEATHER]})["message"]["content"] == text
+    (said,) = [r.getMessage() for r in caplog.records]
+    assert said.startswith("line 4 gives tools") and "--parse-tool-call" in said
+
+
 @pytest.mark.parametrize("response_format", [
     {"type": "json_object"},
     {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "object"}}}])

@@ -3,6 +3,7 @@ and whether final output files hold this job's lines."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 from pathlib import Path
 
@@ -15,6 +16,8 @@ from batchgen.io.parsers import (THINK_CLOSE, THINK_OPEN, count_reasoning_tokens
                                  reasoning_style_for, tool_parser_for)
 from batchgen.io.results import ParsedChoice, item_id, success_line
 from batchgen.request_checks import forces_call, grammar_constrained, json_response_format
+
+log = logging.getLogger("batchgen.worker")
 
 
 class OutputFormatter:
@@ -33,6 +36,8 @@ class OutputFormatter:
         self.detokenizer = Detokenizer(loaded.tokenizer,
                                        not out.detokenization_include_special_tokens)
         """Names logprobs' tokens and decodes texts as the engine decodes the choices'."""
+        self._unparsed_noted = False
+        """Whether a line whose tool calls stay text (no --parse-tool-call) was logged."""
 
     def success(self, pending: PendingRequest, finished: FinishedRequest) -> dict:
         parsed = None
@@ -42,8 +47,15 @@ class OutputFormatter:
         # schema with "name" and "arguments" would read as one).
         free = (pending.extra.get("tools") and pending.extra.get("tool_choice") != "none"
                 and not json_response_format(pending.extra))
-        tools = (self.tool_format if forces_call(pending.extra)
-                 else self.tool_parser if free else None)
+        forced = forces_call(pending.extra)
+        tools = self.tool_format if forced else self.tool_parser if free else None
+        if free and not forced and tools is None and not self._unparsed_noted:
+            self._unparsed_noted = True
+            log.warning("line %d gives tools the model may call, but without "
+                        "--parse-tool-call the calls it writes stay text in message.content "
+                        "(OpenAI returns them in tool_calls): start the job again with "
+                        "--parse-tool-call (a new --batch-id) to parse them; said once",
+                        pending.line)
         style = self._reasoning_style(pending) if pending.kind == "chat" else None
         if pending.kind == "chat" and (style or tools):
             parsed = [self._parse(c, tools, style) for c in finished.completions]
