@@ -346,3 +346,13 @@ def test_generation_config_may_name_a_folder(tmp_path):
     assert sampling_defaults(config) == {"top_k": 5, "top_p": 0.5}
     with pytest.raises(ConfigError, match="--generation-config"):
         replace(model, generation_config=str(tmp_path / "elsewhere")).validate()
+
+
+@pytest.mark.parametrize("fields", [{"tools": [WEATHER]},
+                                    {"tools": [WEATHER], "tool_choice": "required"}])
+def test_tool_fields_on_a_completions_line_are_refused(fields):
+    """A /v1/completions prompt is not rendered by a chat template: tools never reached the
+    model, and tool_choice "required" forced a call markup no one parsed."""
+    err = parse_record(line({"prompt": "call:", **fields}, "/v1/completions"))
+    assert isinstance(err, IntakeError) and (err.code, err.param) == ("invalid_request", "tools")
+    assert "tools is a /v1/chat/completions field" in err.message

@@ -247,6 +247,13 @@ def _echo(body: dict, kind: str, sampling: SamplingParams) -> bool:
 
 
 def _check_reasoning_effort(extra: dict, kind: str) -> None:
+    """reasoning_effort's value; it and the tool fields are chat fields (the template reads
+    them): a completions line giving one is refused, naming it."""
+    chat_only = next((k for k in ("tools", "tool_choice") if k in extra), None)
+    if chat_only is not None and kind != "chat":
+        raise BadLine("invalid_request", f"{chat_only} is a /v1/chat/completions field (the "
+                                          "chat template renders the tools): drop it, or send "
+                                          "the line as chat messages", chat_only)
     effort = extra.get("reasoning_effort")
     if effort is None:
         return
