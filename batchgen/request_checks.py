@@ -94,6 +94,10 @@ def no_parameters() -> dict:
     return {"type": "object", "properties": {}, "additionalProperties": False}
 
 
+FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+"""A function's name, as OpenAI allows it."""
+
+
 def _functions(tools) -> list[dict]:
     if not isinstance(tools, list):
         return []
@@ -107,6 +111,10 @@ def _functions(tools) -> list[dict]:
             raise ToolChoiceError(f"tools[{i}] must be {{\"type\": \"function\", \"function\": "
                                   "{\"name\", \"parameters\"}} with a non-empty name (function "
                                   "tools are the only kind)")
+        if not FUNCTION_NAME.fullmatch(fn["name"]):
+            raise ToolChoiceError(f"tools[{i}].function.name {fn['name'][:80]!r} must be 1 to "
+                                  "64 letters, digits, underscores or dashes, as OpenAI "
+                                  "requires (a parser reads a call's name as such)")
         if fn["name"] in names:
             raise ToolChoiceError(f"tools[{i}] repeats the function name {fn['name']!r}: each "
                                   "tool needs its own name (a call names the tool it calls)")

@@ -222,6 +222,10 @@ def test_tool_parameters_of_a_type_other_than_object_are_refused(parameters, sai
     ([{"type": "function", "function": {"name": "f"}},
       {"type": "function", "function": {"name": "f", "parameters": {}}}],
      "tools[1] repeats the function name 'f'"),
+    ([{"type": "function", "function": {"name": "has space!"}}],
+     "tools[0].function.name 'has space!' must be 1 to 64 letters, digits, underscores or "
+     "dashes"),
+    ([{"type": "function", "function": {"name": "f" * 65}}], "must be 1 to 64 letters"),
 ])
 def test_tools_of_another_kind_without_a_name_or_named_twice_are_refused(tools, says):
     """A call names the tool it calls: a name given twice left the forced call's grammar free to
