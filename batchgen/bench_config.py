@@ -98,7 +98,7 @@ class BenchConfig:
     shape: str = "smollm2-135m"
     """Model shape (bench_models.SHAPES): smollm2-135m, llama3-8b, llama3-70b, qwen3-8b,
     deepseek-v3-4l (37 B), gpt-oss-20b (MXFP4), qwen3-30b-a3b, mixtral-8x7b; with --mode
-    embeddings: qwen3-embedding-0.6b (bench_embed.EMBED_SHAPES)."""
+    embeddings: qwen3-embedding-0.6b (bench_models.EMBED_SHAPES)."""
     dtype: str = "auto"
     """Weights and activations: auto (bfloat16 on CUDA, float32 on the CPU), bfloat16,
     float16 or float32 (as `run`'s --dtype)."""

@@ -18,16 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
+from batchgen.bench_models import EMBED_SHAPES
 from batchgen.config import ModelConfig, RuntimeConfig, canonical_dtype
 from batchgen.models.hf_text import text_only
 
-EMBED_SHAPES = {
-    "qwen3-embedding-0.6b": dict(
-        architectures=["Qwen3ForCausalLM"], vocab_size=151669, hidden_size=1024,
-        intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-        num_key_value_heads=8, head_dim=128, max_position_embeddings=32768,
-        rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True),
-}
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16)
 

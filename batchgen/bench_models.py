@@ -107,6 +107,14 @@ TINY = {
 """Per-shape overrides of `--tiny`: the same layer pattern and options at toy widths."""
 FP8_BLOCK = {False: (128, 128), True: (32, 32)}
 """DeepSeek's FP8 weight block (full shapes, tiny shapes: the tiny experts are 32 wide)."""
+EMBED_SHAPES = {
+    "qwen3-embedding-0.6b": dict(
+        architectures=["Qwen3ForCausalLM"], vocab_size=151669, hidden_size=1024,
+        intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=128, max_position_embeddings=32768,
+        rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True),
+}
+"""The shapes `batchgen bench --mode embeddings` runs (bench_embed)."""
 FP8_SCALES = ("block", "tensor")
 """Scales of random FP8 checkpoints: 128x128 blocks (DeepSeek's, in `weight_scale_inv`) or
 one per matrix (AutoFP8's for Llama, in `weight_scale`, with no weight_block_size)."""
@@ -120,8 +128,6 @@ def hf_config_for(shape: str, tiny: bool = False, fp8_weights: bool | str = Fals
     from transformers import AutoConfig
 
     if shape not in SHAPES:
-        from batchgen.bench_embed import EMBED_SHAPES
-
         raise ValueError(f"unknown shape {shape!r}; one of {', '.join(SHAPES)} (with --mode "
                          f"embeddings: {', '.join(EMBED_SHAPES)})")
     spec = dict(SHAPES[shape])
