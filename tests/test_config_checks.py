@@ -105,3 +105,23 @@ def test_a_tokenizer_larger_than_the_model_is_named_at_load_and_per_line(tmp_pat
     error = tokenize_request(parsed, loaded.tokenizer, 1000, loaded.hf_config.vocab_size)
     assert error.code == "invalid_prompt"
     assert f"must be < {small} (the model's vocab_size; its tokenizer has" in error.message
+
+
+def test_a_job_whose_model_is_refused_is_found_and_described_by_status(tmp_path):
+    """Refused (exit 5) before its workers: the job folder it leaves is found from the output
+    path, and status says it stopped before answering, not that the same command resumes it
+    (a refused model is refused again)."""
+    from job_utils import batchgen, chat_rows, write_jsonl
+
+    folder = save_tiny_model("llama", tmp_path / "m")
+    embedded_tokenizer().save_pretrained(str(folder))
+    _edited(folder, num_attention_heads=4, num_key_value_heads=3)
+    out = tmp_path / "out" / "res.jsonl"
+    run = batchgen("run", "-i", write_jsonl(tmp_path / "in.jsonl", chat_rows(2)), "-o", out,
+                   "--model", folder, "--device", "cpu")
+    assert run.returncode == 5 and "num_key_value_heads 3" in run.stderr
+    shown = batchgen("status", out, env={"COLUMNS": "250"})
+    assert shown.returncode == 0, shown.stderr
+    text = " ".join(shown.stdout.split())
+    assert "validating" in text and "stopped before answering anything" in text
+    assert "resumes it" not in text

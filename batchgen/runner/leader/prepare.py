@@ -23,6 +23,7 @@ from batchgen.models.loader import (CheckpointError, find_on_disk, resolve_model
 from batchgen.parallel import pick_device
 from batchgen.runner.files.job import JobSpec, fingerprint, now
 from batchgen.runner.files.job_dirs import claim_incremental, make_job_dirs
+from batchgen.runner.leader.records import result_files
 from batchgen.runner.worker.outputs import outputs_belong_to
 
 log = logging.getLogger("batchgen.job")
@@ -257,7 +258,7 @@ def prepare(config: JobConfig, summary: InputSummary, paths: JobPaths) -> tuple[
         record_upload(paths, Path(s.input), summary.sha256, summary.size_bytes, summary.records,
                       summary.format)
         batch_file.update(batch_id, status="validating", input_file=str(Path(s.input).resolve()),
-                          fingerprint=fp, timings={"created_at": created},
+                          fingerprint=fp, timings={"created_at": created}, **result_files(paths),
                           request_counts={"total": summary.records, "completed": 0, "failed": 0})
     elif retake:  # the job is this run's now: its input too (status reads the total)
         record_upload(paths, Path(s.input), summary.sha256, summary.size_bytes, summary.records,

@@ -189,7 +189,10 @@ def _liveness(lock: Path, status: str) -> str:
         return f"held by {holder} (another host: not checked from here)"
     if found is not None and _alive(int(found.group(1))):
         return f"running ({holder})"
-    if status in ("validating", "in_progress", "finalizing"):
+    if status == "validating":  # its checks refused something, or it was stopped in them
+        return ("not running: stopped before answering anything (its run's error says why; "
+                "the same command tries again)")
+    if status in ("in_progress", "finalizing"):
         return "not running: stopped before the end (the same command resumes it)"
     return "not running"
 
