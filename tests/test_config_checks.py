@@ -125,3 +125,20 @@ def test_a_job_whose_model_is_refused_is_found_and_described_by_status(tmp_path)
     text = " ".join(shown.stdout.split())
     assert "validating" in text and "stopped before answering anything" in text
     assert "resumes it" not in text
+
+
+@pytest.mark.parametrize("fields, says", [
+    ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping = 50.0"),
+    ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+])
+def test_what_gemma_3_asks_and_is_not_computed_is_refused_before_a_worker(tmp_path, fields,
+                                                                          says):
+    """It was refused only by the worker, after its launch and a torch elastic error line."""
+    from batchgen.models.registry import UnsupportedModelError
+
+    folder = save_tiny_model("gemma3", tmp_path / "m")
+    embedded_tokenizer().save_pretrained(str(folder))
+    check_model_folder(folder, *ROOMY)
+    _edited(folder, **fields)
+    with pytest.raises(UnsupportedModelError, match=says):
+        check_model_folder(folder, *ROOMY)

@@ -15,6 +15,7 @@ import os
 import re
 import struct
 from pathlib import Path
+from types import SimpleNamespace
 
 from batchgen.models.hf_text import text_only
 from batchgen.models.loader import CheckpointError, checkpoint_files
@@ -59,6 +60,10 @@ def check_model_folder(folder: Path, memory_bytes: int, host_bytes: int,
     check_rope_types(config, folder / "config.json")
     check_head_split(config, tensor_parallel, folder / "config.json")
     check_layer_shapes(config, folder / "config.json")
+    if arch == "Gemma3ForCausalLM":  # what Gemma 3's config may ask that is not computed
+        from batchgen.models.gemma3 import check_gemma_config
+
+        check_gemma_config(SimpleNamespace(**config))
     quant = config.get("quantization_config") or top.get("quantization_config")
     if isinstance(quant, dict):
         check_quant_method(str(quant.get("quant_method") or ""))
