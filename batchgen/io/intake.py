@@ -186,7 +186,7 @@ def _parse(data: dict, key: str, line: int,
         return parsed_embedding
     _check_structured(extra)
     _check_parallel_tool_calls(extra.get("parallel_tool_calls"))
-    _check_reasoning_effort(extra, kind)
+    _check_chat_fields(extra, kind)
     messages = parse_messages(body.get("messages")) if kind == "chat" else None
     prompt = parse_prompt(body.get("prompt")) if kind == "completion" else None
     sampling = parse_sampling(body, kind, default_max_tokens)
@@ -246,9 +246,9 @@ def _echo(body: dict, kind: str, sampling: SamplingParams) -> bool:
     return True
 
 
-def _check_reasoning_effort(extra: dict, kind: str) -> None:
-    """reasoning_effort's value; it and the tool fields are chat fields (the template reads
-    them): a completions line giving one is refused, naming it."""
+def _check_chat_fields(extra: dict, kind: str) -> None:
+    """The fields only a chat template reads (tools, tool_choice, reasoning_effort): refused
+    on a completions line, naming the field; reasoning_effort's value checked."""
     chat_only = next((k for k in ("tools", "tool_choice") if k in extra), None)
     if chat_only is not None and kind != "chat":
         raise BadLine("invalid_request", f"{chat_only} is a /v1/chat/completions field (the "
