@@ -233,10 +233,11 @@ def test_a_resume_after_the_branch_moved_is_refused_before_the_download(fake_hub
 
 def test_a_completed_job_rerun_on_a_cold_cache_downloads_nothing(fake_hub, tmp_path):
     """A job that completed, rerun where the model is not on disk (another node, a cleared
-    cache; a scheduler's requeue): the Hub still names the commit the job recorded, so the
-    rerun says the job is done after one metadata request, fetching no file. It used to
-    download the whole model first. Once the branch moves on, that answer is no longer sure:
-    the full check runs (and, the job having answered, refuses naming the revision)."""
+    cache; a scheduler's requeue), after its branch moved on, or offline: the job is pinned to
+    the commit it answered with, which fixes its files, so the same command says the job is
+    done without a request. It used to download the whole model first, and after the branch
+    moved refused (exit 3) "to finish" a finished job; offline, exit 5. Another --revision
+    is another request for weights: the full check runs."""
     from job_utils import batchgen, read_jsonl, write_jsonl
 
     env = {"HF_ENDPOINT": fake_hub.url, "HF_HUB_OFFLINE": "0", "TRANSFORMERS_OFFLINE": "0",
@@ -247,19 +248,26 @@ def test_a_completed_job_rerun_on_a_cold_cache_downloads_nothing(fake_hub, tmp_p
            "--device", "cpu"]
     batchgen(*job, "--cache-dir", tmp_path / "warm", env=env, check=True)
     answers = (tmp_path / "out.jsonl").read_bytes()
+    repo = fake_hub.repos["org/tiny"]
+    recorded = repo.sha
     before = len(fake_hub.requests)
     rerun = batchgen(*job, "--cache-dir", tmp_path / "cold", env=env, check=True)
     assert "already completed" in rerun.stderr
-    assert not [p for _, p, _ in fake_hub.requests[before:] if "/resolve/" in p]
-    assert not (tmp_path / "cold" / "models--org--tiny" / "snapshots").exists()
-    assert (tmp_path / "out.jsonl").read_bytes() == answers and len(read_jsonl(
-        tmp_path / "out.jsonl")) == 2
-    repo = fake_hub.repos["org/tiny"]
-    recorded = repo.sha
     repo.sha = "c" * 40  # main moved on
-    moved = batchgen(*job, "--cache-dir", tmp_path / "cold", env=env)
-    assert moved.returncode == 3 and f"add --revision {recorded}" in moved.stderr
-    assert not [p for _, p, _ in fake_hub.requests[before:] if "/resolve/" in p]
+    moved = batchgen(*job, "--cache-dir", tmp_path / "cold", env=env, check=True)
+    assert "already completed" in moved.stderr
+    offline = batchgen(*job, "--cache-dir", tmp_path / "cold",
+                       env={**env, "HF_HUB_OFFLINE": "1"}, check=True)
+    assert "already completed" in offline.stderr
+    pinned = batchgen(*job, "--cache-dir", tmp_path / "cold", "--revision", recorded,
+                      env=env, check=True)
+    assert "already completed" in pinned.stderr
+    assert len(fake_hub.requests) == before  # no request at all
+    assert not (tmp_path / "cold" / "models--org--tiny" / "snapshots").exists()
+    assert (tmp_path / "out.jsonl").read_bytes() == answers
+    assert len(read_jsonl(tmp_path / "out.jsonl")) == 2
+    other = batchgen(*job, "--cache-dir", tmp_path / "cold", "--revision", "v9", env=env)
+    assert other.returncode == 5 and "already completed" not in other.stderr  # no such revision
 
 
 def test_the_embedded_models_name_as_model_says_to_leave_the_flag_out(tmp_path, monkeypatch):

@@ -332,11 +332,6 @@ def repo_files(repo: str, revision: str) -> tuple[str, list[RepoFile]]:
     return info.sha, [RepoFile(s.rfilename, int(s.size or 0)) for s in info.siblings or []]
 
 
-def revision_commit(repo: str, revision: str | None) -> str:
-    """The commit `revision` (None: main) of `repo` names on the Hub now; HubError."""
-    return repo_files(repo, revision or "main")[0]
-
-
 def explain(err: Exception, repo: str, revision: str) -> str:
     """One line saying why `repo` cannot be fetched and what fixes it."""
     from huggingface_hub.errors import GatedRepoError, RevisionNotFoundError

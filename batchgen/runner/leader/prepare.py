@@ -18,8 +18,7 @@ from batchgen.io.sampling_fields import BadLine, model_defaults
 from batchgen.io.writer import final_files_complete, read_done_ids
 from batchgen.models import hub
 from batchgen.models.factory import generation_config
-from batchgen.models.loader import (CheckpointError, find_on_disk, resolve_model,
-                                    weights_signature)
+from batchgen.models.loader import CheckpointError, resolve_model, weights_signature
 from batchgen.parallel import pick_device
 from batchgen.runner.files.job import JobSpec, fingerprint, now
 from batchgen.runner.files.job_dirs import claim_incremental, make_job_dirs
@@ -140,7 +139,10 @@ def completed_already(config: JobConfig, source: InputFile, paths: JobPaths) -> 
     recorded = state.fingerprint
     pinned = job_commit(config, recorded)
     defaults = None
-    if unfetched_commit(config, pinned):  # what the commit decides is what was recorded
+    if pinned is not None and _revision_as_then(config, paths, pinned):
+        # A Hub commit fixes its files: what the job recorded of them stands, whatever this
+        # node's cache holds (a cold one would download the model) and wherever the branch
+        # went since (the job answered with that commit). No request, nothing read.
         weights = recorded.get("model_weights", "")
         if config.engine.model.generation_config == "auto":  # the commit's own file
             defaults = recorded.get("sampling_defaults", {})
@@ -161,20 +163,17 @@ def completed_already(config: JobConfig, source: InputFile, paths: JobPaths) -> 
     return final_files_whole(paths, state.request_counts.get("total", -1))
 
 
-def unfetched_commit(config: JobConfig, pinned: str | None) -> bool:
-    """Whether --model is a Hub id this node holds no copy of whose revision still names
-    `pinned`, the commit the job recorded (one metadata request, no file fetched): a commit
-    fixes its files, so what the job recorded of them stands, and a rerun of a completed job
-    on a node with a cold cache learns it is done without downloading the model."""
-    m = config.engine.model
-    if pinned is None or m.model is None or not hub.is_hub_id(m.model) or hub.offline():
-        return False
-    if find_on_disk(m.model, m.cache_dir, m.revision) is not None:
-        return False
+def _revision_as_then(config: JobConfig, paths: JobPaths, pinned: str) -> bool:
+    """Whether --revision is the one the job was started with (its spec keeps the flags as
+    given), or the commit it is pinned to: the same command, not a request for other weights."""
+    revision = config.engine.model.revision
+    if revision == pinned:
+        return True
     try:
-        return hub.revision_commit(m.model, m.revision) == pinned
-    except hub.HubError:
-        return False  # the full check decides (and names what is wrong)
+        then = JobSpec.load(paths.batch_file.with_name(f"{paths.batch_id}.spec.json"))
+    except (OSError, ValueError, KeyError, TypeError):
+        return False  # the full check decides
+    return (then.config.engine.model.revision or "main") == (revision or "main")
 
 
 def final_files_whole(paths: JobPaths, records: int) -> bool:
