@@ -124,8 +124,8 @@ def test_private_repo_without_token_is_exit_5_one_line(fake_hub, repo_folder, tm
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "401" in errors[0] and "HF_TOKEN" in errors[0]
     assert not _fetched(fake_hub)
-    # With the token the same repo downloads.
-    os.environ["HF_TOKEN"] = "secret"
+    # With the token the same repo downloads, a token read from a file (its newline) too.
+    os.environ["HF_TOKEN"] = " secret\n"
     try:
         assert resolve_model("org/private", str(tmp_path / "cache")).path.is_dir()
     finally:
