@@ -2,7 +2,9 @@
 argument; ids are names, never patterns; unreadable files are named."""
 
 import json
+import os
 import re
+import socket
 
 from typer.testing import CliRunner
 
@@ -361,3 +363,22 @@ def test_large_counts_are_grouped_in_thousands():
     assert _request_counts(done) == "1,234,000 completed, 567 failed, 1,234,567 total"
     running = {"status": "in_progress", "request_counts": {"total": 20000}}
     assert _request_counts(running).startswith("20,000 total (")
+
+
+def test_a_job_still_starting_is_shown_as_starting(tmp_path):
+    """Its batch file is written once the input is parsed and the model found (a large Hub
+    download takes hours): until then status said no job existed, though a live run held it."""
+    folder = tmp_path / "out" / ".batchgen"
+    (folder / "batches").mkdir(parents=True)
+    lock = folder / "batches" / "batch_new.lock"
+    lock.write_text(f"pid {os.getpid()} on host {socket.gethostname()}\n")
+    for target in (str(tmp_path / "out" / "res.jsonl"), str(tmp_path / "out")):
+        code, out = status(target)
+        assert code == 0 and "batch_new: starting (pid" in out and "fetching its model" in out
+    code, out = status(str(tmp_path / "out"), "--json")
+    assert json.loads(out) == {"batch_id": "batch_new", "status": "starting",
+                               "run": f"running (pid {os.getpid()} on host "
+                                      f"{socket.gethostname()})"}
+    lock.write_text("")  # the run ended
+    code, out = status(str(tmp_path / "out"))
+    assert code == 1 and "batch_new" not in out

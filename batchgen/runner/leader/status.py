@@ -50,12 +50,13 @@ def show_status(storage: Path, target: str | None, as_json: bool = False) -> int
             return _show_files(jobs, as_json, f"no job writes {target} under "
                                f"{Path(target).absolute().parent / '.batchgen'} or {storage} "
                                "(give the job's --storage-path)")
+    beside = [Path(target).absolute().parent / ".batchgen"] if target is not None else []
     if target is not None and not Path(target).exists() and (
             "/" in target or Path(target).suffix.lower() in RESULT_SUFFIXES):
         return _show_files([], as_json, f"no job writes {target} (looked in "
                            f"{Path(target).absolute().parent / '.batchgen'} and {storage}), and "
                            "no job folder is there: give the job's --storage-path, its batch "
-                           "id, or its job folder")
+                           "id, or its job folder", [*beside, storage])
     if target is not None and ("/" in target or Path(target).is_dir()):
         storage, batch_id = _job_folder(Path(target)), None
     batches = storage / "batches"
@@ -65,7 +66,8 @@ def show_status(storage: Path, target: str | None, as_json: bool = False) -> int
         files = [p for p in [batches / f"{batch_id}.json"] if p.is_file()]
     return _show_files(files, as_json, f"no job{' ' + batch_id if batch_id else ''} under "
                        f"{storage} (give "
-                       "a batch id with --storage-path, a job folder, or a job's output file)")
+                       "a batch id with --storage-path, a job folder, or a job's output file)",
+                       [storage] if batch_id is None else [])
 
 
 def _job_folder(folder: Path) -> Path:
@@ -78,10 +80,20 @@ def _job_folder(folder: Path) -> Path:
     return folder
 
 
-def _show_files(files: list[Path], as_json: bool, missing: str) -> int:
+def _show_files(files: list[Path], as_json: bool, missing: str,
+                folders: list[Path] = ()) -> int:
+    """Each batch file's table; with none, the jobs of `folders` still starting (`_starting`),
+    or `missing`."""
     if not files:
-        Console(stderr=True, soft_wrap=True, markup=False).print(missing)
-        return ExitCode.FAILED
+        starting = _starting(folders)
+        for batch_id, holder in starting:
+            record = {"batch_id": batch_id, "status": "starting", "run": f"running ({holder})"}
+            print(orjson.dumps(record).decode() if as_json else
+                  f"{batch_id}: starting ({holder}): reading its input or fetching its model; "
+                  "its record is written once that is done")
+        if not starting:
+            Console(stderr=True, soft_wrap=True, markup=False).print(missing)
+        return ExitCode.OK if starting else ExitCode.FAILED
     # No markup: paths and failure messages are shown as they are ("[rank 1]" is no style)
     console, failed = Console(markup=False), ExitCode.OK
     for path in files:
@@ -109,6 +121,21 @@ def _show_files(files: list[Path], as_json: bool, missing: str) -> int:
                 f"cannot read {path}: {err!r}" + UNREADABLE_HINT * (not isinstance(err, OSError)))
             failed = ExitCode.FAILED
     return failed
+
+
+def _starting(folders: list[Path]) -> list[tuple[str, str]]:
+    """(batch id, lock holder) of the jobs a live run holds in `folders` that have no batch file
+    yet: a run writes it once the input is parsed and the model found, which takes hours for
+    a large download."""
+    found = []
+    for folder in dict.fromkeys(folders):
+        for lock in sorted((folder / "batches").glob("*.lock")):
+            if lock.with_suffix(".json").exists() or "." in lock.stem:
+                continue
+            liveness = _liveness(lock, "")
+            if liveness.startswith("running ("):
+                found.append((lock.stem, liveness.removeprefix("running (").removesuffix(")")))
+    return found
 
 
 def _job_record(state: dict, workers: list[dict], liveness: str,
