@@ -298,15 +298,20 @@ def _sharded_repo(tiny_chat_model, folder: Path) -> dict[str, list[str]]:
     return halves
 
 
-def test_weights_the_index_does_not_name_are_not_downloaded(fake_hub, tiny_chat_model, tmp_path):
+def test_weights_the_index_does_not_name_are_not_downloaded(fake_hub, tiny_chat_model, tmp_path,
+                                                            caplog):
     """A sharded repo with another copy of its weights beside the shards (a merged or a
     quantized file the index does not name): only the index's shards are fetched, as the loader
-    reads only those (and transformers fetches only those)."""
+    reads only those (and transformers fetches only those). A first download is not called a
+    continued one (the index, fetched first, was counted as bytes already there)."""
     folder = tmp_path / "sharded"
     halves = _sharded_repo(tiny_chat_model, folder)
     shutil.copy(tiny_chat_model / WEIGHTS, folder / "model-merged.safetensors")
     fake_hub.add("org/sharded", folder)
-    source = resolve_model("org/sharded", cache_dir=str(tmp_path / "cache"))
+    with caplog.at_level("INFO"):
+        source = resolve_model("org/sharded", cache_dir=str(tmp_path / "cache"))
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("downloading")]
+    assert len(said) == 1 and "continued" not in said[0], said
     fetched = [p.rsplit("/", 1)[-1] for p in _fetched(fake_hub)]
     assert "model-merged.safetensors" not in fetched
     assert set(halves) <= set(fetched)

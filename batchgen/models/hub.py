@@ -245,12 +245,13 @@ def _download_locked(repo: str, revision: str, root: Path, folder: Path,
 
 def _fetch_snapshot(repo: str, revision: str, commit: str, files: list[RepoFile],
                     snapshot: Path) -> None:
+    before = sum(_have(snapshot, f) for f in files)  # the index is fetched next
     files = indexed_weights_only(repo, commit, files, snapshot)
     check_space(snapshot, files)
     total, have = sum(f.size for f in files), sum(_have(snapshot, f) for f in files)
     log.info("downloading %s@%s (commit %s): %d files, %.2f GB into %s%s", repo, revision,
              commit, len(files), total / 1e9, snapshot,
-             f" ({have / 1e9:.2f} GB of it already there: continued)" if have else "")
+             f" ({have / 1e9:.2f} GB of it already there: continued)" if before else "")
     with progress(total, have) as bar:
         for f in files:
             fetch_retrying(repo, commit, f, snapshot, bar)
