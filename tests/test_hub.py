@@ -441,6 +441,12 @@ def test_a_download_logs_its_progress_where_stderr_is_not_a_terminal(fake_hub, t
         progress = hub.LoggedProgress(total=10, initial=0, every_s=0.0)
         progress.update(4)  # past its interval: a line now
         assert "0.00 of 0.00 GB (40%)" in caplog.records[-1].getMessage()
+        slow = hub.LoggedProgress(total=int(2e9), initial=0, every_s=1e9)
+        slow.started -= 100  # 100 s for 30 MB: 0.3 MB/s, not "0 MB/s"; the rest takes hours
+        slow.update(int(30e6))
+        slow._say()
+        said = caplog.records[-1].getMessage()
+        assert "0.3 MB/s, about 1 h 49 min left" in said, said
 
 
 def test_a_revision_with_a_local_folder_is_named_as_ignored(tiny_chat_model, caplog, tmp_path):

@@ -7,6 +7,8 @@ import os
 import sys
 import time
 
+from batchgen.core import human_seconds
+
 log = logging.getLogger("batchgen.hub")
 
 
@@ -46,5 +48,8 @@ class LoggedProgress:
     def _say(self) -> None:
         self.last = time.monotonic()
         rate = (self.done - self.start_done) / max(1e-9, self.last - self.started)
-        log.info("download: %.2f of %.2f GB (%.0f%%), %.0f MB/s", self.done / 1e9,
-                 self.total / 1e9, 100 * self.done / max(1, self.total), rate / 1e6)
+        left = self.total - self.done
+        eta = f", about {human_seconds(left / rate)} left" if rate > 0 and left > 0 else ""
+        mb_s = f"{rate / 1e6:.{1 if rate < 10e6 else 0}f}"  # 0.3 MB/s was "0 MB/s"
+        log.info("download: %.2f of %.2f GB (%.0f%%), %s MB/s%s", self.done / 1e9,
+                 self.total / 1e9, 100 * self.done / max(1, self.total), mb_s, eta)

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import orjson
 
+from batchgen.core import human_seconds
+
 log = logging.getLogger("batchgen")
 PLAIN_INTERVAL_S = 30.0
 
@@ -130,17 +132,6 @@ def prefix_hits(counters: list[dict], scope: str = "") -> str:
     each = (" (each choice of n > 1 counted)"
             if sum(c.get("forks", 0) + c.get("extra_choices", 0) for c in counters) else "")
     return f"{cached / prompt:.0%} of {prompt:,} prompt tokens{scope}{each}"
-
-
-def human_seconds(seconds: float) -> str:
-    """12.3 s, 4 min 05 s, 2 h 03 min."""
-    if seconds < 60:
-        return f"{seconds:.1f} s"
-    minutes, secs = divmod(int(round(seconds)), 60)
-    if minutes < 60:
-        return f"{minutes} min {secs:02d} s"
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours} h {minutes:02d} min"
 
 
 def run_summary(elapsed: float, completed: int, failed: int, tokens_in: int, tokens_out: int,

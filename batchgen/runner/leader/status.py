@@ -13,13 +13,14 @@ import orjson
 from rich.console import Console
 from rich.table import Table
 
+from batchgen.core import human_seconds
 from batchgen.io.checkpoints import checkpoint_files, load
 from batchgen.io.jobfiles import JobPaths, pinned_commit
 from batchgen.io.writer import CorruptIncrementalFile, IdSet, read_done_ids
 from batchgen.runner.exits import ExitCode
 from batchgen.runner.files.job import JobSpec
-from batchgen.runner.leader.progress import (cached_share, embeddings_only, human_seconds,
-                                             prefix_hits, read_worker_stats, speed_text)
+from batchgen.runner.leader.progress import (cached_share, embeddings_only, prefix_hits,
+                                             read_worker_stats, speed_text)
 from batchgen.runner.leader.records import (batch_files, cached_tokens, drawn_tokens,
                                            jobs_writing, run_tokens, unreadable_batch_files)
 
