@@ -147,7 +147,9 @@ def test_incremental_results_serve_only_jobs_with_their_fingerprint(tmp_path):
 def test_unrecorded_results_are_not_adopted(tmp_path):
     _, paths = _setup(tmp_path, incremental=str(tmp_path / "inc"))
     paths.make_dirs()
-    paths.incremental().write_text('{"custom_id": "req-0"}\n')  # a job folder since deleted
+    # a job folder since deleted
+    paths.incremental().write_text('{"id": "batch_req_0", "custom_id": "req-0", "response": '
+                                   '{"status_code": 200, "body": {}}, "error": null}\n')
     with pytest.raises(FingerprintMismatch, match="no job under"):
         claim_incremental(paths, {"seed": 1}, job_recorded=False)
 

@@ -142,7 +142,8 @@ def test_finished_ids_are_read_once_the_results_lock_is_ours(tmp_path):
     waiter.start()
     time.sleep(0.5)  # the waiter retries the lock every 0.2 s
     assert waiter.is_alive()
-    os.write(fd, b'{"custom_id": "finished-while-we-waited", "response": {}}\n')
+    os.write(fd, b'{"id": "batch_req_x", "custom_id": "finished-while-we-waited", '
+                 b'"response": {"status_code": 200, "body": {}}, "error": null}\n')
     os.close(fd)  # releases the lock
     waiter.join(timeout=30)
     assert "finished-while-we-waited" in opened["done"]

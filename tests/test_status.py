@@ -24,6 +24,11 @@ def storage_with_jobs(root):
     return root
 
 
+def result_line(custom_id: str) -> dict:
+    return {"id": f"batch_req_{custom_id}", "custom_id": custom_id,
+            "response": {"status_code": 200, "body": {}}, "error": None}
+
+
 def status(*args):
     result = CliRunner().invoke(app, ["status", *args])
     return result.exit_code, result.output
@@ -90,7 +95,7 @@ def test_an_unfinished_job_shows_saved_results_and_whether_a_run_holds_it(tmp_pa
         "request_counts": {"total": 9, "completed": 0, "failed": 0}}))
     (root / "incremental").mkdir()
     (root / "incremental" / "batch_run.jsonl").write_text(
-        "".join(json.dumps({"custom_id": f"r{i}", "response": {}}) + "\n" for i in range(3))
+        "".join(json.dumps(result_line(f"r{i}")) + "\n" for i in range(3))
         + '{"custom_id": "torn')  # a torn tail is not a saved result
     import time
 
@@ -271,7 +276,7 @@ def test_status_reads_the_saved_results_once(tmp_path, monkeypatch):
         "request_counts": {"total": 5, "completed": 0, "failed": 0}}))
     (root / "incremental").mkdir()
     (root / "incremental" / "batch_big.jsonl").write_text(
-        "".join(json.dumps({"custom_id": f"r{i}", "response": {}}) + "\n" for i in range(2)))
+        "".join(json.dumps(result_line(f"r{i}")) + "\n" for i in range(2)))
     passes = []
 
     def counting(paths):

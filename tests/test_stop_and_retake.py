@@ -222,7 +222,9 @@ def test_a_job_folder_deleted_while_it_ran_is_recorded_again(tmp_path):
     assert state.fingerprint == recorded
     assert state.input_file == str(inp.resolve())
     assert paths.upload_file.exists()
-    paths.incremental().write_text('{"custom_id": "req-0"}\n')  # a result saved, then a kill
+    # a result saved, then a kill
+    paths.incremental().write_text('{"id": "batch_req_0", "custom_id": "req-0", "response": '
+                                   '{"status_code": 200, "body": {}}, "error": null}\n')
     with pytest.raises(FingerprintMismatch) as err:
         start(seed=1)
     assert "seed: 0 -> 1" in str(err.value) and "incremental-output-dir" not in str(err.value)

@@ -101,6 +101,26 @@ def test_corrupt_middle_line_is_refused_then_salvaged(tmp_path):
     assert len(backups) == 1 and backups[0].read_bytes() == before
 
 
+@pytest.mark.parametrize("line", [
+    b'{"custom_id": "r3", "garbage": "xx"}\n',  # edited by hand: JSON, but no result
+    b'{"id": "x", "custom_id": "r3", "response": {"status_code": 200, "body": "text"}}\n',
+    b'{"id": "x", "custom_id": "r3", "response": null, "error": null}\n',
+    b'{"id": 7, "custom_id": "r3", "response": null, "error": {}}\n',
+])
+def test_a_json_line_that_is_no_result_is_corruption_not_an_answer(tmp_path, line):
+    """It counted as r3's answer: r3 was never answered, the line went into the final files
+    as they were, and the next run refused those files as no job's."""
+    path = tmp_path / "b.jsonl"
+    path.write_bytes(b"".join(LINES[:3]) + line + b"".join(LINES[3:6]))
+    with pytest.raises(CorruptIncrementalFile, match="line 4"):
+        IncrementalWriter(path)
+    assert salvage(path) == (6, 1)
+    path.write_bytes(b"".join(LINES[:3]) + line)  # the last line: a torn write, cut off
+    with IncrementalWriter(path) as w:
+        done = w.done_ids()
+        assert len(done) == 3 and all(f"r{i}" in done for i in range(3))
+
+
 @pytest.mark.parametrize("phase", PHASES)
 def test_crash_at_each_phase_leaves_a_repairable_file(tmp_path, phase):
     path = tmp_path / "b.jsonl"
@@ -185,9 +205,11 @@ def test_env_fault_kills_the_process(tmp_path):
     path = tmp_path / "b.jsonl"
     script = ("import sys; from batchgen.io.writer import IncrementalWriter\n"
               "from batchgen.testing.faults import writer_fault\n"
+              "from batchgen.io.results import dumps, failure_line\n"
               "w = IncrementalWriter(sys.argv[1], fault=writer_fault())\n"
-              "w.write_batch([b'{\"custom_id\": \"a\"}\\n'])\n"
-              "w.write_batch([b'{\"custom_id\": \"b\"}\\n', b'{\"custom_id\": \"c\"}\\n'])\n")
+              "line = lambda cid: dumps(failure_line('b', cid, 1, 'x', 'y'))\n"
+              "w.write_batch([line('a')])\n"
+              "w.write_batch([line('b'), line('c')])\n")
     env = {**os.environ, WRITER_FAULT_ENV: "mid_write:2"}
     proc = subprocess.run([sys.executable, "-c", script, str(path)], env=env, timeout=60)
     assert proc.returncode == -signal.SIGKILL

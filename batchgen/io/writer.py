@@ -75,14 +75,26 @@ class IdSet:
 
 
 def _parse_result(raw: bytes) -> dict | None:
-    """A complete, well-formed result line (an object with a string custom_id), else None."""
+    """A complete, well-formed result line, else None: an object with string `id` and
+    `custom_id`, and a `response` holding an integer `status_code` and an object `body`, or
+    none and an `error` object (results.py writes no other). A line of other JSON (edited by
+    hand, written by another tool) is no answer: taken for one, its request went unanswered
+    and the merged files were refused by the next run."""
     if not raw.endswith(b"\n"):
         return None
     try:
         obj = orjson.loads(raw)
     except orjson.JSONDecodeError:
         return None
-    ok = isinstance(obj, dict) and isinstance(obj.get("custom_id"), str)
+    if not (isinstance(obj, dict) and isinstance(obj.get("custom_id"), str)
+            and isinstance(obj.get("id"), str)):
+        return None
+    response, error = obj.get("response"), obj.get("error")
+    if isinstance(response, dict):
+        ok = isinstance(response.get("status_code"), int) and isinstance(response.get("body"),
+                                                                          dict)
+    else:
+        ok = response is None and isinstance(error, dict)
     return obj if ok else None
 
 
