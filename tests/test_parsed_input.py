@@ -518,3 +518,16 @@ def test_validate_of_a_long_file_says_how_far_it_got(tmp_path, monkeypatch, caps
     assert err.splitlines() == [f"checking {inp}: {n:,} records so far, to line {n:,}"
                                 for n in (1024, 2048)]
     assert "2100 valid, 0 invalid" in out and "checking" not in out
+
+
+def test_validate_says_how_many_invalid_lines_it_did_not_show(tmp_path, capsys):
+    from batchgen.runner.leader import validate
+
+    inp = write_input(tmp_path / "in.jsonl", [{"custom_id": f"r{i}", "prompt": "hi",
+                                               "max_tokens": 0} for i in range(53)])
+    assert validate.validate_file(inp, 16) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert len([line for line in out if line.startswith("line ")]) == validate.SHOWN_ERRORS
+    assert "... and 3 more invalid lines not shown (the first 50 are; all are counted below)" \
+        in out
+    assert out[-2].endswith("0 valid, 53 invalid (53 invalid sampling param)"), out[-2]

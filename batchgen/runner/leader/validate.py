@@ -82,6 +82,10 @@ def validate_file(path: Path, max_tokens: int,
     summary = scan_input(path, max_line_bytes, each=check)
     for message in shown:
         typer.echo(message)
+    unshown = codes.total() - SHOWN_ERRORS
+    if unshown > 0:
+        typer.echo(f"... and {unshown:,} more invalid line{'s' * (unshown != 1)} not shown "
+                   f"(the first {SHOWN_ERRORS} are; all are counted below)")
     if summary.records == 0:
         typer.echo(f"{path}: the file holds no requests ({summary.why_no_requests()}): "
                    "nothing to run")
