@@ -6,6 +6,7 @@ import os
 import re
 import socket
 
+import pytest
 from typer.testing import CliRunner
 
 from batchgen.cli import app
@@ -234,10 +235,12 @@ def test_status_tells_the_cached_share_the_run_summary_told(tmp_path, monkeypatc
     assert "75% of 3,176 prompt tokens in the last run (each choice of n > 1 counted)" in out
 
 
-def test_a_run_killed_before_recording_its_end_is_counted_by_the_next(tmp_path):
-    """A SIGKILLed run leaves the job in_progress and its workers' stats: the next run counts
-    that run, its tokens and its seconds up to the stats' last write (the job's rate over all
-    runs would otherwise divide every run's tokens by the timed runs' seconds)."""
+@pytest.mark.parametrize("killed_in", ["in_progress", "finalizing"])
+def test_a_run_killed_before_recording_its_end_is_counted_by_the_next(tmp_path, killed_in):
+    """A SIGKILLed run leaves the job in_progress (or finalizing: killed in its merge) and its
+    workers' stats: the next run counts that run, its tokens and its seconds up to the stats'
+    last write (the job's rate over all runs would otherwise divide every run's tokens by the
+    timed runs' seconds; a run killed in its merge, minutes of work, went uncounted)."""
     import os
 
     from batchgen.io.jobfiles import BatchFile
@@ -246,7 +249,7 @@ def test_a_run_killed_before_recording_its_end_is_counted_by_the_next(tmp_path):
     batches = tmp_path / "batches"
     batches.mkdir()
     batch_file = BatchFile(batches / "batch_k.json")
-    batch_file.update("batch_k", status="in_progress",
+    batch_file.update("batch_k", status=killed_in,
                       timings={"started_at": 1_000, "runs": 1, "all_runs_seconds": 5.0,
                                "finished_at": 900},
                       usage={"prompt_tokens": 10, "completion_tokens": 20, "total_tokens": 30})

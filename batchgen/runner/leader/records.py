@@ -60,11 +60,12 @@ def record_end(spec: JobSpec, batch_file: BatchFile, started: float, status: str
 
 def record_killed_run(batch_id: str, batch_file: BatchFile, batch_dir: Path) -> None:
     """A run killed before it could record its end (SIGKILL, a lost node) left the job
-    in_progress, started after its last recorded end, and left its workers' stats files: count
-    that run, its tokens and its seconds up to the stats' last write, so that the job's rate
-    over all runs stays true. Call before the next run removes those files."""
+    in_progress (or finalizing, killed in its merge), started after its last recorded end,
+    and left its workers' stats files: count that run, its tokens and its seconds up to the
+    stats' last write, so that the job's rate over all runs stays true. Call before the next
+    run removes those files."""
     state = batch_file.load()
-    if state is None or state.status != "in_progress":
+    if state is None or state.status not in ("in_progress", "finalizing"):  # killed in the merge
         return
     started, ended = state.timings.get("started_at"), state.timings.get("finished_at", 0)
     files = list(batch_dir.glob(f"{batch_id}.worker*.json"))
