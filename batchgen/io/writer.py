@@ -78,8 +78,8 @@ def _parse_result(raw: bytes) -> dict | None:
     """A complete, well-formed result line, else None: an object with string `id` and
     `custom_id`, and a `response` holding an integer `status_code` and an object `body`, or
     none and an `error` object (results.py writes no other). A line of other JSON (edited by
-    hand, written by another tool) is no answer: taken for one, its request went unanswered
-    and the merged files were refused by the next run."""
+    hand, written by another tool) is no answer: taken for one, its request would go
+    unanswered and the merged files would be refused by the next run."""
     if not raw.endswith(b"\n"):
         return None
     try:

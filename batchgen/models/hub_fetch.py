@@ -58,7 +58,7 @@ def endpoint() -> str:
 def token() -> str | None:
     """HF_TOKEN, else huggingface_hub's saved token; without the spaces and newline a token
     read from a file keeps (a secret mounted in a container), as huggingface_hub strips them:
-    sent as they are, the request failed as if the network were down."""
+    sent as they are, the request would fail as if the network were down."""
     from huggingface_hub import get_token
 
     found = (os.environ.get("HF_TOKEN") or "").strip() or get_token()
