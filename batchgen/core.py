@@ -22,6 +22,12 @@ def human_bytes(num_bytes: float) -> str:
     return f"{int(num_bytes)} B"
 
 
+def rate_text(rate: float) -> str:
+    """A rate for people: whole units, one decimal below 10 (a slow CPU job reads 1.4 tok/s,
+    not 1, and a slow link 0.3 MB/s rather than 0)."""
+    return f"{rate:,.1f}" if rate < 10 else f"{rate:,.0f}"
+
+
 def human_seconds(seconds: float) -> str:
     """12.3 s, 4 min 05 s, 2 h 03 min."""
     if seconds < 60:

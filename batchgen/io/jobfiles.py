@@ -67,6 +67,11 @@ class JobPaths:
         return self.storage_path / "batches" / f"{self.batch_id}.json"
 
     @property
+    def spec_file(self) -> Path:
+        """The job's settings as its last run was given them (runner/files/job.py: JobSpec)."""
+        return self.batch_file.with_name(f"{self.batch_id}.spec.json")
+
+    @property
     def parsed_input(self) -> Path:
         """The input's records, parsed once by the supervisor (io/parsed_input.py)."""
         return self.storage_path / "batches" / f"{self.batch_id}.requests"

@@ -7,7 +7,7 @@ import os
 import sys
 import time
 
-from batchgen.core import human_seconds
+from batchgen.core import human_seconds, rate_text
 
 log = logging.getLogger("batchgen.hub")
 
@@ -50,6 +50,6 @@ class LoggedProgress:
         rate = (self.done - self.start_done) / max(1e-9, self.last - self.started)
         left = self.total - self.done
         eta = f", about {human_seconds(left / rate)} left" if rate > 0 and left > 0 else ""
-        mb_s = f"{rate / 1e6:.{1 if rate < 10e6 else 0}f}"  # a slow link: 0.3 MB/s, not 0
         log.info("download: %.2f of %.2f GB (%.0f%%), %s MB/s%s", self.done / 1e9,
-                 self.total / 1e9, 100 * self.done / max(1, self.total), mb_s, eta)
+                 self.total / 1e9, 100 * self.done / max(1, self.total), rate_text(rate / 1e6),
+                 eta)

@@ -56,7 +56,7 @@ class JobSpec:
         return JobPaths.for_job(s.storage_path, self.batch_id, s.incremental_output_dir, s.output)
 
     def spec_file(self) -> Path:
-        return self.paths.batch_file.with_name(f"{self.batch_id}.spec.json")
+        return self.paths.spec_file
 
     def save(self) -> Path:
         path = self.spec_file()

@@ -170,7 +170,7 @@ def _revision_as_then(config: JobConfig, paths: JobPaths, pinned: str) -> bool:
     if revision == pinned:
         return True
     try:
-        then = JobSpec.load(paths.batch_file.with_name(f"{paths.batch_id}.spec.json"))
+        then = JobSpec.load(paths.spec_file)
     except (OSError, ValueError, KeyError, TypeError):
         return False  # the full check decides
     return (then.config.engine.model.revision or "main") == (revision or "main")

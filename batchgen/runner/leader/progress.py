@@ -11,7 +11,7 @@ from pathlib import Path
 
 import orjson
 
-from batchgen.core import human_seconds
+from batchgen.core import human_seconds, rate_text
 
 log = logging.getLogger("batchgen")
 PLAIN_INTERVAL_S = 30.0
@@ -109,12 +109,6 @@ def embeddings_only(completion_tokens: int, prompt_tokens: int, admitted: int = 
     request admitted to generate (a chat job stopped before its first answer is not one). Its
     speed is then said in input tokens per second."""
     return not completion_tokens and not admitted and prompt_tokens > 0
-
-
-def rate_text(rate: float) -> str:
-    """A token rate for the progress line: whole tokens, one decimal below 10 (a slow CPU job
-    reads 1.4, not 1, and 0.3 rather than 0 while its results come)."""
-    return f"{rate:,.1f}" if rate < 10 else f"{rate:,.0f}"
 
 
 def prefix_hits(counters: list[dict], scope: str = "") -> str:

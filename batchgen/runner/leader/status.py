@@ -133,9 +133,9 @@ def _starting(folders: list[Path]) -> list[tuple[str, str]]:
         for lock in sorted((folder / "batches").glob("*.lock")):
             if lock.with_suffix(".json").exists() or "." in lock.stem:
                 continue
-            liveness = _liveness(lock, "")
-            if liveness.startswith("running ("):
-                found.append((lock.stem, liveness.removeprefix("running (").removesuffix(")")))
+            held = _lock_holder(lock)
+            if held is not None:
+                found.append((lock.stem, held[0]))
     return found
 
 
@@ -197,26 +197,38 @@ def _checkpoint_counts(storage: Path, batch_id: str,
 
 
 def _job_paths(storage: Path, batch_id: str) -> JobPaths:
-    spec = storage / "batches" / f"{batch_id}.spec.json"
+    default = JobPaths.for_job(storage, batch_id)
     try:
-        return JobSpec.load(spec).paths  # where this job's --incremental-output-dir points
+        return JobSpec.load(default.spec_file).paths  # where its --incremental-output-dir points
     except (OSError, ValueError, KeyError, TypeError):
-        return JobPaths.for_job(storage, batch_id)
+        return default
 
 
-def _liveness(lock: Path, status: str) -> str:
-    """Whether a live run holds the job: the lock file names its holder while held (a run
-    that ends clears it; one killed outright leaves its pid behind). Never takes the lock:
-    a status probe must not make a starting run think the job is busy."""
+def _lock_holder(lock: Path) -> tuple[str, bool] | None:
+    """(holder, on this host) while a run holds the job: the lock file names its holder while
+    held (a run that ends clears it; one killed outright leaves its pid behind, which is alive
+    no more). A holder on another host is not checked from here. None when none holds it.
+    Never takes the lock: a status probe must not make a starting run think the job is busy."""
     try:
         holder = lock.read_text().strip()
     except OSError:
-        holder = ""
+        return None
     found = re.fullmatch(r"pid (\d+) on host (\S+)", holder)
-    if found is not None and found.group(2) != socket.gethostname():
-        return f"held by {holder} (another host: not checked from here)"
-    if found is not None and _alive(int(found.group(1))):
-        return f"running ({holder})"
+    if found is None:
+        return None
+    if found.group(2) != socket.gethostname():
+        return holder, False
+    return (holder, True) if _alive(int(found.group(1))) else None
+
+
+def _liveness(lock: Path, status: str) -> str:
+    """Whether a live run holds the job (`_lock_holder`), and if none does, how the last one
+    left it."""
+    held = _lock_holder(lock)
+    if held is not None:
+        holder, here = held
+        return (f"running ({holder})" if here
+                else f"held by {holder} (another host: not checked from here)")
     if status == "validating":  # its checks refused something, or it was stopped in them
         return ("not running: stopped before answering anything (its run's error says why; "
                 "the same command tries again)")
