@@ -36,19 +36,27 @@ OTHER_INPUT_NAMES = ("inputs", "texts", "sentences")
 """What other embedding APIs call `input` (Hugging Face TEI's `inputs`, Cohere's `texts`,
 sentence-transformers' `sentences`): a line giving one of them is told to rename it."""
 HINTED_KEYS = 64
-"""Keys of a line looked at for a misnamed `input` (a hostile line may hold a million)."""
+"""Keys of a line looked at for a misnamed field (a hostile line may hold a million)."""
 
 
-def misnamed_input(data: dict) -> str:
-    """The hint of a line without `input` that holds it under another name ("; this one has
-    'inputs': rename it to input"), or "" when none of its keys reads as one."""
+def misnamed(data: dict, renames: dict[str, str], near: str | None = None) -> str:
+    """The hint of a line holding a field under another name ("; this one has 'inputs':
+    rename it to input"), or "" when none of its keys reads as one: a key (in any case) that
+    `renames` maps to what to write instead, or one spelled close to `near`."""
     for key in list(data)[:HINTED_KEYS]:
         if not isinstance(key, str) or data[key] is None:
             continue
         name = key.lower()
-        if name in OTHER_INPUT_NAMES or difflib.get_close_matches(name, ["input"], 1, 0.8):
-            return f"; this one has {reprlib.repr(key)}: rename it to input"
+        meant = renames.get(name) or (
+            near if near and difflib.get_close_matches(name, [near], 1, 0.8) else None)
+        if meant:
+            return f"; this one has {reprlib.repr(key)}: rename it to {meant}"
     return ""
+
+
+def misnamed_input(data: dict) -> str:
+    """`misnamed` for a line without `input`."""
+    return misnamed(data, dict.fromkeys(OTHER_INPUT_NAMES, "input"), "input")
 
 
 class EmbeddingLineError(Exception):

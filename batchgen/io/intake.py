@@ -16,8 +16,8 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from batchgen.core import CompactPickle, Request, SamplingParams
-from batchgen.io.embeddings import (EMBEDDINGS_URL, HINTED_KEYS, MAX_CHARS_PER_TOKEN,
-                                    MODEL_CONTEXT, EmbeddingLineError, EmbeddingRequest,
+from batchgen.io.embeddings import (EMBEDDINGS_URL, MAX_CHARS_PER_TOKEN, MODEL_CONTEXT,
+                                    EmbeddingLineError, EmbeddingRequest, misnamed,
                                     misnamed_input, parse_embedding, raise_flag,
                                     tokenize_embedding)
 from batchgen.io.field_values import (MAX_FIELD_DEPTH, maybe_json, request_fields, text_problem,
@@ -347,24 +347,15 @@ def plain_kind(data: dict) -> str:
         return "embedding"
     raise BadLine("invalid_messages", "a line needs messages (chat) or prompt (completion), or "
                                        "input (embeddings)"
-                  + (misnamed_input(data) or _misnamed_prompt(data)), "messages")
+                  + (misnamed_input(data) or misnamed(data, OTHER_PROMPT_NAMES)), "messages")
 
 
+_CHAT = "messages (a list of {role, content} objects)"
 OTHER_PROMPT_NAMES = {"text": "prompt", "question": "prompt", "query": "prompt",
-                      "instruction": "prompt", "prompts": "prompt", "message": "messages",
-                      "conversation": "messages", "conversations": "messages"}
+                      "instruction": "prompt", "prompts": "prompt", "message": _CHAT,
+                      "conversation": _CHAT, "conversations": _CHAT}
 """What datasets call a prompt or a chat (ShareGPT's `conversations`): a plain line giving one
 of them instead is told which field batchgen reads."""
-
-
-def _misnamed_prompt(data: dict) -> str:
-    """The hint of a plain line holding its prompt or chat under another name, or ""."""
-    for key in list(data)[:HINTED_KEYS]:
-        meant = OTHER_PROMPT_NAMES.get(key.lower()) if isinstance(key, str) else None
-        if meant is not None and data[key] is not None:
-            shape = " (a list of {role, content} objects)" if meant == "messages" else ""
-            return f"; this one has {reprlib.repr(key)}: rename it to {meant}{shape}"
-    return ""
 
 
 def _check_structured(extra: dict) -> None:
