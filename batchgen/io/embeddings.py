@@ -35,6 +35,8 @@ tokenizing costs about a hundred bytes of memory per character)."""
 OTHER_INPUT_NAMES = ("inputs", "texts", "sentences")
 """What other embedding APIs call `input` (Hugging Face TEI's `inputs`, Cohere's `texts`,
 sentence-transformers' `sentences`): a line giving one of them is told to rename it."""
+VOCAB_BOUND = "the vocabulary size of the model and its tokenizer"
+"""What bounds a line's token ids where the model and its tokenizer agree on their number."""
 HINTED_KEYS = 64
 """Keys of a line looked at for a misnamed field (a hostile line may hold a million)."""
 
@@ -175,8 +177,7 @@ def raise_flag(context: str) -> str:
 
 def tokenize_embedding(parsed: EmbeddingRequest, tokenizer: Any, max_context: int,
                        vocab: int | None = None, context: str = MODEL_CONTEXT,
-                       bound: str = "the vocabulary size of the model and its tokenizer"
-                       ) -> EmbeddingRequest:
+                       bound: str = VOCAB_BOUND) -> EmbeddingRequest:
     """Tokenize every input (as the tokenizer does by default: its special tokens, e.g. the
     EOS last-token pooling reads, are added); raises EmbeddingLineError. `vocab`: every token
     id must be below it (default: the tokenizer's size); `bound`: what sets it, for the

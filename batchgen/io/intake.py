@@ -17,7 +17,7 @@ from typing import Any
 
 from batchgen.core import CompactPickle, Request, SamplingParams
 from batchgen.io.embeddings import (EMBEDDINGS_URL, MAX_CHARS_PER_TOKEN, MODEL_CONTEXT,
-                                    EmbeddingLineError, EmbeddingRequest, misnamed,
+                                    VOCAB_BOUND, EmbeddingLineError, EmbeddingRequest, misnamed,
                                     misnamed_input, parse_embedding, raise_flag,
                                     tokenize_embedding)
 from batchgen.io.field_values import (MAX_FIELD_DEPTH, maybe_json, request_fields, text_problem,
@@ -457,7 +457,7 @@ def vocabulary_bound(tokenizer_size: int, vocab_size: int | None) -> str:
     where its tokenizer has more tokens (then text can tokenize past the model's embeddings,
     which means the tokenizer is not the weights' own), else the tokenizer's size."""
     if vocab_size is None or vocab_size == tokenizer_size:
-        return "the vocabulary size of the model and its tokenizer"
+        return VOCAB_BOUND
     if vocab_size < tokenizer_size:
         return (f"the model's vocab_size; its tokenizer has {tokenizer_size:,} tokens, more than "
                 "the model has embeddings for, so text can tokenize past them: check that the "
