@@ -121,20 +121,24 @@ def test_bursts_and_their_continuations_count_every_sample(tiny):
     assert tokens[0] == tokens[1]
 
 
-def test_logit_bias_is_added_after_the_penalties_and_carried_to_a_continuation():
-    logits = torch.zeros(3, 20)
+def test_logit_bias_is_added_before_the_penalties_and_carried_to_a_continuation():
+    logits = torch.zeros(4, 20)
     seqs = [seq([1], [5], frequency_penalty=1.0, logit_bias=((5, 3.0), (7, -100.0))),
-            seq([1], []), seq([1], [], logit_bias=((2, 50.0),))]
+            seq([1], []), seq([1], [], logit_bias=((2, 50.0),)),
+            seq([4], [], repetition_penalty=2.0, logit_bias=((4, 3.0), (6, -3.0)))]
     penalties = Penalties.of(seqs)
     out = penalties.apply(logits)
     assert out[0, 5] == 2.0 and out[0, 7] == -100.0 and out[0].count_nonzero() == 2
     assert torch.equal(out[1], logits[1])
     assert out[2, 2] == 50.0 and out[2].count_nonzero() == 1
-    penalties.update(torch.tensor([2, 6, 2]))
-    nxt = penalties.continued([2, 0])
-    out = nxt.apply(logits[:2])
+    # vLLM's order: (logit + bias) / repetition for a seen token; an unseen one keeps its bias.
+    assert out[3, 4] == 1.5 and out[3, 6] == -3.0 and out[3].count_nonzero() == 2
+    penalties.update(torch.tensor([2, 6, 2, 6]))
+    nxt = penalties.continued([2, 0, 3])
+    out = nxt.apply(logits[:3])
     assert out[0, 2] == 50.0 and out[0].count_nonzero() == 1  # no penalty: its bias only
     assert out[1, 5] == 2.0 and out[1, 7] == -100.0 and out[1, 2] == -1.0
+    assert out[2, 4] == 1.5 and out[2, 6] == -6.0  # 6 drawn: seen now, (0 - 3) * 2
 
 
 def test_logit_bias_forces_and_forbids_tokens_through_bursts(tiny):

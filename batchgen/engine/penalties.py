@@ -48,19 +48,20 @@ class Penalties:
                    [s.sampling.logit_bias for s in chosen])
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        """float32 logits [S, V] with the penalties applied to their rows (a new tensor).
+        """float32 logits [S, V] with the biases and then the penalties applied to their rows (a
+        new tensor), in vLLM's order.
         Each apply is followed by the update with the samples drawn from it."""
         if self.counts is None:
             self._materialize(logits.shape[-1], logits.device)
         presence, frequency, repetition = self._device_coefficients
         rows = self._device_rows
         sub = logits.index_select(0, rows)
+        if self.bias is not None:  # before the penalties, as vLLM: (logit + bias) / repetition
+            sub = sub + self.bias
         scaled = torch.where(sub > 0, sub / repetition, sub * repetition)
         sub = torch.where(self.seen, scaled, sub)
         counts = self.counts.float()
         sub = sub - frequency * counts - presence * (counts > 0).float()
-        if self.bias is not None:
-            sub = sub + self.bias
         return logits.index_copy(0, rows, sub)
 
     def update(self, tokens: torch.Tensor) -> None:
