@@ -106,7 +106,7 @@ class SamplingParams(CompactPickle):
     positive, multiplied when negative (1 = off)."""
     logit_bias: tuple[tuple[int, float], ...] = ()
     """OpenAI's: (token id, bias in [-100, 100]) pairs, each bias added to its token's logit
-    before sampling (after the penalties)."""
+    before the penalties (as vLLM) and sampling."""
 
     @property
     def greedy(self) -> bool:
