@@ -9,12 +9,14 @@ gives each reader the text it needs:
   newest()  the incremental decode of stop-string checks: the text of a sequence's last tokens
             and where the newest token's characters begin in it
   label()   a token's name in logprobs: its text, or its bytes when it holds part of a character
+  split_unfinished()  a text and the U+FFFD of a character that later tokens may still finish
 It sits on the floor of the shared types (it imports nothing of batchgen), so the engine
 (stops), io (the reasoning parser) and the runner (result lines) all call it.
 """
 
 from __future__ import annotations
 
+import codecs
 import functools
 import re
 from collections.abc import Sequence
@@ -25,6 +27,8 @@ BYTES_PREFIX = "bytes:"
 REPLACEMENT = "\ufffd"
 """What a decode shows for a character whose bytes are not all there yet."""
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+_TAIL_TOKENS = 4
+"""Tokens whose bytes `split_unfinished` reads: a character is at most 4 bytes."""
 
 
 @functools.cache
@@ -61,6 +65,9 @@ class Detokenizer:
         self.skip_special = skip_special_tokens
         """Whether text() and newest() leave special tokens out (the job's setting)."""
         self._labels: dict[int, str] = {}
+        self._bytes: dict[int, bytes] = {}
+        self._special = (frozenset(getattr(tokenizer, "all_special_ids", ()) or ())
+                         if skip_special_tokens else frozenset())
 
     def text(self, token_ids: Sequence[int]) -> str:
         """The text of `token_ids` as an answer shows it (special tokens per the setting)."""
@@ -91,3 +98,34 @@ class Detokenizer:
                     label = bytes_label(raw)
             self._labels[token_id] = label
         return label
+
+    def split_unfinished(self, token_ids: Sequence[int]) -> tuple[str, str]:
+        """The text of `token_ids` cut in two: what an answer that stopped here shows, and the
+        U+FFFD its decode shows for a character still unfinished at the end ("" if none): its
+        last tokens' bytes end with the start of a UTF-8 character that a later token may
+        complete (max_tokens cut an emoji spread over byte tokens). Bytes no later byte can
+        make a character of (a lone continuation byte, a lead byte followed by text) are
+        finished: U+FFFD is their text for good."""
+        text = self.text(token_ids)
+        if not text.endswith(REPLACEMENT):
+            return text, ""
+        tail = [t for t in token_ids[-_TAIL_TOKENS:] if t not in self._special]
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        decoder.decode(b"".join(self._token_bytes(t) for t in tail), final=False)
+        pending = len(decoder.getstate()[0])
+        # One U+FFFD for those bytes (a lossy decode), or one a byte (a byte-fallback one).
+        cut = len(text)
+        while cut and len(text) - cut < pending and text[cut - 1] == REPLACEMENT:
+            cut -= 1
+        return text[:cut], text[cut:]
+
+    def _token_bytes(self, token_id: int) -> bytes:
+        """A token's raw bytes: those of a byte piece, else its text's (whole characters)."""
+        raw = self._bytes.get(token_id)
+        if raw is None:
+            piece = self.tokenizer.convert_ids_to_tokens(token_id)
+            raw = token_bytes(piece) if isinstance(piece, str) else None
+            if raw is None:
+                raw = self.markup([token_id]).encode("utf-8")
+            self._bytes[token_id] = raw
+        return raw

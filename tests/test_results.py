@@ -15,8 +15,8 @@ def decode(token_id: int) -> str:
     return VOCAB[token_id]
 
 
-def decode_text(token_ids) -> str:
-    return "".join(VOCAB[t] for t in token_ids)
+def split_text(token_ids) -> tuple[str, str]:
+    return "".join(VOCAB[t] for t in token_ids), ""
 
 
 def pending(kind="chat", logprobs=False, top=0, n=1, custom_id="req-1"):
@@ -40,7 +40,7 @@ def make(kind="chat", **kw):
     n = kw.pop("n", 1)
     return success_line(pending(kind, logprobs, top, n), finished(n, logprobs), batch_id="batch_x",
                         model="tiny", created=1700000000, decode_token=decode,
-                        decode_text=decode_text, **kw)
+                        split_text=split_text, **kw)
 
 
 def test_chat_success_schema():
@@ -86,7 +86,7 @@ def test_text_completion_schema_with_logprobs():
 
 def test_logprobs_absent_unless_requested():
     line = success_line(pending(), finished(with_logprobs=True), batch_id="b", model="m",
-                        created=1, decode_token=decode, decode_text=decode_text)
+                        created=1, decode_token=decode, split_text=split_text)
     assert line["response"]["body"]["choices"][0]["logprobs"] is None
 
 
@@ -117,7 +117,7 @@ def test_tool_call_ids_differ_between_requests_choices_and_calls_and_hold_on_a_r
         parsed = [ParsedChoice(None, tool_calls=[call, call]) for _ in range(2)]
         line = success_line(pending(n=2, custom_id=custom_id), finished(2, custom_id=custom_id),
                             batch_id="batch_x", model="tiny", created=1700000000,
-                            decode_token=decode, decode_text=decode_text, texts=["t", "t"],
+                            decode_token=decode, split_text=split_text, texts=["t", "t"],
                             parsed=parsed)
         return [c["id"] for choice in line["response"]["body"]["choices"]
                 for c in choice["message"]["tool_calls"]]
@@ -148,7 +148,7 @@ def test_failure_line_schema():
 def test_lines_are_deterministic_per_batch_and_custom_id():
     assert dumps(make()) == dumps(make())
     other = success_line(pending(), finished(), batch_id="batch_y", model="tiny",
-                         created=1700000000, decode_token=decode, decode_text=decode_text)
+                         created=1700000000, decode_token=decode, split_text=split_text)
     assert other["id"] != make()["id"]
     assert other["response"]["body"]["id"] != make()["response"]["body"]["id"]
     raw = dumps(make())
@@ -161,6 +161,7 @@ def test_text_offsets_are_character_offsets_in_the_decoded_text():
     """On a byte-level tokenizer a CJK character or an emoji spans several tokens, and a
     skipped special token adds no character: each offset is where the token's text starts in
     the whole text (a token inside a character: where that character starts)."""
+    from batchgen.detokenizer import Detokenizer
     from batchgen.io.results import char_offsets
     from tiny_models import embedded_tokenizer
 
@@ -168,12 +169,38 @@ def test_text_offsets_are_character_offsets_in_the_decoded_text():
     ids = tok.encode("日本的首都。 Party 🎉🎉 naïve", add_special_tokens=False)
     ids = ids[:4] + [tok.eos_token_id] + ids[4:]
     for skip in (True, False):
-        def decode_text(t, skip=skip):
-            return tok.decode(list(t), skip_special_tokens=skip)
-
-        expected = [len(decode_text(ids[:i]).rstrip("\ufffd")) for i in range(len(ids))]
-        assert char_offsets(ids, decode_text) == expected
+        detok = Detokenizer(tok, skip)
+        expected = [len(detok.split_unfinished(ids[:i])[0]) for i in range(len(ids))]
+        assert char_offsets(ids, detok.split_unfinished) == expected
+        assert expected == [len(detok.text(ids[:i]).rstrip("\ufffd")) for i in range(len(ids))]
     assert expected != [sum(len(tok.decode([t])) for t in ids[:i]) for i in range(len(ids))]
+
+
+def test_a_byte_no_later_token_can_finish_is_text_and_counted():
+    """A lone UTF-8 continuation byte (a token a random or odd model may draw) decodes to U+FFFD
+    for good: the answer keeps it, mid-text or last, and the offsets after it count it; an
+    emoji cut before its last byte is left out of the answer instead."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    from batchgen.detokenizer import Detokenizer
+    from batchgen.io.results import char_offsets
+    from tiny_models import embedded_tokenizer
+
+    tok = embedded_tokenizer()
+    lone = tok.convert_tokens_to_ids(bytes_to_unicode()[0x9C])
+    detok = Detokenizer(tok)
+    hild, there = (tok.encode(w, add_special_tokens=False) for w in (" Hild", " there"))
+    ids = hild + [lone] + there
+    text = detok.text(ids)
+    assert text == " Hild\ufffd there"
+    offsets = char_offsets(ids, detok.split_unfinished)
+    assert offsets[len(hild)] == len(" Hild") and offsets[len(hild) + 1] == len(" Hild\ufffd")
+    assert detok.split_unfinished(hild + [lone]) == (" Hild\ufffd", "")
+    assert detok.split_unfinished([lone, lone]) == ("\ufffd\ufffd", "")
+    emoji = tok.encode(" 😀", add_special_tokens=False)
+    assert len(emoji) > 1
+    assert detok.split_unfinished(hild + emoji[:-1]) == (" Hild ", "\ufffd")
+    assert detok.split_unfinished(hild + [lone] + emoji[:-1]) == (" Hild\ufffd ", "\ufffd")
 
 
 def test_tokens_holding_part_of_a_character_are_named_by_their_bytes():
@@ -199,7 +226,7 @@ def test_tokens_holding_part_of_a_character_are_named_by_their_bytes():
         0, ids, FinishReason.LENGTH, "😀 日本",
         [TokenLogprob(t, -0.5, [(t, -0.5), (ids[0], -1.0)]) for t in ids])]),
         batch_id="b", model="m", created=1, decode_token=formatter.detokenizer.label,
-        decode_text=formatter.detokenizer.text)
+        split_text=formatter.detokenizer.split_unfinished)
     content = chat["response"]["body"]["choices"][0]["logprobs"]["content"]
     assert b"".join(bytes(e["bytes"]) for e in content) == "😀 日本".encode()
     # Each token's runner-up is another token that alone decodes to U+FFFD.
@@ -209,6 +236,6 @@ def test_tokens_holding_part_of_a_character_are_named_by_their_bytes():
                                 [TokenLogprob(t, -0.5, [(t, -0.5), (partner[t], -1.0)])
                                  for t in ids])]),
         batch_id="b", model="m", created=1, decode_token=formatter.detokenizer.label,
-        decode_text=formatter.detokenizer.text)["response"]["body"]["choices"][0]["logprobs"]
+        split_text=formatter.detokenizer.split_unfinished)["response"]["body"]["choices"][0]["logprobs"]
     for token, top in zip(text["tokens"], text["top_logprobs"]):
         assert top[token] == -0.5 and len(top) == 2

@@ -139,3 +139,17 @@ def test_an_answer_cut_inside_a_character_ends_before_it(tok, text):
         seq = Sequence(0, "r", 0, [1, 2, 3] + ids[:n], 3, SamplingParams(max_tokens=n), 0)
         final = checker.final_text(seq, None)
         assert final == tok.decode(ids[:n]).rstrip("\ufffd") and text.startswith(final)
+
+
+def test_an_answer_ending_in_a_byte_no_token_can_finish_keeps_its_u_fffd(tok):
+    """A lone continuation byte is no start of a character: it decodes to U+FFFD for good, and
+    an answer ending with it shows it, as it does mid-answer (only an unfinished character at
+    the end is left out)."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    lone = tok.convert_tokens_to_ids(bytes_to_unicode()[0x9C])
+    checker = StopChecker(tok)
+    for answer, shown in (([lone] * 3, "\ufffd" * 3),
+                          (tok.encode("ok", add_special_tokens=False) + [lone], "ok\ufffd")):
+        seq = Sequence(0, "r", 0, [1, 2, 3] + answer, 3, SamplingParams(max_tokens=9), 0)
+        assert checker.final_text(seq, None) == shown

@@ -74,10 +74,10 @@ class StopChecker:
         before it rather than with U+FFFD (as vLLM's); logprobs keep its bytes."""
         if self.detokenizer is None:
             return None
-        text = self.detokenizer.text(
-            seq.token_ids[seq.prompt_len:len(seq.token_ids) - int(ended_by_token)])
+        answer = seq.token_ids[seq.prompt_len:len(seq.token_ids) - int(ended_by_token)]
         if stop is None:
-            return text.rstrip(REPLACEMENT)
+            return self.detokenizer.split_unfinished(answer)[0]
+        text = self.detokenizer.text(answer)
         cut = len(text) - stop.from_end
         if text[cut:cut + len(stop.stop)] != stop.stop:
             cut = text.rfind(stop.stop)  # the tail decoded apart from the whole text

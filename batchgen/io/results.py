@@ -100,7 +100,7 @@ def embedding_line(batch_id: str, request: EmbeddingRequest, vectors, model: str
 
 def success_line(pending: PendingRequest, finished: FinishedRequest, *, batch_id: str,
                  model: str, created: int, decode_token: Callable[[int], str],
-                 decode_text: Callable[[Sequence[int]], str],
+                 split_text: Callable[[Sequence[int]], tuple[str, str]],
                  texts: Sequence[str] | None = None,
                  parsed: Sequence[ParsedChoice | None] | None = None,
                  reasoning_field: str = "reasoning_content",
@@ -108,8 +108,10 @@ def success_line(pending: PendingRequest, finished: FinishedRequest, *, batch_id
     """The 200 result of a finished request.
 
     texts: detokenized text per choice (default: each Completion.text). parsed: parser output
-    per choice (chat only). decode_token: token id -> its text, for logprobs; decode_text:
-    token ids -> text as the choices' texts are decoded, for the completions' text_offset."""
+    per choice (chat only). decode_token: token id -> its text, for logprobs; split_text:
+    token ids -> their text, cut before a character still unfinished at the end, and that
+    character's U+FFFD (Detokenizer.split_unfinished), for echo and the completions'
+    text_offset."""
     completions = sorted(finished.completions, key=lambda c: c.index)
     texts = list(texts) if texts is not None else [_text_of(c) for c in completions]
     top_n = pending.sampling.top_logprobs if pending.sampling.logprobs else -1
@@ -122,9 +124,9 @@ def success_line(pending: PendingRequest, finished: FinishedRequest, *, batch_id
     else:
         if pending.extra.get("echo"):  # the prompt as the line gave it, then the answer
             head = (pending.prompt if isinstance(pending.prompt, str)
-                    else decode_text(pending.prompt_token_ids))
+                    else "".join(split_text(pending.prompt_token_ids)))
             texts = [head + t for t in texts]
-        choices = [_text_choice(c, t, top_n, decode_token, decode_text)
+        choices = [_text_choice(c, t, top_n, decode_token, split_text)
                    for c, t in zip(completions, texts)]
         obj = "text_completion"
     body = {"id": completion_id(batch_id, pending.custom_id, pending.kind), "object": obj,
@@ -197,30 +199,32 @@ def _chat_logprob(lp: TokenLogprob, top_n: int, decode: Callable[[int], str]) ->
 
 
 def _text_choice(c: Completion, text: str, top_n: int, decode: Callable[[int], str],
-                 decode_text: Callable[[Sequence[int]], str]) -> dict:
+                 split_text: Callable[[Sequence[int]], tuple[str, str]]) -> dict:
     logprobs = None
     if top_n >= 0 and c.logprobs is not None:
         logprobs = _text_logprobs(c.logprobs, top_n, decode,
-                                  char_offsets([lp.token_id for lp in c.logprobs], decode_text))
+                                  char_offsets([lp.token_id for lp in c.logprobs], split_text))
     return {"index": c.index, "text": text, "logprobs": logprobs,
             "finish_reason": c.finish_reason.value}
 
 
 def char_offsets(token_ids: Sequence[int],
-                 decode_text: Callable[[Sequence[int]], str]) -> list[int]:
-    """Where each token's characters start in decode_text(token_ids): the length of the text
-    before it, an unfinished character (shown as U+FFFD) not counted. A token's own text is
-    not that (a multi-byte character split over tokens, a tokenizer that drops a leading space
-    or skips special tokens), and decoding every prefix would be quadratic: the text before
-    each token is decoded from the last two points where it was whole."""
+                 split_text: Callable[[Sequence[int]], tuple[str, str]]) -> list[int]:
+    """Where each token's characters start in the text of `token_ids`: the length of the text
+    before it, an unfinished character not counted. `split_text(ids)`: the text of `ids` and
+    the U+FFFD it ends with for a character that later tokens may still finish ("" if none;
+    Detokenizer.split_unfinished). A token's own text is not that (a multi-byte character
+    split over tokens, a tokenizer that drops a leading space or skips special tokens), and
+    decoding every prefix would be quadratic: the text before each token is decoded from the
+    last two points where it was whole."""
     offsets = []
     whole, whole_len = 0, 0  # token_ids[:whole] decodes to whole_len whole characters
     anchor = 0  # the whole point before `whole`: decoding from it keeps a leading space
     for i in range(len(token_ids)):
-        head = decode_text(token_ids[anchor:i])
-        anchor_len = len(decode_text(token_ids[anchor:whole]))
-        offsets.append(whole_len + len(head.rstrip("\ufffd")) - anchor_len)
-        if not head.endswith("\ufffd"):
+        head, unfinished = split_text(token_ids[anchor:i])
+        anchor_len = len(split_text(token_ids[anchor:whole])[0])
+        offsets.append(whole_len + len(head) - anchor_len)
+        if not unfinished:
             whole_len += len(head) - anchor_len
             anchor, whole = whole, i
     return offsets

@@ -66,7 +66,7 @@ class OutputFormatter:
                             created=self.spec.created,
                             system_fingerprint=self.spec.system_fingerprint,
                             decode_token=self.detokenizer.label,
-                            decode_text=self.detokenizer.text,
+                            split_text=self.detokenizer.split_unfinished,
                             parsed=parsed, reasoning_field=self.reasoning_field)
 
     def _reasoning_style(self, pending: PendingRequest) -> str | None:
