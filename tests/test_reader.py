@@ -63,6 +63,15 @@ def test_bom_and_missing_final_newline(tmp_path):
     assert [(r.line, r.data) for r in records] == [(1, {"prompt": "a"}), (3, {"prompt": "b"})]
 
 
+def test_a_line_bound_past_what_a_read_can_take_reads_every_line(tmp_path):
+    """--max-line-bytes 9223372036854775807 is an integer below 2**63, as run's check asks,
+    but one more is past what a file read takes (an OverflowError traceback)."""
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b'{"prompt": "a"}\n{"prompt": "b"}\n')
+    for bound in (2**63 - 1, 10**20):
+        assert [r.data for r in read_records(path, bound)] == [{"prompt": "a"}, {"prompt": "b"}]
+
+
 def test_files_joined_with_their_byte_order_marks_read_as_one(tmp_path):
     """`cat a.jsonl b.jsonl` of files a Windows editor saved: each line starting with a BOM was
     an invalid_json error line, a BOM-only line too (a request that was none)."""

@@ -2,6 +2,7 @@
 templates that loop or grow without end. Each becomes its own error line; the job finishes."""
 
 import json
+import re
 import subprocess
 import sys
 import tracemalloc
@@ -13,7 +14,7 @@ from attacks import fixture, nested_regex_row, write_huge_line
 from batchgen.core import SamplingParams
 from batchgen.io import templates as templates_module
 from batchgen.io.grammar_limits import (MAX_REGEX_DEPTH, GrammarTooComplex,
-                                        check_grammar_limits, regex_depth)
+                                        check_grammar_limits, regex_depth, regex_units)
 from batchgen.io.intake import ParsedRequest, intake, parse_record, tokenize_request
 from batchgen.io.parsed_input import ParsedRecord
 from batchgen.io.reader import RawRecord, read_records, scan_input
@@ -60,6 +61,61 @@ def test_grammar_limits_name_what_is_over():
     with pytest.raises(GrammarTooComplex, match="bytes"):
         check_grammar_limits({"type": "json_schema", "json_schema": {
             "schema": {"enum": ["x" * 1000] * 300}}})
+
+
+def _schema(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+
+
+def _strings(count: int, pattern: str | None = None) -> dict:
+    value = {"type": "string", **({"pattern": pattern} if pattern else {})}
+    return {"type": "object", "properties": {f"p{i}": value for i in range(count)}}
+
+
+@pytest.mark.parametrize("schema, message", [
+    # The grammar compiler's work grows with the square of a repetition count: minutes here.
+    ({"type": "string", "pattern": "x{50000}"}, "repeats 50000 times, over the limit of 1000"),
+    ({"type": "string", "pattern": "[a-z]{2,1001}"}, "repeats 1001 times"),
+    (_strings(21, "x{1000}"), "expand to more than 20000 characters"),
+    ({"type": "string", "pattern": "((ab){100}){101}"}, "expand to more than 20000"),
+    ({"type": "object", "patternProperties": {"^k{5000}$": {"type": "string"}}},
+     "patternProperties key '^k{5000}$' repeats 5000 times"),
+    # ... and with the cube of an object's property count (2,000 strings: 16 s).
+    (_strings(257), "lists 257 properties, over the limit of 256 for one object"),
+    ({"type": "object", "properties": {f"o{j}": _strings(256) for j in range(8)}},
+     "more than 2048 properties in all"),
+    # A chain of $refs: 6,000 took 74 s.
+    ({"$defs": {**{f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(1100)},
+                "d1100": {"type": "integer"}}, "$ref": "#/$defs/d0"}, "more than 1024 $refs"),
+])
+def test_schemas_that_would_take_the_grammar_compiler_minutes_are_refused(schema, message):
+    with pytest.raises(GrammarTooComplex, match=re.escape(message)):
+        check_grammar_limits(_schema(schema))
+
+
+def test_schemas_at_the_limits_are_accepted():
+    """Each at its limit compiles within about a second on one core (the module's figures)."""
+    for schema in (_strings(20, "x{1000}"), {"type": "string", "pattern": "(x{100}){100}"},
+                   _strings(256, "[a-z]+"),
+                   {"type": "object", "properties": {f"o{j}": _strings(255) for j in range(8)}},
+                   {"$defs": {**{f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(1023)},
+                              "d1023": {"type": "integer"}}, "$ref": "#/$defs/d0"}):
+        check_grammar_limits(_schema(schema))
+    assert regex_units(r"(ab){100}\d{5}[{]{2}x\{3}") == (200 + 5 + 2 + 4, 100)
+
+
+def test_the_limits_count_every_function_a_forced_call_may_call():
+    """tool_choice "required" builds one grammar of all the tools: their schemas together."""
+    tools = [{"type": "function", "function": {"name": f"f{j}", "parameters": _strings(256)}}
+             for j in range(9)]
+    line = {"custom_id": "t", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"messages": [{"role": "user", "content": "x"}], "tools": tools,
+                     "tool_choice": "required"}}
+    err = parse_record(RawRecord(1, line))
+    assert err.code == "invalid_tool_choice" and err.param == "tools"
+    assert "more than 2048 properties in all" in err.message
+    assert isinstance(parse_record(RawRecord(1, {**line, "body": {
+        **line["body"], "tool_choice": "auto"}})), ParsedRequest)  # nothing forced: no grammar
 
 
 def test_an_integer_beyond_64_bits_is_not_taken_for_deep_nesting():

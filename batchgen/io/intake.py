@@ -22,7 +22,7 @@ from batchgen.io.embeddings import (EMBEDDINGS_URL, MAX_CHARS_PER_TOKEN, MODEL_C
                                     tokenize_embedding)
 from batchgen.io.field_values import (MAX_FIELD_DEPTH, maybe_json, request_fields, text_problem,
                                       too_deep)
-from batchgen.io.grammar_limits import GrammarTooComplex, check_grammar_limits
+from batchgen.io.grammar_limits import GrammarTooComplex, check_grammar_limits, check_grammars
 from batchgen.io.messages import parse_messages, parse_prompt
 from batchgen.io.reader import RawRecord, custom_id_of, record_key
 from batchgen.io.refused_fields import (EMBEDDING_REFUSED, refuse_fields, refuse_template_kwargs,
@@ -369,13 +369,14 @@ def _check_structured(extra: dict) -> None:
         forced = forced_functions(extra.get("tools"), extra.get("tool_choice"))
     except ToolChoiceError as err:
         raise BadLine("invalid_tool_choice", str(err), "tool_choice") from None
-    for fn in forced or ():  # a forced call's grammar is built from these schemas
-        try:
-            check_grammar_limits(fn["parameters"], "parameters")
+    try:  # a forced call's grammar is built from these schemas
+        check_grammars([(f"function {fn['name']!r} parameters", fn["parameters"])
+                        for fn in forced or ()])
+        for fn in forced or ():
             check_parameters_schema(fn["parameters"], f"function {fn['name']!r} parameters")
-        except (GrammarTooComplex, StructuredOutputError) as err:
-            raise BadLine("invalid_tool_choice", f"tools: a parameters schema cannot be "
-                                                 f"enforced: {err}", "tools") from None
+    except (GrammarTooComplex, StructuredOutputError) as err:
+        raise BadLine("invalid_tool_choice", f"tools: a parameters schema cannot be "
+                                             f"enforced: {err}", "tools") from None
     if "response_format" in extra:
         try:
             check_grammar_limits(extra["response_format"])

@@ -19,6 +19,7 @@ import math
 import os
 import reprlib
 import stat
+import sys
 from array import array
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -235,6 +236,7 @@ def _jsonl_lines(path: Path, max_line_bytes: int) -> Iterator[tuple[int, bytes |
     than `max_line_bytes` (its newline not counted) is never held in memory: (number, its
     length) instead. A UTF-8 byte order mark starting a line is dropped: Windows editors write
     one at the start of each file, and files joined with `cat` keep them mid-file."""
+    max_line_bytes = min(max_line_bytes, sys.maxsize - 1)  # readline's size is a C ssize_t
     with open(path, "rb") as f:
         number = 0
         while raw := f.readline(max_line_bytes + 1):
