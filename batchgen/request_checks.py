@@ -292,6 +292,7 @@ def _check_node(schema: dict, path: str) -> None:
         raise StructuredOutputError(f"pattern beside format {fmt!r} at {path} is not "
                                     "supported: keep one of them")
     _check_patterns(schema, path)
+    _check_counts(schema, path)
     _check_integer_bounds(schema, path)
     if "enum" in schema or "const" in schema:
         _check_listed_values(schema, path)
@@ -303,6 +304,21 @@ def _check_node(schema: dict, path: str) -> None:
             raise StructuredOutputError(f"required {missing!r} at {path} not declared in "
                                         "properties is not supported: declare each required "
                                         "property")
+
+
+_COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
+
+
+def _check_counts(schema: dict, path: str) -> None:
+    """Length and size bounds are non-negative integers in JSON Schema: the grammar engine
+    takes a maxLength or minItems of -1 for no bound and fails on a minLength of -1 only
+    when it compiles (a message of its C++ internals, where `validate` saw nothing)."""
+    for key in _COUNTS:
+        value = schema.get(key)
+        if key in schema and not (isinstance(value, int) and not isinstance(value, bool)
+                                  and value >= 0):
+            raise StructuredOutputError(f"{key} at {path} must be a non-negative integer, got "
+                                        f"{reprlib.repr(value)}")
 
 
 def _check_patterns(schema: dict, path: str) -> None:

@@ -259,3 +259,21 @@ def test_a_pattern_matching_a_quote_or_a_backslash_is_refused(pattern):
                                      r"^\w+( \w+)*$", r"^[A-Z]\.\s?$", r"^(?:\+|-)?\d+$"])
 def test_patterns_users_write_are_accepted(pattern):
     assert isinstance(parse(response_format=rf(S(type="string", pattern=pattern))), ParsedRequest)
+
+
+@pytest.mark.parametrize("schema, says", [
+    (S(type="string", minLength=-1), "minLength at #/properties/a must be a non-negative integer, got -1"),
+    (S(type="string", maxLength=-1), "maxLength at #/properties/a must be a non-negative integer"),
+    (S(type="array", items=S(type="integer"), minItems=-1), "minItems at #/properties/a must be"),
+    (S(type="string", minLength=2.0), "minLength at #/properties/a must be a non-negative "
+                                      "integer, got 2.0"),
+    (S(type="string", maxLength=True), "got True"),
+])
+def test_negative_or_fractional_length_bounds_are_refused_as_validate_refuses_them(schema, says):
+    """The grammar engine took maxLength or minItems -1 for no bound, and a minLength of -1
+    failed only when the worker compiled it (a C++ check's message; validate said valid)."""
+    parsed = parse(response_format=rf(schema))
+    assert isinstance(parsed, IntakeError) and parsed.code == "unsupported_response_format"
+    assert says in parsed.message, parsed.message
+    assert isinstance(parse(response_format=rf(S(type="string", minLength=0, maxLength=0))),
+                      ParsedRequest)
