@@ -363,7 +363,7 @@ def test_parquet_decimal_and_binary_cells_are_numbers_and_text(tmp_path):
     assert parsed.sampling.temperature == 0.7 and parsed.sampling.max_tokens == 4
     assert parse_record(second).prompt == "caf\u00e9"
     assert third.error.code == "invalid_utf8" and "'prompt'" in third.error.message
-    assert record_key(third) == "line-3"
+    assert record_key(third) == "9"  # its own custom_id cell is readable: its error names it
 
 
 def test_parquet_decimal_and_binary_items_of_list_columns_are_numbers_and_text(tmp_path):
@@ -388,6 +388,8 @@ def test_parquet_decimal_and_binary_items_of_list_columns_are_numbers_and_text(t
     assert parsed.messages == [{"role": "user", "content": "caf\u00e9"}]
     assert list(parsed.sampling.stop_token_ids) == [5]
     assert second.error.code == "invalid_utf8" and "'messages'" in second.error.message
+    error = parse_record(second)
+    assert (error.custom_id, error.code) == ("b", "invalid_utf8")
 
 
 def test_a_parquet_file_with_two_columns_of_one_name_is_refused(tmp_path):

@@ -288,12 +288,18 @@ def _clean_value(value: object) -> object:
 
 
 def _parquet_record(row: int, item: dict) -> RawRecord:
-    """One row as a record; a binary cell that is not UTF-8 makes it an invalid_utf8 line."""
+    """One row as a record; a binary cell that is not UTF-8 makes it an invalid_utf8 line,
+    which keeps the row's custom_id where that cell is readable (its result is named by it)."""
     for name, value in item.items():
         try:
             item[name] = _clean_value(value)
         except UnicodeDecodeError as e:
-            return RawRecord(row, None, LineError(
+            try:
+                own = {"custom_id": _clean_value(item["custom_id"])} if "custom_id" in item \
+                    else None
+            except UnicodeDecodeError:
+                own = None
+            return RawRecord(row, own, LineError(
                 "invalid_utf8", f"line {row}: column {name!r} holds bytes that are not UTF-8 "
                                 f"text (byte {e.start}): write it as UTF-8 strings"))
     return RawRecord(row, {k: v for k, v in item.items() if v is not None})
