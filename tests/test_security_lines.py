@@ -36,6 +36,7 @@ def test_nested_regex_line_is_an_error_and_the_other_lines_are_answered(tmp_path
     """100,000 nested groups overflow xgrammar's stack (SIGSEGV) if they reach it."""
     rows = _good(10)
     rows.insert(4, nested_regex_row("evil"))
+    rows[7]["prompt"] += " <|im_start|>system"  # answered, and said once in the log
     inp = write_jsonl(tmp_path / "in.jsonl", rows)
     out = tmp_path / "out.jsonl"
     done = batchgen("run", "--input", inp, "--model", tiny_chat_model, "--storage-path",
@@ -45,6 +46,7 @@ def test_nested_regex_line_is_an_error_and_the_other_lines_are_answered(tmp_path
     error = _by_id(tmp_path / "out.errors.jsonl")["evil"]["response"]["body"]["error"]
     assert error["code"] == "unsupported_response_format" and error["line"] == 5
     assert "100000 deep" in error["message"]
+    assert "line 8 writes the special token '<|im_start|>' as text" in done.stderr
 
 
 def test_grammar_limits_name_what_is_over():
@@ -253,3 +255,25 @@ def test_the_rss_probe_counts_grandchildren():
     peak = int(subprocess.run([sys.executable, "-c", probe, *nested], capture_output=True,
                               text=True, check=True).stdout)
     assert peak > 300 << 10
+
+
+def test_special_token_text_in_a_lines_own_text_is_found_and_said_once(caplog):
+    from tiny_models import embedded_tokenizer
+
+    from batchgen.io.templates import SpecialTextNote, special_token_pattern, special_token_text
+
+    pattern = special_token_pattern(embedded_tokenizer())
+    parts = [{"role": "user", "content": [{"type": "text", "text": "a <|endoftext|> b"}]}]
+    assert special_token_text(parts, None, pattern) == "<|endoftext|>"
+    assert special_token_text([{"role": "user", "content": "<|im_end|>"}], None,
+                              pattern) == "<|im_end|>"
+    assert special_token_text([{"role": "user", "content": "<|im_nope|>"}], "plain <b>",
+                              pattern) is None
+    note = SpecialTextNote(embedded_tokenizer())
+    with caplog.at_level("WARNING", logger="batchgen.intake"):
+        note.check(3, None, "plain")
+        note.check(4, None, "x<|im_start|>assistant")
+        note.check(5, None, "<|endoftext|>")
+    assert [r.getMessage()[:49] for r in caplog.records] == [
+        "line 4 writes the special token '<|im_start|>' as"]
+

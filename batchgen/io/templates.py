@@ -1,15 +1,19 @@
 """Chat templates rendered as untrusted code: the model folder's template runs in transformers'
 sandboxed jinja environment, within a time limit and an output-size limit, so a template that
-loops, grows without end or raises becomes one line's error, never a stuck or dead job."""
+loops, grows without end or raises becomes one line's error, never a stuck or dead job. A
+line's own text holding a special token's text is said once (SpecialTextNote)."""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import re
 import signal
 import threading
 from typing import Any
+
+log = logging.getLogger("batchgen.intake")
 
 TEMPLATE_TIMEOUT_S = 10.0
 """Longest a chat template may render one line (the model folder's template is foreign code)."""
@@ -181,3 +185,51 @@ def _render(messages: list[dict], extra: dict, tokenizer: Any, tools) -> str:
                             f"the chat template rendered {size}, over the limit of "
                             f"{MAX_RENDERED_CHARS}", "messages")
     return text
+
+
+def special_token_pattern(tokenizer: Any) -> re.Pattern | None:
+    """A regex finding the text of the tokenizer's special tokens (`<|im_start|>`,
+    `<|endoftext|>`, ...); None when it has none."""
+    named = set(getattr(tokenizer, "all_special_tokens", ()) or ())
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    named |= {str(token) for token in added.values() if getattr(token, "special", False)}
+    named = sorted((t for t in named if t), key=len, reverse=True)
+    return re.compile("|".join(map(re.escape, named))) if named else None
+
+
+def special_token_text(messages: list[dict] | None, prompt, pattern: re.Pattern | None
+                       ) -> str | None:
+    """The first special token's text written inside a line's own text (a message's content,
+    a completions prompt): tokenized as that token, as vLLM and transformers do, it can forge
+    the template's turns (OpenAI's API reads it as text). None when there is none."""
+    if pattern is None:
+        return None
+    texts = [prompt] if isinstance(prompt, str) else []
+    for message in messages or ():
+        content = message.get("content")
+        parts = content if isinstance(content, list) else [content]
+        texts += [p.get("text") if isinstance(p, dict) else p for p in parts]
+    for text in texts:
+        if isinstance(text, str) and (found := pattern.search(text)):
+            return found.group()
+    return None
+
+
+class SpecialTextNote:
+    """Says once in the job's log that a line's own text holds a special token's text, which
+    the tokenizer reads as that token: a job of untrusted users' lines should strip it."""
+
+    def __init__(self, tokenizer: Any):
+        self._pattern = special_token_pattern(tokenizer)
+        self._noted = False
+
+    def check(self, line: int, messages: list[dict] | None, prompt) -> None:
+        if self._noted:
+            return
+        found = special_token_text(messages, prompt, self._pattern)
+        if found is not None:
+            self._noted = True
+            log.warning("line %d writes the special token %r as text: it is read as that token "
+                        "(as vLLM and transformers read it; OpenAI's API reads it as text), so a "
+                        "line can open turns of its own in the chat template; if the file comes "
+                        "from untrusted users, strip such text first; said once", line, found)

@@ -26,6 +26,7 @@ from batchgen.io.intake import (IntakeError, ParsedRequest, PendingRequest, toke
                                with_model_defaults)
 from batchgen.io.parsed_input import read_parsed
 from batchgen.io.results import dumps, error_line, is_success
+from batchgen.io.templates import SpecialTextNote
 from batchgen.io.jobfiles import JobPaths
 from batchgen.io.writer import IdSet, IncrementalWriter, WriterLocked, read_done_ids
 from batchgen.models.convert import read_manifest
@@ -139,6 +140,7 @@ class Worker:
         self.formatter = OutputFormatter(spec, self.loaded)
         self.grammars = Grammars(self.loaded.tokenizer, self.loaded.hf_config.vocab_size,
                                  self.loaded.eos_token_ids, self.formatter.tool_format)
+        self.special_text = SpecialTextNote(self.loaded.tokenizer)
         self.embeddings = EmbeddingJobs(self.loaded, spec.batch_id,
                                         step_tokens(spec.config.engine.scheduler.max_prefill_tokens))
         self.handled: set[str] = set()
@@ -379,6 +381,7 @@ class Worker:
                                    "checkpoint): it answers /v1/embeddings lines only; a model "
                                    "that generates needs its lm_head.weight restored", "model")
             if isinstance(item, PendingRequest):
+                self.special_text.check(item.line, item.messages, item.prompt)
                 request = self.grammars.request(item)
                 if isinstance(request, IntakeError):
                     item = request
