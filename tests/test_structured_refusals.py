@@ -262,7 +262,8 @@ def test_patterns_users_write_are_accepted(pattern):
 
 
 @pytest.mark.parametrize("schema, says", [
-    (S(type="string", minLength=-1), "minLength at #/properties/a must be a non-negative integer, got -1"),
+    (S(type="string", minLength=-1),
+     "minLength at #/properties/a must be a non-negative integer, got -1"),
     (S(type="string", maxLength=-1), "maxLength at #/properties/a must be a non-negative integer"),
     (S(type="array", items=S(type="integer"), minItems=-1), "minItems at #/properties/a must be"),
     (S(type="string", minLength=2.0), "minLength at #/properties/a must be a non-negative "
