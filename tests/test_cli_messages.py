@@ -161,6 +161,7 @@ def test_validate_says_to_move_body_fields_written_beside_body_into_it(tmp_path)
             "move it into \"body\"") in out
     assert "line 1: warning: unknown field 'colour': it is ignored" in out
     assert "line 2: warning: field 'dimensions' is outside \"body\"" in out
+    assert "checked without the model: what needs its tokenizer" in out  # validate passed it
 
 
 def test_validate_warns_about_unknown_fields_with_the_closest_known_one(tmp_path):

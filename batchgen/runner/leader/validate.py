@@ -91,6 +91,10 @@ def validate_file(path: Path, max_tokens: int,
                    "nothing to run")
         return ExitCode.FAILED
     bad = sum(codes.values())
+    if bad < summary.records:
+        typer.echo("checked without the model: what needs its tokenizer (a prompt's length "
+                   "against the context and --max-model-len, token ids against the vocabulary, "
+                   "the chat template) is checked when the job runs")
     line = (f"{path}: {summary.format}, {_plural(summary.records, 'request')}: "
             f"{summary.records - bad} valid, {bad} invalid")
     typer.echo(line + (f" ({_count_words(codes)})" if bad else "")
