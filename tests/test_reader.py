@@ -152,6 +152,21 @@ def test_file_level_errors_name_path_and_fix(tmp_path, make, needle):
     assert needle in str(info.value) and str(path) in str(info.value)
 
 
+def test_a_long_stray_first_line_does_not_refuse_the_lines_after_it(tmp_path):
+    """A 5 KB comment line cut by the first read was judged alone: plain text, the whole file
+    refused. It is one line's error; a file whose first line outgrows the read is judged
+    line by line too, unless its bytes are binary."""
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b"# " + b"x" * 5000 + b'\n{"prompt": "x"}\n')
+    records = list(read_records(path))
+    assert records[0].error.code == "invalid_json" and records[1].data == {"prompt": "x"}
+    path.write_bytes(b"# " + b"x" * (70 << 10) + b'\n{"prompt": "x"}\n')
+    assert list(read_records(path))[1].data == {"prompt": "x"}
+    path.write_bytes(b"\x00\x01" * (40 << 10) + b'\n{"prompt": "x"}\n')
+    with pytest.raises(InputFileError, match="binary"):
+        list(read_records(path))
+
+
 def test_a_file_with_one_object_among_its_first_lines_is_jsonl(tmp_path):
     """Only a file none of whose first lines is an object is refused whole: a bad first line
     of a JSONL file is that line's error, the others run."""

@@ -36,7 +36,7 @@ PARQUET_MAGIC = b"PAR1"
 PARQUET_BATCH_ROWS = 1024
 """Rows per pyarrow record batch: small enough that a batch of long prompts stays in memory."""
 _BOM = b"\xef\xbb\xbf"
-HEAD_BYTES = 4096
+HEAD_BYTES = 64 << 10
 """Bytes of the input read to tell its format (and plain text from JSONL)."""
 """A line that starts `"key":`: a piece of an object written over several lines."""
 REQUEST_COLUMNS = {"prompt", "messages", "input", "body"}
@@ -183,14 +183,13 @@ def _refuse_lines_of_no_object(p: Path, head: bytes) -> None:
     prompt per line, the commonest first try), JSON strings, or binary content. Every line
     would be an error line; one message with the fix instead."""
     lines = head.removeprefix(_BOM).split(b"\n")
-    if len(head) == HEAD_BYTES and len(lines) > 1:
-        lines.pop()  # cut by the read
+    cut = lines.pop() if len(head) == HEAD_BYTES else b""  # the read may end inside a line
     lines = [line.strip() for line in lines if line.strip()]
-    if not lines or any(line.startswith(b"{") for line in lines):
-        return  # empty (named later, with its cause) or JSONL
-    if _binary(lines[0]):
+    if _binary((lines or [cut])[0]):
         raise InputFileError(f"input file {p} is neither JSONL (one JSON object per line) nor "
                              "Parquet: its content is binary")
+    if not lines or any(line.startswith(b"{") for line in lines):
+        return  # empty or one long first line (named later, line by line) or JSONL
     out = f"{p.stem}.prompts.jsonl"
     if all(line.startswith(b'"') for line in lines):
         raise InputFileError(f"input file {p} holds JSON strings, one per line, not request "
