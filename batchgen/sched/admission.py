@@ -152,6 +152,22 @@ class Admission:
         seq.host_pages = hit.host_pages + self.host.allocate(host_need - len(hit.host_pages))
         seq.device_pages = hit.device_pages + self.device.allocate(fresh)
         seq.state = SeqState.RUNNING
+        self._map_cached(seq, hit, out)
+        copied = self._copy_next_page(seq, hit, tail, out, counters)
+        if self.prefix is not None:
+            self.prefix.admitted(seq, hit)
+            self.prefix.computed(seq)
+            self.prefix.on_host(seq)
+        if seq.cached_tokens is None:
+            seq.cached_tokens = cached_prompt_tokens(seq, copied)
+            counters.prompt_tokens += seq.prompt_len
+            counters.cached_prompt_tokens += seq.cached_tokens
+            counters.extra_choices += seq.choice > 0
+        return True
+
+    def _map_cached(self, seq: Sequence, hit: Hit, out: ScheduleOutput) -> None:
+        """Set up the pages `hit` maps: load those cached on the host only, back those shared
+        on the device only with the sequence's host pages."""
         on_device, on_host = len(hit.device_pages), len(hit.host_pages)
         seq.host_registered, seq.device_registered = on_host, on_device
         if on_host > on_device:  # cached on the host only: load those pages
@@ -166,7 +182,13 @@ class Admission:
             on_host = on_device
         seq.num_on_host = on_host * PAGE_SIZE
         seq.num_computed = hit.pages * PAGE_SIZE
-        copied = False  # the start of the next page copied, not computed
+
+    @staticmethod
+    def _copy_next_page(seq: Sequence, hit: Hit, tail: list[int], out: ScheduleOutput,
+                        counters: Counters) -> bool:
+        """Copy the start of the page after the hit instead of computing it, where another
+        page holds it (a forked sibling's partial last prompt page, or `tail`); whether one
+        was copied."""
         if hit.donor is not None and hit.donor.state is SeqState.RUNNING and not any(
                 c.seq_id == hit.donor.seq_id for c in out.swap_in):
             # fork: copy the sibling's partial last prompt page. Not from a sibling loaded in
@@ -177,8 +199,8 @@ class Admission:
                                               [seq.device_pages[page]]))
             seq.num_computed = seq.num_tokens - 1
             counters.forks += 1
-            copied = True
-        elif tail:
+            return True
+        if tail:
             # A page beginning with this sequence's next tokens: copy it, compute the rest.
             # Copies run in plan order before any load or forward writes a page, so the page
             # still holds its KV even if this or a later admission reclaimed it (idle and
@@ -188,17 +210,8 @@ class Admission:
                                                   [seq.device_pages[hit.pages]]))
             seq.num_computed += hit.tail_tokens
             counters.shared_tails += 1
-            copied = True
-        if self.prefix is not None:
-            self.prefix.admitted(seq, hit)
-            self.prefix.computed(seq)
-            self.prefix.on_host(seq)
-        if seq.cached_tokens is None:
-            seq.cached_tokens = cached_prompt_tokens(seq, copied)
-            counters.prompt_tokens += seq.prompt_len
-            counters.cached_prompt_tokens += seq.cached_tokens
-            counters.extra_choices += seq.choice > 0
-        return True
+            return True
+        return False
 
     @staticmethod
     def _usable_tail(hit: Hit, out: ScheduleOutput) -> list[int]:
