@@ -31,7 +31,7 @@ from batchgen.io.jobfiles import (FOLDER_MODE, BatchFile, FingerprintMismatch, J
                                   errors_path_for)
 from batchgen.io.parsed_input import parsed_keys, read_parsed, remove_parsed
 from batchgen.io.results import dumps, error_line
-from batchgen.io.writer import IncompleteResults, finalize, read_done_ids
+from batchgen.io.writer import FinalizeReport, IncompleteResults, finalize, read_done_ids
 from batchgen.models.folder_checks import check_model_folder, machine_memory
 from batchgen.models.loader import MANIFEST
 from batchgen.runner.exits import ExitCode, Preempted, StopSignals
@@ -410,27 +410,7 @@ def _finish(spec: JobSpec, batch_file: BatchFile, started: float, stops: StopSig
     paths = spec.paths
     batch_file.update(spec.batch_id, status="finalizing")
     paths.remove_output_temps()  # left by a finalize that was killed
-    waits = list(SHARED_FS_RETRY_S) if patient else []
-    while True:
-        try:
-            with disk_errors("write the final outputs"):
-                keys = (key for _, key in parsed_keys(paths.parsed_input))
-                report = finalize(paths.incremental_files(), keys, paths.output,
-                                  paths.errors_output)
-            break
-        except IncompleteResults as err:
-            paths.remove_output_temps()
-            if not waits:
-                raise
-            log.warning("%s; waiting %d s for the shared filesystem", err, waits[0])
-            time.sleep(waits.pop(0))
-        except BaseException as err:
-            paths.remove_output_temps()  # a temp file whose close failed on a full disk stays
-            if isinstance(err, DiskError):  # status says why it stopped (a rerun only merges)
-                err = DiskError(f"{err} ({merge_space(paths)})")
-                try_record_end(spec, batch_file, started, "failed", {"last_failure": str(err)})
-                raise err from None
-            raise
+    report = _merge(spec, batch_file, started, patient)
     s = spec.config.storage
     if s.save_result and s.output:
         _keep_default_copy(paths.output, JobPaths.for_job(s.storage_path, spec.batch_id))
@@ -446,15 +426,53 @@ def _finish(spec: JobSpec, batch_file: BatchFile, started: float, stops: StopSig
         raise
     if s.no_incremental_save:  # only once "completed" is on record: a rerun skips the job
         paths.remove_incremental()
-    # Every request has its result: no checkpoint holds anything a rerun would resume (a stop
-    # after the last result was saved leaves one behind, and no worker runs again to drop it),
-    # and no crash journal anything to strike (a rank of an earlier, larger --world-size left
-    # its own, which no worker of this run cleared).
+    _clean_up(paths, spec.batch_id)
+    _summarize(spec, report, started, already)
+    return ExitCode.OK
+
+
+def _merge(spec: JobSpec, batch_file: BatchFile, started: float,
+           patient: bool) -> FinalizeReport:
+    """The final merge of the incremental files; retried while a shared filesystem has not
+    shown every line yet (`patient`), a full disk recorded as the job's failure."""
+    paths = spec.paths
+    waits = list(SHARED_FS_RETRY_S) if patient else []
+    while True:
+        try:
+            with disk_errors("write the final outputs"):
+                keys = (key for _, key in parsed_keys(paths.parsed_input))
+                return finalize(paths.incremental_files(), keys, paths.output,
+                                paths.errors_output)
+        except IncompleteResults as err:
+            paths.remove_output_temps()
+            if not waits:
+                raise
+            log.warning("%s; waiting %d s for the shared filesystem", err, waits[0])
+            time.sleep(waits.pop(0))
+        except BaseException as err:
+            paths.remove_output_temps()  # a temp file whose close failed on a full disk stays
+            if isinstance(err, DiskError):  # status says why it stopped (a rerun only merges)
+                err = DiskError(f"{err} ({merge_space(paths)})")
+                try_record_end(spec, batch_file, started, "failed", {"last_failure": str(err)})
+                raise err from None
+            raise
+
+
+def _clean_up(paths: JobPaths, batch_id: str) -> None:
+    """What a completed job no longer needs. Every request has its result: no checkpoint holds
+    anything a rerun would resume (a stop after the last result was saved leaves one behind,
+    and no worker runs again to drop it), and no crash journal anything to strike (a rank of
+    an earlier, larger --world-size left its own, which no worker of this run cleared)."""
     batch_dir = paths.batch_file.parent
-    for leftover in (*checkpoint_files(paths.batch_file, spec.batch_id),
-                     *journal_paths(batch_dir, spec.batch_id)):
+    for leftover in (*checkpoint_files(paths.batch_file, batch_id),
+                     *journal_paths(batch_dir, batch_id)):
         leftover.unlink(missing_ok=True)
     remove_parsed(paths.parsed_input)
+
+
+def _summarize(spec: JobSpec, report: FinalizeReport, started: float, already: int) -> None:
+    """The run's closing summary on stderr."""
+    paths = spec.paths
     stats = read_worker_stats(paths.batch_file.parent, spec.batch_id)
     print(run_summary(time.time() - started, report.completed, report.failed,
                       report.prompt_tokens, report.completion_tokens,
@@ -463,7 +481,6 @@ def _finish(spec: JobSpec, batch_file: BatchFile, started: float, stops: StopSig
                       report.cached_tokens, sum(s.get("prompt_tokens", 0) for s in stats),
                       sum(s.get("checkpoint", {}).get("resumed_tokens", 0) for s in stats)),
           file=sys.stderr, flush=True)
-    return ExitCode.OK
 
 
 def _keep_default_copy(output: Path, default: JobPaths) -> None:
