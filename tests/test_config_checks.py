@@ -80,6 +80,24 @@ def test_head_and_layer_counts_that_build_no_model_are_refused(tmp_path, fields,
         check_model_folder(folder, *ROOMY)
 
 
+def test_custom_modeling_code_a_config_names_is_said_to_be_not_run(tmp_path, caplog):
+    """gte-Qwen2-7B-instruct's config is a plain Qwen2ForCausalLM's but for auto_map, whose code
+    attends bidirectionally: batchgen runs its own Qwen2, so the log says that code is not run."""
+    folder = save_tiny_model("qwen2", tmp_path / "m")
+    embedded_tokenizer().save_pretrained(str(folder))
+    with caplog.at_level(logging.WARNING, logger="batchgen.model"):
+        check_model_folder(folder, *ROOMY)
+    assert not caplog.records
+    _edited(folder, auto_map={"AutoModel": "modeling_qwen.Qwen2Model",
+                              "AutoModelForCausalLM": "modeling_qwen.Qwen2ForCausalLM"})
+    with caplog.at_level(logging.WARNING, logger="batchgen.model"):
+        check_model_folder(folder, *ROOMY)
+    said = caplog.records[0].getMessage()
+    assert "names custom modeling code (auto_map: modeling_qwen.Qwen2ForCausalLM, " \
+           "modeling_qwen.Qwen2Model), which batchgen does not run: it runs its own " \
+           "Qwen2ForCausalLM" in said
+
+
 def test_vocabulary_bound_names_what_sets_the_limit():
     assert vocabulary_bound(100, None) == vocabulary_bound(100, 100) == \
         "the vocabulary size of the model and its tokenizer"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import math
 import os
 import re
@@ -41,6 +42,7 @@ ROPE_PEAK_FACTOR = 3
 HOST_SHARE = 0.125
 """Share of the host's memory the rotary tables may take at their peak (a 1M-token context of
 128-dim heads peaks at 3 GB)."""
+log = logging.getLogger("batchgen.model")
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 LFS_POINTER = b"version https://git-lfs"
 """How a Git LFS pointer file begins: what `git clone` without Git LFS leaves of a large file."""
@@ -56,6 +58,7 @@ def check_model_folder(folder: Path, memory_bytes: int, host_bytes: int,
     top = _top_config(folder)
     arch = supported_architecture(list(top.get("architectures") or []), top.get("model_type"))
     check_model_type(top.get("model_type"), arch, folder / "config.json")
+    note_custom_code(top, arch, folder / "config.json")
     config = _text_part(top)
     check_rope_types(config, folder / "config.json")
     check_head_split(config, tensor_parallel, folder / "config.json")
@@ -70,6 +73,20 @@ def check_model_folder(folder: Path, memory_bytes: int, host_bytes: int,
     check_tokenizer(folder)
     headers = read_headers(folder)
     check_config_bounds(config, headers, memory_bytes, host_bytes, folder)
+
+
+def note_custom_code(config: dict, arch: str, where: Path) -> None:
+    """Say in the log that a config's custom modeling code (`auto_map`, which transformers
+    runs with trust_remote_code) is not run: batchgen runs its own `arch`. Code that changes
+    the model (bidirectional attention in some embedding models) would give other results."""
+    auto_map = config.get("auto_map")
+    if isinstance(auto_map, dict) and auto_map:
+        named = ", ".join(sorted({str(v[0] if isinstance(v, list) and v else v)
+                                  for v in auto_map.values()}))[:200]
+        log.warning("%s names custom modeling code (auto_map: %s), which batchgen does not "
+                    "run: it runs its own %s. Where that code differs from the architecture "
+                    "(some embedding models attend bidirectionally there), answers and vectors "
+                    "are not the model's", where, named, arch)
 
 
 def _text_part(config: dict) -> dict:
