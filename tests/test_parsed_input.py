@@ -21,6 +21,7 @@ from batchgen.core import SamplingParams
 from batchgen.io.intake import IntakeError, ParsedRequest, PendingRequest, parse_record
 from batchgen.io.parsed_input import (HEADER, ParsedRecord, parse_input, parsed_keys,
                                       read_parsed)
+from batchgen.io.templates import SpecialTextNote
 from batchgen.io.reader import InputFileError, identify_input, read_records, record_key
 
 LINES = [
@@ -140,6 +141,7 @@ def _fake_worker():
     fake = SimpleNamespace(
         engine=SimpleNamespace(num_requests=0), done=set(), writer=None,
         embeddings=_Queue(admitted), grammars=SimpleNamespace(request=lambda p: p.to_request()),
+        special_text=SpecialTextNote(embedded_tokenizer()),
         _admit=admitted.append, stats=SimpleNamespace(failed=0),
         spec=SimpleNamespace(batch_id="b", sampling_defaults={}, config=SimpleNamespace(
             engine=SimpleNamespace(model=SimpleNamespace(max_model_len=None)))),
