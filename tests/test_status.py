@@ -357,7 +357,7 @@ def test_the_model_and_its_hub_commit_are_shown(tmp_path, monkeypatch):
 
 def test_progress_rate_keeps_a_decimal_below_ten():
     """A slow CPU job's rate is not shown as 0 while its results come."""
-    from batchgen.runner.leader.progress import rate_text
+    from batchgen.core import rate_text
 
     assert [rate_text(r) for r in (0.0, 0.34, 1.44, 9.94, 10.0, 12_345.6)] == [
         "0.0", "0.3", "1.4", "9.9", "10", "12,346"]

@@ -160,8 +160,9 @@ def regex_units(pattern: str) -> tuple[int, int]:
             low, high = int(match.group(1)), match.group(3)
             count = max(low, int(high) if high else 0, 1)
             largest = max(largest, count)
-            frames[-1] += last * (min(count, 1 << 32) - 1)
-            last *= min(count, 1 << 32)
+            count = min(count, 1 << 32)  # past every limit already: keep the products small
+            frames[-1] += last * (count - 1)
+            last *= count
             i = match.end()
         elif char in "{)":
             last = 1

@@ -38,7 +38,6 @@ PARQUET_BATCH_ROWS = 1024
 _BOM = b"\xef\xbb\xbf"
 HEAD_BYTES = 64 << 10
 """Bytes of the input read to tell its format (and plain text from JSONL)."""
-"""A line that starts `"key":`: a piece of an object written over several lines."""
 REQUEST_COLUMNS = {"prompt", "messages", "input", "body"}
 """A Parquet input needs one of these columns (plain rows: prompt/messages, or input for
 embeddings; OpenAI: body)."""
@@ -293,15 +292,18 @@ def _parquet_record(row: int, item: dict) -> RawRecord:
         try:
             item[name] = _clean_value(value)
         except UnicodeDecodeError as e:
-            try:
-                own = {"custom_id": _clean_value(item["custom_id"])} if "custom_id" in item \
-                    else None
-            except UnicodeDecodeError:
-                own = None
-            return RawRecord(row, own, LineError(
+            return RawRecord(row, _own_id(item), LineError(
                 "invalid_utf8", f"line {row}: column {name!r} holds bytes that are not UTF-8 "
                                 f"text (byte {e.start}): write it as UTF-8 strings"))
     return RawRecord(row, {k: v for k, v in item.items() if v is not None})
+
+
+def _own_id(item: dict) -> dict | None:
+    """{"custom_id": ...} of a row whose custom_id cell is readable, else None."""
+    try:
+        return {"custom_id": _clean_value(item["custom_id"])} if "custom_id" in item else None
+    except UnicodeDecodeError:
+        return None
 
 
 def _arrow_words(error: Exception) -> str:

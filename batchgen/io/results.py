@@ -220,13 +220,14 @@ def char_offsets(token_ids: Sequence[int],
     offsets = []
     whole, whole_len = 0, 0  # token_ids[:whole] decodes to whole_len whole characters
     anchor = 0  # the whole point before `whole`: decoding from it keeps a leading space
+    anchor_len = 0  # characters of token_ids[anchor:whole], decoded from the anchor
     for i in range(len(token_ids)):
         head, unfinished = split_text(token_ids[anchor:i])
-        anchor_len = len(split_text(token_ids[anchor:whole])[0])
         offsets.append(whole_len + len(head) - anchor_len)
         if not unfinished:
             whole_len += len(head) - anchor_len
             anchor, whole = whole, i
+            anchor_len = len(split_text(token_ids[anchor:whole])[0])
     return offsets
 
 

@@ -55,7 +55,7 @@ def show_status(storage: Path, target: str | None, as_json: bool = False) -> int
     if target is not None and not Path(target).exists() and (
             "/" in target or Path(target).suffix.lower() in RESULT_SUFFIXES):
         return _show_files([], as_json, f"no job writes {target} (looked in "
-                           f"{Path(target).absolute().parent / '.batchgen'} and {storage}), and "
+                           f"{beside[0]} and {storage}), and "
                            "no job folder is there: give the job's --storage-path, its batch "
                            "id, or its job folder", [*beside, storage])
     if target is not None and ("/" in target or Path(target).is_dir()):
